@@ -1,0 +1,225 @@
+"""One configuration dataclass for every architecture.
+
+``ModelConfig`` holds the fields every model shares plus one group per variant family
+(``mod``, ``moe``, ``mot``, ``depth_gate``, ``mom``, ``combo``). A family reads only its own
+group; the others keep their defaults and cost nothing. Sizes (``tiny`` .. ``large``) fill the
+shared dimensions that were left as ``None`` (see ``SIZES``), litgpt-style: every real size has a
+tiny sibling for CPU runs and tests.
+
+Validation happens in ``ModelConfig.validate()``; every error names the offending field and the
+allowed values, so a bad command line fails before any data or weights are touched.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Union
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. The message names the field and what is allowed."""
+
+
+# d = width, L = layers, heads, T = context (block size). See ../shared/SPEC.md §1.
+SIZES: Dict[str, Dict[str, int]] = {
+    "tiny": dict(d_model=128, n_layer=4, n_head=4, block_size=128),
+    "small": dict(d_model=768, n_layer=12, n_head=12, block_size=1024),
+    "medium": dict(d_model=1024, n_layer=24, n_head=16, block_size=1024),
+    "large": dict(d_model=1280, n_layer=36, n_head=20, block_size=1024),
+}
+
+GPT2_VOCAB_SIZE = 50257
+
+
+@dataclass
+class MoDConfig:
+    """Mixture-of-Depths (Raposo et al. 2024). Used by ``mod``, ``mode_staged``, ``mode_integrated``."""
+
+    capacity: float = 0.125
+    # Which blocks are routed: "odd" (1, 3, 5, ...: the paper's every-other-block), "even", "all",
+    # or an explicit list of block indices.
+    routed_blocks: Union[str, List[int]] = "odd"
+    # Causal decision used by generate(): "aux_loss" (BCE on router logits), "predictor"
+    # (aux MLP on stop-gradient inputs), or "none" (training only; generate() refuses).
+    sampling: str = "predictor"
+    aux_loss_coef: float = 0.01
+    predictor_hidden: int = 64
+    # MoDE-integrated: number of identity (no-op) experts added next to the MoE experts.
+    noop_experts: int = 1
+
+
+@dataclass
+class MoEConfig:
+    """Token-choice Mixture-of-Experts FFN (Switch / top-k)."""
+
+    num_experts: int = 8
+    top_k: int = 1
+    renormalize: bool = True
+    balance_coef: float = 1e-2
+    z_loss_coef: float = 1e-3
+    # Tokens per expert = capacity_factor * tokens * top_k / E. Ignored when dropless.
+    capacity_factor: float = 1.25
+    dropless: bool = True
+    # Which layers get an MoE FFN: "all", "odd", "even", or an explicit list.
+    layers: Union[str, List[int]] = "all"
+    expert_ffn_ratio: Optional[float] = None  # None: the model's ffn_ratio
+
+
+@dataclass
+class MoTConfig:
+    """Mixture of Transformers: whole blocks as experts, top-k gate per mixture layer."""
+
+    num_experts: int = 4
+    top_k: int = 2
+    layers: Union[str, List[int]] = "all"
+    balance_coef: float = 1e-2
+
+
+@dataclass
+class DepthGateConfig:
+    """Soft / hard depth gating over layer outputs (the blog-post "MoD"; saves no compute)."""
+
+    mode: str = "soft"  # "soft" or "hard"
+    top_k: int = 2
+
+
+@dataclass
+class MoMConfig:
+    """Mixture-of-Modules (Gong et al. 2024)."""
+
+    n_attn: Optional[int] = None  # None: n_layer (one module per vanilla layer)
+    n_ffn: Optional[int] = None
+    top_k: int = 1  # K
+    steps: Optional[int] = None  # H; None: n_layer
+    allow_skip: bool = True
+    router_hidden: int = 256
+    temperature: float = 0.2
+    balance_coef: float = 0.01
+    bottom: int = 0
+    chunks: int = 1
+    top: int = 0
+    # Fixed routing for the special cases: "learned", "vanilla" (module h at step h),
+    # "param_share" (module 0 at every step), "moe" (attention fixed, FFN learned).
+    routing: str = "learned"
+
+
+@dataclass
+class CombinationConfig:
+    """FFN-Wider / Combination Adjustable (caa) / Enhanced (cea) architectures (Lu et al. 2024)."""
+
+    wide_ffn_ratio: float = 32.0  # ffn_wider: hidden = ratio * d
+    total_ffn_ratio: float = 4.0  # caa/cea: total FFN width W = ratio * d, split outer/inner
+    outer_ratio: float = 0.5  # r: Outer-FFN width = r * W, Inner-FFN = (1 - r) * W
+    inner_experts: int = 4  # cea_moe
+    inner_top_k: int = 1
+
+
+@dataclass
+class ModelConfig:
+    """Everything needed to build any registered architecture.
+
+    Shared dimensions left as ``None`` are filled from ``SIZES[size]`` by ``resolve()``.
+    """
+
+    variant: str = "vanilla"
+    size: str = "tiny"
+    vocab_size: int = GPT2_VOCAB_SIZE
+    d_model: Optional[int] = None
+    n_layer: Optional[int] = None
+    n_head: Optional[int] = None
+    block_size: Optional[int] = None
+    ffn_ratio: float = 4.0
+    dropout: float = 0.0
+    bias: bool = True
+    layer_norm_eps: float = 1e-5
+    init_std: float = 0.02
+    mod: MoDConfig = field(default_factory=MoDConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    mot: MoTConfig = field(default_factory=MoTConfig)
+    depth_gate: DepthGateConfig = field(default_factory=DepthGateConfig)
+    mom: MoMConfig = field(default_factory=MoMConfig)
+    combo: CombinationConfig = field(default_factory=CombinationConfig)
+
+    # ------------------------------------------------------------------ resolution
+    def resolve(self) -> "ModelConfig":
+        """Return a copy with size defaults filled in and every field validated."""
+        if self.size not in SIZES:
+            raise ConfigError(f"model.size: unknown size {self.size!r}; valid sizes: {', '.join(SIZES)}")
+        cfg = dataclasses.replace(self)
+        for name, value in SIZES[self.size].items():
+            if getattr(cfg, name) is None:
+                setattr(cfg, name, value)
+        cfg.validate()
+        return cfg
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def ffn_hidden(self) -> int:
+        return int(round(self.ffn_ratio * self.d_model))
+
+    def validate(self) -> None:
+        from architectures.registry import VARIANTS  # late import: registry imports the families
+
+        if self.variant not in VARIANTS:
+            raise ConfigError(
+                f"model.variant: unknown variant {self.variant!r}; valid variants: {', '.join(sorted(VARIANTS))}"
+            )
+        for name in ("vocab_size", "d_model", "n_layer", "n_head", "block_size"):
+            value = getattr(self, name)
+            if value is None or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"model.{name}: must be a positive integer, got {value!r}")
+        if self.d_model % self.n_head != 0:
+            raise ConfigError(
+                f"model.d_model: width {self.d_model} is not divisible by model.n_head={self.n_head}"
+            )
+        if self.ffn_ratio <= 0:
+            raise ConfigError(f"model.ffn_ratio: must be > 0, got {self.ffn_ratio}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout: must be in [0, 1), got {self.dropout}")
+        VARIANTS[self.variant].validate(self)
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "ModelConfig":
+        groups = {f.name: f.type for f in dataclasses.fields(cls) if f.name in _GROUPS}
+        kwargs = dict(data)
+        for name in groups:
+            if name in kwargs and isinstance(kwargs[name], dict):
+                kwargs[name] = _GROUPS[name](**kwargs[name])
+        return cls(**kwargs)
+
+
+_GROUPS = {
+    "mod": MoDConfig,
+    "moe": MoEConfig,
+    "mot": MoTConfig,
+    "depth_gate": DepthGateConfig,
+    "mom": MoMConfig,
+    "combo": CombinationConfig,
+}
+
+
+def layer_selection(spec: Union[str, List[int]], n_layer: int, field_name: str) -> List[int]:
+    """Turn "all" / "odd" / "even" / [indices] into a sorted list of layer indices, validated."""
+    if isinstance(spec, str):
+        choices = {
+            "all": list(range(n_layer)),
+            "odd": list(range(1, n_layer, 2)),
+            "even": list(range(0, n_layer, 2)),
+        }
+        if spec not in choices:
+            raise ConfigError(f"{field_name}: unknown selection {spec!r}; use one of all, odd, even or a list of indices")
+        return choices[spec]
+    indices = sorted(set(int(i) for i in spec))
+    bad = [i for i in indices if not 0 <= i < n_layer]
+    if bad:
+        raise ConfigError(f"{field_name}: layer index {bad} out of range for n_layer={n_layer} (valid 0..{n_layer - 1})")
+    if not indices:
+        raise ConfigError(f"{field_name}: the list of layers is empty")
+    return indices

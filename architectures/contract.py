@@ -1,0 +1,135 @@
+"""The model contract: what every architecture returns, and what everything else may read.
+
+Callbacks, FLOPs accounting, analyses and the Lightning modules read ONLY these structures,
+never a variant's internals, so a new variant needs one architecture file and one registry entry.
+
+``model(idx, attention_mask=None, return_residuals=False, cache=None) -> ModelOutput``
+
+* ``logits``: (B, T, V) float.
+* ``aux_loss``: scalar tensor added to the LM loss (0 for vanilla). ``aux_losses`` breaks it
+  down by name (e.g. ``"layer1.moe/balance"``) for logging.
+* ``trace``: a list of ``RoutingSite`` (empty for vanilla), one per routing decision point.
+* ``residuals``: when ``return_residuals=True``, the residual stream at each sub-layer boundary:
+  ``SubLayerState("embed", ...)`` first, then one ``"mha"`` and one ``"ffn"`` state per sub-update
+  in the order they happened (routed models report the updates as they actually happened).
+* ``cache``: the updated ``KVCache`` when one was passed in (generation).
+
+The FLOPs of a forward pass are ``model.flops_per_token(trace)`` -> ``Flops`` (see ``flops.py``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+
+@dataclass
+class RoutingSite:
+    """One routing decision point in one forward pass.
+
+    A site chooses, for each token, ``k`` of ``len(choice_names)`` options (experts, modules,
+    "skip"/"process", layers). Everything is per token, shape (B, T, k) or (B, T, E).
+
+    * ``name``: unique within the model, e.g. ``"block3.mod"``, ``"layer2.moe"``, ``"mom.attn.step1"``.
+    * ``kind``: "expert_choice" (MoD: the block picks tokens), "token_choice" (MoE, MoT, MoM:
+      each token picks options), or "soft_gate" (depth gating: a dense distribution, nothing skipped).
+    * ``choice_names``: label of each option; index i of ``selected`` refers to ``choice_names[i]``.
+      A skip / identity option is named "skip".
+    * ``selected``: LongTensor (B, T, k): the option chosen in each of the k slots.
+    * ``weights``: (B, T, k): the router weight applied to each chosen option.
+    * ``probs``: optional (B, T, E): the full router distribution (for entropy).
+    * ``dropped``: optional BoolTensor (B, T, k): slot chosen but dropped by a capacity limit.
+    * ``group`` / ``step``: sites of the same group ordered by ``step`` form a chain; the routing
+      callback builds transition matrices P(option at step s+1 | option at step s) along it.
+    * ``valid``: optional BoolTensor (B, T): real (non-padding) tokens; statistics use only these.
+    * ``logits``: optional raw router logits, checked for NaN/Inf to name the failing site.
+    """
+
+    name: str
+    kind: str
+    choice_names: List[str]
+    selected: torch.Tensor
+    weights: torch.Tensor
+    group: str = ""
+    step: int = 0
+    probs: Optional[torch.Tensor] = None
+    dropped: Optional[torch.Tensor] = None
+    valid: Optional[torch.Tensor] = None
+    logits: Optional[torch.Tensor] = None
+    extras: Dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.choice_names)
+
+    def counts(self) -> torch.Tensor:
+        """Number of (token, slot) assignments per option, over valid tokens, dropped excluded."""
+        keep = torch.ones_like(self.selected, dtype=torch.bool)
+        if self.dropped is not None:
+            keep &= ~self.dropped
+        if self.valid is not None:
+            keep &= self.valid.unsqueeze(-1)
+        return torch.bincount(self.selected[keep].flatten(), minlength=self.num_choices)[: self.num_choices]
+
+
+@dataclass
+class SubLayerState:
+    """The residual stream after a sub-layer update (or the embeddings, tag "embed")."""
+
+    tag: str  # "embed" | "mha" | "ffn"
+    layer: int  # index of the (logical) layer or assembly step
+    hidden: torch.Tensor  # (B, T, d)
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor
+    aux_loss: torch.Tensor
+    trace: List[RoutingSite] = field(default_factory=list)
+    residuals: Optional[List[SubLayerState]] = None
+    aux_losses: Dict[str, torch.Tensor] = field(default_factory=dict)
+    cache: Optional["KVCache"] = None
+
+
+class KVCache:
+    """Keys and values per attention site for autoregressive decoding.
+
+    ``layers[name] = (k, v)`` with shape (B, heads, t, head_dim); ``offset`` is the number of
+    positions already consumed. A routed block that skips a token simply writes nothing for it,
+    so different sites may hold different lengths.
+    """
+
+    def __init__(self) -> None:
+        self.layers: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self.offset: int = 0
+
+    def append(self, name: str, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        if name in self.layers:
+            pk, pv = self.layers[name]
+            k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
+        self.layers[name] = (k, v)
+        return k, v
+
+    def length(self, name: str) -> int:
+        return self.layers[name][0].shape[2] if name in self.layers else 0
+
+
+def zero_aux(reference: torch.Tensor) -> torch.Tensor:
+    return reference.new_zeros((), dtype=torch.float32)
+
+
+def sum_aux(losses: Dict[str, torch.Tensor], reference: torch.Tensor) -> torch.Tensor:
+    total = zero_aux(reference)
+    for value in losses.values():
+        total = total + value.float()
+    return total
+
+
+def first_nonfinite_site(trace: Sequence[RoutingSite]) -> Optional[str]:
+    """Name of the first routing site whose router logits (or weights) are NaN/Inf, if any."""
+    for site in trace:
+        tensor = site.logits if site.logits is not None else site.weights
+        if tensor is not None and tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            return site.name
+    return None
