@@ -42,8 +42,10 @@ class MoDConfig:
     # Causal decision used by generate(): "aux_loss" (BCE on router logits), "predictor"
     # (aux MLP on stop-gradient inputs), or "none" (training only; generate() refuses).
     sampling: str = "predictor"
-    aux_loss_coef: float = 0.01
+    aux_loss_coef: float = 0.01  # router BCE ("aux_loss"): shapes the router, so it is kept small
     predictor_hidden: int = 64
+    # Predictor BCE ("predictor"): its input is stop-gradient, so this only sets its learning rate.
+    predictor_loss_coef: float = 1.0
     # MoDE-integrated: number of identity (no-op) experts added next to the MoE experts.
     noop_experts: int = 1
 
@@ -73,6 +75,7 @@ class MoTConfig:
     top_k: int = 2
     layers: Union[str, List[int]] = "all"
     balance_coef: float = 1e-2
+    renormalize: bool = True  # gate weights renormalised over the chosen k
 
 
 @dataclass
@@ -85,32 +88,50 @@ class DepthGateConfig:
 
 @dataclass
 class MoMConfig:
-    """Mixture-of-Modules (Gong et al. 2024)."""
+    """Mixture-of-Modules (Gong et al. 2024). Semantics and defaults: ``architectures/mom.py``.
 
-    n_attn: Optional[int] = None  # None: n_layer (one module per vanilla layer)
-    n_ffn: Optional[int] = None
-    top_k: int = 1  # K
-    steps: Optional[int] = None  # H; None: n_layer
+    Pool sizes and H are per chunk; ``None`` means "the chunk's vanilla layer slots" (the number of
+    vanilla layers a chunk replaces), so the default MoM has the vanilla model's parameters and
+    ``init_from_vanilla`` maps layer j to module j.
+    """
+
+    n_attn: Optional[int] = None  # N_A attention modules per chunk
+    n_ffn: Optional[int] = None  # N_F FFN modules per chunk
+    top_k: int = 1  # K (SKIP competes inside the K)
+    steps: Optional[int] = None  # H assembly steps per chunk
     allow_skip: bool = True
     router_hidden: int = 256
     temperature: float = 0.2
     balance_coef: float = 0.01
-    bottom: int = 0
-    chunks: int = 1
-    top: int = 0
-    # Fixed routing for the special cases: "learned", "vanilla" (module h at step h),
-    # "param_share" (module 0 at every step), "moe" (attention fixed, FFN learned).
+    # "plain": one chunk, no bottom/top/anchor (the paper's form). "chunked": the official code's
+    # layout sized from n_layer (pools of 4 + an anchor per chunk, the rest split bottom/top).
+    # Explicit bottom / chunks / top / anchor override the layout's values.
+    layout: str = "plain"
+    bottom: Optional[int] = None
+    chunks: Optional[int] = None
+    top: Optional[int] = None
+    anchor: Optional[bool] = None
+    # "learned", "vanilla" (module h at step h), "param_share" (module 0 at every step),
+    # "moe" (attention fixed at module h, FFN learned), "layer_skip" (step h: module h or SKIP).
     routing: str = "learned"
+    weighted_qkv: bool = False  # official-code option: scale each module's QKV by its router weight
+    straight_through: bool = True  # K=1: weight p / stopgrad(p) (= 1) so the router gets a gradient
 
 
 @dataclass
 class CombinationConfig:
-    """FFN-Wider / Combination Adjustable (caa) / Enhanced (cea) architectures (Lu et al. 2024)."""
+    """FFN-Wider / Combination Adjustable (caa) / Enhanced (cea) architectures (Lu et al. 2024).
+
+    Presets (registry): ``cea`` sets outer_ratio 0.125 (Outer-FFN = vanilla 4d of W = 32d);
+    ``cea_moe`` sets total_ffn_ratio 8 (dense 4d Outer-FFN, 4d experts inside MHA at r = 0.5).
+    """
 
     wide_ffn_ratio: float = 32.0  # ffn_wider: hidden = ratio * d
-    total_ffn_ratio: float = 4.0  # caa/cea: total FFN width W = ratio * d, split outer/inner
-    outer_ratio: float = 0.5  # r: Outer-FFN width = r * W, Inner-FFN = (1 - r) * W
-    inner_experts: int = 4  # cea_moe
+    # caa/cea: total FFN width W = ratio * d, split outer/inner. 32 = the FFN-Wider width the paper
+    # redistributes, so caa at r = 1 is ffn_wider; use 4 for a vanilla-width split.
+    total_ffn_ratio: float = 32.0
+    outer_ratio: float = 0.5  # r: Outer-FFN width = r * W, Inner-FFN = (1 - r) * W; r * W must be whole
+    inner_experts: int = 4  # cea_moe: experts of the Inner MoE, each (1 - r) * W wide
     inner_top_k: int = 1
 
 

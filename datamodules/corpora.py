@@ -1,0 +1,192 @@
+"""Text corpora for language-model pre-training, by name.
+
+A corpus yields documents (strings) and a fingerprint that identifies its content, so the token
+cache can be keyed by corpus + tokenizer. ``embedded`` needs no network and no files: it is the
+English prose that ships with Python itself (``pydoc_data.topics`` plus the docstrings of the
+standard-library modules, read with ``ast`` without importing them).
+
+Register a new corpus by adding a factory to ``CORPORA``.
+"""
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import pathlib
+import socket
+import sys
+import sysconfig
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence
+
+_SKIP_STDLIB_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "tkinter", "turtledemo"}
+_MIN_DOCSTRING_CHARS = 40
+
+
+class DataError(ValueError):
+    """Bad data source or data files; the message names the file/dataset and what to do."""
+
+
+class Corpus:
+    """A named text source. Subclasses implement ``documents`` and ``fingerprint``."""
+
+    name: str = "corpus"
+    default_tokenizer: str = "gpt2"
+
+    def documents(self) -> Iterator[str]:
+        raise NotImplementedError
+
+    def fingerprint(self) -> str:
+        raise NotImplementedError
+
+    def validation_sets(self) -> Optional[Dict[str, "Corpus"]]:
+        """Named held-out corpora (e.g. SlimPajama's out-of-distribution subsets).
+
+        ``None`` means: hold out a deterministic fraction of this corpus's blocks instead.
+        """
+        return None
+
+
+class EmbeddedCorpus(Corpus):
+    """English text shipped with the running Python: pydoc topics + stdlib docstrings (~2 MB)."""
+
+    name = "embedded"
+    default_tokenizer = "bpe"
+
+    def __init__(self) -> None:
+        self._docs: Optional[List[str]] = None
+
+    def _load(self) -> List[str]:
+        if self._docs is None:
+            import pydoc_data.topics
+
+            docs = [pydoc_data.topics.topics[k].strip() for k in sorted(pydoc_data.topics.topics)]
+            docs.extend(_stdlib_docstrings())
+            self._docs = [d for d in docs if d]
+        return self._docs
+
+    def documents(self) -> Iterator[str]:
+        return iter(self._load())
+
+    def fingerprint(self) -> str:
+        digest = hashlib.sha256()
+        for doc in self._load():
+            digest.update(doc.encode("utf-8"))
+            digest.update(b"\0")
+        return f"embedded-py{sys.version_info.major}.{sys.version_info.minor}-{digest.hexdigest()[:16]}"
+
+
+def _stdlib_docstrings() -> List[str]:
+    """Module, class and function docstrings of the stdlib, parsed (never imported), sorted by path."""
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    docs: List[str] = []
+    for path in sorted(root.rglob("*.py")):
+        if _SKIP_STDLIB_DIRS.intersection(path.relative_to(root).parts):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) >= _MIN_DOCSTRING_CHARS:
+                    docs.append(doc)
+    return docs
+
+
+class TextFilesCorpus(Corpus):
+    """Local files: .txt (one document per file, or split on blank-line runs), .jsonl (``text`` key)."""
+
+    name = "text"
+    default_tokenizer = "gpt2"
+
+    def __init__(self, paths: Sequence[str], text_key: str = "text"):
+        self.paths = [pathlib.Path(p) for p in _expand(paths)]
+        if not self.paths:
+            raise DataError(f"data.path: no files matched {list(paths)!r}")
+        for path in self.paths:
+            if not path.is_file():
+                raise DataError(f"data.path: {path} does not exist or is not a file")
+        self.text_key = text_key
+
+    def documents(self) -> Iterator[str]:
+        for path in self.paths:
+            if path.suffix == ".jsonl":
+                yield from _jsonl_texts(path, self.text_key)
+            else:
+                text = path.read_text(encoding="utf-8")
+                if text.strip():
+                    yield text
+
+    def fingerprint(self) -> str:
+        digest = hashlib.sha256()
+        for path in self.paths:
+            stat = path.stat()
+            digest.update(f"{path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode())
+        return f"text-{digest.hexdigest()[:16]}"
+
+
+def _expand(paths: Sequence[str]) -> List[str]:
+    out: List[str] = []
+    for p in paths:
+        path = pathlib.Path(p)
+        if path.is_dir():
+            out.extend(str(x) for x in sorted(path.iterdir()) if x.suffix in (".txt", ".jsonl"))
+        elif any(ch in p for ch in "*?["):
+            out.extend(str(x) for x in sorted(pathlib.Path().glob(p)))
+        else:
+            out.append(p)
+    return out
+
+
+def _jsonl_texts(path: pathlib.Path, key: str) -> Iterator[str]:
+    with path.open(encoding="utf-8") as handle:
+        for line_no, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}:{line_no}: not valid JSON ({err.msg})") from err
+            if key not in row:
+                raise DataError(f"{path}:{line_no}: missing column {key!r} (has {sorted(row)})")
+            if row[key]:
+                yield row[key]
+
+
+# ---------------------------------------------------------------------------- hub reachability
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """True when the Hugging Face Hub can be reached now (and offline mode is not forced)."""
+    import os
+
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes") or os.environ.get(
+        "HF_DATASETS_OFFLINE", "0"
+    ).lower() in ("1", "true", "yes"):
+        return False
+    try:
+        with socket.create_connection(("huggingface.co", 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+CorpusFactory = Callable[..., Corpus]
+
+CORPORA: Dict[str, CorpusFactory] = {
+    "embedded": lambda **kw: EmbeddedCorpus(),
+    "text": lambda path=None, **kw: TextFilesCorpus(path or [], kw.get("text_key", "text")),
+}
+
+
+def corpus_names() -> List[str]:
+    return sorted(CORPORA)
+
+
+def get_corpus(name: str, **options) -> Corpus:
+    if name not in CORPORA:
+        raise DataError(f"data.name: unknown dataset {name!r}; valid datasets: {', '.join(corpus_names())}")
+    return CORPORA[name](**options)
+
+
+def documents_of(corpus: Corpus) -> Iterable[str]:
+    return corpus.documents()

@@ -1,0 +1,218 @@
+"""Pre-training DataModule: corpus -> tokenizer -> memmap cache -> packed blocks of T+1 tokens.
+
+* ``prepare_data`` (rank 0 only, Lightning's guarantee) trains/loads the tokenizer and builds the
+  token cache if missing or corrupt. ``setup`` (every rank) opens the verified memmap.
+* Blocks: block i is tokens[i*T : i*T + T + 1] (inputs = [:-1], targets = [1:]).
+* Validation: a deterministic hash-based fraction of the blocks, or the corpus's own named
+  validation sets (one loader each, e.g. SlimPajama's out-of-distribution subsets).
+* Training order: an endless, seeded stream of permutations, sharded by rank. Its position is
+  part of the checkpoint (``state_dict``), so resuming continues with exactly the next batches.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from datamodules import token_cache
+from datamodules.corpora import Corpus, DataError, get_corpus
+from datamodules.tokenizer import TextTokenizer, ensure_tokenizer
+
+_GOLDEN = 2654435761  # Knuth's multiplicative hash: a fixed, seed-independent validation split
+
+
+def default_cache_dir() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("DYNCOMP_CACHE", pathlib.Path.home() / ".cache" / "dyncomp"))
+
+
+@dataclass
+class DataConfig:
+    name: str = "embedded"
+    tokenizer: Optional[str] = None  # None: the corpus's default (bpe for embedded, gpt2 otherwise)
+    path: List[str] = field(default_factory=list)  # local files for data.name=text (and hub corpora)
+    batch_size: int = 16
+    val_fraction: float = 0.05
+    num_workers: int = 0
+    cache_dir: Optional[str] = None
+
+    def validate(self) -> None:
+        if self.batch_size <= 0:
+            raise DataError(f"data.batch_size: must be a positive integer, got {self.batch_size}")
+        if not 0.0 < self.val_fraction < 0.5:
+            raise DataError(f"data.val_fraction: must be in (0, 0.5), got {self.val_fraction}")
+        if self.num_workers < 0:
+            raise DataError(f"data.num_workers: must be >= 0, got {self.num_workers}")
+
+
+class PackedBlocks(Dataset):
+    """Blocks of ``block_size + 1`` tokens at stride ``block_size`` from a flat token array."""
+
+    def __init__(self, tokens: np.ndarray, block_size: int, indices: Optional[np.ndarray] = None):
+        self.tokens = tokens
+        self.block_size = block_size
+        total = (len(tokens) - 1) // block_size
+        self.indices = np.arange(total) if indices is None else indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        start = int(self.indices[i]) * self.block_size
+        return torch.from_numpy(self.tokens[start : start + self.block_size + 1].astype(np.int64))
+
+
+class ResumableShardSampler(Sampler[int]):
+    """Endless seeded permutations, each rank taking its own ``batch_size`` slice of every global batch.
+
+    ``start`` is the number of samples this rank already consumed, so a resumed run continues with
+    the exact next indices.
+    """
+
+    def __init__(self, size: int, batch_size: int, rank: int, world_size: int, seed: int, start: int = 0):
+        if size < batch_size * world_size:
+            raise DataError(
+                f"the training split has {size} blocks, fewer than one global batch "
+                f"({batch_size} x {world_size} ranks); use a larger corpus or a smaller data.batch_size"
+            )
+        self.size, self.batch_size, self.rank, self.world = size, batch_size, rank, world_size
+        self.seed, self.start = seed, start
+
+    def __iter__(self) -> Iterator[int]:
+        global_batch = self.batch_size * self.world
+        batches_per_epoch = self.size // global_batch  # drop the ragged tail: every rank same shapes
+        step = self.start // self.batch_size
+        while True:
+            epoch, within = divmod(step, batches_per_epoch)
+            perm = self._permutation(epoch)
+            begin = within * global_batch + self.rank * self.batch_size
+            yield from perm[begin : begin + self.batch_size].tolist()
+            step += 1
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.size)
+
+
+def validation_indices(num_blocks: int, fraction: float) -> np.ndarray:
+    scores = (np.arange(num_blocks, dtype=np.uint64) * np.uint64(_GOLDEN)) % np.uint64(1_000_003)
+    chosen = np.nonzero(scores < np.uint64(int(fraction * 1_000_003)))[0]
+    if len(chosen) == 0:
+        chosen = np.array([num_blocks - 1])
+    return chosen
+
+
+class LMDataModule(L.LightningDataModule):
+    def __init__(self, config: DataConfig, block_size: int, seed: int = 0):
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.block_size = block_size
+        self.seed = seed
+        self.cache_dir = pathlib.Path(config.cache_dir) if config.cache_dir else default_cache_dir()
+        self.corpus: Corpus = get_corpus(config.name, path=config.path)
+        self._tokenizer: Optional[TextTokenizer] = None
+        self.samples_consumed = 0  # per rank, restored from checkpoints
+        self.train_set: Optional[PackedBlocks] = None
+        self.val_sets: Dict[str, PackedBlocks] = {}
+
+    # ------------------------------------------------------------------ tokenizer and cache
+    @property
+    def tokenizer(self) -> TextTokenizer:
+        if self._tokenizer is None:
+            self._tokenizer = ensure_tokenizer(self.config.tokenizer, self.corpus, self.cache_dir)
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    def _folder(self, corpus: Corpus) -> pathlib.Path:
+        return token_cache.cache_folder(self.cache_dir, corpus.fingerprint(), self.tokenizer)
+
+    def _corpora(self) -> Dict[str, Corpus]:
+        named = self.corpus.validation_sets() or {}
+        return {"train": self.corpus, **named}
+
+    def prepare_data(self) -> None:
+        for split, corpus in self._corpora().items():
+            folder = self._folder(corpus)
+            if token_cache.open_tokens(folder) is None:
+                token_cache.build_tokens(corpus.documents(), self.tokenizer, folder, f"tokenising {corpus.name}/{split}")
+
+    def _open(self, corpus: Corpus) -> np.ndarray:
+        tokens = token_cache.open_tokens(self._folder(corpus))
+        if tokens is None:
+            raise DataError(
+                f"token cache for {corpus.name!r} at {self._folder(corpus)} is missing or corrupt; "
+                "prepare_data() rebuilds it (run through the Trainer, or call it first)"
+            )
+        return tokens
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        if self.train_set is not None:
+            return
+        tokens = self._open(self.corpus)
+        total = (len(tokens) - 1) // self.block_size
+        if total < 2:
+            raise DataError(f"dataset {self.corpus.name!r} has {len(tokens)} tokens: fewer than two blocks of {self.block_size + 1}")
+        named = self.corpus.validation_sets()
+        if named:
+            self.train_set = PackedBlocks(tokens, self.block_size)
+            self.val_sets = {name: PackedBlocks(self._open(c), self.block_size) for name, c in named.items()}
+        else:
+            val = validation_indices(total, self.config.val_fraction)
+            train = np.setdiff1d(np.arange(total), val)
+            self.train_set = PackedBlocks(tokens, self.block_size, train)
+            self.val_sets = {"val": PackedBlocks(tokens, self.block_size, val)}
+
+    # ------------------------------------------------------------------ loaders
+    def _rank_world(self):
+        trainer = getattr(self, "trainer", None)
+        if trainer is None:
+            return 0, 1
+        return trainer.global_rank, trainer.world_size
+
+    def train_dataloader(self) -> DataLoader:
+        rank, world = self._rank_world()
+        sampler = ResumableShardSampler(
+            len(self.train_set), self.config.batch_size, rank, world, self.seed, start=self.samples_consumed
+        )
+        return DataLoader(
+            self.train_set,
+            batch_size=self.config.batch_size,
+            sampler=sampler,
+            num_workers=self.config.num_workers,
+            persistent_workers=self.config.num_workers > 0,
+            drop_last=True,
+        )
+
+    def val_dataloader(self):
+        rank, world = self._rank_world()
+        loaders = []
+        for dataset in self.val_sets.values():
+            # Each rank evaluates its own contiguous share; metrics are summed across ranks.
+            share = np.array_split(np.arange(len(dataset)), world)[rank]
+            subset = torch.utils.data.Subset(dataset, share.tolist())
+            loaders.append(DataLoader(subset, batch_size=self.config.batch_size, shuffle=False, num_workers=0))
+        return loaders if len(loaders) > 1 else loaders[0]
+
+    def val_names_from_corpus(self) -> List[str]:
+        """Names of the validation loaders, known before ``setup`` (the LightningModule needs them)."""
+        named = self.corpus.validation_sets()
+        return list(named) if named else ["val"]
+
+    # ------------------------------------------------------------------ resumable position
+    def state_dict(self) -> dict:
+        trainer = getattr(self, "trainer", None)
+        consumed = self.samples_consumed
+        if trainer is not None:
+            consumed = trainer.global_step * trainer.accumulate_grad_batches * self.config.batch_size
+        return {"samples_consumed": consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.samples_consumed = int(state.get("samples_consumed", 0))

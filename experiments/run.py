@@ -1,0 +1,300 @@
+"""Train any registered variant: ``python -m experiments.run --variant mod``.
+
+With no options it trains the ``tiny`` vanilla model on the embedded corpus (no network) in a few
+minutes on a laptop CPU. Every field is overridable from the command line:
+
+    --variant, --size             -> model.variant, model.size
+    --data NAME, --tokenizer T    -> data.name, data.tokenizer
+    --max_steps N                 -> trainer.max_steps
+    --model.mod.capacity 0.25     (any ModelConfig field, nested groups too)
+    --optim.lr 3e-4, --data.batch_size 32, --trainer.devices 2, --trainer.strategy ddp, ...
+    --config FILE.yaml            (e.g. experiments/configs/mod.yaml), --print_config
+
+The same command runs under DDP (Lightning re-launches it once per rank, so everything before the
+Trainer is deterministic), on SLURM (``srun python -m experiments.run ...``) and with torchrun.
+Run folder: ``<log_dir>/<variant>-<size>/version_<N>`` with TensorBoard events, ``config.yaml``
+(the resolved config), ``checkpoints/{last,best-*}.ckpt`` and ``summary.json``. The folder path is
+the last line printed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import re
+import sys
+from typing import Any, Dict, List, Optional, Sequence
+
+# Keep stdout clean and start-up fast before the heavy imports.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from jsonargparse import ActionConfigFile, ArgumentParser, Namespace  # noqa: E402
+
+from architectures import ModelConfig, variant_names  # noqa: E402
+from architectures.config import ConfigError, SIZES  # noqa: E402
+from datamodules.corpora import DataError, corpus_names  # noqa: E402
+from datamodules.lm import DataConfig  # noqa: E402
+from lightning_modules.lm import OptimConfig  # noqa: E402
+
+ALIASES = {
+    "--variant": "--model.variant",
+    "--size": "--model.size",
+    "--data": "--data.name",
+    "--tokenizer": "--data.tokenizer",
+    "--max_steps": "--trainer.max_steps",
+    "--batch_size": "--data.batch_size",
+}
+
+# Trainer arguments that the run wires itself (logger, callbacks) or that jsonargparse cannot type.
+_TRAINER_SKIP = {"logger", "callbacks", "plugins", "profiler", "strategy", "accelerator", "precision", "devices"}
+
+
+def expand_aliases(argv: Sequence[str]) -> List[str]:
+    out = []
+    for arg in argv:
+        head, sep, tail = arg.partition("=")
+        out.append(ALIASES.get(head, head) + sep + tail if sep else ALIASES.get(arg, arg))
+    return out
+
+
+def default_precision() -> str:
+    import torch
+
+    return "bf16-mixed" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "32-true"
+
+
+def build_parser() -> ArgumentParser:
+    from lightning import Trainer
+
+    parser = ArgumentParser(
+        prog="python -m experiments.run",
+        description="Train a dynamic-computation Transformer variant. Aliases: "
+        + ", ".join(f"{k} = {v}" for k, v in ALIASES.items()),
+        default_env=False,
+    )
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML file with any of the options below")
+    parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--log_dir", type=str, default="runs")
+    parser.add_argument("--version", type=Optional[str], default=None,
+                        help="run folder name (default: next version_N; under SLURM slurm-<job id>)")
+    parser.add_argument("--ckpt_path", type=Optional[str], default=None,
+                        help="resume: a checkpoint path, or 'last' for the newest last.ckpt of this variant-size")
+    parser.add_argument("--init_from", type=Optional[str], default=None,
+                        help="initialise weights from a vanilla checkpoint, 'hf:gpt2' or a local HF folder")
+    parser.add_argument("--val_every", type=int, default=100, help="validate every N optimisation steps")
+    parser.add_argument("--val_batches", type=int, default=20, help="batches per validation set and rank")
+    parser.add_class_arguments(ModelConfig, "model")
+    parser.add_class_arguments(DataConfig, "data")
+    parser.add_class_arguments(OptimConfig, "optim")
+    parser.add_class_arguments(Trainer, "trainer", skip=_TRAINER_SKIP, fail_untyped=False)
+    parser.add_argument("--trainer.accelerator", type=str, default="auto")
+    parser.add_argument("--trainer.devices", type=str, default="auto")
+    parser.add_argument("--trainer.strategy", type=str, default="auto")
+    parser.add_argument("--trainer.precision", type=Optional[str], default=None,
+                        help="default: bf16-mixed on a bf16-capable GPU, else 32-true")
+    parser.set_defaults({
+        "trainer.max_steps": 300,
+        "trainer.gradient_clip_val": 1.0,
+        "trainer.log_every_n_steps": 10,
+        "trainer.num_sanity_val_steps": 0,
+        "trainer.use_distributed_sampler": False,
+        "trainer.enable_model_summary": False,
+    })
+    return parser
+
+
+def validate_up_front(cfg: Namespace) -> None:
+    """Fail before any work: unknown names list the valid ones, bad values name the field."""
+    if cfg.model.variant not in variant_names():
+        raise ConfigError(f"model.variant: unknown variant {cfg.model.variant!r}; valid variants: {', '.join(variant_names())}")
+    if cfg.model.size not in SIZES:
+        raise ConfigError(f"model.size: unknown size {cfg.model.size!r}; valid sizes: {', '.join(SIZES)}")
+    if cfg.data.name not in corpus_names():
+        raise DataError(f"data.name: unknown dataset {cfg.data.name!r}; valid datasets: {', '.join(corpus_names())}")
+    if cfg.trainer.max_steps is None or cfg.trainer.max_steps <= 0:
+        raise ConfigError(f"trainer.max_steps: must be a positive integer, got {cfg.trainer.max_steps}")
+    if cfg.val_every <= 0:
+        raise ConfigError(f"val_every: must be a positive integer, got {cfg.val_every}")
+    if cfg.val_batches <= 0:
+        raise ConfigError(f"val_batches: must be a positive integer, got {cfg.val_batches}")
+    DataConfig(**_as_dict(cfg.data)).validate()
+    OptimConfig(**_as_dict(cfg.optim)).validate()
+    model_config(cfg).resolve()
+
+
+def _as_dict(ns) -> Dict[str, Any]:
+    return ns.as_dict() if isinstance(ns, Namespace) else dict(ns)
+
+
+def model_config(cfg: Namespace, vocab_size: Optional[int] = None) -> ModelConfig:
+    from architectures.registry import apply_preset
+
+    config = apply_preset(ModelConfig.from_dict(_as_dict(cfg.model)))
+    if vocab_size is not None:
+        config = dataclasses.replace(config, vocab_size=vocab_size)
+    return config
+
+
+def resolved_namespace(cfg: Namespace, mcfg: ModelConfig) -> Namespace:
+    """The config as it actually ran: size defaults, preset and tokenizer vocabulary filled in."""
+    resolved = cfg.clone()
+    resolved.model = Namespace(**dataclasses.asdict(mcfg.resolve()))
+    for group in ("mod", "moe", "mot", "depth_gate", "mom", "combo"):
+        resolved.model[group] = Namespace(**resolved.model[group])
+    return resolved
+
+
+def run_version(cfg: Namespace, root: pathlib.Path) -> str:
+    """Deterministic across ranks: explicit, inherited from the launching rank, SLURM job, or next free."""
+    if cfg.version:
+        return cfg.version
+    if cfg.ckpt_path and cfg.ckpt_path != "last":
+        ckpt = pathlib.Path(cfg.ckpt_path).resolve()
+        if ckpt.parent.name == "checkpoints" and ckpt.parent.parent.parent == root.resolve():
+            return ckpt.parent.parent.name  # resume in place: logs continue in the same folder
+    if os.environ.get("DYNCOMP_RUN_VERSION"):
+        return os.environ["DYNCOMP_RUN_VERSION"]
+    if os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_NTASKS", "1") != "1":
+        return f"slurm-{os.environ['SLURM_JOB_ID']}"
+    existing = [int(m.group(1)) for p in root.glob("version_*") if (m := re.fullmatch(r"version_(\d+)", p.name))]
+    version = f"version_{max(existing) + 1 if existing else 0}"
+    os.environ["DYNCOMP_RUN_VERSION"] = version  # inherited by DDP ranks that Lightning re-launches
+    return version
+
+
+def resolve_ckpt(cfg: Namespace, root: pathlib.Path) -> Optional[str]:
+    if cfg.ckpt_path != "last":
+        return cfg.ckpt_path
+    candidates = sorted(root.glob("*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+    if not candidates:
+        raise FileNotFoundError(f"--ckpt_path last: no last.ckpt under {root}")
+    return str(candidates[-1])
+
+
+def main(argv: Optional[Sequence[str]] = None) -> pathlib.Path:
+    parser = build_parser()
+    cfg = parser.parse_args(expand_aliases(list(sys.argv[1:] if argv is None else argv)))
+    validate_up_front(cfg)
+    return train(cfg, parser)
+
+
+def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
+    import lightning as L
+
+    from callbacks.run_summary import StepRecorder, routing_summary, write_summary
+    from datamodules.lm import LMDataModule
+    from experiments.weights import load_initial_weights
+    from lightning_modules.lm import LanguageModelModule
+
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    data = LMDataModule(DataConfig(**_as_dict(cfg.data)), block_size=model_config(cfg).resolve().block_size, seed=cfg.seed)
+    mcfg = model_config(cfg, vocab_size=data.vocab_size)
+    mcfg.resolve()
+    module = LanguageModelModule(model=dataclasses.asdict(mcfg), optim=_as_dict(cfg.optim),
+                                 max_steps=cfg.trainer.max_steps, val_names=data.val_names_from_corpus())
+    if cfg.init_from:
+        load_initial_weights(module.model, cfg.init_from)
+
+    root = pathlib.Path(cfg.log_dir) / f"{mcfg.variant}-{mcfg.size}"
+    ckpt_path = resolve_ckpt(cfg, root)
+    version = run_version(cfg, root)
+    trainer, recorder = make_trainer(cfg, root, version, extra_callbacks=[StepRecorder()])
+    run_dir = pathlib.Path(trainer.logger.log_dir)
+    if trainer.is_global_zero:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        parser.save(resolved_namespace(cfg, mcfg), run_dir / "config.yaml", overwrite=True, skip_validation=True)
+
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    final = trainer.validate(module, datamodule=data, verbose=False)
+    metrics = {k: float(v) for k, v in (final[0] if final else {}).items()}
+    if trainer.is_global_zero:
+        summary = {
+            "variant": mcfg.variant,
+            "size": mcfg.size,
+            "steps": trainer.global_step,
+            "final_train_loss": recorder.losses[-1] if recorder.losses else None,
+            "final_val_loss": metrics.get("val/loss"),
+            "final_val_ppl": metrics.get("val/ppl"),
+            "val_metrics": metrics,
+            "tokens_seen": module.tokens_seen,
+            "parameters": module.model.num_parameters(),
+            "flops_per_token": flops_summary(module),
+            "median_step_time_s": recorder.median_step_time,
+            "routing": routing_summary(module.last_output.trace if module.last_output else []),
+            "train_loss_curve": list(zip(recorder.steps, recorder.losses)),
+            "world_size": trainer.world_size,
+            "run_dir": str(run_dir),
+        }
+        write_summary(run_dir / "summary.json", summary)
+        print(run_dir)
+    return run_dir
+
+
+def flops_summary(module) -> Dict[str, Any]:
+    from architectures.gpt2 import vanilla_flops
+
+    trace = module.last_output.trace if module.last_output else None
+    seq = module.last_output.logits.shape[1] if module.last_output else None
+    measured = module.model.flops_per_token(trace, seq)
+    vanilla = vanilla_flops(module.model.config, seq)
+    return {
+        "forward": measured.forward,
+        "training": measured.training,
+        "components": measured.as_dict(),
+        "ratio_to_vanilla": measured.forward / vanilla.forward,
+    }
+
+
+def make_trainer(cfg: Namespace, root: pathlib.Path, version: str, extra_callbacks=()):
+    import lightning as L
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    logger = TensorBoardLogger(save_dir=str(root.parent), name=root.name, version=version, default_hp_metric=False)
+    checkpoints = ModelCheckpoint(
+        dirpath=str(root / version / "checkpoints"),
+        filename="best-{step}",
+        monitor="val/loss",
+        mode="min",
+        save_top_k=1,
+        save_last=True,
+        every_n_train_steps=cfg.val_every,
+    )
+    callbacks = [checkpoints, LearningRateMonitor(logging_interval="step"), *extra_callbacks]
+    callbacks.extend(extra_run_callbacks(cfg))
+    kwargs = _as_dict(cfg.trainer)
+    kwargs["precision"] = kwargs.get("precision") or default_precision()
+    kwargs["devices"] = _devices(kwargs.get("devices", "auto"))
+    kwargs.update(
+        logger=logger,
+        callbacks=callbacks,
+        val_check_interval=cfg.val_every,
+        check_val_every_n_epoch=None,
+        limit_val_batches=cfg.val_batches,
+    )
+    trainer = L.Trainer(**kwargs)
+    recorder = next(c for c in callbacks if c.__class__.__name__ == "StepRecorder")
+    return trainer, recorder
+
+
+def extra_run_callbacks(cfg: Namespace) -> list:
+    """Measurement callbacks (routing, FLOPs, contribution) when their module is present."""
+    try:
+        from callbacks import default_callbacks
+    except ImportError:
+        return []
+    return default_callbacks(cfg)
+
+
+def _devices(value):
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    return value
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ConfigError, DataError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
