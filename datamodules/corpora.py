@@ -10,13 +10,14 @@ Register a new corpus by adding a factory to ``CORPORA``.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import json
 import pathlib
 import socket
 import sys
 import sysconfig
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 _SKIP_STDLIB_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "tkinter", "turtledemo"}
 _MIN_DOCSTRING_CHARS = 40
@@ -75,7 +76,8 @@ class EmbeddedCorpus(Corpus):
         return f"embedded-py{sys.version_info.major}.{sys.version_info.minor}-{digest.hexdigest()[:16]}"
 
 
-def _stdlib_docstrings() -> List[str]:
+@functools.lru_cache(maxsize=1)
+def _stdlib_docstrings() -> Tuple[str, ...]:
     """Module, class and function docstrings of the stdlib, parsed (never imported), sorted by path."""
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
     docs: List[str] = []
@@ -91,7 +93,7 @@ def _stdlib_docstrings() -> List[str]:
                 doc = ast.get_docstring(node)
                 if doc and len(doc) >= _MIN_DOCSTRING_CHARS:
                     docs.append(doc)
-    return docs
+    return tuple(docs)
 
 
 class TextFilesCorpus(Corpus):
@@ -188,5 +190,16 @@ def get_corpus(name: str, **options) -> Corpus:
     return CORPORA[name](**options)
 
 
-def documents_of(corpus: Corpus) -> Iterable[str]:
-    return corpus.documents()
+def _hub_corpus(name: str) -> CorpusFactory:
+    """Factory of a corpus in datamodules/hub.py, imported on use (hub.py imports this module)."""
+
+    def factory(**options) -> Corpus:
+        from datamodules import hub
+
+        return getattr(hub, name)(**options)
+
+    return factory
+
+
+CORPORA["openwebtext"] = _hub_corpus("openwebtext")
+CORPORA["slimpajama"] = _hub_corpus("slimpajama")

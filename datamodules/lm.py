@@ -40,6 +40,16 @@ class DataConfig:
     val_fraction: float = 0.05
     num_workers: int = 0
     cache_dir: Optional[str] = None
+    # Hub corpora (openwebtext, slimpajama; see datamodules/hub.py):
+    hub_id: Optional[str] = None  # another hub dataset with the same schema, e.g. cerebras/SlimPajama-627B
+    revision: Optional[str] = None  # hub revision (default: the corpus's, e.g. refs/convert/parquet)
+    streaming: bool = False  # stream from the hub instead of downloading the raw files first
+    max_tokens: Optional[int] = None  # stop tokenising the training corpus after this many tokens
+    num_proc: Optional[int] = None  # worker processes for the batched tokenisation map
+
+    def corpus_options(self) -> dict:
+        return {"path": self.path, "hub_id": self.hub_id, "revision": self.revision, "streaming": self.streaming,
+                "max_tokens": self.max_tokens, "num_proc": self.num_proc}
 
     def validate(self) -> None:
         if self.batch_size <= 0:
@@ -48,6 +58,10 @@ class DataConfig:
             raise DataError(f"data.val_fraction: must be in (0, 0.5), got {self.val_fraction}")
         if self.num_workers < 0:
             raise DataError(f"data.num_workers: must be >= 0, got {self.num_workers}")
+        if self.max_tokens is not None and self.max_tokens < 2:
+            raise DataError(f"data.max_tokens: must be an integer >= 2, got {self.max_tokens}")
+        if self.num_proc is not None and self.num_proc < 1:
+            raise DataError(f"data.num_proc: must be a positive integer, got {self.num_proc}")
 
 
 class PackedBlocks(Dataset):
@@ -114,7 +128,7 @@ class LMDataModule(L.LightningDataModule):
         self.block_size = block_size
         self.seed = seed
         self.cache_dir = pathlib.Path(config.cache_dir) if config.cache_dir else default_cache_dir()
-        self.corpus: Corpus = get_corpus(config.name, path=config.path)
+        self.corpus: Corpus = get_corpus(config.name, cache_dir=self.cache_dir, **config.corpus_options())
         self._tokenizer: Optional[TextTokenizer] = None
         self.samples_consumed = 0  # per rank, restored from checkpoints
         self.train_set: Optional[PackedBlocks] = None
@@ -142,7 +156,12 @@ class LMDataModule(L.LightningDataModule):
         for split, corpus in self._corpora().items():
             folder = self._folder(corpus)
             if token_cache.open_tokens(folder) is None:
-                token_cache.build_tokens(corpus.documents(), self.tokenizer, folder, f"tokenising {corpus.name}/{split}")
+                description = f"tokenising {corpus.name}/{split}"
+                write_tokens = getattr(corpus, "write_tokens", None)  # hub corpora: batched datasets.map
+                if write_tokens is not None:
+                    write_tokens(self.tokenizer, folder, description)
+                else:
+                    token_cache.build_tokens(corpus.documents(), self.tokenizer, folder, description)
 
     def _open(self, corpus: Corpus) -> np.ndarray:
         tokens = token_cache.open_tokens(self._folder(corpus))
@@ -169,6 +188,14 @@ class LMDataModule(L.LightningDataModule):
             train = np.setdiff1d(np.arange(total), val)
             self.train_set = PackedBlocks(tokens, self.block_size, train)
             self.val_sets = {"val": PackedBlocks(tokens, self.block_size, val)}
+
+    def unigram_entropy(self, max_tokens: int = 50_000_000) -> float:
+        """Entropy (nats) of the training tokens' unigram distribution: the loss of a model that
+        ignores context. A trained LM's validation loss should sit well below it."""
+        tokens = np.asarray(self.train_set.tokens[:max_tokens])
+        counts = np.bincount(tokens, minlength=self.vocab_size).astype(np.float64)
+        p = counts[counts > 0] / counts.sum()
+        return float(-(p * np.log(p)).sum())
 
     # ------------------------------------------------------------------ loaders
     def _rank_world(self):

@@ -13,7 +13,7 @@ import json
 import os
 import pathlib
 import tempfile
-from typing import Iterable, Iterator, List, Optional
+from typing import Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -53,26 +53,92 @@ def build_tokens(
     tokenizer: TextTokenizer,
     folder: pathlib.Path,
     description: str = "tokenising",
+    max_tokens: Optional[int] = None,
 ) -> pathlib.Path:
-    """Tokenise ``documents`` (EOT after each) into ``folder/tokens.bin`` + ``meta.json``, atomically."""
-    folder.mkdir(parents=True, exist_ok=True)
+    """Tokenise ``documents`` (EOT after each) into ``folder/tokens.bin`` + ``meta.json``, atomically.
+
+    ``max_tokens`` stops after that many tokens (streamed corpora larger than the disk).
+    """
     dtype = token_dtype(tokenizer.vocab_size)
     eot = tokenizer.eot_id
-    count = 0
-    docs = 0
-    fd, tmp_name = tempfile.mkstemp(dir=folder, prefix="tokens.bin.tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle, tqdm(desc=description, unit=" docs", mininterval=1.0) as bar:
+
+    def chunks() -> Iterator[Tuple[np.ndarray, int]]:
+        with tqdm(desc=description, unit=" docs", mininterval=1.0) as bar:
             for batch in _batched(documents, _ENCODE_BATCH_DOCS):
                 ids: List[int] = []
                 for doc_ids in tokenizer.encode_batch(batch):
                     ids.extend(doc_ids)
                     ids.append(eot)
-                array = np.asarray(ids, dtype=dtype)
+                bar.update(len(batch))
+                yield np.asarray(ids, dtype=dtype), len(batch)
+
+    return _write_chunks(chunks(), tokenizer, folder, description, max_tokens)
+
+
+def build_tokens_from_dataset(
+    dataset,
+    column: str,
+    tokenizer: TextTokenizer,
+    folder: pathlib.Path,
+    description: str = "tokenising",
+    num_proc: Optional[int] = None,
+) -> pathlib.Path:
+    """Like ``build_tokens`` for a ``datasets.Dataset``: one batched ``map`` with the fast tokenizer
+    (``num_proc`` worker processes, progress bar), then a sequential copy into the memmap file.
+
+    The map's Arrow output lives in a scratch folder inside ``folder`` and is deleted afterwards, so
+    nothing but ``tokens.bin`` + ``meta.json`` stays on disk.
+    """
+    dtype = token_dtype(tokenizer.vocab_size)
+    eot = tokenizer.eot_id
+
+    def encode(batch):
+        return {"ids": [np.asarray(ids + [eot], dtype=dtype) for ids in tokenizer.encode_batch(batch[column])]}
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder, prefix="map.tmp") as scratch:
+        mapped = dataset.map(
+            encode, batched=True, batch_size=1000, num_proc=num_proc, remove_columns=dataset.column_names,
+            desc=description, cache_file_name=str(pathlib.Path(scratch) / "ids.arrow"),
+            # naming the output ourselves skips hashing the tokenizer object
+            new_fingerprint=hashlib.sha256(folder.name.encode()).hexdigest()[:32],
+        )
+
+        def chunks() -> Iterator[Tuple[np.ndarray, int]]:
+            column_ids = mapped.data.table.column("ids")
+            with tqdm(desc=f"{description} (writing)", total=len(mapped), unit=" docs", mininterval=1.0) as bar:
+                for chunk in column_ids.chunks:
+                    bar.update(len(chunk))
+                    yield chunk.flatten().to_numpy(zero_copy_only=False).astype(dtype, copy=False), len(chunk)
+
+        try:
+            return _write_chunks(chunks(), tokenizer, folder, description)
+        finally:
+            del mapped  # release the memory map before the scratch folder is removed
+
+
+def _write_chunks(
+    chunks: Iterable[Tuple[np.ndarray, int]],
+    tokenizer: TextTokenizer,
+    folder: pathlib.Path,
+    description: str,
+    max_tokens: Optional[int] = None,
+) -> pathlib.Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    dtype = token_dtype(tokenizer.vocab_size)
+    count = 0
+    docs = 0
+    fd, tmp_name = tempfile.mkstemp(dir=folder, prefix="tokens.bin.tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            for array, n_docs in chunks:
+                if max_tokens is not None:
+                    array = array[: max_tokens - count]
                 handle.write(array.tobytes())
                 count += array.size
-                docs += len(batch)
-                bar.update(len(batch))
+                docs += n_docs
+                if max_tokens is not None and count >= max_tokens:
+                    break
         if count < 2:
             raise ValueError(f"{description}: the corpus produced {count} tokens; nothing to train on")
         tmp = pathlib.Path(tmp_name)
@@ -81,11 +147,13 @@ def build_tokens(
             "num_documents": docs,
             "dtype": np.dtype(dtype).name,
             "vocab_size": tokenizer.vocab_size,
-            "eot_id": eot,
+            "eot_id": tokenizer.eot_id,
             "tokenizer": tokenizer.name,
             "tokenizer_fingerprint": tokenizer.fingerprint,
             "sha256": file_checksum(tmp),
         }
+        if max_tokens is not None:
+            meta["max_tokens"] = max_tokens
         os.replace(tmp, folder / "tokens.bin")
     except BaseException:
         pathlib.Path(tmp_name).unlink(missing_ok=True)

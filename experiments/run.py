@@ -32,6 +32,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser, Namespace  # noqa: E4
 
 from architectures import ModelConfig, variant_names  # noqa: E402
 from architectures.config import ConfigError, SIZES  # noqa: E402
+from callbacks import CallbacksConfig, config_from as callbacks_config  # noqa: E402
 from datamodules.corpora import DataError, corpus_names  # noqa: E402
 from datamodules.lm import DataConfig  # noqa: E402
 from lightning_modules.lm import OptimConfig  # noqa: E402
@@ -86,6 +87,7 @@ def build_parser() -> ArgumentParser:
     parser.add_class_arguments(ModelConfig, "model")
     parser.add_class_arguments(DataConfig, "data")
     parser.add_class_arguments(OptimConfig, "optim")
+    parser.add_class_arguments(CallbacksConfig, "callbacks")
     parser.add_class_arguments(Trainer, "trainer", skip=_TRAINER_SKIP, fail_untyped=False)
     parser.add_argument("--trainer.accelerator", type=str, default="auto")
     parser.add_argument("--trainer.devices", type=str, default="auto")
@@ -119,6 +121,7 @@ def validate_up_front(cfg: Namespace) -> None:
         raise ConfigError(f"val_batches: must be a positive integer, got {cfg.val_batches}")
     DataConfig(**_as_dict(cfg.data)).validate()
     OptimConfig(**_as_dict(cfg.optim)).validate()
+    callbacks_config(cfg).validate(model_config(cfg).resolve().block_size)
     model_config(cfg).resolve()
 
 
@@ -198,14 +201,19 @@ def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
     root = pathlib.Path(cfg.log_dir) / f"{mcfg.variant}-{mcfg.size}"
     ckpt_path = resolve_ckpt(cfg, root)
     version = run_version(cfg, root)
+    inherited = os.environ.get("DYNCOMP_RUN_VERSION")
     trainer, recorder = make_trainer(cfg, root, version, extra_callbacks=[StepRecorder()])
     run_dir = pathlib.Path(trainer.logger.log_dir)
     if trainer.is_global_zero:
         run_dir.mkdir(parents=True, exist_ok=True)
         parser.save(resolved_namespace(cfg, mcfg), run_dir / "config.yaml", overwrite=True, skip_validation=True)
 
-    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
-    final = trainer.validate(module, datamodule=data, verbose=False)
+    try:
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+        final = trainer.validate(module, datamodule=data, verbose=False)
+    finally:
+        if inherited == version:  # the DDP ranks have started; later runs in this process pick anew
+            os.environ.pop("DYNCOMP_RUN_VERSION", None)
     metrics = {k: float(v) for k, v in (final[0] if final else {}).items()}
     if trainer.is_global_zero:
         summary = {
@@ -217,6 +225,7 @@ def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
             "final_val_ppl": metrics.get("val/ppl"),
             "val_metrics": metrics,
             "tokens_seen": module.tokens_seen,
+            "unigram_entropy_nats": data.unigram_entropy(),
             "parameters": module.model.num_parameters(),
             "flops_per_token": flops_summary(module),
             "median_step_time_s": recorder.median_step_time,

@@ -30,6 +30,9 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     warmup_steps: int = 50
+    # Length of the cosine schedule; None: trainer.max_steps. Set it to stop early and resume later
+    # on the same schedule.
+    schedule_steps: Optional[int] = None
 
     def validate(self) -> None:
         if not self.lr > 0:
@@ -38,6 +41,8 @@ class OptimConfig:
             raise ConfigError(f"optim.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
         if self.weight_decay < 0:
             raise ConfigError(f"optim.weight_decay: must be >= 0, got {self.weight_decay}")
+        if self.schedule_steps is not None and self.schedule_steps <= 0:
+            raise ConfigError(f"optim.schedule_steps: must be a positive integer, got {self.schedule_steps}")
         if self.warmup_steps < 0:
             raise ConfigError(f"optim.warmup_steps: must be >= 0, got {self.warmup_steps}")
         for name in ("beta1", "beta2"):
@@ -81,7 +86,7 @@ class LanguageModelModule(L.LightningModule):
         self.model_config = self.model.config
         self.optim = OptimConfig(**(optim or {}))
         self.optim.validate()
-        self.max_steps = max_steps
+        self.max_steps = self.optim.schedule_steps or max_steps
         self.val_names = val_names or ["val"]
         self.val_loss = torch.nn.ModuleList([MeanMetric() for _ in self.val_names])
         self.val_ppl = torch.nn.ModuleList([Perplexity() for _ in self.val_names])

@@ -1,0 +1,27 @@
+"""Shared test fixtures: a per-repo token cache, the optional ../shared data, tiny model overrides."""
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+# One cache for the whole session: the embedded corpus's BPE is trained and tokenised once.
+os.environ.setdefault("DYNCOMP_CACHE", str(REPO / ".cache" / "dyncomp"))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Options that make any CLI run tiny and fast on CPU.
+TINY_RUN = [
+    "--model.d_model", "32", "--model.n_layer", "2", "--model.n_head", "2", "--model.block_size", "64",
+    "--data.batch_size", "4", "--val_batches", "2", "--trainer.enable_progress_bar", "false",
+]
+
+
+@pytest.fixture
+def shared_data() -> pathlib.Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip("../shared/data is not present (only on the project's development machines)")
+    return SHARED_DATA

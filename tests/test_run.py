@@ -1,0 +1,146 @@
+"""The training CLI end to end: smoke run, resume equivalence, bad input, NaN guard, DDP."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from architectures.config import ConfigError
+from datamodules.corpora import DataError
+from experiments.run import expand_aliases, main
+from tests.conftest import REPO, TINY_RUN
+
+
+def _summary(run_dir):
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def test_aliases_expand_to_canonical_options():
+    assert expand_aliases(["--variant", "mod", "--size=tiny", "--data", "x", "--max_steps", "3"]) == [
+        "--model.variant", "mod", "--model.size=tiny", "--data.name", "x", "--trainer.max_steps", "3"]
+
+
+def test_cli_smoke_run_writes_summary_config_checkpoints_and_events(tmp_path, capsys):
+    run_dir = main(["--max_steps", "6", "--val_every", "3", "--log_dir", str(tmp_path), *TINY_RUN])
+    assert run_dir == tmp_path / "vanilla-tiny" / "version_0"
+    assert capsys.readouterr().out.strip().splitlines()[-1] == str(run_dir)
+    summary = _summary(run_dir)
+    assert summary["variant"] == "vanilla" and summary["size"] == "tiny" and summary["steps"] == 6
+    assert summary["tokens_seen"] == 6 * 4 * 64
+    assert 0 < summary["final_val_loss"] < 9 and 0 < summary["final_train_loss"] < 9
+    assert summary["flops_per_token"]["ratio_to_vanilla"] == 1.0
+    assert summary["flops_per_token"]["training"] == 3 * summary["flops_per_token"]["forward"]
+    assert summary["median_step_time_s"] > 0 and len(summary["train_loss_curve"]) == 6
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["model"]["d_model"] == 32 and config["model"]["vocab_size"] == 4096  # resolved values
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    assert any(p.name.startswith("best-") for p in (run_dir / "checkpoints").iterdir())
+    assert any(p.name.startswith("events.out.tfevents") for p in run_dir.iterdir())
+    # a second run goes to the next version, never overwriting the first
+    assert main(["--max_steps", "1", "--val_every", "1", "--log_dir", str(tmp_path), *TINY_RUN]).name == "version_1"
+
+
+def test_resume_continues_the_exact_loss_trajectory(tmp_path):
+    common = ["--val_every", "4", *TINY_RUN, "--optim.warmup_steps", "2"]
+    straight = _summary(main(["--max_steps", "8", "--log_dir", str(tmp_path / "a"), *common]))
+    # an interrupted run: 4 of the 8 steps of the same schedule
+    first = main(["--max_steps", "4", "--optim.schedule_steps", "8", "--log_dir", str(tmp_path / "b"), *common])
+    first_summary = _summary(first)
+    assert first_summary["steps"] == 4
+    resumed = _summary(main(["--max_steps", "8", "--log_dir", str(tmp_path / "b"), *common,
+                             "--ckpt_path", str(first / "checkpoints" / "last.ckpt")]))
+    curve_a = dict((s, l) for s, l in straight["train_loss_curve"])
+    curve_b = dict((s, l) for s, l in first_summary["train_loss_curve"])
+    curve_b.update((s, l) for s, l in resumed["train_loss_curve"])
+    assert sorted(curve_b) == sorted(curve_a) == list(range(1, 9))
+    for step in range(1, 9):
+        assert curve_b[step] == pytest.approx(curve_a[step], abs=1e-6), step
+    assert resumed["tokens_seen"] == straight["tokens_seen"]
+    assert resumed["run_dir"] == str(first)  # resuming continues in the same folder
+
+
+@pytest.mark.parametrize(
+    "argv,error,pattern",
+    [
+        (["--variant", "nope"], ConfigError, "valid variants: .*vanilla"),
+        (["--size", "huge"], ConfigError, "valid sizes: tiny, small, medium, large"),
+        (["--data", "nope"], DataError, "valid datasets: .*embedded"),
+        (["--model.d_model", "33"], ConfigError, "model.d_model"),
+        (["--model.n_layer", "-2"], ConfigError, "model.n_layer"),
+        (["--max_steps", "0"], ConfigError, "trainer.max_steps"),
+        (["--optim.lr", "-1"], ConfigError, "optim.lr"),
+        (["--data.batch_size", "0"], DataError, "data.batch_size"),
+    ],
+)
+def test_bad_input_fails_before_any_work(tmp_path, argv, error, pattern):
+    with pytest.raises(error, match=pattern):
+        main([*argv, "--log_dir", str(tmp_path)])
+    assert not any(tmp_path.iterdir())
+
+
+def test_command_line_error_exits_2_with_message():
+    proc = subprocess.run([sys.executable, "-m", "experiments.run", "--variant", "nope"], cwd=REPO,
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "valid variants" in proc.stderr
+
+
+def test_print_config_shows_every_group():
+    proc = subprocess.run([sys.executable, "-m", "experiments.run", "--variant", "vanilla", "--print_config"],
+                          cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    config = yaml.safe_load(proc.stdout)
+    assert config["model"]["variant"] == "vanilla"
+    assert {"model", "data", "optim", "trainer"} <= set(config)
+
+
+def test_nonfinite_loss_stops_with_step_and_dump(tmp_path, monkeypatch):
+    from lightning_modules.lm import LanguageModelModule, NonFiniteLossError
+
+    original = LanguageModelModule.lm_loss
+
+    def poisoned(self, logits, targets):
+        loss = original(self, logits, targets)
+        return loss * float("nan") if self.global_step >= 2 else loss
+
+    monkeypatch.setattr(LanguageModelModule, "lm_loss", poisoned)
+    with pytest.raises(NonFiniteLossError, match="step 2"):
+        main(["--max_steps", "5", "--val_every", "5", "--log_dir", str(tmp_path), *TINY_RUN])
+    dumps = list(tmp_path.rglob("nonfinite-step2-rank0.pt"))
+    assert len(dumps) == 1
+    blob = torch.load(dumps[0], weights_only=False)
+    assert blob["step"] == 2 and blob["batch"].shape == (4, 65) and "wte.weight" in blob["model"]
+
+
+@pytest.mark.slow
+def test_two_process_ddp_run_on_cpu(tmp_path):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("DYNCOMP_RUN_VERSION", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.run", "--max_steps", "4", "--val_every", "2", "--log_dir", str(tmp_path),
+         "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp", *TINY_RUN],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = tmp_path / "vanilla-tiny" / "version_0"
+    assert proc.stdout.strip().splitlines()[-1] == str(run_dir)
+    summary = _summary(run_dir)
+    assert summary["world_size"] == 2 and summary["steps"] == 4
+    assert summary["tokens_seen"] == 4 * 2 * 4 * 64  # both ranks' tokens
+    assert [p.name for p in tmp_path.joinpath("vanilla-tiny").iterdir()] == ["version_0"]  # one folder for both ranks
+
+
+@pytest.mark.slow
+def test_default_command_learns_well_below_unigram_entropy(tmp_path):
+    """The README's main job, exactly as shipped (tiny vanilla, embedded corpus, 300 steps)."""
+    proc = subprocess.run([sys.executable, "-m", "experiments.run", "--log_dir", str(tmp_path),
+                           "--trainer.enable_progress_bar", "false"], cwd=REPO, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = _summary(tmp_path / "vanilla-tiny" / "version_0")
+    assert summary["steps"] == 300 and summary["size"] == "tiny"
+    assert summary["final_val_loss"] < summary["unigram_entropy_nats"] - 0.5, summary
