@@ -1,0 +1,66 @@
+"""The benchmark command and --init_from."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from architectures import ModelConfig, build_model
+from architectures.config import ConfigError
+from experiments import bench
+from experiments.weights import load_initial_weights
+
+
+def test_bench_reports_every_variant_with_ratios(tmp_path):
+    out = tmp_path / "bench.json"
+    results = bench.main(["--variants", "vanilla", "--size", "tiny", "--steps", "2", "--warmup", "1",
+                          "--batch_size", "2", "--seq_len", "32", "--vocab_size", "256",
+                          "--set", "d_model=32", "--set", "n_layer=2", "--generate", "4", "--json", str(out)])
+    assert set(results) == {"vanilla", "hf_gpt2"}
+    van, hf = results["vanilla"], results["hf_gpt2"]
+    assert van["step_time_ratio"] == 1.0 and van["flops_ratio"] == 1.0
+    assert van["params"] == hf["params"]  # the reference is the identical architecture
+    assert van["flops_per_token"] == hf["flops_per_token"] > 0
+    assert van["tokens_per_s"] == pytest.approx(2 * 32 / van["median_step_s"])
+    assert van["memory_mb"] > van["params"] * 16 / 2**20  # weights + grads + Adam moments at least
+    assert van["speed_vs_hf"] == pytest.approx(hf["median_step_s"] / van["median_step_s"])
+    assert van["generate_tokens_per_s"] > 0
+    saved = json.loads(out.read_text())
+    assert saved["variants"] == ["vanilla", "hf_gpt2"] and saved["results"]["vanilla"]["params"] == van["params"]
+
+
+def test_bench_rejects_unknown_variants():
+    with pytest.raises(SystemExit):
+        bench.main(["--variants", "vanilla,nope"])
+
+
+def test_bench_override_parsing():
+    config = bench.apply_overrides(ModelConfig(), ["d_model=64", "mod.capacity=0.25", "mod.routed_blocks=[1, 2]",
+                                                   "moe.dropless=false", "mod.routed_blocks=odd"])
+    assert config.d_model == 64 and config.mod.capacity == 0.25 and config.moe.dropless is False
+    assert config.mod.routed_blocks == "odd"
+    with pytest.raises(ConfigError, match="no such"):
+        bench.apply_overrides(ModelConfig(), ["mod.nope=1"])
+
+
+def test_init_from_hugging_face_folder_and_own_checkpoint(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    hf_config = GPT2Config(vocab_size=97, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(hf_config).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    config = ModelConfig(vocab_size=97, d_model=32, n_layer=2, n_head=2, block_size=32)
+    model = build_model(config).eval()
+    load_initial_weights(model, str(tmp_path / "hf"))
+    idx = torch.randint(0, 97, (2, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx).logits, hf(idx).logits, atol=1e-5, rtol=1e-5)
+    torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}, tmp_path / "x.ckpt")
+    other = build_model(config).eval()
+    load_initial_weights(other, str(tmp_path / "x.ckpt"))
+    torch.testing.assert_close(other(idx).logits, model(idx).logits)
+    wrong = build_model(ModelConfig(vocab_size=97, d_model=64, n_layer=2, n_head=2, block_size=32))
+    with pytest.raises(ConfigError, match="wte.weight"):
+        load_initial_weights(wrong, str(tmp_path / "x.ckpt"))
