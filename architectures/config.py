@@ -160,6 +160,10 @@ class ModelConfig:
     depth_gate: DepthGateConfig = field(default_factory=DepthGateConfig)
     mom: MoMConfig = field(default_factory=MoMConfig)
     combo: CombinationConfig = field(default_factory=CombinationConfig)
+    # Name of the variant whose preset overrides (registry) are already in these fields; set by
+    # registry.apply_preset and by the CLI, so a preset is applied exactly once and explicit user
+    # values always win.
+    preset: Optional[str] = None
 
     # ------------------------------------------------------------------ resolution
     def resolve(self) -> "ModelConfig":

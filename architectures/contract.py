@@ -18,6 +18,7 @@ The FLOPs of a forward pass are ``model.flops_per_token(trace)`` -> ``Flops`` (s
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -113,6 +114,45 @@ class KVCache:
 
     def length(self, name: str) -> int:
         return self.layers[name][0].shape[2] if name in self.layers else 0
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep batch rows ``index`` in that order: new row b is old row ``index[b]`` (beam search).
+
+        Applies to ``layers`` and to any other dict of per-row tensors a variant keeps on the cache
+        (e.g. MoT's key masks). Entries named ``"<site>.row<b>"`` hold a single row (MoD keeps one per
+        sequence, because rows process different numbers of tokens); they are renamed, not indexed.
+        """
+        rows = [int(i) for i in index.tolist()]
+        for attr, value in list(vars(self).items()):
+            if isinstance(value, dict):
+                setattr(self, attr, _reorder_entries(value, index, rows))
+
+
+_ROW_ENTRY = re.compile(r"(.+)\.row(\d+)")
+
+
+def _reorder_entries(entries: Dict, index: torch.Tensor, rows: List[int]) -> Dict:
+    out: Dict = {}
+    per_row: Dict[str, Dict[int, object]] = {}
+    for name, value in entries.items():
+        match = _ROW_ENTRY.fullmatch(name) if isinstance(name, str) else None
+        if match:
+            per_row.setdefault(match.group(1), {})[int(match.group(2))] = value
+        else:
+            out[name] = _select_rows(value, index)
+    for site, by_row in per_row.items():
+        for new, old in enumerate(rows):
+            if old in by_row:
+                out[f"{site}.row{new}"] = by_row[old]
+    return out
+
+
+def _select_rows(value, index: torch.Tensor):
+    if isinstance(value, torch.Tensor):
+        return value.index_select(0, index.to(value.device))
+    if isinstance(value, tuple):
+        return tuple(_select_rows(v, index) for v in value)
+    return value
 
 
 def zero_aux(reference: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,37 @@ class Variant:
 
 VARIANTS: Dict[str, Variant] = {
     "vanilla": Variant("architectures.gpt2:GPT2", "dense GPT-2 (the reference for every ratio)"),
+    "mod": Variant("architectures.mod:MoD", "Mixture-of-Depths: expert-choice top-k tokens per routed block"),
+    "mode_staged": Variant("architectures.mod:MoDEStaged", "MoDE staged: MoD routing around blocks with an MoE MLP"),
+    "mode_integrated": Variant("architectures.mod:MoDEIntegrated",
+                               "MoDE integrated: MoE router over experts plus no-op experts"),
+    "ffn_wider": Variant("architectures.combination:FFNWider", "GPT-2 with a wide FFN (combo.wide_ffn_ratio * d, default 32d)"),
+    "caa": Variant("architectures.combination:CombinationLM",
+                   "Combination Adjustable Architecture: FFN width W split into Outer-FFN (r) and Inner-FFN in MHA (1-r)"),
+    "cea": Variant("architectures.combination:CombinationLM",
+                   "Combination Enhanced Architecture: caa with the fixed ratio r = 0.125 (Outer-FFN 4d of 32d)",
+                   overrides={"combo": {"outer_ratio": 0.125}}),
+    "cea_moe": Variant("architectures.combination:CombinationMoELM",
+                       "cea with an MoE Inner-FFN (combo.inner_experts, top combo.inner_top_k), dense 4d Outer-FFN",
+                       overrides={"combo": {"total_ffn_ratio": 8.0}}),
+    "moe": Variant("architectures.moe:MoEGPT", "GPT-2 with token-choice top-k MoE FFNs (Switch when k=1)"),
+    "mot": Variant("architectures.mot:MoT", "Mixture of Transformers: whole blocks as top-k experts"),
+    "depth_gate": Variant("architectures.depth_gate:DepthGate",
+                          "gate-weighted sum of layer outputs (blog-post 'MoD'; saves no compute)"),
+    "mom": Variant("architectures.mom:MixtureOfModules",
+                   "Mixture-of-Modules: GRU routers assemble pooled attention/FFN modules (plain form, K=1, H=L)"),
+    "mom_p": Variant("architectures.mom:MixtureOfModules", "MoM-P performant: K=2, H=6, chunked layout",
+                     overrides={"mom": {"top_k": 2, "steps": 6, "layout": "chunked"}}),
+    "mom_e": Variant("architectures.mom:MixtureOfModules", "MoM-E efficient: K=3, H=1, chunked layout",
+                     overrides={"mom": {"top_k": 3, "steps": 1, "layout": "chunked"}}),
+    "mom_i": Variant("architectures.mom:MixtureOfModules", "MoM-I interpolated: K=3, H=2, chunked layout",
+                     overrides={"mom": {"top_k": 3, "steps": 2, "layout": "chunked"}}),
+    "layer_skip": Variant("architectures.mom:MixtureOfModules",
+                          "layer skipping as MoM: step h runs layer h or SKIP (learned, K=1)",
+                          overrides={"mom": {"routing": "layer_skip"}}),
+    "param_share": Variant("architectures.mom:MixtureOfModules",
+                           "parameter sharing as MoM: one attention + one FFN module reused at all L steps",
+                           overrides={"mom": {"routing": "param_share", "n_attn": 1, "n_ffn": 1}}),
 }
 
 
@@ -45,17 +76,33 @@ def get_variant(name: str) -> Variant:
 
 
 def apply_preset(config: ModelConfig) -> ModelConfig:
-    """Return ``config`` with the variant's preset overrides applied to fields still at their defaults."""
+    """Return ``config`` with the variant's preset overrides applied, once.
+
+    For a config whose ``preset`` is unset, the overrides replace the fields still at their
+    dataclass defaults (programmatic use: ``ModelConfig(variant="mom_e")``). The CLI instead puts
+    the preset into the parser's defaults (``preset_defaults``), so an explicit command-line value
+    always wins, even one equal to the dataclass default.
+    """
     variant = get_variant(config.variant)
-    if not variant.overrides:
+    if config.preset == config.variant:
         return config
-    config = dataclasses.replace(config)
+    config = dataclasses.replace(config, preset=config.variant)
     for group_name, values in variant.overrides.items():
         group = getattr(config, group_name)
         defaults = type(group)()
         changes = {k: v for k, v in values.items() if getattr(group, k) == getattr(defaults, k)}
         setattr(config, group_name, dataclasses.replace(group, **changes))
     return config
+
+
+def preset_defaults(variant: str, prefix: str = "model") -> Dict[str, Any]:
+    """The variant's preset as parser defaults: ``{"model.<group>.<field>": value, "model.preset": name}``."""
+    if variant not in VARIANTS:
+        return {}
+    out = {f"{prefix}.{group}.{name}": value
+           for group, values in VARIANTS[variant].overrides.items() for name, value in values.items()}
+    out[f"{prefix}.preset"] = variant
+    return out
 
 
 def build_model(config: ModelConfig):

@@ -1,0 +1,90 @@
+"""Measurement callbacks: routing statistics, FLOPs / throughput, MHA-vs-FFN contribution, TensorBoard extras.
+
+They read only the model contract (``architectures/contract.py``) through ``pl_module.model`` and
+``pl_module.last_output``, so every variant, present or future, is measured the same way.
+``experiments.run`` switches them on by default through ``default_callbacks(cfg)``; the options are
+the ``--callbacks.*`` group (``CallbacksConfig``).
+
+This module stays import-light (no Lightning) because ``experiments.run`` builds its parser from it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+from architectures.config import ConfigError
+
+
+@dataclass
+class CallbacksConfig:
+    """``--callbacks.*``: which measurement callbacks run and how often (intervals in optimisation steps)."""
+
+    routing: bool = True
+    routing_every: int = 50  # reduce the accumulated counts across ranks and log scalars + histograms
+    routing_images_every: int = 500  # transition-matrix heatmaps and the routing map of a fixed sample
+    flops: bool = True
+    flops_every: int = 50
+    throughput: bool = True  # Lightning's ThroughputMonitor (FLOP/s and MFU on a GPU)
+    throughput_window: int = 50  # batches in its rolling average (the first figures appear after this many)
+    contribution: bool = True
+    contribution_every: int = 250
+    contribution_batch_size: int = 4  # sequences in the fixed probe batch
+    contribution_seq_len: Optional[int] = None  # tokens per probe sequence; None: the model's context
+    tensorboard: bool = True  # custom-scalars layout and hparams with final metrics
+
+    def validate(self, block_size: Optional[int] = None) -> None:
+        for name in ("routing_every", "routing_images_every", "flops_every", "contribution_every",
+                     "contribution_batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"callbacks.{name}: must be a positive integer, got {value!r}")
+        if not isinstance(self.throughput_window, int) or self.throughput_window < 2:
+            raise ConfigError(f"callbacks.throughput_window: must be an integer >= 2, got {self.throughput_window!r}")
+        seq = self.contribution_seq_len
+        if seq is not None and (not isinstance(seq, int) or seq <= 0):
+            raise ConfigError(f"callbacks.contribution_seq_len: must be a positive integer or null, got {seq!r}")
+        if seq is not None and block_size is not None and seq > block_size:
+            raise ConfigError(
+                f"callbacks.contribution_seq_len: probe sequences of {seq} tokens exceed the model context "
+                f"(model.block_size={block_size})"
+            )
+
+
+def config_from(cfg: Any) -> CallbacksConfig:
+    """The ``callbacks`` group of a run config (jsonargparse Namespace or dict); defaults when absent."""
+    group = getattr(cfg, "callbacks", None) if not isinstance(cfg, dict) else cfg.get("callbacks")
+    if group is None:
+        return CallbacksConfig()
+    values = group.as_dict() if hasattr(group, "as_dict") else dict(group)
+    return CallbacksConfig(**values)
+
+
+def default_callbacks(cfg: Any) -> List[Any]:
+    """The measurement callbacks the run config asks for, in the order they must run.
+
+    The FLOPs callback comes before the ThroughputMonitor: it sets ``pl_module.flops_per_batch``,
+    which the monitor reads on the same batch end.
+    """
+    config = config_from(cfg)
+    config.validate()
+    out: List[Any] = []
+    if config.routing:
+        from callbacks.routing import RoutingStatistics
+
+        out.append(RoutingStatistics(every=config.routing_every, images_every=config.routing_images_every))
+    if config.flops or config.throughput:
+        from callbacks.flops import FlopsCallback, throughput_monitor
+
+        out.append(FlopsCallback(every=config.flops_every, log=config.flops))
+        if config.throughput:
+            out.append(throughput_monitor(window_size=config.throughput_window))
+    if config.contribution:
+        from callbacks.contribution import ContributionCallback
+
+        out.append(ContributionCallback(every=config.contribution_every, batch_size=config.contribution_batch_size,
+                                        seq_len=config.contribution_seq_len))
+    if config.tensorboard:
+        from callbacks.tensorboard import TensorBoardExtras
+
+        out.append(TensorBoardExtras())
+    return out

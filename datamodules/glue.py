@@ -127,6 +127,7 @@ def parse_label(task: GlueTask, value, where: str):
         if not STSB_RANGE[0] <= score <= STSB_RANGE[1]:
             raise DataError(f"{where}: STS-B score {score} is outside the task's range {list(STSB_RANGE)}")
         return score
+    raw = value
     if isinstance(value, str):
         text = value.strip()
         if text in task.labels:
@@ -141,7 +142,7 @@ def parse_label(task: GlueTask, value, where: str):
         return int(value)
     hint = " (test splits carry no labels)" if value == -1 else ""
     valid = ", ".join(f"{i}={n}" for i, n in enumerate(task.labels))
-    raise DataError(f"{where}: label {value!r} is not in {task.slug}'s label set ({valid}){hint}")
+    raise DataError(f"{where}: label {raw!r} is not in {task.slug}'s label set ({valid}){hint}")
 
 
 class _Rows:
@@ -299,15 +300,13 @@ def _hub_split(task: GlueTask, split: str, drop_empty: bool) -> GlueSplit:
 
 # ---------------------------------------------------------------------------- tokenisation
 def fit_pair(len_a: int, len_b: int, budget: int) -> Tuple[int, int]:
-    """Longest-first truncation: shrink the longer text until both fit in ``budget`` tokens."""
+    """Longest-first truncation (as Hugging Face tokenizers): drop the last token of the longer text,
+    the second text on ties, until both fit in ``budget`` tokens."""
     if len_a + len_b <= budget:
         return len_a, len_b
-    half = budget // 2
-    if len_a <= half:
-        return len_a, budget - len_a
-    if len_b <= budget - half:
-        return budget - len_b, len_b
-    return half, budget - half
+    if 2 * min(len_a, len_b) <= budget:  # the shorter text survives whole
+        return (len_a, budget - len_a) if len_a <= len_b else (budget - len_b, len_b)
+    return budget - budget // 2, budget // 2
 
 
 def encode_split(split: GlueSplit, tokenizer: TextTokenizer, max_length: int, name: str = "") -> List[np.ndarray]:

@@ -27,6 +27,7 @@ import yaml
 from architectures import ModelConfig, build_model, variant_names
 from architectures.config import SIZES, ConfigError
 from architectures.gpt2 import vanilla_flops
+from lightning_modules.lm import make_adamw, parameter_groups
 
 HF_REFERENCE = "hf_gpt2"
 
@@ -108,7 +109,8 @@ class Contender:
             self.config = self.model.config
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model.to(self.device).train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        # the same optimizer as training (lightning_modules.lm), so step times are what a run sees
+        self.optimizer = make_adamw(parameter_groups(self.model, 0.1), lr=1e-4)
         self.times: List[float] = []
         self.memory_bytes = 0
         self.last_trace = None

@@ -174,9 +174,20 @@ def resolve_ckpt(cfg: Namespace, root: pathlib.Path) -> Optional[str]:
     return str(candidates[-1])
 
 
+def parse_with_presets(parser: ArgumentParser, argv: Sequence[str], prefix: str = "model") -> Namespace:
+    """Parse twice: once to learn the variant, then with its preset as defaults, so that YAML files
+    and explicit command-line values override the preset and the preset overrides dataclass defaults."""
+    from architectures.registry import preset_defaults
+
+    probe = [a for a in argv if not a.startswith("--print_config")]
+    variant = parser.parse_args(probe, defaults=True)[prefix].variant
+    parser.set_defaults(preset_defaults(variant, prefix))
+    return parser.parse_args(list(argv))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> pathlib.Path:
     parser = build_parser()
-    cfg = parser.parse_args(expand_aliases(list(sys.argv[1:] if argv is None else argv)))
+    cfg = parse_with_presets(parser, expand_aliases(list(sys.argv[1:] if argv is None else argv)))
     validate_up_front(cfg)
     return train(cfg, parser)
 

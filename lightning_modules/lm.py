@@ -72,6 +72,14 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> List[Dict[s
     ]
 
 
+def make_adamw(params, **kwargs) -> torch.optim.AdamW:
+    """AdamW with the fused kernel (CPU and CUDA): one pass over all parameters instead of many small ops."""
+    try:
+        return torch.optim.AdamW(params, fused=True, **kwargs)
+    except (RuntimeError, TypeError):  # a device/dtype without a fused kernel
+        return torch.optim.AdamW(params, **kwargs)
+
+
 class NonFiniteLossError(FloatingPointError):
     pass
 
@@ -150,9 +158,7 @@ class LanguageModelModule(L.LightningModule):
     # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self):
         groups = parameter_groups(self.model, self.optim.weight_decay)
-        fused = self.device.type == "cuda"
-        optimizer = torch.optim.AdamW(groups, lr=self.optim.lr, betas=(self.optim.beta1, self.optim.beta2),
-                                      eps=self.optim.eps, fused=fused)
+        optimizer = make_adamw(groups, lr=self.optim.lr, betas=(self.optim.beta1, self.optim.beta2), eps=self.optim.eps)
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer,
             lambda step: warmup_cosine(step, self.optim.warmup_steps, self.max_steps, self.optim.min_lr_ratio),

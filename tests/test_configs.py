@@ -42,3 +42,17 @@ def test_variant_preset_composes_with_every_size(variant_preset):
         with torch.device("meta"):
             model = build_model(model_config(cfg))
         assert model.config.n_layer == {"tiny": 4, "small": 12, "medium": 24, "large": 36}[size]
+
+
+def test_explicit_values_beat_presets_even_when_equal_to_the_dataclass_default():
+    from experiments.run import expand_aliases, parse_with_presets
+
+    def resolved(*argv):
+        return model_config(parse_with_presets(build_parser(), expand_aliases(list(argv))))
+
+    assert resolved("--variant", "cea").combo.outer_ratio == 0.125  # the preset
+    assert resolved("--variant", "cea", "--model.combo.outer_ratio", "0.5").combo.outer_ratio == 0.5  # == default
+    assert resolved("--variant", "mom_e").mom.top_k == 3
+    assert resolved("--variant", "mom_e", "--model.mom.top_k", "1").mom.top_k == 1
+    built = build_model(resolved("--variant", "cea", "--model.combo.outer_ratio", "0.5"))  # not re-applied
+    assert built.config.combo.outer_ratio == 0.5

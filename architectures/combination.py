@@ -1,0 +1,320 @@
+"""FFN-Wider and the combination architectures ``caa`` / ``cea`` / ``cea_moe`` (Lu et al., NeurIPS 2024,
+arXiv 2403.02436; ../shared/SPEC.md §2).
+
+``ffn_wider``: vanilla GPT-2 whose FFN hidden width is ``combo.wide_ffn_ratio * d`` (default 32d).
+
+``caa`` (Combination Adjustable Architecture). The total FFN width ``W = combo.total_ffn_ratio * d``
+(default 32d, the FFN-Wider width, so ``caa`` at r = 1 *is* ``ffn_wider``) is split into an
+Outer-FFN of width ``r * W`` (``r = combo.outer_ratio``; the usual FFN after MHA) and an Inner-FFN
+of width ``(1 - r) * W`` that lives inside MHA. One pre-LN block computes, with ``h = ln_1(x)``:
+
+    q, k, v   = c_attn(h)                                  # the vanilla fused projection
+    direct    = softmax_causal(q k^T / sqrt(dh)) v          # key j <= i: the direct pathway
+    v_inner   = V_inner(InnerFFN(h))                        # per-token values through the Inner-FFN
+    inner     = softmax_strict(q k^T / sqrt(dh)) v_inner    # key j <  i: own Inner-FFN output masked
+    x         = x + O(direct) + O'(inner)                   # "mha" residual state
+    x         = x + OuterFFN(ln_2(x))                       # "ffn" residual state
+
+* Q and K are shared by both pathways (SPEC's formula uses one ``QK^T``): the Inner path only adds
+  what other tokens' Inner-FFN outputs say, weighted by the same attention pattern renormalised
+  over the strictly earlier keys. Its own ``V_inner`` (d -> d) and ``O'`` (d -> d) are separate
+  from the direct ``V`` and ``O``, so with the Inner-FFN switched off the block is exactly vanilla.
+* The direct pathway keeps the normal value projection, so a token still sees its own
+  (untransformed) representation, as the paper's "direct pathway in MHA" prescribes.
+* No token receives its own Inner-FFN output: the Inner path uses a causal mask with the diagonal
+  removed (the paper's FlashAttention-compatible simplification). It is computed as ordinary
+  causal attention of queries 1..T-1 over keys/values 0..T-2 (a one-position shift), so every
+  kernel (flash included) applies and no explicit mask is needed. The first position has no
+  allowed key at all: its Inner output is defined as 0 (before ``O'``, whose bias still applies),
+  never a NaN from a softmax over nothing.
+* KV cache: the direct K/V are cached under ``block{i}``, the Inner values under
+  ``block{i}.inner`` (with a zero-width placeholder key, since K is shared).
+
+``cea`` (Combination Enhanced Architecture): ``caa`` with a fixed ratio. Our choice: r = 0.125 at
+W = 32d, i.e. the Outer-FFN keeps the vanilla 4d width and the other 28d move inside MHA. The paper's
+MoE version does the same (the dense FFN stays as the Outer-FFN, the added capacity moves inside);
+our sources give no number for the FFN-Wider CEA ratio. The preset lives in the registry.
+
+``cea_moe``: the Inner-FFN is an ``MoELayer`` (``combo.inner_experts`` experts, top-``combo.inner_top_k``;
+balance / z-loss / capacity settings from the ``moe`` group). Each expert has the Inner-FFN width
+``(1 - r) * W``, so at top-1 a token's active FFN compute equals ``caa``'s. Preset: W = 8d, r = 0.5,
+i.e. a dense 4d Outer-FFN and 4d experts inside MHA, as the paper's 14B model (dense FFN outside,
+top-1 MoE inside). Its routing sites are ``block{i}.inner_moe`` (group "inner_moe", step i).
+
+FLOPs (``flops.py`` conventions): ``V_inner`` and ``O'`` count as ``attn_proj``; the Inner path's
+scores count what the math kernel computes, ``(T-1)^2`` query-key pairs per sequence; the Inner-FFN
+(dense or the experts actually run) counts as ``ffn``, its router as ``router``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from architectures import flops as F_
+from architectures.base import LanguageModel, require
+from architectures.config import ModelConfig
+from architectures.contract import KVCache, ModelOutput, RoutingSite, SubLayerState, sum_aux
+from architectures.gpt2 import MLP, CausalSelfAttention, causal_attention
+from architectures.moe import MoELayer, MoEResult, validate_moe_config
+
+INNER_SITE = "inner_moe"
+
+
+def strictly_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+    """Attention in which a query sees only keys STRICTLY before it; a query with none gets 0.
+
+    Queries are the last ``q.shape[2]`` positions of the key sequence (as in ``causal_attention``).
+    Key j < query i  <=>  causal attention over the keys shifted by one position: drop the last key,
+    and drop the queries at absolute position 0 (there is at most one, when nothing is cached).
+    """
+    t_q, t_k = q.shape[2], k.shape[2]
+    empty = max(0, t_q - (t_k - 1))
+    zeros = q.new_zeros(q.shape[0], q.shape[1], empty, v.shape[-1])
+    if empty == t_q:
+        return zeros
+    out = causal_attention(q[:, :, empty:], k[:, :, :-1], v[:, :, :-1], dropout_p)
+    return torch.cat([zeros, out], dim=2) if empty else out
+
+
+class InnerPath(nn.Module):
+    """The Inner-FFN (dense MLP or MoE) and the Inner path's own value and output projections."""
+
+    def __init__(self, d_model: int, ffn: nn.Module, bias: bool):
+        super().__init__()
+        self.ffn = ffn
+        self.v_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.c_proj = nn.Linear(d_model, d_model, bias=bias)
+
+    def values(self, h: torch.Tensor, valid, site_name: str, step: int) -> Tuple[torch.Tensor, Optional[MoEResult]]:
+        if isinstance(self.ffn, MoELayer):
+            result = self.ffn(h, valid, site_name, INNER_SITE, step)
+            return self.v_proj(result.output), result
+        return self.v_proj(self.ffn(h)), None
+
+
+class CombinationAttention(CausalSelfAttention):
+    """Vanilla causal MHA (the direct pathway) plus, when ``inner`` is given, the Inner path."""
+
+    def __init__(self, d_model: int, n_head: int, inner: Optional[InnerPath], bias: bool = True, dropout: float = 0.0):
+        super().__init__(d_model, n_head, bias, dropout)
+        self.inner = inner
+
+    def forward(  # type: ignore[override]
+        self,
+        h: torch.Tensor,
+        cache: Optional[KVCache] = None,
+        cache_key: str = "",
+        valid: Optional[torch.Tensor] = None,
+        site_name: str = "",
+        step: int = 0,
+    ) -> Tuple[torch.Tensor, Optional[MoEResult]]:
+        q, k, v = (self.split_heads(t) for t in self.c_attn(h).chunk(3, dim=-1))
+        if cache is not None:
+            k, v = cache.append(cache_key, k, v)
+        p = self.dropout if self.training else 0.0
+        out = self.c_proj(self.merge_heads(causal_attention(q, k, v, p)))
+        moe = None
+        if self.inner is not None:
+            values, moe = self.inner.values(h, valid, site_name, step)
+            v_inner = self.split_heads(values)
+            if cache is not None:
+                # K is shared with the direct path: cache only the Inner values (zero-width key).
+                _, v_inner = cache.append(cache_key + ".inner", v_inner[..., :0], v_inner)
+            out = out + self.inner.c_proj(self.merge_heads(strictly_causal_attention(q, k, v_inner, p)))
+        return self.resid_drop(out), moe
+
+
+class CombinationBlock(nn.Module):
+    """Pre-LN block: x + MHA(+Inner-FFN)(ln_1 x), then + OuterFFN(ln_2 x) when the Outer width > 0.
+
+    With no Inner path its parameters are named exactly like ``gpt2.Block`` (weights interchange).
+    """
+
+    def __init__(self, config: ModelConfig, outer: int, inner: Optional[nn.Module]):
+        super().__init__()
+        d = config.d_model
+        self.ln_1 = nn.LayerNorm(d, eps=config.layer_norm_eps)
+        path = InnerPath(d, inner, config.bias) if inner is not None else None
+        self.attn = CombinationAttention(d, config.n_head, path, config.bias, config.dropout)
+        self.outer = outer
+        if outer > 0:
+            self.ln_2 = nn.LayerNorm(d, eps=config.layer_norm_eps)
+            self.mlp = MLP(d, outer, config.bias, config.dropout)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: Optional[KVCache],
+        layer: int,
+        residuals: Optional[List[SubLayerState]],
+        valid: Optional[torch.Tensor],
+    ) -> Tuple[torch.Tensor, Optional[MoEResult]]:
+        update, moe = self.attn(self.ln_1(x), cache, f"block{layer}", valid, f"block{layer}.{INNER_SITE}", layer)
+        x = x + update
+        if residuals is not None:
+            residuals.append(SubLayerState("mha", layer, x))
+        if self.outer > 0:
+            x = x + self.mlp(self.ln_2(x))
+        if residuals is not None:
+            residuals.append(SubLayerState("ffn", layer, x))  # unchanged when r = 0: no Outer-FFN
+        return x, moe
+
+
+def _whole(value: float, field: str, what: str) -> int:
+    require(value >= 0 and abs(value - round(value)) < 1e-6, field,
+            f"{what} = {value:g} is not a whole number of hidden units")
+    return int(round(value))
+
+
+class CombinationLM(LanguageModel):
+    """``caa`` / ``cea``: Outer-FFN of width r*W after MHA, dense Inner-FFN of width (1-r)*W inside it."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        outer, inner = self.widths(config)
+        self.outer_width, self.inner_width = outer, inner
+        self.blocks = nn.ModuleList(
+            [CombinationBlock(config, outer, self.make_inner(config, inner) if inner > 0 else None)
+             for _ in range(config.n_layer)]
+        )
+        self.init_weights()
+
+    # ------------------------------------------------------------------ configuration
+    @classmethod
+    def widths(cls, config: ModelConfig) -> Tuple[int, int]:
+        """(Outer-FFN width, Inner-FFN width) = (r*W, W - r*W); raises ConfigError naming the field."""
+        c = config.combo
+        require(isinstance(c.total_ffn_ratio, (int, float)) and c.total_ffn_ratio > 0, "model.combo.total_ffn_ratio",
+                f"must be > 0, got {c.total_ffn_ratio!r}")
+        require(isinstance(c.outer_ratio, (int, float)) and 0.0 <= c.outer_ratio <= 1.0, "model.combo.outer_ratio",
+                f"must be in [0, 1], got {c.outer_ratio!r}")
+        d = config.d_model
+        total = _whole(c.total_ffn_ratio * d, "model.combo.total_ffn_ratio",
+                       f"W = total_ffn_ratio * d_model = {c.total_ffn_ratio:g} * {d}")
+        require(total >= 1, "model.combo.total_ffn_ratio", f"W = total_ffn_ratio * d_model must be >= 1, got {total}")
+        outer = _whole(c.outer_ratio * total, "model.combo.outer_ratio",
+                       f"Outer-FFN width r * W = {c.outer_ratio:g} * {total}")
+        return outer, total - outer
+
+    @classmethod
+    def validate_config(cls, config: ModelConfig) -> None:
+        cls.widths(config)
+
+    def make_inner(self, config: ModelConfig, width: int) -> nn.Module:
+        return MLP(config.d_model, width, config.bias, config.dropout)
+
+    def init_weights(self) -> None:
+        super().init_weights()
+        # The base init shrinks every "*c_proj.weight" as a residual writer; inside the Inner path
+        # only O' (inner.c_proj) writes to the residual, the Inner-FFN output feeds V_inner.
+        for name, param in self.named_parameters():
+            if ".inner.ffn." in name and name.endswith("c_proj.weight"):
+                nn.init.normal_(param, mean=0.0, std=self.config.init_std)
+
+    # ------------------------------------------------------------------ contract
+    def forward(
+        self,
+        idx: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        return_residuals: bool = False,
+        cache: Optional[KVCache] = None,
+    ) -> ModelOutput:
+        # Right padding only (as vanilla): causal attention keeps real tokens from seeing pads; the
+        # mask only tells an Inner MoE which tokens to route and count.
+        offset = cache.offset if cache is not None else 0
+        x = self.embed(idx, offset)
+        valid = attention_mask.bool() if attention_mask is not None else None
+        residuals = [SubLayerState("embed", -1, x)] if return_residuals else None
+        trace: List[RoutingSite] = []
+        aux = {}
+        for i, block in enumerate(self.blocks):
+            x, moe = block(x, cache, i, residuals, valid)
+            if moe is not None:
+                trace.append(moe.site)
+                aux.update(moe.aux_losses)
+        if cache is not None:
+            cache.offset += idx.shape[1]
+        return ModelOutput(logits=self.head(x), aux_loss=sum_aux(aux, x), trace=trace, residuals=residuals,
+                           aux_losses=aux, cache=cache)
+
+    def flops_per_token(self, trace: Optional[List[RoutingSite]] = None, seq_len: Optional[int] = None) -> F_.Flops:
+        cfg = self.config
+        T = seq_len or cfg.block_size
+        sites = {site.name: site for site in (trace or [])}
+        total = F_.Flops()
+        for i, block in enumerate(self.blocks):
+            total = total + self.block_flops(block, T, sites.get(f"block{i}.{INNER_SITE}"))
+        return total + F_.lm_head(cfg.d_model, cfg.vocab_size)
+
+    def block_flops(self, block: CombinationBlock, T: int, site: Optional[RoutingSite]) -> F_.Flops:
+        d = self.config.d_model
+        flops = F_.Flops(attn_proj=F_.attention_projections(d), attn_scores=F_.attention_scores(d, T),
+                         ffn=F_.ffn(d, self.outer_width) if self.outer_width else 0.0)
+        inner = block.attn.inner
+        if inner is None:
+            return flops
+        # (T-1) queries x (T-1) keys per sequence (the shifted causal call), averaged over T tokens.
+        path = F_.Flops(attn_proj=2 * F_.linear(d, d), attn_scores=F_.attention_scores(d, (T - 1) ** 2 / T))
+        if isinstance(inner.ffn, MoELayer):
+            path = path + inner.ffn.flops_per_token(site, d)
+        else:
+            path = path + F_.Flops(ffn=F_.ffn(d, self.inner_width))
+        return flops + path
+
+    def num_parameters_formula(self) -> int:
+        """Closed-form parameter count (tied head counted once); tests check it against the model."""
+        cfg = self.config
+        d, b = cfg.d_model, int(cfg.bias)
+        mlp = lambda h: 2 * d * h + b * (h + d)  # noqa: E731
+        linear = d * d + b * d
+        block = 2 * d + 4 * d * d + b * 4 * d  # ln_1, c_attn, c_proj
+        if self.inner_width:
+            block += self.inner_ffn_parameters(mlp(self.inner_width)) + 2 * linear
+        if self.outer_width:
+            block += 2 * d + mlp(self.outer_width)
+        return cfg.vocab_size * d + cfg.block_size * d + cfg.n_layer * block + 2 * d
+
+    def inner_ffn_parameters(self, dense_mlp: int) -> int:
+        return dense_mlp
+
+
+class CombinationMoELM(CombinationLM):
+    """``cea_moe``: the Inner-FFN is an MoE layer; the Outer-FFN stays dense."""
+
+    @staticmethod
+    def inner_moe_config(config: ModelConfig):
+        return dataclasses.replace(config.moe, num_experts=config.combo.inner_experts,
+                                   top_k=config.combo.inner_top_k, expert_ffn_ratio=None)
+
+    @classmethod
+    def validate_config(cls, config: ModelConfig) -> None:
+        outer, inner = cls.widths(config)
+        c = config.combo
+        require(inner > 0, "model.combo.outer_ratio",
+                f"cea_moe needs an Inner-FFN (r < 1) to hold its experts, got r = {c.outer_ratio:g}")
+        require(isinstance(c.inner_experts, int) and c.inner_experts >= 1, "model.combo.inner_experts",
+                f"cea_moe needs at least 1 expert, got {c.inner_experts!r}")
+        require(isinstance(c.inner_top_k, int) and 1 <= c.inner_top_k <= c.inner_experts, "model.combo.inner_top_k",
+                f"must be in [1, inner_experts={c.inner_experts}], got {c.inner_top_k!r}")
+        validate_moe_config(cls.inner_moe_config(config), prefix="model.moe")
+
+    def make_inner(self, config: ModelConfig, width: int) -> nn.Module:
+        return MoELayer(config.d_model, width, self.inner_moe_config(config), config.bias, config.dropout)
+
+    def inner_ffn_parameters(self, dense_mlp: int) -> int:
+        E = self.config.combo.inner_experts
+        return E * dense_mlp + self.config.d_model * E  # experts + bias-free router
+
+
+class FFNWider(CombinationLM):
+    """``ffn_wider``: vanilla GPT-2 with FFN hidden width ``combo.wide_ffn_ratio * d`` (no Inner path)."""
+
+    @classmethod
+    def widths(cls, config: ModelConfig) -> Tuple[int, int]:
+        ratio = config.combo.wide_ffn_ratio
+        require(isinstance(ratio, (int, float)) and ratio > 0, "model.combo.wide_ffn_ratio", f"must be > 0, got {ratio!r}")
+        d = config.d_model
+        return _whole(ratio * d, "model.combo.wide_ffn_ratio", f"FFN width wide_ffn_ratio * d_model = {ratio:g} * {d}"), 0

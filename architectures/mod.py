@@ -1,0 +1,495 @@
+"""Mixture-of-Depths (Raposo et al. 2024, arXiv 2404.02258) and MoDE (staged / integrated).
+
+``mod``: in each routed block (``model.mod.routed_blocks``, default every odd block) a scalar linear
+router r = w^T x scores every token; the block takes the top k = floor(c*T) tokens of each sequence
+(expert choice), keeps them in their original order, runs attention and MLP on the gathered (B, k, d)
+tensor only (causal among the k; positions are already in the embeddings) and writes back
+x_i + r_i * f(X_sel)_i. Every other token is copied through bit for bit.
+
+The update is computed as ``(x + r*a) + r*m`` with ``a`` the attention update and ``m`` the MLP
+output on ``x + a`` (the block's internal, unweighted residual): the same number as ``x + r*(a+m)``,
+and with r == 1 exactly the vanilla block's arithmetic, so capacity 1 with a fixed unit router weight
+reproduces GPT-2 bit for bit (``MoD.fixed_router_weight`` is that test hook).
+
+Top-k over the sequence is not causal. For sampling each routed block has a causal decision
+(``model.mod.sampling``): "aux_loss" trains the router logits with BCE against top-k membership and
+decides sigmoid(r) > 0.5; "predictor" trains a small MLP on the stop-gradient block input with BCE
+(no gradient reaches the LM) and decides sigmoid(p) > 0.5. Generation (``generate()``, any forward
+with a ``KVCache``, or ``with model.causal_routing():``) routes by that decision. The number of
+processed tokens then differs per sequence, so those paths attend row by row, and each row keeps its
+own cache entry per routed block (``"block{i}.row{b}"``): a token the block skips writes nothing.
+
+MoDE (``mode_staged``, ``mode_integrated``) uses the shared ``MoELayer`` (architectures/moe.py).
+Staged: the MLP of each routed block is an MoE layer, so routing happens around attention + MoE.
+Integrated: routed blocks keep dense attention and replace the MLP by an MoE layer with
+``model.mod.noop_experts`` identity experts, so skipping is a token-choice among the experts. In both,
+the remaining blocks get an MoE MLP when ``model.moe.layers`` selects them.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from architectures import flops as F_
+from architectures.base import LanguageModel, require
+from architectures.config import ConfigError, ModelConfig, layer_selection
+from architectures.contract import KVCache, ModelOutput, RoutingSite, SubLayerState, sum_aux
+from architectures.gpt2 import MLP, Block, CausalSelfAttention
+from architectures.moe import MoEBlock, MoELayer, expert_hidden, validate_moe_config
+
+SAMPLING_CHOICES = ("aux_loss", "predictor", "none")
+
+
+# ---------------------------------------------------------------------------- configuration
+def capacity_tokens(capacity: float, seq_len: int) -> int:
+    """k = floor(c * T): tokens each routed block processes per sequence of length ``seq_len``."""
+    k = math.floor(capacity * seq_len)
+    if k < 1:
+        raise ConfigError(
+            f"model.mod.capacity: capacity {capacity} gives k = floor({capacity} * {seq_len}) = 0 tokens for "
+            f"sequence length {seq_len}; use a capacity >= {1.0 / seq_len:.4g} or longer sequences"
+        )
+    return k
+
+
+def routed_block_indices(config: ModelConfig) -> List[int]:
+    indices = layer_selection(config.mod.routed_blocks, config.n_layer, "model.mod.routed_blocks")
+    require(bool(indices), "model.mod.routed_blocks",
+            f"{config.mod.routed_blocks!r} selects no block for model.n_layer={config.n_layer}")
+    return indices
+
+
+def validate_mod_routing(config: ModelConfig) -> None:
+    """Checks for expert-choice MoD routing (``mod``, ``mode_staged``)."""
+    cfg = config.mod
+    require(isinstance(cfg.capacity, (int, float)) and 0.0 < cfg.capacity <= 1.0, "model.mod.capacity",
+            f"must be in (0, 1], got {cfg.capacity!r}")
+    capacity_tokens(cfg.capacity, config.block_size)
+    routed_block_indices(config)
+    require(cfg.sampling in SAMPLING_CHOICES, "model.mod.sampling",
+            f"unknown causal sampling {cfg.sampling!r}; use one of {', '.join(SAMPLING_CHOICES)}")
+    if cfg.sampling == "aux_loss":
+        require(cfg.aux_loss_coef > 0, "model.mod.aux_loss_coef",
+                f"must be > 0 with model.mod.sampling='aux_loss' (the router BCE is the causal predictor), "
+                f"got {cfg.aux_loss_coef}")
+    if cfg.sampling == "predictor":
+        require(isinstance(cfg.predictor_hidden, int) and cfg.predictor_hidden >= 1, "model.mod.predictor_hidden",
+                f"must be an integer >= 1 with model.mod.sampling='predictor', got {cfg.predictor_hidden!r}")
+        require(cfg.predictor_loss_coef > 0, "model.mod.predictor_loss_coef",
+                f"must be > 0 with model.mod.sampling='predictor', got {cfg.predictor_loss_coef}")
+
+
+def masked_mean(values: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
+    if valid is None:
+        return values.mean()
+    w = valid.to(values.dtype)
+    return (values * w).sum() / w.sum().clamp(min=1)
+
+
+# ---------------------------------------------------------------------------- per-pass state
+class _Pass:
+    """What one forward pass shares between blocks: inputs, cache, and what blocks report back."""
+
+    def __init__(self, valid, cache, causal, residuals, fixed_weight):
+        self.valid: Optional[torch.Tensor] = valid
+        self.cache: Optional[KVCache] = cache
+        self.causal: bool = causal
+        self.residuals: Optional[List[SubLayerState]] = residuals
+        self.fixed_weight: Optional[float] = fixed_weight
+        self.trace: List[RoutingSite] = []
+        self.aux: Dict[str, torch.Tensor] = {}
+
+
+def _scatter_rows(values: Optional[torch.Tensor], flat: torch.Tensor, n_rows: int, fill=0) -> Optional[torch.Tensor]:
+    """Rows of ``values`` (N, ...) placed at ``flat`` in an (n_rows, ...) tensor filled with ``fill``."""
+    if values is None:
+        return None
+    values = values.detach()
+    out = values.new_full((n_rows, *values.shape[1:]), fill)
+    return out.index_copy(0, flat, values)
+
+
+def expand_site(site: RoutingSite, flat: torch.Tensor, B: int, T: int) -> RoutingSite:
+    """An MoE site computed on the N processed tokens, re-laid on the full (B, T) grid.
+
+    Tokens the MoD router skipped are marked invalid, so statistics and FLOPs count only the tokens
+    the MoE layer really saw, and the site lines up token-for-token with the other layers' sites.
+    """
+    N = flat.numel()
+
+    def put(t, fill=0):
+        if t is None:
+            return None
+        full = _scatter_rows(t.reshape(N, *t.shape[2:]), flat, B * T, fill)
+        return full.view(B, T, *full.shape[1:])
+
+    seen = torch.ones(N, dtype=torch.bool, device=flat.device) if site.valid is None else site.valid.reshape(N)
+    return RoutingSite(
+        name=site.name, kind=site.kind, choice_names=site.choice_names, selected=put(site.selected),
+        weights=put(site.weights), group=site.group, step=site.step, probs=put(site.probs),
+        dropped=put(site.dropped, False), valid=put(seen, False), logits=put(site.logits), extras=site.extras,
+    )
+
+
+# ---------------------------------------------------------------------------- blocks
+class RoutedBlock(nn.Module):
+    """A block behind an expert-choice MoD router; its MLP is a GPT-2 MLP or (staged MoDE) an MoE layer.
+
+    Parameter names of the block proper (``ln_1``, ``attn``, ``ln_2``, ``mlp``) match ``gpt2.Block``,
+    so vanilla weights load into it; ``router`` and ``predictor`` are the extra parameters.
+    """
+
+    def __init__(self, config: ModelConfig, index: int, step: int, moe_step: Optional[int] = None):
+        super().__init__()
+        d = config.d_model
+        self.cfg = config.mod
+        self.index, self.step, self.moe_step = index, step, moe_step
+        self.name = f"block{index}.mod"
+        self.ln_1 = nn.LayerNorm(d, eps=config.layer_norm_eps)
+        self.attn = CausalSelfAttention(d, config.n_head, config.bias, config.dropout)
+        self.ln_2 = nn.LayerNorm(d, eps=config.layer_norm_eps)
+        if moe_step is None:
+            self.mlp: nn.Module = MLP(d, config.ffn_hidden, config.bias, config.dropout)
+        else:
+            self.mlp = MoELayer(d, expert_hidden(config), config.moe, config.bias, config.dropout)
+        self.router = nn.Linear(d, 1, bias=False)
+        self.predictor: Optional[nn.Module] = None
+        if self.cfg.sampling == "predictor":
+            h = self.cfg.predictor_hidden
+            self.predictor = nn.Sequential(nn.Linear(d, h), nn.GELU(approximate="tanh"), nn.Linear(h, 1))
+
+    # -------------------------------------------------------------- routing
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32 so that top-k ranks are not decided by bf16 ties under autocast
+        return F.linear(x.float(), self.router.weight.float()).squeeze(-1)
+
+    def predictor_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.predictor(x.detach()).squeeze(-1).float()
+
+    def causal_decision(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """(B, T) bool from information up to each token only: sigmoid(predictor or router) > 0.5."""
+        if self.predictor is not None:
+            return self.predictor_logits(x) > 0
+        return logits > 0
+
+    def forward(self, x: torch.Tensor, ctx: _Pass) -> torch.Tensor:
+        logits = self.router_logits(x)
+        weight = logits if ctx.fixed_weight is None else torch.full_like(logits, ctx.fixed_weight)
+        if ctx.causal or ctx.cache is not None:
+            return self._forward_causal(x, logits, weight, ctx)
+        return self._forward_topk(x, logits, weight, ctx)
+
+    def _forward_topk(self, x, logits, weight, ctx: _Pass) -> torch.Tensor:
+        B, T, d = x.shape
+        k = capacity_tokens(self.cfg.capacity, T)
+        scores = logits.detach()
+        if ctx.valid is not None:
+            # padding ranks below every real token, so it is taken only when real tokens run out
+            scores = scores.masked_fill(~ctx.valid, float("-inf"))
+        idx = scores.topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+        flat = (idx + torch.arange(B, device=x.device).unsqueeze(1) * T).reshape(-1)
+        valid_sel = None if ctx.valid is None else ctx.valid.reshape(-1)[flat].view(B, k)
+        chosen = self._run(x, flat, (B, k), weight, self.attn.attend, valid_sel, ctx)
+        self._record(ctx, chosen, weight, logits, self._sampling_losses(x, logits, chosen, ctx))
+        return chosen.out
+
+    def _forward_causal(self, x, logits, weight, ctx: _Pass) -> torch.Tensor:
+        B, T, d = x.shape
+        decided = self.causal_decision(x, logits)
+        if ctx.valid is not None:
+            decided = decided & ctx.valid
+        flat = decided.reshape(-1).nonzero().squeeze(-1)
+        counts = decided.sum(dim=1).tolist()
+        pairs = [0.0]
+
+        def attend_rows(qkv: torch.Tensor) -> torch.Tensor:
+            outs = []
+            for b, seg in enumerate(qkv.split(counts, dim=1)):
+                if seg.shape[1]:
+                    key = f"block{self.index}.row{b}"
+                    outs.append(self.attn.attend(seg, ctx.cache, key))
+                    if ctx.cache is not None:
+                        pairs[0] += seg.shape[1] * ctx.cache.length(key)
+            return torch.cat(outs, dim=1)
+
+        if flat.numel():
+            chosen = self._run(x, flat, (1, flat.numel()), weight, attend_rows, None, ctx)
+        else:
+            chosen = self._skip_all(x, ctx)
+        # with a cache each query also scores the row's earlier keys: not derivable from this trace alone
+        extras = {"attn_pairs": torch.tensor(pairs[0])} if ctx.cache is not None else {}
+        self._record(ctx, chosen, weight, logits, extras)
+        return chosen.out
+
+    # -------------------------------------------------------------- compute on the processed tokens
+    def _run(self, x, flat, shape: Tuple[int, int], weight, attend: Callable, valid_sel, ctx: _Pass) -> "_Chosen":
+        """Gather the tokens at ``flat`` as ``shape`` = (rows, len), update them, scatter back."""
+        B, T, d = x.shape
+        xf = x.reshape(B * T, d)
+        x_sel = xf.index_select(0, flat).view(*shape, d)
+        r = weight.reshape(-1).index_select(0, flat).view(*shape, 1).to(x.dtype)
+        a = self.attn.resid_drop(self.attn.c_proj(attend(self.attn.c_attn(self.ln_1(x_sel)))))
+        m, moe_site = self._ffn(self.ln_2(x_sel + a), valid_sel, flat, B, T, ctx)
+        h = x_sel + r * a
+        y = h + r * m
+        out = xf.index_copy(0, flat, y.reshape(-1, d)).view(B, T, d)
+        if ctx.residuals is not None:
+            ctx.residuals.append(SubLayerState("mha", self.index, xf.index_copy(0, flat, h.reshape(-1, d)).view(B, T, d)))
+            ctx.residuals.append(SubLayerState("ffn", self.index, out))
+        mask = torch.zeros(B * T, dtype=torch.bool, device=x.device).index_fill(0, flat, True).view(B, T)
+        return _Chosen(out, mask, moe_site)
+
+    def _skip_all(self, x, ctx: _Pass) -> "_Chosen":
+        """No token chose the block (possible only with causal decisions): nothing runs."""
+        B, T, _ = x.shape
+        if ctx.residuals is not None:
+            ctx.residuals += [SubLayerState("mha", self.index, x), SubLayerState("ffn", self.index, x)]
+        moe_site = None
+        if isinstance(self.mlp, MoELayer):
+            E, k = self.mlp.num_choices, self.mlp.top_k
+            zeros = x.new_zeros(B, T, E, dtype=torch.float32)
+            moe_site = RoutingSite(
+                name=f"block{self.index}.moe", kind="token_choice", choice_names=list(self.mlp.choice_names),
+                selected=torch.zeros(B, T, k, dtype=torch.long, device=x.device), weights=zeros[..., :k],
+                group="moe", step=self.moe_step, probs=zeros,
+                dropped=torch.zeros(B, T, k, dtype=torch.bool, device=x.device),
+                valid=torch.zeros(B, T, dtype=torch.bool, device=x.device), logits=zeros,
+            )
+        return _Chosen(x, torch.zeros(B, T, dtype=torch.bool, device=x.device), moe_site)
+
+    def _ffn(self, z, valid_sel, flat, B, T, ctx: _Pass):
+        if not isinstance(self.mlp, MoELayer):
+            return self.mlp(z), None
+        res = self.mlp(z, valid=valid_sel, site_name=f"block{self.index}.moe", group="moe", step=self.moe_step)
+        ctx.aux.update(res.aux_losses)
+        return res.output, expand_site(res.site, flat, B, T)
+
+    # -------------------------------------------------------------- causal predictors and the trace
+    def _sampling_losses(self, x, logits, chosen: "_Chosen", ctx: _Pass) -> Dict[str, torch.Tensor]:
+        """BCE of the causal decision against top-k membership, and the decision's agreement with it."""
+        if self.cfg.sampling == "none":
+            return {}
+        target = chosen.mask.to(torch.float32)
+        if self.cfg.sampling == "predictor":
+            decision, name, coef = self.predictor_logits(x), "predictor_bce", self.cfg.predictor_loss_coef
+        else:
+            decision, name, coef = logits, "router_bce", self.cfg.aux_loss_coef
+        bce = F.binary_cross_entropy_with_logits(decision, target, reduction="none")
+        ctx.aux[f"{self.name}/{name}"] = coef * masked_mean(bce, ctx.valid)
+        agree = ((decision.detach() > 0) == chosen.mask).to(torch.float32)
+        return {"causal_agreement": masked_mean(agree, ctx.valid)}
+
+    def _record(self, ctx: _Pass, chosen: "_Chosen", weight, logits, extras) -> None:
+        mask = chosen.mask
+        ctx.trace.append(RoutingSite(
+            name=self.name, kind="expert_choice", choice_names=["skip", "block"],
+            selected=mask.long().unsqueeze(-1),
+            weights=(weight.detach() * mask).unsqueeze(-1),
+            group="mod", step=self.step, valid=ctx.valid, logits=logits.detach(), extras=extras,
+        ))
+        if chosen.moe_site is not None:
+            ctx.trace.append(chosen.moe_site)
+
+    # -------------------------------------------------------------- FLOPs
+    def flops(self, sites: Dict[str, RoutingSite], T: int, d: int, hidden: int) -> F_.Flops:
+        """Per token of the batch: the block on the processed tokens only, the router and predictor on all."""
+        site = sites.get(self.name)
+        if site is None:
+            k = capacity_tokens(self.cfg.capacity, T)
+            frac, pairs_per_token = k / T, k * k / T
+        else:
+            n_tokens = site.selected.shape[0] * site.selected.shape[1]
+            frac = float(site.selected.sum()) / n_tokens
+            pairs = site.extras.get("attn_pairs")
+            if pairs is None:
+                pairs = site.selected.squeeze(-1).sum(dim=1).double().square().sum()
+            pairs_per_token = float(pairs) / n_tokens
+        out = F_.Flops(attn_proj=frac * F_.attention_projections(d), attn_scores=pairs_per_token * 4.0 * d,
+                       router=F_.linear(d, 1))
+        if self.predictor is not None:
+            out = out + F_.Flops(router=F_.linear(d, self.cfg.predictor_hidden) + F_.linear(self.cfg.predictor_hidden, 1))
+        if isinstance(self.mlp, MoELayer):
+            moe_site = sites.get(f"block{self.index}.moe")
+            moe = self.mlp.flops_per_token(moe_site, d)
+            # with a site the experts are already per token of the batch; the MoE router ran on the processed ones
+            return out + (F_.Flops(ffn=moe.ffn, router=frac * moe.router) if moe_site is not None else moe.scale(frac))
+        return out + F_.Flops(ffn=frac * F_.ffn(d, hidden))
+
+
+class _Chosen:
+    __slots__ = ("out", "mask", "moe_site")
+
+    def __init__(self, out, mask, moe_site):
+        self.out, self.mask, self.moe_site = out, mask, moe_site
+
+
+# ---------------------------------------------------------------------------- models
+class MoD(LanguageModel):
+    """Mixture-of-Depths GPT-2 (``mod``). See the module docstring.
+
+    ``fixed_router_weight``: test hook. When set to a float, every routed block multiplies its update
+    by that constant instead of the router output (selection still uses the router). With capacity 1
+    and 1.0 the model computes exactly what GPT-2 computes with the same block weights.
+    """
+
+    fixed_router_weight: Optional[float] = None
+
+    uses_mod_router = True
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        self.routed = routed_block_indices(config) if self.uses_mod_router else []
+        # block index -> (group, step) of the MoE sites of the unrouted MoE blocks (MoDE)
+        self.moe_chain: Dict[int, Tuple[str, int]] = {}
+        self.blocks = nn.ModuleList(self._make_blocks(config))
+        self._causal = False
+        self.init_weights()
+
+    def _make_blocks(self, config: ModelConfig) -> List[nn.Module]:
+        return [RoutedBlock(config, i, self.routed.index(i)) if i in self.routed else Block(config)
+                for i in range(config.n_layer)]
+
+    @classmethod
+    def validate_config(cls, config: ModelConfig) -> None:
+        validate_mod_routing(config)
+
+    # -------------------------------------------------------------- forward
+    def forward(
+        self,
+        idx: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        return_residuals: bool = False,
+        cache: Optional[KVCache] = None,
+    ) -> ModelOutput:
+        offset = cache.offset if cache is not None else 0
+        x = self.embed(idx, offset)
+        valid = None if attention_mask is None else attention_mask.to(torch.bool)
+        residuals = [SubLayerState("embed", -1, x)] if return_residuals else None
+        ctx = _Pass(valid, cache, self._causal, residuals, self.fixed_router_weight)
+        for i, block in enumerate(self.blocks):
+            if isinstance(block, RoutedBlock):
+                x = block(x, ctx)
+            elif isinstance(block, MoEBlock):
+                x = self._moe_block(i, block, x, ctx)
+            else:
+                x = block(x, cache, f"block{i}", residuals, i)
+        if cache is not None:
+            cache.offset += idx.shape[1]
+        return ModelOutput(logits=self.head(x), aux_loss=sum_aux(ctx.aux, x), trace=ctx.trace,
+                           residuals=residuals, aux_losses=ctx.aux, cache=cache)
+
+    def _moe_block(self, i: int, block: MoEBlock, x: torch.Tensor, ctx: _Pass) -> torch.Tensor:
+        group, step = self.moe_chain[i]
+        x, result = block(x, ctx.valid, ctx.cache, f"block{i}", ctx.residuals, i, f"block{i}.moe", step)
+        result.site.group = group
+        ctx.trace.append(result.site)
+        ctx.aux.update(result.aux_losses)
+        return x
+
+    # -------------------------------------------------------------- causal routing and generation
+    @contextlib.contextmanager
+    def causal_routing(self) -> Iterator[None]:
+        """Route every forward pass inside by the causal decision instead of the sequence top-k."""
+        previous, self._causal = self._causal, True
+        try:
+            yield
+        finally:
+            self._causal = previous
+
+    def prepare_generation(self) -> None:
+        if self.uses_mod_router and self.config.mod.sampling == "none":
+            raise ConfigError(
+                "model.mod.sampling: 'none' trains no causal routing decision, so the top-k router cannot be "
+                "used to sample token by token; train with 'predictor' or 'aux_loss' to use generate()"
+            )
+
+    def generate(self, *args, **kwargs) -> torch.Tensor:
+        self.prepare_generation()
+        with self.causal_routing():
+            return super().generate(*args, **kwargs)
+
+    # -------------------------------------------------------------- FLOPs
+    def flops_per_token(self, trace: Optional[List[RoutingSite]] = None, seq_len: Optional[int] = None) -> F_.Flops:
+        """Forward FLOPs per token; with a trace, from the tokens each routed block actually processed."""
+        cfg = self.config
+        d = cfg.d_model
+        sites = {s.name: s for s in trace or []}
+        T = seq_len or (next(iter(sites.values())).selected.shape[1] if sites else cfg.block_size)
+        total = F_.lm_head(d, cfg.vocab_size)
+        for i, block in enumerate(self.blocks):
+            if isinstance(block, RoutedBlock):
+                total = total + block.flops(sites, T, d, cfg.ffn_hidden)
+            elif isinstance(block, MoEBlock):
+                total = total + F_.Flops(attn_proj=F_.attention_projections(d), attn_scores=F_.attention_scores(d, T))
+                total = total + block.moe.flops_per_token(sites.get(f"block{i}.moe"), d)
+            else:
+                total = total + F_.dense_block(d, cfg.ffn_hidden, T)
+        return total
+
+
+class MoDEStaged(MoD):
+    """Staged MoDE: MoD routing around blocks whose MLP is an MoE layer (tokens can skip attention too).
+
+    Every MoE site (routed or not) is in group "moe", ordered by block, so expert transitions chain
+    through the whole depth; a routed block's site marks the tokens it skipped as invalid.
+    """
+
+    def _make_blocks(self, config: ModelConfig) -> List[nn.Module]:
+        order = sorted(set(layer_selection(config.moe.layers, config.n_layer, "model.moe.layers")) | set(self.routed))
+        blocks: List[nn.Module] = []
+        for i in range(config.n_layer):
+            if i in self.routed:
+                blocks.append(RoutedBlock(config, i, self.routed.index(i), moe_step=order.index(i)))
+            elif i in order:
+                self.moe_chain[i] = ("moe", order.index(i))
+                blocks.append(MoEBlock(config, expert_hidden(config)))
+            else:
+                blocks.append(Block(config))
+        return blocks
+
+    @classmethod
+    def validate_config(cls, config: ModelConfig) -> None:
+        validate_mod_routing(config)
+        validate_moe_config(config.moe)
+        layer_selection(config.moe.layers, config.n_layer, "model.moe.layers")
+
+
+class MoDEIntegrated(MoD):
+    """Integrated MoDE: in routed blocks the MLP is an MoE layer whose router may pick no-op experts.
+
+    Attention stays dense; skipping is token choice, hence causal: no predictor is needed to sample,
+    and ``model.mod.capacity`` / ``sampling`` are not used. Sites with no-op experts form group "mode",
+    the plain MoE layers (``model.moe.layers`` outside the routed blocks) group "moe", so each chain
+    has one set of choices.
+    """
+
+    uses_mod_router = False
+
+    def _make_blocks(self, config: ModelConfig) -> List[nn.Module]:
+        routed = routed_block_indices(config)
+        plain = sorted(set(layer_selection(config.moe.layers, config.n_layer, "model.moe.layers")) - set(routed))
+        blocks: List[nn.Module] = []
+        for i in range(config.n_layer):
+            if i in routed:
+                self.moe_chain[i] = ("mode", routed.index(i))
+                blocks.append(MoEBlock(config, expert_hidden(config), noop_experts=config.mod.noop_experts))
+            elif i in plain:
+                self.moe_chain[i] = ("moe", plain.index(i))
+                blocks.append(MoEBlock(config, expert_hidden(config)))
+            else:
+                blocks.append(Block(config))
+        return blocks
+
+    @classmethod
+    def validate_config(cls, config: ModelConfig) -> None:
+        routed_block_indices(config)
+        require(isinstance(config.mod.noop_experts, int) and config.mod.noop_experts >= 1, "model.mod.noop_experts",
+                f"must be an integer >= 1 for mode_integrated (the no-op experts are how tokens skip), "
+                f"got {config.mod.noop_experts!r}")
+        validate_moe_config(config.moe, noop_experts=config.mod.noop_experts)
+        layer_selection(config.moe.layers, config.n_layer, "model.moe.layers")

@@ -1,0 +1,505 @@
+"""Mixture-of-Modules (Gong et al. 2024, arXiv 2407.06677; official code gzhch/Mixture-of-Modules).
+
+A chunk owns a pool of ``N_A`` attention modules and ``N_F`` FFN modules plus SKIP, and two GRU
+routers (attention, FFN). For H assembly steps, per token:
+
+* the attention router reads the residual stream x (pre-LN) and its GRU state from the previous
+  step (zeros at step 1), ``logits = W_o h``, ``p = softmax(logits / tau)``, top-K over
+  {modules, SKIP}, the K weights renormalised over the chosen K (SKIP included);
+* attention assembly (the official code's ``weighted_qkv=False`` path): the chosen modules' QKV
+  projections ``c_attn_m(LN_m x)`` are summed per token (unweighted, or weighted by the router
+  weights with ``weighted_qkv``), one shared causal attention runs over all tokens, and the update is
+  ``sum_k w_k * c_proj_k(attn)``. A token whose K choices are all SKIP has zero Q/K/V (it stays in
+  the key set with a zero key and a zero value, exactly as in the official code) and a zero update;
+* the FFN router picks K of {FFN modules, SKIP}; ``x += sum_k w_k * FFN_k(LN_k x)``.
+
+Compute follows the routing: every module's projections (QKV, output, FFN) run only on the tokens
+that chose it (``architectures.dispatch.sorted_dispatch``); SKIP costs nothing. The shared attention
+runs once per step over all tokens whenever any token of the batch chose a real attention module.
+
+Layout (official code): ``bottom`` vanilla layers, then ``chunks`` (a pool run for H steps, followed
+by an anchor vanilla layer when ``anchor``), then ``top`` vanilla layers. ``layout="plain"`` is the
+paper's form: one chunk, no bottom/top and no anchor, so the pool holds one module per vanilla layer
+and vanilla routing reproduces GPT-2 exactly. ``layout="chunked"`` sizes the official layout from
+n_layer: pools of 4 (the official ``num_attn = num_ffn = 4``) plus an anchor per chunk, the remaining
+layers split between bottom and top (small 1 + 2x(4+1) + 1, medium 2 + 4x5 + 2, large 3 + 6x5 + 3;
+below 7 layers one chunk of n_layer - 1 modules + anchor).
+
+Routing modes (``model.mom.routing``), each a configuration of the same code:
+``learned``; ``vanilla`` (module h at step h, one slot, weight 1); ``param_share`` (module 0 at every
+step); ``moe`` (attention fixed at module h, FFN learned over the pool: MoE with shared experts);
+``layer_skip`` (the learned router may choose only module h or SKIP at step h, K=1).
+Fixed sites have no router; they still appear in the trace (one slot, weight 1).
+
+With K=1 the renormalised weight is 1 and carries no gradient; ``straight_through`` (default) uses
+``p / stopgrad(p)`` (exactly 1 forward) so the router learns from the LM loss, like the official
+code's ``use_ste`` option.
+
+Balance loss: Switch-style over all classes including SKIP, ``C * sum_i f_i P_i`` per learned site,
+``balance_coef`` times the mean over sites (the official code concatenates all depths into one loss).
+
+Contract: one ``RoutingSite`` per router and step (``mom.chunk{c}.{attn|ffn}.step{h}``, group
+``mom.chunk{c}.{attn|ffn}``, choices ``attn0..``/``ffn0..`` + ``skip``), so the routing callback builds
+P(module at h+1 | module at h) per router. Residuals: ``"mha"`` after each attention assembly and
+``"ffn"`` after each FFN assembly (vanilla layers report theirs as GPT-2 does). KV cache: one entry per
+step's shared attention (``chunk{c}.step{h}``, the assembled K/V of every token, zeros for all-SKIP
+tokens) plus one per vanilla layer; a router looks only at its own token, so cached decoding
+reproduces the full forward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from architectures import flops as F_
+from architectures.base import LanguageModel, require
+from architectures.config import ConfigError, ModelConfig
+from architectures.contract import KVCache, ModelOutput, RoutingSite, SubLayerState, sum_aux
+from architectures.dispatch import sorted_dispatch
+from architectures.gpt2 import MLP, Block, CausalSelfAttention
+from architectures.moe import balance_loss
+
+ROUTINGS = ("learned", "vanilla", "param_share", "moe", "layer_skip")
+LAYOUTS = ("plain", "chunked")
+# Which sites have a learned router under each routing mode.
+_LEARNED = {
+    "learned": {"attn": True, "ffn": True},
+    "vanilla": {"attn": False, "ffn": False},
+    "param_share": {"attn": False, "ffn": False},
+    "moe": {"attn": False, "ffn": True},
+    "layer_skip": {"attn": True, "ffn": True},
+}
+_CHUNK_POOL = 4  # official num_attn = num_ffn = 4
+
+
+@dataclass(frozen=True)
+class MoMLayout:
+    bottom: int
+    chunks: int
+    top: int
+    anchor: bool
+    slots: int  # vanilla layers replaced by each chunk's pool
+    n_attn: int
+    n_ffn: int
+    steps: int
+
+    @property
+    def vanilla_layers(self) -> int:
+        """Dense layers kept as they are: bottom + anchors + top."""
+        return self.bottom + self.top + (self.chunks if self.anchor else 0)
+
+
+def chunked_defaults(n_layer: int) -> Tuple[int, int, int]:
+    """(bottom, chunks, top) of the official layout for ``n_layer`` vanilla layers."""
+    if n_layer < _CHUNK_POOL + 3:
+        return 0, 1, 0
+    chunks = (n_layer - 2) // (_CHUNK_POOL + 1)
+    rest = n_layer - chunks * (_CHUNK_POOL + 1)
+    return rest // 2, chunks, rest - rest // 2
+
+
+def resolve_layout(config: ModelConfig) -> MoMLayout:
+    """Fill the ``None`` fields of ``config.mom`` and validate them; errors name the field."""
+    m = config.mom
+    require(m.layout in LAYOUTS, "model.mom.layout", f"unknown layout {m.layout!r}; use one of {', '.join(LAYOUTS)}")
+    if m.layout == "plain":
+        bottom, chunks, top, anchor = 0, 1, 0, False
+    else:
+        (bottom, chunks, top), anchor = chunked_defaults(config.n_layer), True
+    bottom = bottom if m.bottom is None else m.bottom
+    chunks = chunks if m.chunks is None else m.chunks
+    top = top if m.top is None else m.top
+    anchor = anchor if m.anchor is None else bool(m.anchor)
+    for name, value, low in (("bottom", bottom, 0), ("top", top, 0), ("chunks", chunks, 1)):
+        require(isinstance(value, int) and value >= low, f"model.mom.{name}", f"must be an integer >= {low}, got {value!r}")
+    body = config.n_layer - bottom - top - (chunks if anchor else 0)
+    require(body >= chunks and body % chunks == 0, "model.mom.chunks",
+            f"bottom={bottom} + chunks={chunks} x (slots{' + anchor' if anchor else ''}) + top={top} must equal "
+            f"model.n_layer={config.n_layer} with at least one slot per chunk")
+    slots = body // chunks
+    n_attn = slots if m.n_attn is None else m.n_attn
+    n_ffn = slots if m.n_ffn is None else m.n_ffn
+    steps = slots if m.steps is None else m.steps
+    require(isinstance(n_attn, int) and n_attn >= 1, "model.mom.n_attn", f"the attention pool needs >= 1 module, got {n_attn!r}")
+    require(isinstance(n_ffn, int) and n_ffn >= 1, "model.mom.n_ffn", f"the FFN pool needs >= 1 module, got {n_ffn!r}")
+    require(isinstance(steps, int) and steps >= 1, "model.mom.steps", f"H must be an integer >= 1, got {steps!r}")
+    return MoMLayout(bottom, chunks, top, anchor, slots, n_attn, n_ffn, steps)
+
+
+def validate_mom_config(config: ModelConfig) -> MoMLayout:
+    m = config.mom
+    require(m.routing in ROUTINGS, "model.mom.routing", f"unknown routing {m.routing!r}; use one of {', '.join(ROUTINGS)}")
+    layout = resolve_layout(config)
+    require(isinstance(m.top_k, int) and m.top_k >= 1, "model.mom.top_k", f"K must be an integer >= 1, got {m.top_k!r}")
+    skip = 1 if m.allow_skip else 0
+    for kind, pool in (("attn", layout.n_attn), ("ffn", layout.n_ffn)):
+        if _LEARNED[m.routing][kind]:
+            require(m.top_k <= pool + skip, "model.mom.top_k",
+                    f"K={m.top_k} exceeds the {pool} {kind} modules{' + SKIP' if skip else ''} of the pool")
+    require(m.router_hidden >= 1, "model.mom.router_hidden", f"must be >= 1, got {m.router_hidden}")
+    require(m.temperature > 0, "model.mom.temperature", f"must be > 0, got {m.temperature}")
+    require(m.balance_coef >= 0, "model.mom.balance_coef", f"must be >= 0, got {m.balance_coef}")
+    if m.routing in ("vanilla", "layer_skip", "moe"):
+        require(layout.n_attn >= layout.steps, "model.mom.n_attn",
+                f"routing {m.routing!r} uses attention module h at step h: needs n_attn >= steps "
+                f"(got n_attn={layout.n_attn}, steps={layout.steps})")
+    if m.routing in ("vanilla", "layer_skip"):
+        require(layout.n_ffn >= layout.steps, "model.mom.n_ffn",
+                f"routing {m.routing!r} uses FFN module h at step h: needs n_ffn >= steps "
+                f"(got n_ffn={layout.n_ffn}, steps={layout.steps})")
+    if m.routing == "layer_skip":
+        require(m.allow_skip, "model.mom.allow_skip", "routing 'layer_skip' needs the SKIP module")
+        require(m.top_k == 1, "model.mom.top_k", f"routing 'layer_skip' chooses module h or SKIP: K must be 1, got {m.top_k}")
+    return layout
+
+
+# ---------------------------------------------------------------------------- modules and routers
+class AttentionModule(nn.Module):
+    """One pool attention module: its LayerNorm, QKV and output projections (GPT-2 names)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.attn = CausalSelfAttention(config.d_model, config.n_head, config.bias, config.dropout)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn.c_attn(self.ln_1(x))
+
+    def forward(self, x: torch.Tensor, cache: Optional[KVCache] = None, cache_key: str = "") -> torch.Tensor:
+        """The full sub-layer on every token: the fixed-routing path, identical to GPT-2's."""
+        return self.attn(self.ln_1(x), cache, cache_key)
+
+
+class FFNModule(nn.Module):
+    """One pool FFN module with its own LayerNorm (GPT-2 names ``ln_2``, ``mlp``)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.ln_2 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.mlp = MLP(config.d_model, config.ffn_hidden, config.bias, config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_2(x))
+
+
+class GRURouter(nn.Module):
+    """``h = GRUCell(x, h_prev)``, ``logits = W_o h``; run in fp32 outside autocast."""
+
+    def __init__(self, d_model: int, hidden: int, n_choices: int):
+        super().__init__()
+        self.cell = nn.GRUCell(d_model, hidden)
+        self.out = nn.Linear(hidden, n_choices, bias=False)
+
+    def forward(self, x: torch.Tensor, state: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+        dtype = self.cell.weight_ih.dtype
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            state = self.cell(x.to(dtype), state)
+            logits = self.out(state).float()
+        return logits, state
+
+
+def router_flops(d_model: int, hidden: int, n_choices: int) -> float:
+    """GRUCell input and hidden matmuls (the hidden one runs on zeros at step 1 too) + W_o."""
+    return F_.linear(d_model, 3 * hidden) + F_.linear(hidden, 3 * hidden) + F_.linear(hidden, n_choices)
+
+
+@dataclass
+class _Pass:
+    """What one forward pass collects while the chunks run."""
+
+    cache: Optional[KVCache]
+    residuals: Optional[List[SubLayerState]]
+    valid: Optional[torch.Tensor]
+    balance_scale: float
+    trace: List[RoutingSite] = field(default_factory=list)
+    aux: Dict[str, torch.Tensor] = field(default_factory=dict)
+    layer: int = 0
+
+    def record(self, tag: str, x: torch.Tensor) -> None:
+        if self.residuals is not None:
+            self.residuals.append(SubLayerState(tag, self.layer, x))
+
+
+@dataclass
+class _Route:
+    selected: torch.Tensor  # (N, k) long
+    weights: torch.Tensor  # (N, k)
+    fixed: Optional[int] = None  # module id when the site has no router
+
+
+class MoMChunk(nn.Module):
+    """A module pool with its two routers, run for H steps, then the optional anchor layer."""
+
+    def __init__(self, config: ModelConfig, layout: MoMLayout, index: int):
+        super().__init__()
+        m = config.mom
+        self.index = index
+        self.cfg = m
+        self.steps = layout.steps
+        self.n_attn, self.n_ffn = layout.n_attn, layout.n_ffn
+        skip = ["skip"] if m.allow_skip else []
+        self.attn_names = [f"attn{i}" for i in range(self.n_attn)] + skip
+        self.ffn_names = [f"ffn{i}" for i in range(self.n_ffn)] + skip
+        self.attn_modules = nn.ModuleList([AttentionModule(config) for _ in range(self.n_attn)])
+        self.ffn_modules = nn.ModuleList([FFNModule(config) for _ in range(self.n_ffn)])
+        learned = _LEARNED[m.routing]
+        self.attn_router = GRURouter(config.d_model, m.router_hidden, len(self.attn_names)) if learned["attn"] else None
+        self.ffn_router = GRURouter(config.d_model, m.router_hidden, len(self.ffn_names)) if learned["ffn"] else None
+        self.anchor = Block(config) if layout.anchor else None
+        self.resid_drop = nn.Dropout(config.dropout)
+
+    # ------------------------------------------------------------------ routing
+    def _fixed_module(self, kind: str, step: int) -> int:
+        if self.cfg.routing == "param_share":
+            return 0
+        return step  # vanilla order; "moe" fixes attention at module h
+
+    def route(self, kind: str, router: Optional[GRURouter], x: torch.Tensor, step: int,
+              state: Optional[torch.Tensor], run: _Pass) -> Tuple[_Route, Optional[torch.Tensor]]:
+        B, T, d = x.shape
+        names = self.attn_names if kind == "attn" else self.ffn_names
+        group = f"mom.chunk{self.index}.{kind}"
+        site = dict(name=f"{group}.step{step}", kind="token_choice", choice_names=names, group=group, step=step,
+                    valid=run.valid)
+        if router is None:
+            module = self._fixed_module(kind, step)
+            selected = torch.full((B * T, 1), module, dtype=torch.long, device=x.device)
+            weights = torch.ones(B * T, 1, device=x.device)
+            run.trace.append(RoutingSite(selected=selected.view(B, T, 1), weights=weights.view(B, T, 1), **site))
+            return _Route(selected, weights, fixed=module), state
+        logits, state = router(x.reshape(B * T, d), state)
+        scores = logits
+        if self.cfg.routing == "layer_skip":
+            allowed = torch.zeros(len(names), dtype=torch.bool, device=x.device)
+            allowed[step] = allowed[-1] = True
+            scores = logits.masked_fill(~allowed, float("-inf"))
+        probs = F.softmax(scores / self.cfg.temperature, dim=-1)
+        top, selected = probs.topk(self.cfg.top_k, dim=-1)
+        if self.cfg.top_k == 1 and self.cfg.straight_through:
+            weights = top / top.detach()
+        else:
+            weights = top / top.sum(-1, keepdim=True)
+        valid = run.valid.reshape(-1) if run.valid is not None else torch.ones(B * T, dtype=torch.bool, device=x.device)
+        if self.cfg.balance_coef > 0:
+            loss = balance_loss(probs, selected, len(names), valid)
+            run.aux[f"{site['name']}/balance"] = loss * (self.cfg.balance_coef * run.balance_scale)
+        run.trace.append(RoutingSite(
+            selected=selected.view(B, T, -1), weights=weights.detach().view(B, T, -1),
+            probs=probs.detach().view(B, T, -1), logits=logits.detach().view(B, T, -1), **site))
+        return _Route(selected, weights), state
+
+    # ------------------------------------------------------------------ assembly
+    def assemble_attention(self, x: torch.Tensor, route: _Route, cache: Optional[KVCache], cache_key: str) -> torch.Tensor:
+        """The attention update (B, T, d) for the routed choices."""
+        if route.fixed is not None:
+            return self.attn_modules[route.fixed](x, cache, cache_key)
+        B, T, d = x.shape
+        flat = x.reshape(B * T, d)
+        shared = self.attn_modules[0].attn  # any module: head split/merge and the SDPA call are parameter-free
+        if not bool((route.selected < self.n_attn).any()):
+            if cache is not None:  # keep this step's cache aligned: all-SKIP tokens have zero K/V
+                zeros = x.new_zeros(B, shared.n_head, T, d // shared.n_head)
+                cache.append(cache_key, zeros, zeros)
+            return torch.zeros_like(x)
+        qkv_weights = route.weights if self.cfg.weighted_qkv else torch.ones_like(route.weights)
+        qkv = sorted_dispatch(flat, route.selected, qkv_weights, [m.project for m in self.attn_modules])
+        y = shared.attend(qkv.view(B, T, 3 * d), cache, cache_key)
+        out = sorted_dispatch(y.reshape(B * T, d), route.selected, route.weights,
+                              [m.attn.c_proj for m in self.attn_modules])
+        return self.resid_drop(out.view(B, T, d))
+
+    def assemble_ffn(self, x: torch.Tensor, route: _Route) -> torch.Tensor:
+        if route.fixed is not None:
+            return self.ffn_modules[route.fixed](x)
+        B, T, d = x.shape
+        out = sorted_dispatch(x.reshape(B * T, d), route.selected, route.weights, list(self.ffn_modules))
+        return out.view(B, T, d)
+
+    def forward(self, x: torch.Tensor, run: _Pass) -> torch.Tensor:
+        attn_state = ffn_state = None
+        for step in range(self.steps):
+            route, attn_state = self.route("attn", self.attn_router, x, step, attn_state, run)
+            x = x + self.assemble_attention(x, route, run.cache, f"chunk{self.index}.step{step}")
+            run.record("mha", x)
+            route, ffn_state = self.route("ffn", self.ffn_router, x, step, ffn_state, run)
+            x = x + self.assemble_ffn(x, route)
+            run.record("ffn", x)
+            run.layer += 1
+        if self.anchor is not None:
+            x = self.anchor(x, run.cache, f"chunk{self.index}.anchor", run.residuals, run.layer)
+            run.layer += 1
+        return x
+
+
+# ---------------------------------------------------------------------------- the model
+class MixtureOfModules(LanguageModel):
+    """GPT-2 embeddings/head around bottom vanilla layers, MoM chunks and top vanilla layers."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        self.layout = validate_mom_config(config)
+        lay = self.layout
+        self.bottom = nn.ModuleList([Block(config) for _ in range(lay.bottom)])
+        self.chunks = nn.ModuleList([MoMChunk(config, lay, c) for c in range(lay.chunks)])
+        self.top = nn.ModuleList([Block(config) for _ in range(lay.top)])
+        learned = _LEARNED[config.mom.routing]
+        self.n_learned_sites = lay.chunks * lay.steps * (int(learned["attn"]) + int(learned["ffn"]))
+        self.init_weights()
+
+    @staticmethod
+    def validate_config(config: ModelConfig) -> None:
+        validate_mom_config(config)
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        return_residuals: bool = False,
+        cache: Optional[KVCache] = None,
+    ) -> ModelOutput:
+        T = idx.shape[1]
+        offset = cache.offset if cache is not None else 0
+        x = self.embed(idx, offset)
+        valid = attention_mask[:, -T:].bool() if attention_mask is not None else None
+        run = _Pass(cache=cache, residuals=[SubLayerState("embed", -1, x)] if return_residuals else None,
+                    valid=valid, balance_scale=1.0 / max(1, self.n_learned_sites))
+        for i, block in enumerate(self.bottom):
+            x = block(x, cache, f"bottom{i}", run.residuals, run.layer)
+            run.layer += 1
+        for chunk in self.chunks:
+            x = chunk(x, run)
+        for i, block in enumerate(self.top):
+            x = block(x, cache, f"top{i}", run.residuals, run.layer)
+            run.layer += 1
+        if cache is not None:
+            cache.offset += T
+        return ModelOutput(logits=self.head(x), aux_loss=sum_aux(run.aux, x), trace=run.trace,
+                           residuals=run.residuals, aux_losses=run.aux, cache=cache)
+
+    # ------------------------------------------------------------------ FLOPs
+    def flops_per_token(self, trace: Optional[List[RoutingSite]] = None, seq_len: Optional[int] = None) -> F_.Flops:
+        """Forward FLOPs per token (average over the B*T tokens of the traced batch).
+
+        Vanilla layers (bottom, anchors, top) and the head are dense. Per MoM site: attention
+        projections (QKV + output) once per (token, chosen real module); attention scores
+        ``4 * T * d`` per token once per step when any token of the batch chose a real attention
+        module (the shared attention runs over all tokens); FFN once per (token, chosen real module);
+        each learned router's GRUCell (input + hidden matmuls) and ``W_o`` for every token. With no
+        trace: the upper bound, every one of the K slots a real module (min(K, pool) per step; 1 for
+        fixed and layer-skip sites).
+        """
+        cfg, lay = self.config, self.layout
+        sites = [s for s in (trace or []) if s.name.startswith("mom.")]
+        T = seq_len or (sites[0].selected.shape[1] if sites else cfg.block_size)
+        d, hidden = cfg.d_model, cfg.ffn_hidden
+        total = F_.dense_block(d, hidden, T).scale(lay.vanilla_layers) + F_.lm_head(d, cfg.vocab_size)
+        learned = _LEARNED[cfg.mom.routing]
+        for kind, pool, names in (("attn", lay.n_attn, len(self.chunks[0].attn_names)),
+                                  ("ffn", lay.n_ffn, len(self.chunks[0].ffn_names))):
+            router = router_flops(d, cfg.mom.router_hidden, names) if learned[kind] else 0.0
+            if sites:
+                per_step = [float((s.selected < pool).sum()) / (s.selected.shape[0] * s.selected.shape[1])
+                            for s in sites if s.group.endswith(f".{kind}")]
+            else:
+                k = 1 if (not learned[kind] or cfg.mom.routing == "layer_skip") else min(cfg.mom.top_k, pool)
+                per_step = [float(k)] * (lay.chunks * lay.steps)
+            modules = sum(per_step)
+            if kind == "attn":
+                scores = sum(1 for r in per_step if r > 0) * F_.attention_scores(d, T)
+                total = total + F_.Flops(attn_proj=modules * F_.attention_projections(d), attn_scores=scores)
+            else:
+                total = total + F_.Flops(ffn=modules * F_.ffn(d, hidden))
+            total = total + F_.Flops(router=router * len(per_step))
+        return total
+
+    # ------------------------------------------------------------------ two-phase training
+    def vanilla_mapping(self) -> List[Tuple[str, str]]:
+        """(MoM parameter name, vanilla GPT-2 parameter name) for every tensor phase 2 copies.
+
+        Vanilla layers in order: bottom blocks, then per chunk ``slots`` layers whose attention
+        (ln_1, attn) -> attention module j and MLP (ln_2, mlp) -> FFN module j (j < pool size; layers
+        beyond a smaller pool are dropped, modules beyond a larger pool keep their init), then the
+        chunk's anchor layer, then the top blocks. Routers are not mapped.
+        """
+        pairs = [(n, n) for n in ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias")]
+        lay, layer = self.layout, 0
+
+        def add(target_prefix: str, module: nn.Module, source_layer: int) -> None:
+            pairs.extend((f"{target_prefix}.{k}", f"blocks.{source_layer}.{k}") for k in module.state_dict())
+
+        for i, block in enumerate(self.bottom):
+            add(f"bottom.{i}", block, layer)
+            layer += 1
+        for c, chunk in enumerate(self.chunks):
+            for j in range(lay.slots):
+                if j < lay.n_attn:
+                    add(f"chunks.{c}.attn_modules.{j}", chunk.attn_modules[j], layer + j)
+                if j < lay.n_ffn:
+                    add(f"chunks.{c}.ffn_modules.{j}", chunk.ffn_modules[j], layer + j)
+            layer += lay.slots
+            if chunk.anchor is not None:
+                add(f"chunks.{c}.anchor", chunk.anchor, layer)
+                layer += 1
+        for i, block in enumerate(self.top):
+            add(f"top.{i}", block, layer)
+            layer += 1
+        return pairs
+
+    def init_from_vanilla(self, vanilla_state: Dict[str, torch.Tensor]) -> None:
+        """Phase 2: copy a vanilla GPT-2 state dict (this suite's names) into the pools; routers stay fresh.
+
+        Raises ``ConfigError`` naming the tensor when the checkpoint does not fit this MoM.
+        """
+        state = _strip_prefix(vanilla_state)
+        blocks = {int(k.split(".")[1]) for k in state if k.startswith("blocks.")}
+        if len(blocks) != self.config.n_layer:
+            raise ConfigError(
+                f"init_from: the vanilla checkpoint has {len(blocks)} layers but this MoM is laid out over "
+                f"model.n_layer={self.config.n_layer} vanilla layers ({_describe(self.layout)}); build the MoM "
+                "with the checkpoint's size"
+            )
+        own = self.state_dict()
+        copies = []
+        for target, source in self.vanilla_mapping():
+            if source not in state:
+                raise ConfigError(f"init_from: the vanilla checkpoint lacks {source} (needed for {target})")
+            if tuple(state[source].shape) != tuple(own[target].shape):
+                raise ConfigError(
+                    f"init_from: vanilla tensor {source} has shape {tuple(state[source].shape)} but {target} needs "
+                    f"{tuple(own[target].shape)}: {_shape_hint(state, self.config)}"
+                )
+            copies.append((target, state[source]))
+        params = dict(self.named_parameters())
+        with torch.no_grad():
+            for target, value in copies:
+                params[target].copy_(value.to(params[target].dtype))
+
+
+def _strip_prefix(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Accept state dicts saved with a wrapper prefix (``model.``, ``_orig_mod.``)."""
+    if "wte.weight" in state:
+        return state
+    for key in state:
+        if key.endswith("wte.weight"):
+            prefix = key[: -len("wte.weight")]
+            return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    raise ConfigError("init_from: the checkpoint has no wte.weight: it is not a GPT-2 / vanilla state dict of this suite")
+
+
+def _shape_hint(state: Dict[str, torch.Tensor], config: ModelConfig) -> str:
+    vocab, d = state["wte.weight"].shape if "wte.weight" in state else ("?", "?")
+    positions = state["wpe.weight"].shape[0] if "wpe.weight" in state else "?"
+    fc = next((v for k, v in state.items() if k.endswith("mlp.c_fc.weight")), None)
+    hidden = fc.shape[0] if fc is not None else "?"
+    return (f"the checkpoint has d_model={d}, ffn hidden={hidden}, vocab={vocab}, block_size={positions}; this MoM has "
+            f"d_model={config.d_model}, ffn hidden={config.ffn_hidden}, vocab={config.vocab_size}, "
+            f"block_size={config.block_size}")
+
+
+def _describe(layout: MoMLayout) -> str:
+    anchor = " + anchor" if layout.anchor else ""
+    return f"bottom {layout.bottom} + {layout.chunks} x ({layout.slots} slots{anchor}) + top {layout.top}"

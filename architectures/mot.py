@@ -1,0 +1,245 @@
+"""Mixture of Transformers (``mot``): whole Transformer blocks as top-k experts.
+
+At each mixture layer (``model.mot.layers``) a bias-free linear gate (fp32) scores E expert blocks
+per token; each token goes to its top-k blocks and its residual stream becomes
+``x + sum_j w_j * (Block_j(x) - x)``, with w renormalised over the k choices (``renormalize``).
+With renormalised weights this equals ``sum_j w_j * Block_j(x)``; writing it as a weighted update
+keeps the unweighted residual path (as in MoD) and gives the gate its gradient through w.
+
+Attention inside an expert block (our choice, SPEC §2 "mot"): a block computes keys/values only for
+the tokens routed to it and each such token attends causally among the tokens of ITS OWN sequence
+routed to the same block, in their original order (positions are already in the embeddings).
+So an expert block is an MoD-style block over its own token subset: compute really follows routing.
+
+Layout: one argsort groups the (token, slot) assignments by (expert, sequence, position). Per expert,
+the per-token parts (LayerNorms, QKV and output projections, MLP) run on the packed n_e tokens; only
+the attention core runs on a right-padded (B, M_e, .) layout, M_e = the largest per-sequence count.
+Right padding keeps a plain causal mask exact (a real token never sees a pad). The FLOPs count what
+runs: projections and MLP for n_e tokens, scores for B * M_e queries against M_e keys.
+
+Generation (KV cache): an expert block's cache holds keys/values of the tokens routed to it only
+(``cache.layers["block{i}.expert{e}"]``). Rows of a batch route differently, so the cached keys are
+padded per call; which cached positions are real is kept in ``cache.key_valid[name]`` (B, t) and
+masked in attention.
+
+Anti-collapse: the Switch balance loss of ``architectures.moe`` on the gate (``balance_coef``).
+Padding tokens (``attention_mask`` 0) are not routed: their stream passes the layer unchanged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from architectures import flops as F_
+from architectures.base import LanguageModel, require
+from architectures.config import ModelConfig, layer_selection
+from architectures.contract import KVCache, ModelOutput, RoutingSite, SubLayerState, sum_aux
+from architectures.gpt2 import Block
+from architectures.moe import balance_loss, fp32_linear, trace_seq_len
+
+
+@dataclass
+class ExpertSegment:
+    """The tokens one expert block processes: flat token ids, flat slot ids, padded-layout ids."""
+
+    tokens: torch.Tensor  # (n,) into B*T, sorted by (sequence, position)
+    slots: torch.Tensor  # (n,) into B*T*k, to pick the gate weight
+    padded: torch.Tensor  # (n,) into B*M
+    width: int  # M: the largest number of this expert's tokens in one sequence
+
+
+def plan_segments(selected: torch.Tensor, valid: Optional[torch.Tensor], num_experts: int) -> List[Optional[ExpertSegment]]:
+    """Group assignments by expert, then sequence, then position (one argsort); None for idle experts."""
+    B, T, k = selected.shape
+    N = B * T
+    expert = selected.reshape(-1)
+    slots = torch.arange(N * k, device=selected.device)
+    tokens = slots // k
+    if valid is not None:
+        active = valid.reshape(N)[tokens]
+        expert, slots, tokens = expert[active], slots[active], tokens[active]
+    order = torch.argsort(expert * N + tokens)
+    expert, slots, tokens = expert[order], slots[order], tokens[order]
+    segment = expert * B + tokens // T
+    counts = torch.bincount(segment, minlength=num_experts * B)
+    rank = torch.arange(tokens.numel(), device=tokens.device) - (torch.cumsum(counts, 0) - counts)[segment]
+    widths = counts.view(num_experts, B).max(dim=1).values
+    padded = (tokens // T) * widths[expert] + rank
+    per_expert, width_list = torch.stack([counts.view(num_experts, B).sum(1), widths]).tolist()
+    out: List[Optional[ExpertSegment]] = []
+    start = 0
+    for n, width in zip(per_expert, width_list):
+        out.append(ExpertSegment(tokens[start:start + n], slots[start:start + n], padded[start:start + n], width)
+                   if n else None)
+        start += n
+    return out
+
+
+def _key_valid(cache: KVCache) -> Dict[str, torch.Tensor]:
+    # KVCache has no slot for per-row key masks; keep them on the cache object itself so they live
+    # and die with it (only this module reads them).
+    if not hasattr(cache, "key_valid"):
+        cache.key_valid = {}
+    return cache.key_valid
+
+
+def cached_subset_attention(block: Block, qkv: torch.Tensor, new_valid: torch.Tensor, cache: KVCache,
+                            name: str) -> torch.Tensor:
+    """Attention of padded new tokens (B, M, 3d) against this expert's cached tokens plus themselves."""
+    attn = block.attn
+    q, k, v = (attn.split_heads(t) for t in qkv.chunk(3, dim=-1))
+    masks = _key_valid(cache)
+    old = masks.get(name)
+    k, v = cache.append(name, k, v)
+    key_valid = new_valid if old is None else torch.cat([old, new_valid], dim=1)
+    masks[name] = key_valid
+    M, t_k = q.shape[2], k.shape[2]
+    causal = torch.ones(M, t_k, dtype=torch.bool, device=q.device).tril(diagonal=t_k - M)
+    own = torch.zeros(M, t_k, dtype=torch.bool, device=q.device)
+    own[:, t_k - M:] = torch.eye(M, dtype=torch.bool, device=q.device)  # pads see themselves: no empty rows
+    mask = causal & (key_valid[:, None, None, :] | own)
+    return attn.merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+
+def expert_update(block: Block, x: torch.Tensor, seg: ExpertSegment, batch: int,
+                  cache: Optional[KVCache], name: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(attention update, full update Block(x) - x) for the packed tokens x (n, d) of one expert."""
+    attn = block.attn
+    qkv = attn.c_attn(block.ln_1(x))
+    layout = qkv.new_zeros(batch * seg.width, qkv.shape[-1]).index_copy(0, seg.padded, qkv)
+    layout = layout.view(batch, seg.width, -1)
+    if cache is None:
+        y = attn.attend(layout)
+    else:
+        new_valid = torch.zeros(batch * seg.width, dtype=torch.bool, device=x.device)
+        new_valid[seg.padded] = True
+        y = cached_subset_attention(block, layout, new_valid.view(batch, seg.width), cache, name)
+    y = y.reshape(batch * seg.width, -1).index_select(0, seg.padded)
+    a = attn.resid_drop(attn.c_proj(y))
+    return a, a + block.mlp(block.ln_2(x + a))
+
+
+class MoTLayer(nn.Module):
+    """E expert blocks behind a top-k token-choice gate."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        cfg = config.mot
+        self.cfg = cfg
+        self.gate = nn.Linear(config.d_model, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList([Block(config) for _ in range(cfg.num_experts)])
+
+    def route(self, x: torch.Tensor):
+        logits = fp32_linear(x, self.gate.weight)
+        probs = logits.softmax(dim=-1)
+        weights, selected = probs.topk(self.cfg.top_k, dim=-1)
+        if self.cfg.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return logits, probs, weights, selected
+
+    def forward(self, x, valid=None, cache=None, cache_prefix="", want_attn=False, site_name="mot", step=0):
+        """Returns (new x, x after the attention updates only or None, RoutingSite, aux losses)."""
+        B, T, d = x.shape
+        N, k = B * T, self.cfg.top_k
+        logits, probs, weights, selected = self.route(x)
+        x_flat, w_flat = x.reshape(N, d), weights.reshape(N * k)
+        full, attn, tokens = [], [], []
+        for e, seg in enumerate(plan_segments(selected, valid, self.cfg.num_experts)):
+            if seg is None:
+                continue
+            a, f = expert_update(self.experts[e], x_flat.index_select(0, seg.tokens), seg, B, cache,
+                                 f"{cache_prefix}.expert{e}")
+            w = w_flat.index_select(0, seg.slots).to(x.dtype).unsqueeze(-1)
+            full.append(f * w)
+            attn.append(a * w)
+            tokens.append(seg.tokens)
+        index = torch.cat(tokens) if tokens else None
+        combine = lambda parts: x if index is None else x_flat.index_add(0, index, torch.cat(parts)).view(B, T, d)
+        valid_flat = (torch.ones(N, dtype=torch.bool, device=x.device) if valid is None
+                      else valid.reshape(N).to(torch.bool))
+        aux = {}
+        if self.cfg.balance_coef > 0:
+            aux[f"{site_name}/balance"] = self.cfg.balance_coef * balance_loss(
+                probs.reshape(N, -1), selected.reshape(N, k), self.cfg.num_experts, valid_flat)
+        site = RoutingSite(name=site_name, kind="token_choice",
+                           choice_names=[f"expert{i}" for i in range(self.cfg.num_experts)],
+                           selected=selected, weights=weights, group="mot", step=step, probs=probs,
+                           valid=None if valid is None else valid.to(torch.bool), logits=logits)
+        return combine(full), (combine(attn) if want_attn else None), site, aux
+
+    def flops_per_token(self, site: Optional[RoutingSite], config: ModelConfig, seq_len: int) -> F_.Flops:
+        """Gate + each expert block on its own tokens (padded attention layout included)."""
+        d, E, k = config.d_model, self.cfg.num_experts, self.cfg.top_k
+        per_token = F_.Flops(attn_proj=F_.attention_projections(d), ffn=F_.ffn(d, config.ffn_hidden))
+        gate = F_.Flops(router=F_.linear(d, E))
+        if site is None:  # balanced routing: every sequence sends T*k/E tokens to each expert
+            scores = F_.attention_scores(d, seq_len * k / E) * k
+            return per_token.scale(k) + F_.Flops(attn_scores=scores) + gate
+        B, T, _ = site.selected.shape
+        n_tokens, scores = 0, 0.0
+        for seg in plan_segments(site.selected, site.valid, E):
+            if seg is not None:
+                n_tokens += seg.tokens.numel()
+                scores += B * seg.width * F_.attention_scores(d, seg.width)
+        return per_token.scale(n_tokens / (B * T)) + F_.Flops(attn_scores=scores / (B * T)) + gate
+
+
+class MoT(LanguageModel):
+    """GPT-2 whose mixture layers are top-k mixtures of whole blocks (see the module docstring)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        self.mot_layers = layer_selection(config.mot.layers, config.n_layer, "model.mot.layers")
+        self.blocks = nn.ModuleList([
+            MoTLayer(config) if i in self.mot_layers else Block(config) for i in range(config.n_layer)
+        ])
+        self.init_weights()
+
+    @staticmethod
+    def validate_config(config: ModelConfig) -> None:
+        cfg = config.mot
+        require(isinstance(cfg.num_experts, int) and cfg.num_experts >= 1, "model.mot.num_experts",
+                f"must be an integer >= 1, got {cfg.num_experts!r}")
+        require(isinstance(cfg.top_k, int) and 1 <= cfg.top_k <= cfg.num_experts, "model.mot.top_k",
+                f"must be in [1, num_experts={cfg.num_experts}], got {cfg.top_k!r}")
+        require(cfg.balance_coef >= 0, "model.mot.balance_coef", f"must be >= 0, got {cfg.balance_coef}")
+        layer_selection(cfg.layers, config.n_layer, "model.mot.layers")
+
+    def forward(self, idx: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                return_residuals: bool = False, cache: Optional[KVCache] = None) -> ModelOutput:
+        offset = cache.offset if cache is not None else 0
+        valid = attention_mask.to(torch.bool) if attention_mask is not None else None
+        x = self.embed(idx, offset)
+        residuals = [SubLayerState("embed", -1, x)] if return_residuals else None
+        trace: List[RoutingSite] = []
+        aux: Dict[str, torch.Tensor] = {}
+        for i, block in enumerate(self.blocks):
+            if isinstance(block, MoTLayer):
+                x, after_attn, site, losses = block(x, valid, cache, f"block{i}", return_residuals,
+                                                    f"layer{i}.mot", len(trace))
+                trace.append(site)
+                aux.update(losses)
+                if residuals is not None:
+                    residuals += [SubLayerState("mha", i, after_attn), SubLayerState("ffn", i, x)]
+            else:
+                x = block(x, cache, f"block{i}", residuals, i)
+        if cache is not None:
+            cache.offset += idx.shape[1]
+        return ModelOutput(logits=self.head(x), aux_loss=sum_aux(aux, x), trace=trace, residuals=residuals,
+                           aux_losses=aux, cache=cache)
+
+    def flops_per_token(self, trace: Optional[List[RoutingSite]] = None, seq_len: Optional[int] = None) -> F_.Flops:
+        cfg = self.config
+        T = trace_seq_len(trace, seq_len, cfg.block_size)
+        sites = {site.name: site for site in trace or []}
+        total = F_.lm_head(cfg.d_model, cfg.vocab_size)
+        for i, block in enumerate(self.blocks):
+            if isinstance(block, MoTLayer):
+                total = total + block.flops_per_token(sites.get(f"layer{i}.mot"), cfg, T)
+            else:
+                total = total + F_.dense_block(cfg.d_model, cfg.ffn_hidden, T)
+        return total

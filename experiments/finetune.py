@@ -1,0 +1,408 @@
+"""Fine-tune any variant on GLUE or XSUM: ``python -m experiments.finetune --task glue/cola --variant mod``.
+
+    --task glue/<cola|sst2|mrpc|qqp|stsb|mnli|qnli|rte|wnli> | glue/all | xsum
+    --variant V, --size S, --model.* overrides   the backbone (as in experiments.run)
+    --init_from CKPT | hf:gpt2 | HF_FOLDER       pre-trained weights; a suite checkpoint fixes the backbone's
+                                                 shape (and, for the same variant, all its settings); a vanilla
+                                                 checkpoint initialises any variant (experiments/weights.py)
+    --tokenizer T                                default: the checkpoint's run config (config.yaml next to
+                                                 checkpoints/), else gpt2
+    --data.path PATH                             local files instead of the Hub (see datamodules/glue.py, xsum.py)
+    --epochs N / --max_steps N, --batch_size B, --lr, --weight_decay, --warmup_ratio, --dropout
+    --max_train_examples N, --max_eval_examples N   seeded subsets for quick runs
+    XSUM: --num_beams K (1 = greedy), --max_new_tokens N, --length_penalty A, --eval_split validation|test
+
+Outputs, in ``<log_dir>/<task>-<variant>/version_N``: TensorBoard events, ``results.json`` (GLUE: the
+task's metrics per validation split and its GLUE score; XSUM: ROUGE-1/2/L and ``predictions.jsonl``).
+``glue/all`` runs the nine tasks in turn (one sub-folder each) and writes ``glue_results.md`` and
+``glue_results.json``. The run folder is the last line printed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import re
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from jsonargparse import ActionConfigFile, ArgumentParser, Namespace  # noqa: E402
+
+from architectures import ModelConfig, variant_names  # noqa: E402
+from architectures.config import ConfigError, SIZES  # noqa: E402
+from datamodules.corpora import DataError  # noqa: E402
+
+ALIASES = {"--variant": "--model.variant", "--size": "--model.size", "--batch_size": "--data.batch_size"}
+SHAPE_FIELDS = ("size", "vocab_size", "d_model", "n_layer", "n_head", "block_size", "ffn_ratio", "bias", "layer_norm_eps")
+
+
+@dataclass
+class FinetuneData:
+    path: Optional[str] = None  # GLUE: a folder; XSUM: a folder or one split-named file
+    drop_empty: bool = False  # drop (and count) rows with an empty text instead of failing
+    batch_size: int = 32
+    eval_batch_size: int = 8  # XSUM generation batch
+    max_length: Optional[int] = None  # GLUE sequence length; default: the model's block size
+    max_train_examples: Optional[int] = None
+    max_eval_examples: Optional[int] = None
+    num_workers: int = 0
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="python -m experiments.finetune", default_env=False,
+                            description="Fine-tune a variant on GLUE or XSUM. Aliases: "
+                            + ", ".join(f"{k} = {v}" for k, v in ALIASES.items()))
+    parser.add_argument("--config", action=ActionConfigFile)
+    parser.add_argument("--task", type=str, required=True, help="glue/<task>, glue/all or xsum")
+    parser.add_argument("--init_from", type=Optional[str], default=None)
+    parser.add_argument("--tokenizer", type=Optional[str], default=None)
+    parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--log_dir", type=str, default="runs/finetune")
+    parser.add_argument("--epochs", type=Optional[int], default=None, help="default: 3 for GLUE, 1 for XSUM")
+    parser.add_argument("--max_steps", type=Optional[int], default=None, help="stop after N steps (overrides epochs)")
+    parser.add_argument("--lr", type=float, default=5e-5)
+    parser.add_argument("--weight_decay", type=float, default=0.01)
+    parser.add_argument("--warmup_ratio", type=float, default=0.06)
+    parser.add_argument("--dropout", type=float, default=0.1, help="backbone and head dropout while fine-tuning")
+    parser.add_argument("--num_beams", type=int, default=1)
+    parser.add_argument("--max_new_tokens", type=int, default=64)
+    parser.add_argument("--length_penalty", type=float, default=1.0)
+    parser.add_argument("--eval_split", type=str, default="validation")
+    parser.add_argument("--rouge_stemmer", type=bool, default=False)
+    parser.add_argument("--save_checkpoint", type=bool, default=False)
+    parser.add_argument("--trainer.accelerator", type=str, default="auto")
+    parser.add_argument("--trainer.devices", type=str, default="auto")
+    parser.add_argument("--trainer.precision", type=Optional[str], default=None)
+    parser.add_argument("--trainer.enable_progress_bar", type=bool, default=True)
+    parser.add_class_arguments(ModelConfig, "model")
+    parser.add_class_arguments(FinetuneData, "data")
+    return parser
+
+
+def expand_aliases(argv: Sequence[str]) -> List[str]:
+    out = []
+    for arg in argv:
+        head, sep, tail = arg.partition("=")
+        out.append(ALIASES.get(head, head) + sep + tail if sep else ALIASES.get(arg, arg))
+    return out
+
+
+def task_list(task: str) -> List[str]:
+    from datamodules.glue import GLUE_TASKS, get_task
+
+    if task == "xsum":
+        return ["xsum"]
+    if task in ("glue/all", "glue"):
+        return [f"glue/{t}" for t in GLUE_TASKS]
+    if not task.startswith("glue/"):
+        raise DataError(f"task: unknown task {task!r}; valid: glue/<{'|'.join(GLUE_TASKS)}>, glue/all, xsum")
+    return [get_task(task).slug]
+
+
+def validate_up_front(cfg: Namespace) -> None:
+    task_list(cfg.task)
+    if cfg.model.variant not in variant_names():
+        raise ConfigError(f"model.variant: unknown variant {cfg.model.variant!r}; valid variants: {', '.join(variant_names())}")
+    if cfg.model.size not in SIZES:
+        raise ConfigError(f"model.size: unknown size {cfg.model.size!r}; valid sizes: {', '.join(SIZES)}")
+    checks = [
+        (cfg.epochs is None or cfg.epochs > 0, "epochs", "must be a positive integer"),
+        (cfg.max_steps is None or cfg.max_steps > 0, "max_steps", "must be a positive integer"),
+        (cfg.lr > 0, "lr", "must be > 0"),
+        (0 <= cfg.warmup_ratio < 1, "warmup_ratio", "must be in [0, 1)"),
+        (0 <= cfg.dropout < 1, "dropout", "must be in [0, 1)"),
+        (cfg.num_beams >= 1, "num_beams", "must be >= 1"),
+        (cfg.max_new_tokens >= 1, "max_new_tokens", "must be >= 1"),
+        (cfg.eval_split in ("validation", "test"), "eval_split", "must be 'validation' or 'test'"),
+        (cfg.data.batch_size > 0, "data.batch_size", "must be a positive integer"),
+        (cfg.data.max_length is None or cfg.data.max_length >= 4, "data.max_length", "must be >= 4"),
+    ]
+    for ok, name, message in checks:
+        if not ok:
+            raise ConfigError(f"{name}: {message}, got {cfg[name]!r}")
+
+
+# ---------------------------------------------------------------------------- backbone and tokenizer
+def _is_hf(source: str) -> bool:
+    path = pathlib.Path(source)
+    return source.startswith("hf:") or (path.is_dir() and (path / "config.json").is_file())
+
+
+def checkpoint_model_config(source: str) -> ModelConfig:
+    """The backbone configuration stored with ``--init_from``."""
+    if _is_hf(source):
+        from transformers import GPT2Config
+
+        from architectures.gpt2 import config_from_hf
+        from datamodules.corpora import hub_reachable
+
+        name = source.removeprefix("hf:")
+        try:
+            hf = GPT2Config.from_pretrained(name, local_files_only=not pathlib.Path(name).is_dir() and not hub_reachable())
+        except OSError as err:
+            raise FileNotFoundError(f"init_from: Hugging Face config of {name!r} is not cached and the Hub is "
+                                    "unreachable; pass a local folder with config.json + model.safetensors") from err
+        return config_from_hf(hf)
+    path = pathlib.Path(source)
+    if not path.is_file():
+        raise FileNotFoundError(f"init_from: {source} is neither a checkpoint file, 'hf:<id>' nor a Hugging Face folder")
+    import torch
+
+    blob = torch.load(path, map_location="cpu", weights_only=False)
+    model = blob.get("hyper_parameters", {}).get("model") if isinstance(blob, dict) else None
+    if not model:
+        raise ConfigError(f"init_from: {path} holds no model configuration (hyper_parameters.model); "
+                          "use a checkpoint written by experiments.run")
+    return ModelConfig.from_dict(model)
+
+
+def backbone_config(cfg: Namespace, vocab_size: int) -> Tuple[ModelConfig, Optional[ModelConfig]]:
+    """(config to build, config of the ``--init_from`` source or None)."""
+    from architectures.registry import apply_preset
+
+    cli = apply_preset(ModelConfig.from_dict(cfg.model.as_dict() if isinstance(cfg.model, Namespace) else dict(cfg.model)))
+    source = checkpoint_model_config(cfg.init_from) if cfg.init_from else None
+    if source is None:
+        built = dataclasses.replace(cli, vocab_size=vocab_size)
+    elif source.variant == cli.variant:
+        built = source  # the checkpoint's own variant: every setting as it was trained
+    else:
+        built = dataclasses.replace(cli, **{f: getattr(source, f) for f in SHAPE_FIELDS})
+    built = dataclasses.replace(built, dropout=cfg.dropout).resolve()
+    if vocab_size > built.vocab_size:
+        raise ConfigError(f"tokenizer: {vocab_size} tokens do not fit the backbone's vocabulary of {built.vocab_size}; "
+                          "pass the --tokenizer the checkpoint was trained with")
+    return built, source
+
+
+def load_backbone(model, init_from: str, source: ModelConfig) -> None:
+    from experiments.weights import load_initial_weights, vanilla_state_from
+
+    if source.variant == model.config.variant and not _is_hf(init_from):
+        state = {k: v for k, v in vanilla_state_from(init_from).items() if not k.startswith("head.")}
+        result = model.load_state_dict(state, strict=False)
+        if result.missing_keys or result.unexpected_keys:
+            raise ConfigError(f"init_from: {init_from} does not match the {model.config.variant} backbone "
+                              f"(missing {result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]})")
+        return
+    load_initial_weights(model, init_from)
+
+
+def resolve_tokenizer(spec: Optional[str], init_from: Optional[str]):
+    """``--tokenizer``, else the tokenizer recorded in the checkpoint's run config, else gpt2."""
+    from datamodules.corpora import get_corpus
+    from datamodules.lm import default_cache_dir
+    from datamodules.tokenizer import get_tokenizer
+
+    cache_dir, corpus_name, corpus_path = default_cache_dir(), "embedded", []
+    if init_from and not _is_hf(init_from):
+        run_config = pathlib.Path(init_from).resolve().parent.parent / "config.yaml"
+        if run_config.is_file():
+            import yaml
+
+            data = (yaml.safe_load(run_config.read_text()) or {}).get("data", {})
+            corpus_name, corpus_path = data.get("name", "embedded"), data.get("path") or []
+            cache_dir = pathlib.Path(data["cache_dir"]) if data.get("cache_dir") else cache_dir
+            if spec is None:
+                spec = data.get("tokenizer") or get_corpus(corpus_name, path=corpus_path, cache_dir=cache_dir).default_tokenizer
+    spec = spec or "gpt2"
+    corpus = get_corpus(corpus_name, path=corpus_path, cache_dir=cache_dir) if spec == "bpe" else None
+    return get_tokenizer(spec, cache_dir, corpus)
+
+
+# ---------------------------------------------------------------------------- training
+def default_precision() -> str:
+    import torch
+
+    return "bf16-mixed" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "32-true"
+
+
+def next_version(root: pathlib.Path) -> str:
+    existing = [int(m.group(1)) for p in root.glob("version_*") if (m := re.fullmatch(r"version_(\d+)", p.name))]
+    return f"version_{max(existing) + 1 if existing else 0}"
+
+
+def make_trainer(cfg: Namespace, save_dir: pathlib.Path, name: str, version: str, epochs: int):
+    import lightning as L
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    devices = cfg.trainer.devices
+    return L.Trainer(
+        accelerator=cfg.trainer.accelerator,
+        devices=int(devices) if str(devices).isdigit() else devices,
+        precision=cfg.trainer.precision or default_precision(),
+        max_epochs=epochs,
+        max_steps=cfg.max_steps or -1,
+        gradient_clip_val=1.0,
+        logger=TensorBoardLogger(save_dir=str(save_dir), name=name, version=version, default_hp_metric=False),
+        enable_checkpointing=cfg.save_checkpoint,
+        enable_progress_bar=cfg.trainer.enable_progress_bar,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        log_every_n_steps=10,
+    )
+
+
+def optim_settings(cfg: Namespace, total_steps: int) -> Dict[str, Any]:
+    return {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "beta2": 0.999, "min_lr_ratio": 0.0,
+            "warmup_steps": int(cfg.warmup_ratio * total_steps)}
+
+
+def total_steps(cfg: Namespace, train_size: int, epochs: int, world: int) -> int:
+    if cfg.max_steps:
+        return cfg.max_steps
+    return epochs * math.ceil(train_size / (cfg.data.batch_size * world))
+
+
+def build_module(module_cls, cfg: Namespace, tokenizer, **kwargs):
+    import lightning as L
+
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    mcfg, source = backbone_config(cfg, tokenizer.vocab_size)
+    module = module_cls(model=dataclasses.asdict(mcfg), **kwargs)
+    if cfg.init_from:
+        load_backbone(module.model, cfg.init_from, source)
+    return module, mcfg
+
+
+def run_glue_task(cfg: Namespace, task: str, tokenizer, save_dir: pathlib.Path, name: str, version: str) -> Dict[str, Any]:
+    from datamodules.glue import GlueDataModule, get_task
+    from lightning_modules.glue import GlueModule, glue_score, split_prefix
+
+    spec = get_task(task)
+    epochs = cfg.epochs or 3
+    start = time.time()
+    probe, _ = backbone_config(cfg, tokenizer.vocab_size)
+    data = GlueDataModule(task, tokenizer, max_length=min(cfg.data.max_length or probe.block_size, probe.block_size),
+                          batch_size=cfg.data.batch_size, path=cfg.data.path,
+                          drop_empty=cfg.data.drop_empty, max_train_examples=cfg.data.max_train_examples,
+                          max_eval_examples=cfg.data.max_eval_examples, seed=cfg.seed, num_workers=cfg.data.num_workers)
+    data.setup("fit")
+    trainer = make_trainer(cfg, save_dir, name, version, epochs)
+    steps = total_steps(cfg, len(data.train_set), epochs, trainer.world_size)
+    module, mcfg = build_module(GlueModule, cfg, tokenizer, task=spec.name, optim=optim_settings(cfg, steps),
+                                max_steps=steps, head_dropout=cfg.dropout)
+    trainer.fit(module, datamodule=data)
+    final = trainer.validate(module, datamodule=data, verbose=False)
+    logged = {k: float(v) for k, v in (final[0] if final else {}).items()}
+    splits = {}
+    for split in spec.val_splits:
+        prefix = split_prefix(split)
+        splits[split] = {m: logged[f"{prefix}/{m}"] for m in spec.metrics}
+    scores = [glue_score(spec, values) for values in splits.values()]
+    return {
+        "task": spec.slug, "variant": mcfg.variant, "metrics": splits, "score": sum(scores) / len(scores),
+        "train_examples": len(data.train_set), "eval_examples": {s: len(d) for s, d in data.val_sets.items()},
+        "steps": trainer.global_step, "seconds": round(time.time() - start, 1), "init_from": cfg.init_from,
+        "log_dir": trainer.logger.log_dir,
+    }
+
+
+def run_xsum(cfg: Namespace, tokenizer, save_dir: pathlib.Path, name: str, version: str) -> Dict[str, Any]:
+    from datamodules.xsum import XSumDataModule
+    from lightning_modules.xsum import ROUGE_KEYS, XSumModule
+
+    epochs = cfg.epochs or 1
+    start = time.time()
+    probe, _ = backbone_config(cfg, tokenizer.vocab_size)
+    data = XSumDataModule(tokenizer, probe.block_size, batch_size=cfg.data.batch_size, path=[cfg.data.path] if cfg.data.path else None,
+                          max_new_tokens=cfg.max_new_tokens, eval_split=cfg.eval_split, drop_empty=cfg.data.drop_empty,
+                          max_train_examples=cfg.data.max_train_examples, max_eval_examples=cfg.data.max_eval_examples,
+                          eval_batch_size=cfg.data.eval_batch_size, seed=cfg.seed, num_workers=cfg.data.num_workers)
+    data.setup("fit")
+    trainer = make_trainer(cfg, save_dir, name, version, epochs)
+    steps = total_steps(cfg, len(data.train_set), epochs, trainer.world_size)
+    module, mcfg = build_module(XSumModule, cfg, tokenizer, optim=optim_settings(cfg, steps), max_steps=steps,
+                                eot_id=tokenizer.eot_id, num_beams=cfg.num_beams, max_new_tokens=cfg.max_new_tokens,
+                                length_penalty=cfg.length_penalty, rouge_stemmer=cfg.rouge_stemmer, tokenizer=tokenizer)
+    trainer.fit(module, datamodule=data)
+    val = trainer.validate(module, datamodule=data, verbose=False)
+    test = trainer.test(module, dataloaders=data.test_dataloader(), verbose=False)
+    rouge = {k: float(test[0][f"test/{k}"]) for k in ROUGE_KEYS} if test else {}
+    run_dir = pathlib.Path(trainer.logger.log_dir)
+    if trainer.is_global_zero:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with (run_dir / "predictions.jsonl").open("w", encoding="utf-8") as handle:
+            for row in module.predictions:
+                handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return {
+        "task": "xsum", "variant": mcfg.variant, "rouge": rouge, "eval_split": cfg.eval_split,
+        "val_summary_loss": float(val[0]["val/loss"]) if val and "val/loss" in val[0] else None,
+        "decoding": "greedy" if cfg.num_beams == 1 else f"beam{cfg.num_beams}", "max_new_tokens": cfg.max_new_tokens,
+        "train_examples": len(data.train_set), "eval_examples": len(data.eval_set), "steps": trainer.global_step,
+        "seconds": round(time.time() - start, 1), "init_from": cfg.init_from, "log_dir": str(run_dir),
+    }
+
+
+# ---------------------------------------------------------------------------- the GLUE table
+def glue_table(results: List[Dict[str, Any]]) -> str:
+    lines = ["| task | metrics (x100) | score |", "|---|---|---|"]
+    for r in results:
+        parts = []
+        for split, values in r["metrics"].items():
+            tag = "" if split == "validation" else split.replace("validation_", "") + " "
+            parts += [f"{tag}{m} {100 * v:.2f}" for m, v in values.items()]
+        lines.append(f"| {r['task']} | {', '.join(parts)} | {100 * r['score']:.2f} |")
+    if results:
+        mean = sum(r["score"] for r in results) / len(results)
+        lines.append(f"| average ({len(results)} tasks) | | {100 * mean:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_json(path: pathlib.Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> pathlib.Path:
+    parser = build_parser()
+    cfg = parser.parse_args(expand_aliases(list(sys.argv[1:] if argv is None else argv)))
+    validate_up_front(cfg)
+    tasks = task_list(cfg.task)
+    tokenizer = resolve_tokenizer(cfg.tokenizer, cfg.init_from)
+    label = "glue-all" if len(tasks) > 1 else tasks[0].replace("/", "-")
+    root = pathlib.Path(cfg.log_dir) / f"{label}-{cfg.model.variant}"
+    # DDP re-launches this command once per rank: they inherit the version the first process chose
+    version = os.environ.get("DYNCOMP_FINETUNE_VERSION") or next_version(root)
+    os.environ["DYNCOMP_FINETUNE_VERSION"] = version
+    run_dir = root / version
+    try:
+        run_tasks(cfg, tasks, tokenizer, root, version)
+    finally:
+        os.environ.pop("DYNCOMP_FINETUNE_VERSION", None)
+    print(run_dir)
+    return run_dir
+
+
+def run_tasks(cfg: Namespace, tasks: List[str], tokenizer, root: pathlib.Path, version: str) -> None:
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    run_dir = root / version
+    if len(tasks) == 1:
+        if tasks == ["xsum"]:
+            result = run_xsum(cfg, tokenizer, root, "", version)
+        else:
+            result = run_glue_task(cfg, tasks[0], tokenizer, root, "", version)
+        if rank_zero_only.rank == 0:
+            write_json(run_dir / "results.json", result)
+        return
+    results = []
+    for task in tasks:
+        results.append(run_glue_task(cfg, task, tokenizer, run_dir, task.split("/")[1], ""))
+        if rank_zero_only.rank == 0:  # rewritten after every task: a later failure keeps the finished rows
+            write_json(run_dir / "glue_results.json", results)
+            (run_dir / "glue_results.md").write_text(glue_table(results))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ConfigError, DataError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

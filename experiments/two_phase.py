@@ -1,0 +1,124 @@
+"""MoM's two-phase training in one command: phase 1 trains vanilla GPT-2, phase 2 builds the MoM from it.
+
+    python -m experiments.two_phase --variant mom_e [--size tiny --phase1_steps N --phase2_steps M --log_dir DIR]
+
+Both phases are ordinary ``experiments.run`` runs (TensorBoard events, checkpoints, summary.json) under
+the same ``--log_dir``, so ``tensorboard --logdir DIR`` shows them side by side:
+``DIR/vanilla-<size>/<version>`` and ``DIR/<variant>-<size>/<version>`` with the same version name.
+Phase 2 starts from phase 1's ``last.ckpt`` through ``--init_from`` (the MoM's ``init_from_vanilla``:
+vanilla layer j -> attention module j and FFN module j, embeddings copied, routers fresh).
+
+Any other option is passed to both phases (model dimensions, data, trainer options must agree);
+``--phase1.X V`` / ``--phase2.X V`` pass ``--X V`` to one phase only. Phase 1 validates and
+checkpoints every gcd(phase1_steps, 100) steps unless ``--val_every`` is given (it must divide
+phase1_steps, so that ``last.ckpt`` holds the final vanilla model). Phase 2 warms up over
+min(500, M / 10) steps unless ``--phase2.optim.warmup_steps`` says otherwise (the official recipe:
+AdamW (0.9, 0.95), wd 0.1, lr 1e-3 cosine, 500 warmup steps of 5k). Single process: for DDP, run the
+two phases with ``experiments.run`` yourself. Prints phase 2's run folder last and writes
+``two_phase.json`` (both run folders and the checkpoint used) into it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import re
+import sys
+from typing import List, Optional, Sequence, Tuple
+
+from architectures.config import ConfigError
+
+
+def parse(argv: Sequence[str]) -> Tuple[argparse.Namespace, List[str], List[str]]:
+    parser = argparse.ArgumentParser(prog="python -m experiments.two_phase", description=__doc__.split("\n\n")[0],
+                                     allow_abbrev=False)
+    parser.add_argument("--variant", default="mom_e", help="a MoM variant (mom, mom_p, mom_e, mom_i, layer_skip, param_share)")
+    parser.add_argument("--size", default="tiny")
+    parser.add_argument("--phase1_steps", type=int, default=300)
+    parser.add_argument("--phase2_steps", type=int, default=300)
+    parser.add_argument("--log_dir", default="runs/two_phase")
+    args, rest = parser.parse_known_args(list(argv))
+    for name in ("phase1_steps", "phase2_steps"):
+        if getattr(args, name) <= 0:
+            raise ConfigError(f"{name}: must be a positive integer, got {getattr(args, name)}")
+    common, only = [], {"phase1": [], "phase2": []}
+    i = 0
+    while i < len(rest):
+        arg = rest[i]
+        target = common
+        for phase in only:
+            if arg.startswith(f"--{phase}."):
+                target, arg = only[phase], "--" + arg[len(phase) + 3:]
+        target.append(arg)
+        if "=" not in arg and i + 1 < len(rest) and not rest[i + 1].startswith("--"):
+            target.append(rest[i + 1])
+            i += 1
+        i += 1
+    return args, common + only["phase1"], common + only["phase2"]
+
+
+def phase1_val_every(args: argparse.Namespace, phase1_extra: List[str]) -> List[str]:
+    """Phase 1 checkpoints every ``val_every`` steps; it must divide phase1_steps so last.ckpt is the final model."""
+    given = None
+    for i, arg in enumerate(phase1_extra):
+        if arg == "--val_every" and i + 1 < len(phase1_extra):
+            given = phase1_extra[i + 1]
+        elif arg.startswith("--val_every="):
+            given = arg.split("=", 1)[1]
+    if given is None:
+        return ["--val_every", str(math.gcd(args.phase1_steps, 100))]
+    if not given.isdigit() or int(given) <= 0 or args.phase1_steps % int(given):
+        raise ConfigError(f"val_every: {given} does not divide phase1_steps={args.phase1_steps}, so phase 1's "
+                          "last checkpoint would miss its final steps; pick a divisor")
+    return []
+
+
+def check_variant(variant: str) -> None:
+    from architectures.registry import get_variant, variant_names
+
+    cls = get_variant(variant).model_class()
+    if not hasattr(cls, "init_from_vanilla"):
+        usable = [n for n in variant_names() if hasattr(get_variant(n).model_class(), "init_from_vanilla")]
+        raise ConfigError(f"model.variant: {variant!r} cannot start from a vanilla checkpoint; use one of {', '.join(usable)}")
+
+
+def shared_version(log_dir: pathlib.Path, size: str, variant: str) -> str:
+    """The next ``version_N`` free under both phases' folders, so the two runs share one name."""
+    taken = set()
+    for root in (log_dir / f"vanilla-{size}", log_dir / f"{variant}-{size}"):
+        taken |= {int(m.group(1)) for p in root.glob("version_*") if (m := re.fullmatch(r"version_(\d+)", p.name))}
+    return f"version_{max(taken) + 1 if taken else 0}"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> pathlib.Path:
+    from experiments import run
+
+    args, phase1_extra, phase2_extra = parse(sys.argv[1:] if argv is None else argv)
+    check_variant(args.variant)
+    val_every = phase1_val_every(args, phase1_extra)
+    log_dir = pathlib.Path(args.log_dir)
+    version = shared_version(log_dir, args.size, args.variant)
+    base = ["--size", args.size, "--log_dir", str(log_dir), "--version", version]
+    phase1 = run.main(["--variant", "vanilla", *base, "--max_steps", str(args.phase1_steps), *val_every, *phase1_extra])
+    checkpoint = phase1 / "checkpoints" / "last.ckpt"
+    if not checkpoint.is_file():
+        raise FileNotFoundError(f"phase 1 wrote no {checkpoint}")
+    warmup = ["--optim.warmup_steps", str(min(500, args.phase2_steps // 10))]
+    phase2 = run.main(["--variant", args.variant, *base, "--max_steps", str(args.phase2_steps), *warmup,
+                       "--init_from", str(checkpoint), *phase2_extra])
+    record = {"variant": args.variant, "size": args.size, "phase1": str(phase1), "phase1_checkpoint": str(checkpoint),
+              "phase2": str(phase2)}
+    (phase2 / "two_phase.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(phase2)
+    return phase2
+
+
+if __name__ == "__main__":
+    from datamodules.corpora import DataError
+
+    try:
+        main()
+    except (ConfigError, DataError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,101 @@
+"""``python -m experiments.analyze contribution``: logit lens, linear probes and k-means MI on a checkpoint."""
+from __future__ import annotations
+
+import json
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+
+from datamodules.lm import DataConfig, LMDataModule
+from experiments.analyze import contribution, main, mutual_information
+from lightning_modules.lm import LanguageModelModule
+
+T = 32
+
+
+def _train_briefly(module: LanguageModelModule, blocks: torch.Tensor, steps: int = 25) -> None:
+    """Enough steps on the embedded corpus that the top layers predict better than the embeddings."""
+    torch.manual_seed(0)
+    optimizer = torch.optim.AdamW(module.model.parameters(), lr=1e-2)
+    for step in range(steps):
+        batch = blocks[torch.randint(0, len(blocks), (8,))]
+        logits = module.model(batch[:, :-1]).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+@pytest.fixture(scope="module")
+def zeroed_ffn_run(tmp_path_factory):
+    """A run folder like experiments.run writes one: checkpoints/last.ckpt + config.yaml (embedded corpus)."""
+    run = tmp_path_factory.mktemp("run") / "vanilla-tiny" / "version_0"
+    (run / "checkpoints").mkdir(parents=True)
+    data = LMDataModule(DataConfig(), block_size=T, seed=3)
+    data.prepare_data()
+    data.setup("fit")
+    blocks = torch.stack([data.train_set[i] for i in range(256)])
+    L.seed_everything(0, verbose=False)
+    module = LanguageModelModule(model=dict(variant="vanilla", vocab_size=data.vocab_size, d_model=32, n_layer=2,
+                                            n_head=2, block_size=T))
+    _train_briefly(module, blocks)
+    with torch.no_grad():
+        for block in module.model.blocks:  # FFN updates become exactly zero
+            block.mlp.c_proj.weight.zero_()
+            block.mlp.c_proj.bias.zero_()
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams),
+                "pytorch-lightning_version": L.__version__}, run / "checkpoints" / "last.ckpt")
+    (run / "config.yaml").write_text(yaml.safe_dump({"seed": 3, "data": {"name": "embedded", "batch_size": 4}}))
+    return run
+
+
+@pytest.mark.parametrize("method", ["logit_lens", "mi", "probe"])
+def test_zeroed_ffns_give_ffn_ratio_zero_and_ratios_sum_to_one(zeroed_ffn_run, method):
+    ckpt = zeroed_ffn_run / "checkpoints" / "last.ckpt"
+    result = contribution(str(ckpt), method, sequences=12, batch_size=4, clusters=16, probe_steps=15)
+    assert result["labels"] == ["00.embed", "01.mha0", "02.ffn0", "03.mha1", "04.ffn1"]
+    assert result["tokens"] == 12 * T
+    values = result["values"]
+    assert values[2] == values[1] and values[4] == values[3]  # identical states, identical measure
+    assert result["ratio_ffn"] == 0.0 and result["ratio_mha"] == 1.0
+    if method == "logit_lens":
+        assert values[-1] > values[0]  # the trained layers predict better than the embeddings
+        assert result["dla"]["02.ffn0"] == 0.0
+    if method == "mi":
+        assert all(0 <= v <= result["token_entropy_bits"] + 1e-9 for v in values)
+
+
+def test_cli_writes_json_and_prints_it(zeroed_ffn_run, tmp_path, capsys):
+    ckpt = zeroed_ffn_run / "checkpoints" / "last.ckpt"
+    out = tmp_path / "mi.json"
+    main(["contribution", "--ckpt", str(ckpt), "--method", "mi", "--sequences", "8", "--clusters", "8",
+          "--json", str(out)])
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert json.loads(out.read_text()) == printed
+    assert printed["method"] == "mi" and printed["clusters"] == 8 and printed["ratio_ffn"] == 0.0
+    default = main(["contribution", "--ckpt", str(ckpt), "--sequences", "4"])
+    assert (zeroed_ffn_run / "contribution-logit_lens.json").is_file() and default["method"] == "logit_lens"
+
+
+def test_bad_input_names_the_option(zeroed_ffn_run, tmp_path):
+    ckpt = zeroed_ffn_run / "checkpoints" / "last.ckpt"
+    with pytest.raises(FileNotFoundError, match="--ckpt"):
+        contribution(str(tmp_path / "missing.ckpt"))
+    with pytest.raises(ValueError, match="--method: unknown method 'x'"):
+        contribution(str(ckpt), "x")
+    with pytest.raises(ValueError, match="--clusters: must be a positive integer"):
+        contribution(str(ckpt), "mi", clusters=0)
+    with pytest.raises(SystemExit):
+        main(["contribution", "--ckpt", str(ckpt), "--method", "nope"])
+
+
+def test_mutual_information_by_hand():
+    x = np.array([0, 0, 1, 1, 2, 2, 3, 3])
+    assert mutual_information(x, x) == pytest.approx(2.0)  # I(X; X) = H(X) = 2 bits
+    assert mutual_information(np.zeros(8, dtype=int), x) == pytest.approx(0.0)
+    assert mutual_information(np.array([0, 1] * 4), np.array([0, 0, 1, 1] * 2)) == pytest.approx(0.0)
+    assert mutual_information(x // 2, x) == pytest.approx(1.0)

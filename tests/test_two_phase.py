@@ -1,0 +1,94 @@
+"""``python -m experiments.two_phase``: argument plumbing, bad input, and the real two-run command."""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+import torch
+
+from architectures.config import ConfigError
+from experiments import two_phase
+from tests.conftest import TINY_RUN
+
+
+def fake_run(calls, tmp_path):
+    """Stand-in for experiments.run.main: records argv, makes the run folder and a last.ckpt."""
+
+    def main(argv):
+        calls.append(list(argv))
+        get = lambda flag: argv[len(argv) - 1 - argv[::-1].index(flag) + 1]  # noqa: E731  (last one wins)
+        folder = pathlib.Path(get("--log_dir")) / f"{get('--variant')}-{get('--size')}" / get("--version")
+        (folder / "checkpoints").mkdir(parents=True)
+        (folder / "checkpoints" / "last.ckpt").write_bytes(b"")
+        return folder
+
+    return main
+
+
+def test_phases_get_their_arguments_and_phase2_starts_from_phase1_last_checkpoint(tmp_path, monkeypatch, capsys):
+    import experiments.run
+
+    calls = []
+    monkeypatch.setattr(experiments.run, "main", fake_run(calls, tmp_path))
+    (tmp_path / "mom_i-tiny" / "version_3").mkdir(parents=True)  # an older phase-2 run: both phases skip past it
+    result = two_phase.main(["--variant", "mom_i", "--phase1_steps", "30", "--phase2_steps", "40", "--log_dir",
+                             str(tmp_path), "--model.d_model", "32", "--phase2.optim.lr", "3e-4",
+                             "--phase1.data.batch_size=8", "--trainer.enable_progress_bar", "false"])
+    phase1, phase2 = calls
+    assert phase1[:2] == ["--variant", "vanilla"] and phase2[:2] == ["--variant", "mom_i"]
+    for argv in calls:
+        assert argv[argv.index("--version") + 1] == "version_4"
+        assert argv[argv.index("--log_dir") + 1] == str(tmp_path)
+        assert argv[argv.index("--trainer.enable_progress_bar") + 1] == "false"
+        assert "--model.d_model" in argv and argv[argv.index("--model.d_model") + 1] == "32"
+    assert phase1[phase1.index("--max_steps") + 1] == "30" and phase1[phase1.index("--val_every") + 1] == "10"
+    assert "--data.batch_size=8" in phase1 and "--data.batch_size=8" not in phase2
+    assert phase2[phase2.index("--optim.lr") + 1] == "3e-4" and "--optim.lr" not in phase1
+    assert phase2[phase2.index("--max_steps") + 1] == "40" and phase2[phase2.index("--optim.warmup_steps") + 1] == "4"
+    checkpoint = tmp_path / "vanilla-tiny" / "version_4" / "checkpoints" / "last.ckpt"
+    assert phase2[phase2.index("--init_from") + 1] == str(checkpoint)
+    assert result == tmp_path / "mom_i-tiny" / "version_4"
+    assert capsys.readouterr().out.strip().splitlines()[-1] == str(result)
+    record = json.loads((result / "two_phase.json").read_text())
+    assert record["phase1_checkpoint"] == str(checkpoint) and record["phase2"] == str(result)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--variant", "vanilla"], "model.variant: 'vanilla' cannot start from a vanilla checkpoint; use one of .*mom_e"),
+    (["--variant", "mom_z"], "model.variant: unknown variant 'mom_z'"),
+    (["--phase1_steps", "0"], "phase1_steps: must be a positive integer"),
+    (["--phase1_steps", "10", "--val_every", "3"], "val_every: 3 does not divide phase1_steps=10"),
+])
+def test_bad_input_fails_before_any_training(argv, match, tmp_path, monkeypatch):
+    import experiments.run
+
+    calls = []
+    monkeypatch.setattr(experiments.run, "main", fake_run(calls, tmp_path))
+    with pytest.raises(ConfigError, match=match):
+        two_phase.main([*argv, "--log_dir", str(tmp_path)])
+    assert calls == []
+
+
+@pytest.mark.slow
+def test_two_phase_command_trains_vanilla_then_mom_from_it(tmp_path):
+    result = two_phase.main(["--variant", "mom_e", "--phase1_steps", "4", "--phase2_steps", "2", "--log_dir",
+                             str(tmp_path), *TINY_RUN, "--model.n_layer", "4", "--val_every", "2"])
+    phase1 = tmp_path / "vanilla-tiny" / "version_0"
+    assert result == tmp_path / "mom_e-tiny" / "version_0"
+    for folder, variant, steps in ((phase1, "vanilla", 4), (result, "mom_e", 2)):
+        summary = json.loads((folder / "summary.json").read_text())
+        assert summary["variant"] == variant and summary["steps"] == steps
+        assert any(p.name.startswith("events.out.tfevents") for p in folder.iterdir())  # TensorBoard
+    first = torch.load(phase1 / "checkpoints" / "last.ckpt", weights_only=False)
+    second = torch.load(result / "checkpoints" / "last.ckpt", weights_only=False)
+    assert first["global_step"] == 4
+    # tiny chunked layout: vanilla layers 0-2 became the pool, layer 3 the anchor; two AdamW steps
+    # (lr 1e-3) move a weight by ~2e-3 at most, while an unrelated init differs by ~0.02
+    a, b = first["state_dict"], second["state_dict"]
+    for j in range(3):
+        drift = (b[f"model.chunks.0.attn_modules.{j}.attn.c_attn.weight"] - a[f"model.blocks.{j}.attn.c_attn.weight"])
+        assert drift.abs().max() < 3e-3
+        drift = (b[f"model.chunks.0.ffn_modules.{j}.mlp.c_fc.weight"] - a[f"model.blocks.{j}.mlp.c_fc.weight"])
+        assert drift.abs().max() < 3e-3
+    assert (b["model.chunks.0.anchor.ln_1.weight"] - a["model.blocks.3.ln_1.weight"]).abs().max() < 3e-3
