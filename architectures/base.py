@@ -23,6 +23,9 @@ class LanguageModel(nn.Module):
 
     #: set False in a variant whose forward cannot yet decode incrementally with a KVCache
     supports_kv_cache: bool = True
+    #: True when a training step may leave some parameters without gradient (an expert or module
+    #: that no token chose); DDP then needs find_unused_parameters. Dense models set False.
+    may_skip_parameters: bool = True
 
     def __init__(self, config: ModelConfig):
         super().__init__()

@@ -105,6 +105,8 @@ class Block(nn.Module):
 class GPT2(LanguageModel):
     """Dense GPT-2, the reference for every ratio (FLOPs, step time, loss)."""
 
+    may_skip_parameters = False
+
     def __init__(self, config: ModelConfig):
         super().__init__(config)
         self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])

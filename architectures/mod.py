@@ -105,10 +105,8 @@ class _Pass:
         self.aux: Dict[str, torch.Tensor] = {}
 
 
-def _scatter_rows(values: Optional[torch.Tensor], flat: torch.Tensor, n_rows: int, fill=0) -> Optional[torch.Tensor]:
+def _scatter_rows(values: torch.Tensor, flat: torch.Tensor, n_rows: int, fill=0) -> torch.Tensor:
     """Rows of ``values`` (N, ...) placed at ``flat`` in an (n_rows, ...) tensor filled with ``fill``."""
-    if values is None:
-        return None
     values = values.detach()
     out = values.new_full((n_rows, *values.shape[1:]), fill)
     return out.index_copy(0, flat, values)
@@ -338,6 +336,8 @@ class MoD(LanguageModel):
     """
 
     fixed_router_weight: Optional[float] = None
+    # every routed block takes k >= 1 tokens and its router/predictor always get a loss: nothing idles
+    may_skip_parameters = False
 
     uses_mod_router = True
 
@@ -439,6 +439,8 @@ class MoDEStaged(MoD):
     through the whole depth; a routed block's site marks the tokens it skipped as invalid.
     """
 
+    may_skip_parameters = True  # an expert may get no token
+
     def _make_blocks(self, config: ModelConfig) -> List[nn.Module]:
         order = sorted(set(layer_selection(config.moe.layers, config.n_layer, "model.moe.layers")) | set(self.routed))
         blocks: List[nn.Module] = []
@@ -469,6 +471,7 @@ class MoDEIntegrated(MoD):
     """
 
     uses_mod_router = False
+    may_skip_parameters = True
 
     def _make_blocks(self, config: ModelConfig) -> List[nn.Module]:
         routed = routed_block_indices(config)

@@ -160,19 +160,19 @@ class MoELayer(nn.Module):
             keep = fits if keep is None else keep & fits
         out = sorted_dispatch(x.reshape(N, d), sel_flat, w_flat.to(x.dtype), self.experts, keep)
         aux: Dict[str, torch.Tensor] = {}
-        probs_flat = probs.reshape(N, -1)
+        probs_flat = probs.reshape(N, probs.shape[-1])  # explicit width: N may be 0
         if self.cfg.balance_coef > 0:
             aux[f"{site_name}/balance"] = self.cfg.balance_coef * balance_loss(
                 probs_flat, sel_flat, self.num_experts, valid_flat)
         if self.cfg.z_loss_coef > 0:
-            aux[f"{site_name}/z_loss"] = self.cfg.z_loss_coef * z_loss(logits.reshape(N, -1), valid_flat)
+            aux[f"{site_name}/z_loss"] = self.cfg.z_loss_coef * z_loss(logits.reshape(N, logits.shape[-1]), valid_flat)
         site = RoutingSite(
             name=site_name, kind="token_choice", choice_names=list(self.choice_names),
             selected=selected, weights=weights, group=group, step=step, probs=probs,
             dropped=dropped.view(B, T, self.top_k), valid=None if valid is None else valid.to(torch.bool),
             logits=logits,
         )
-        return MoEResult(output=out.view(B, T, -1), site=site, aux_losses=aux)
+        return MoEResult(output=out.view(B, T, out.shape[-1]), site=site, aux_losses=aux)
 
     def flops_per_token(self, site: Optional[RoutingSite], d_model: int) -> F_.Flops:
         """Router (all tokens) + the experts actually run: active (real, valid, not dropped) assignments

@@ -139,7 +139,8 @@ def validate_mom_config(config: ModelConfig) -> MoMLayout:
     for kind, pool in (("attn", layout.n_attn), ("ffn", layout.n_ffn)):
         if _LEARNED[m.routing][kind]:
             require(m.top_k <= pool + skip, "model.mom.top_k",
-                    f"K={m.top_k} exceeds the {pool} {kind} modules{' + SKIP' if skip else ''} of the pool")
+                    f"K={m.top_k} exceeds the {pool} {kind} modules{' + SKIP' if skip else ''} of the pool "
+                    f"(lower K or enlarge the pool with model.mom.n_{kind})")
     require(m.router_hidden >= 1, "model.mom.router_hidden", f"must be >= 1, got {m.router_hidden}")
     require(m.temperature > 0, "model.mom.temperature", f"must be > 0, got {m.temperature}")
     require(m.balance_coef >= 0, "model.mom.balance_coef", f"must be >= 0, got {m.balance_coef}")

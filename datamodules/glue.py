@@ -259,7 +259,7 @@ def find_split_file(task: GlueTask, root: pathlib.Path, split: str) -> pathlib.P
         if not folder.is_dir():
             continue
         for stem in stems:
-            for pattern in (f"{stem}.tsv", f"{stem}.parquet", f"{stem}-*.parquet", f"{stem}.jsonl", f"{stem}.json"):
+            for pattern in (f"{stem}.tsv", f"{stem}.parquet", f"{stem}-*.parquet", f"{stem}.jsonl"):
                 found = sorted(folder.glob(pattern))
                 if len(found) > 1:
                     raise DataError(f"{folder}: several {split} files {[f.name for f in found]}; keep one")

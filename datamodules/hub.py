@@ -49,7 +49,7 @@ SET_FIELD = "redpajama_set_name"
 
 _GOLDEN = 2654435761
 _MODULUS = 1_000_003
-_LOCAL_SUFFIXES = (".parquet", ".jsonl", ".json", ".txt", ".jsonl.zst", ".jsonl.gz", ".json.gz", ".json.zst")
+_LOCAL_SUFFIXES = (".parquet", ".jsonl", ".txt", ".jsonl.zst", ".jsonl.gz")
 _SPLIT_WORDS = {"train": "train", "training": "train", "validation": "validation", "valid": "validation",
                 "val": "validation", "dev": "validation", "test": "test"}
 
@@ -139,7 +139,7 @@ def check_columns(path: pathlib.Path, columns: Sequence[str]) -> None:
                 if sub not in names:
                     raise DataError(f"{path}: column {top!r} has no field {sub!r} (type {field_type})")
         return
-    if name.endswith((".jsonl", ".json")):
+    if name.endswith(".jsonl"):
         row, line_no = _first_json_row(path)
         if row is None:
             raise DataError(f"{path}: the file has no rows")

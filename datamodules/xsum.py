@@ -34,7 +34,7 @@ SEPARATOR = "\nTL;DR:"  # GPT-2's zero-shot summarisation cue; the summary follo
 IGNORE = -100
 _SPLIT_PREFIXES = {"train": "train", "training": "train", "validation": "validation", "valid": "validation",
                    "val": "validation", "dev": "validation", "test": "test"}
-_SUFFIXES = (".jsonl", ".json", ".parquet")
+_SUFFIXES = (".jsonl", ".parquet")
 _MAX_REPORTED = 5
 
 
@@ -76,7 +76,7 @@ def local_files(paths: Sequence[str]) -> Dict[str, List[pathlib.Path]]:
     by_split: Dict[str, List[pathlib.Path]] = {}
     for path in files:
         if not path.name.endswith(_SUFFIXES):
-            raise DataError(f"data.path: {path} is not jsonl, json or parquet")
+            raise DataError(f"data.path: {path} is not jsonl or parquet")
         split = split_of(path)
         if split is None:
             raise DataError(f"data.path: cannot tell the split of {path}: name files train*, validation* (or val*, dev*), test*")

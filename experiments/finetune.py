@@ -260,11 +260,11 @@ def total_steps(cfg: Namespace, train_size: int, epochs: int, world: int) -> int
     return epochs * math.ceil(train_size / (cfg.data.batch_size * world))
 
 
-def build_module(module_cls, cfg: Namespace, tokenizer, **kwargs):
+def build_module(module_cls, cfg: Namespace, vocab_size: int, **kwargs):
     import lightning as L
 
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    mcfg, source = backbone_config(cfg, tokenizer.vocab_size)
+    mcfg, source = backbone_config(cfg, vocab_size)
     module = module_cls(model=dataclasses.asdict(mcfg), **kwargs)
     if cfg.init_from:
         load_backbone(module.model, cfg.init_from, source)
@@ -286,7 +286,7 @@ def run_glue_task(cfg: Namespace, task: str, tokenizer, save_dir: pathlib.Path, 
     data.setup("fit")
     trainer = make_trainer(cfg, save_dir, name, version, epochs)
     steps = total_steps(cfg, len(data.train_set), epochs, trainer.world_size)
-    module, mcfg = build_module(GlueModule, cfg, tokenizer, task=spec.name, optim=optim_settings(cfg, steps),
+    module, mcfg = build_module(GlueModule, cfg, tokenizer.vocab_size, task=spec.name, optim=optim_settings(cfg, steps),
                                 max_steps=steps, head_dropout=cfg.dropout)
     trainer.fit(module, datamodule=data)
     final = trainer.validate(module, datamodule=data, verbose=False)
@@ -318,7 +318,7 @@ def run_xsum(cfg: Namespace, tokenizer, save_dir: pathlib.Path, name: str, versi
     data.setup("fit")
     trainer = make_trainer(cfg, save_dir, name, version, epochs)
     steps = total_steps(cfg, len(data.train_set), epochs, trainer.world_size)
-    module, mcfg = build_module(XSumModule, cfg, tokenizer, optim=optim_settings(cfg, steps), max_steps=steps,
+    module, mcfg = build_module(XSumModule, cfg, tokenizer.vocab_size, optim=optim_settings(cfg, steps), max_steps=steps,
                                 eot_id=tokenizer.eot_id, num_beams=cfg.num_beams, max_new_tokens=cfg.max_new_tokens,
                                 length_penalty=cfg.length_penalty, rouge_stemmer=cfg.rouge_stemmer, tokenizer=tokenizer)
     trainer.fit(module, datamodule=data)

@@ -213,7 +213,8 @@ def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
     ckpt_path = resolve_ckpt(cfg, root)
     version = run_version(cfg, root)
     inherited = os.environ.get("DYNCOMP_RUN_VERSION")
-    trainer, recorder = make_trainer(cfg, root, version, extra_callbacks=[StepRecorder()])
+    trainer, recorder = make_trainer(cfg, root, version, extra_callbacks=[StepRecorder()],
+                                     find_unused=module.model.may_skip_parameters)
     run_dir = pathlib.Path(trainer.logger.log_dir)
     if trainer.is_global_zero:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -221,6 +222,9 @@ def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
 
     try:
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+        if trainer.global_step % cfg.val_every:
+            # ModelCheckpoint saves every val_every steps; make last.ckpt hold the final step too
+            trainer.save_checkpoint(root / version / "checkpoints" / "last.ckpt")
         final = trainer.validate(module, datamodule=data, verbose=False)
     finally:
         if inherited == version:  # the DDP ranks have started; later runs in this process pick anew
@@ -265,7 +269,7 @@ def flops_summary(module) -> Dict[str, Any]:
     }
 
 
-def make_trainer(cfg: Namespace, root: pathlib.Path, version: str, extra_callbacks=()):
+def make_trainer(cfg: Namespace, root: pathlib.Path, version: str, extra_callbacks=(), find_unused: bool = False):
     import lightning as L
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
     from lightning.pytorch.loggers import TensorBoardLogger
@@ -285,6 +289,9 @@ def make_trainer(cfg: Namespace, root: pathlib.Path, version: str, extra_callbac
     kwargs = _as_dict(cfg.trainer)
     kwargs["precision"] = kwargs.get("precision") or default_precision()
     kwargs["devices"] = _devices(kwargs.get("devices", "auto"))
+    if kwargs.get("strategy") == "ddp" and find_unused:
+        # routed models may leave an expert/module without tokens in a step
+        kwargs["strategy"] = "ddp_find_unused_parameters_true"
     kwargs.update(
         logger=logger,
         callbacks=callbacks,

@@ -316,3 +316,37 @@ def test_fit_contribution_is_measured_on_the_fixed_probe(fitted):
         assert result.ratio_mha + result.ratio_ffn == pytest.approx(1.0)
     again = measure_contribution(module.model, contribution.probe, 12)
     assert again.accuracy == result.accuracy  # measured without touching the weights or the RNG
+
+
+@pytest.mark.slow
+def test_lightning_ddp_run_logs_the_routing_of_both_shards(tmp_path):
+    """2 CPU ranks x 2 sequences log the same routing fractions as 1 process x the same 4 sequences.
+
+    One step, dropless top-2 MoE: each token's routing depends only on the (identical) initial
+    weights, so the step-1 statistics must agree once both shards are summed.
+    """
+    import subprocess
+    import sys
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.conftest import REPO, TINY_RUN
+
+    def run(folder, batch, *extra):
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop("DYNCOMP_RUN_VERSION", None)
+        args = [sys.executable, "-m", "experiments.run", "--variant", "moe", "--model.moe.num_experts", "4",
+                "--model.moe.top_k", "2", "--max_steps", "1", "--val_every", "1", "--log_dir", str(folder),
+                *TINY_RUN, "--data.batch_size", str(batch), "--callbacks.routing_every", "1",
+                "--callbacks.contribution", "false", "--trainer.accelerator", "cpu", *extra]
+        proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        events = EventAccumulator(proc.stdout.strip().splitlines()[-1])
+        events.Reload()
+        return {t: events.Scalars(t)[-1].value for t in events.Tags()["scalars"] if t.startswith("routing/")}
+
+    ddp = run(tmp_path / "ddp", 2, "--trainer.devices", "2", "--trainer.strategy", "ddp")
+    single = run(tmp_path / "single", 4, "--trainer.devices", "1")
+    assert "routing/layer0.moe/frac/expert0" in single and ddp.keys() == single.keys()
+    for tag, value in single.items():
+        assert ddp[tag] == pytest.approx(value, rel=1e-5, abs=1e-6), tag

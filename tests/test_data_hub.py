@@ -267,3 +267,35 @@ def test_real_redpajama_samples_without_set_names_are_refused(shared_data, tmp_p
     sample = shared_data / "slimpajama" / "redpajama_fallback_data_juicer" / "redpajama-c4-refined.jsonl"
     with pytest.raises(DataError, match=re.escape(sample.name) + ".*missing column 'meta.redpajama_set_name'"):
         next(get_corpus("slimpajama", path=[str(sample)], cache_dir=tmp_path).documents())
+
+
+def test_hub_loading_and_streaming_with_a_stubbed_hub(monkeypatch, tmp_path):
+    import datasets
+
+    rows, val_rows = _rows("train", 21), _rows("validation", 14)
+    calls = []
+
+    def fake_load(hub_id, revision=None, split=None, streaming=False, **_):
+        calls.append((hub_id, revision, split, streaming))
+        data = datasets.Dataset.from_list(rows if split == "train" else val_rows)
+        return data.to_iterable_dataset() if streaming else data
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    monkeypatch.setattr(datasets, "get_dataset_split_names", lambda hub_id, revision=None: ["train", "validation", "test"])
+    monkeypatch.setattr(hub, "hub_reachable", lambda: True)
+    in_train = [r["text"] for r in rows if r["meta"]["redpajama_set_name"] in hub.SLIMPAJAMA_TRAIN_SETS]
+    arxiv = [r["text"] for r in val_rows if r["meta"]["redpajama_set_name"] == "RedPajamaArXiv"]
+    for streaming in (False, True):
+        corpus = get_corpus("slimpajama", streaming=streaming, cache_dir=tmp_path)
+        assert list(corpus.documents()) == in_train
+        assert list(corpus.validation_sets()["RedPajamaArXiv"].documents()) == arxiv
+    assert calls[0] == ("DKYoon/SlimPajama-6B", None, "train", False) and calls[-1][3] is True
+    monkeypatch.setattr(hub, "OPENWEBTEXT_STREAM_VAL_DOCS", 3)
+    owt = get_corpus("openwebtext", streaming=True, max_tokens=500, cache_dir=tmp_path)
+    texts = [r["text"] for r in rows]
+    assert list(owt.validation_sets()["val"].documents()) == texts[:3] and list(owt.documents()) == texts[3:]
+    assert calls[-1] == ("Skylion007/openwebtext", "refs/convert/parquet", "train", True)
+    tok = get_tokenizer("bytes", tmp_path)
+    owt.write_tokens(tok, tmp_path / "owt", "tokenising")
+    tokens = token_cache.open_tokens(tmp_path / "owt")
+    assert len(tokens) == 500 and tok.decode(tokens[:40].tolist()) == texts[3][:40]

@@ -17,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from architectures import ConfigError, KVCache, ModelConfig, build_model
 from architectures.config import MoDConfig, MoEConfig
 from architectures.gpt2 import GPT2
-from architectures.mod import MoD, RoutedBlock
+from architectures.mod import RoutedBlock
 
 V, T = 97, 64
 TINY_RUN = [  # conftest.TINY_RUN's tiny CLI overrides (conftest is not importable as a module)

@@ -304,3 +304,16 @@ def test_cli_short_run(tmp_path):
     assert set(s["routing"]) == {"layer0.moe", "layer1.moe"}
     for fractions in s["routing"].values():
         assert sum(fractions.values()) == pytest.approx(1.0)
+
+
+def test_moe_layer_accepts_zero_tokens():
+    """A routed block (MoDE) can hand the MoE layer no tokens at all; that must cost and return nothing."""
+    from architectures.config import MoEConfig
+    from architectures.moe import MoELayer
+
+    layer = MoELayer(16, 32, MoEConfig(num_experts=4, top_k=2, dropless=False))
+    x = torch.randn(2, 0, 16, requires_grad=True)
+    result = layer(x)
+    assert result.output.shape == (2, 0, 16)
+    assert all(float(v) == 0.0 for v in result.aux_losses.values())
+    (result.output.sum() + sum(result.aux_losses.values())).backward()

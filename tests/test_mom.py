@@ -438,3 +438,18 @@ def test_cli_short_run_of_each_registry_name(variant, tmp_path):
     flops = summary["flops_per_token"]["components"]
     assert flops["router"] == pytest.approx(bound.router)
     assert 0 < summary["flops_per_token"]["forward"] <= bound.forward * (1 + 1e-9)
+
+
+def test_init_from_a_hugging_face_gpt2_folder_reproduces_its_logits(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from experiments.weights import load_initial_weights
+
+    torch.manual_seed(4)
+    hf_config = transformers.GPT2Config(vocab_size=V, n_positions=128, n_embd=128, n_layer=4, n_head=4,
+                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    hf = transformers.GPT2LMHeadModel(hf_config).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    model = mom("mom_e", routing="vanilla", steps=3).eval()  # bottom 0, 3 pooled layers + anchor
+    load_initial_weights(model, str(tmp_path / "hf"))
+    idx = tokens()
+    torch.testing.assert_close(model(idx).logits, hf(idx).logits, rtol=1e-4, atol=1e-4)

@@ -41,8 +41,11 @@ def test_cli_smoke_run_writes_summary_config_checkpoints_and_events(tmp_path, ca
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
     assert any(p.name.startswith("best-") for p in (run_dir / "checkpoints").iterdir())
     assert any(p.name.startswith("events.out.tfevents") for p in run_dir.iterdir())
-    # a second run goes to the next version, never overwriting the first
-    assert main(["--max_steps", "1", "--val_every", "1", "--log_dir", str(tmp_path), *TINY_RUN]).name == "version_1"
+    # a second run goes to the next version, never overwriting the first; last.ckpt holds the final
+    # step even when it is not a multiple of val_every
+    second = main(["--max_steps", "2", "--val_every", "3", "--log_dir", str(tmp_path), *TINY_RUN])
+    assert second.name == "version_1"
+    assert torch.load(second / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 2
 
 
 def test_resume_continues_the_exact_loss_trajectory(tmp_path):
@@ -117,21 +120,24 @@ def test_nonfinite_loss_stops_with_step_and_dump(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_two_process_ddp_run_on_cpu(tmp_path):
+@pytest.mark.parametrize("variant", ["vanilla", "mom_e"])  # mom_e: modules can go unused in a step
+def test_two_process_ddp_run_on_cpu(tmp_path, variant):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("DYNCOMP_RUN_VERSION", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "experiments.run", "--max_steps", "4", "--val_every", "2", "--log_dir", str(tmp_path),
-         "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp", *TINY_RUN],
+        [sys.executable, "-m", "experiments.run", "--variant", variant, "--max_steps", "4", "--val_every", "2",
+         "--log_dir", str(tmp_path),
+         "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp", *TINY_RUN,
+         "--model.n_layer", "4"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run_dir = tmp_path / "vanilla-tiny" / "version_0"
+    run_dir = tmp_path / f"{variant}-tiny" / "version_0"
     assert proc.stdout.strip().splitlines()[-1] == str(run_dir)
     summary = _summary(run_dir)
     assert summary["world_size"] == 2 and summary["steps"] == 4
     assert summary["tokens_seen"] == 4 * 2 * 4 * 64  # both ranks' tokens
-    assert [p.name for p in tmp_path.joinpath("vanilla-tiny").iterdir()] == ["version_0"]  # one folder for both ranks
+    assert [p.name for p in tmp_path.joinpath(f"{variant}-tiny").iterdir()] == ["version_0"]  # one folder for both ranks
 
 
 @pytest.mark.slow

@@ -1,0 +1,151 @@
+"""Experiments that reproduce the papers' findings, one command each:
+
+    python -m experiments.repro <name> --out DIR [--size tiny] [--steps N] [--seed S] [-- RUN OPTIONS]
+
+Everything after ``--`` is passed to every training run of the experiment (any
+``python -m experiments.run`` option, e.g. ``--model.d_model 64 --data.batch_size 8`` or
+``--data slimpajama --data.path ...``); the experiment's own grid options come after them and win.
+Each experiment trains its grid through ``experiments.run.main`` (every run logs to TensorBoard under
+``DIR/runs``), then writes ``DIR/results.md`` (markdown tables), ``DIR/results.json`` and PNG plots,
+which it also logs as images under ``DIR/tensorboard``. Finished runs are reused when the same command
+runs again (``DIR/runs.json``; ``--no_reuse`` retrains). The same command runs at paper sizes on a
+cluster with ``--size small|medium|large`` and real data after ``--``.
+
+| name | paper finding |
+|---|---|
+| ``mom_kh`` | MoM: validation loss over K in {1,2,3} x H in {1,2,4,6} (Figure 4) |
+| ``mom_removal`` | MoM: validation loss of a trained MoM over N_A x N_F modules kept (Figure 3) |
+| ``mom_transitions`` | MoM: module-to-module transition probabilities (Figure 6) |
+| ``mom_two_phase`` | MoM: two-phase (vanilla -> MoM) vs from-scratch training at equal total steps |
+| ``mod_isoflop`` | MoD: isoFLOP comparison with vanilla (loss vs parameters per FLOP budget) |
+| ``contribution`` | FFN-Wider: MHA/FFN contribution vs FFN width and vs the CAA Outer-FFN ratio r, OOD loss |
+| ``head_to_head`` | every variant at equal steps: val loss, FLOPs/token, step time, memory |
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+EXPERIMENTS = ("mom_kh", "mom_removal", "mom_transitions", "mom_two_phase", "mod_isoflop", "contribution",
+               "head_to_head")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m experiments.repro", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    commands = parser.add_subparsers(dest="experiment", required=True, metavar="EXPERIMENT")
+
+    def add(name: str, help_text: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help_text)
+        sub.add_argument("--out", required=True, help="output folder (tables, plots, runs)")
+        sub.add_argument("--size", default="tiny", help="model size of every run (tiny, small, medium, large)")
+        sub.add_argument("--steps", type=int, default=300, help="training steps per run")
+        sub.add_argument("--seed", type=int, default=1337)
+        sub.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+        sub.add_argument("--no_reuse", action="store_true", help="retrain runs that already finished")
+        return sub
+
+    p = add("mom_kh", "MoM validation loss over K x H")
+    p.add_argument("--ks", default="1,2,3", help="K values (modules per step)")
+    p.add_argument("--hs", default="1,2,4,6", help="H values (assembly steps)")
+    p.add_argument("--variant", default="mom")
+    for name, text in (("mom_removal", "MoM module-removal heatmap"), ("mom_transitions", "MoM transition graph")):
+        p = add(name, text)
+        p.add_argument("--variant", default="mom", help="the MoM variant trained when --run is not given")
+        p.add_argument("--run", default=None, help="analyse this finished run folder instead of training one")
+        p.add_argument("--sequences", type=int, default=64, help="validation sequences evaluated")
+        if name == "mom_removal":
+            p.add_argument("--order", default="usage", choices=("usage", "index"),
+                           help="which modules go first: least used, or highest index")
+    p = add("mom_two_phase", "two-phase vs from-scratch MoM at equal total steps")
+    p.add_argument("--variant", default="mom")
+    p.add_argument("--phase1_steps", type=int, default=None, help="default: steps / 2")
+    p.add_argument("--phase2_steps", type=int, default=None, help="default: steps - phase1_steps")
+    p = add("mod_isoflop", "MoD vs vanilla at equal training FLOPs")
+    p.add_argument("--budgets", default=None,
+                   help="training FLOP budgets, comma-separated (default: 0.5x and 1x the FLOPs of --steps steps "
+                        "of the vanilla model at the size's width)")
+    p.add_argument("--widths", default=None, help="d_model values (default: 1/2, 3/4, 1, 5/4 of the size's width)")
+    p.add_argument("--layers", type=int, default=None, help="n_layer of every model (default: the size's)")
+    p.add_argument("--variants", default="vanilla,mod")
+    p.add_argument("--min_steps", type=int, default=20, help="configurations needing fewer steps are left out")
+    p = add("contribution", "MHA/FFN contribution vs FFN width and CAA ratio r")
+    p.add_argument("--wide_ratio", type=float, default=32.0, help="ffn_wider and caa total FFN width / d")
+    p.add_argument("--ratios", default="0.125,0.25,0.5,0.75", help="CAA Outer-FFN ratios r")
+    p.add_argument("--methods", default="logit_lens,mi", help="contribution methods (logit_lens, probe, mi)")
+    p.add_argument("--sequences", type=int, default=64, help="validation sequences for the contribution analysis")
+    p.add_argument("--ood", action="append", default=[], metavar="NAME=PATH",
+                   help="out-of-distribution text (.txt or .jsonl with 'text'), repeatable")
+    p.add_argument("--ood_tokens", type=int, default=32768, help="tokens evaluated per OOD file")
+    p = add("head_to_head", "all variants at equal steps")
+    p.add_argument("--variants", default=None, help="comma-separated (default: every registered variant)")
+    p.add_argument("--bench_steps", type=int, default=5, help="timed steps per variant in the interleaved benchmark")
+    return parser
+
+
+def split_argv(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
+    argv = list(argv)
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return argv, []
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    from experiments.repro.common import Context, parse_list
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own, run_options = split_argv(argv)
+    args = build_parser().parse_args(own)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    ctx = Context(out=args.out, size=args.size, steps=args.steps, seed=args.seed, run_options=run_options,
+                  reuse=not args.no_reuse, command="python -m experiments.repro " + shlex.join(argv))
+    try:
+        return dispatch(ctx, args, parse_list)
+    finally:
+        ctx.close()
+
+
+def dispatch(ctx, args, parse_list) -> Dict[str, Any]:
+    name = args.experiment
+    if name == "mom_kh":
+        from experiments.repro.mom import kh_sweep
+
+        return kh_sweep(ctx, parse_list(args.ks, int, "ks"), parse_list(args.hs, int, "hs"), args.variant)
+    if name == "mom_removal":
+        from experiments.repro.mom import removal
+
+        return removal(ctx, args.variant, run=args.run, sequences=args.sequences, order=args.order)
+    if name == "mom_transitions":
+        from experiments.repro.mom import transitions
+
+        return transitions(ctx, args.variant, run=args.run, sequences=args.sequences)
+    if name == "mom_two_phase":
+        from experiments.repro.mom import two_phase
+
+        return two_phase(ctx, args.variant, args.phase1_steps, args.phase2_steps)
+    if name == "mod_isoflop":
+        from experiments.repro.isoflop import isoflop_experiment
+
+        return isoflop_experiment(
+            ctx, budgets=parse_list(args.budgets, float, "budgets") if args.budgets else None,
+            widths=parse_list(args.widths, int, "widths") if args.widths else None, n_layer=args.layers,
+            variants=parse_list(args.variants, str, "variants"), min_steps=args.min_steps)
+    if name == "contribution":
+        from experiments.repro.contribution import contribution_experiment, parse_ood
+
+        return contribution_experiment(
+            ctx, wide_ratio=args.wide_ratio, ratios=parse_list(args.ratios, float, "ratios"),
+            methods=parse_list(args.methods, str, "methods"), sequences=args.sequences,
+            ood=parse_ood(args.ood), ood_tokens=args.ood_tokens)
+    from experiments.repro.head_to_head import head_to_head
+
+    variants = parse_list(args.variants, str, "variants") if args.variants else None
+    return head_to_head(ctx, variants, bench_steps=args.bench_steps)

@@ -1,0 +1,288 @@
+"""What every reproduction experiment shares: running a grid through ``experiments.run.main``,
+evaluating trained checkpoints, and writing the markdown table, plots and TensorBoard images.
+
+Runs go to ``<out>/runs/<variant>-<size>/version_N`` (TensorBoard events, checkpoints, summary.json),
+so ``tensorboard --logdir <out>`` shows every run of an experiment next to its figures
+(``<out>/tensorboard``). ``<out>/runs.json`` maps each run's exact options to its folder: rerunning an
+experiment with the same options reuses the finished runs instead of training them again.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import sys
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from architectures.config import ConfigError
+
+
+@dataclasses.dataclass
+class Context:
+    """One experiment invocation: where it writes, and the options every one of its runs gets."""
+
+    out: pathlib.Path
+    size: str = "tiny"
+    steps: int = 300
+    seed: int = 1337
+    run_options: List[str] = dataclasses.field(default_factory=list)  # passed to every run (after ``--``)
+    reuse: bool = True
+    command: Optional[str] = None  # the experiment's command line, quoted in results.md
+    _parser: Any = dataclasses.field(default=None, repr=False)
+    _writer: Any = dataclasses.field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.out = pathlib.Path(self.out)
+        if self.steps <= 0:
+            raise ConfigError(f"--steps: must be a positive integer, got {self.steps}")
+
+    @property
+    def log_dir(self) -> pathlib.Path:
+        return self.out / "runs"
+
+    def argv(self, options: Sequence[str], steps: Optional[int] = None) -> List[str]:
+        """A run's full command line: common options, the pass-through options, then the grid point's."""
+        steps = self.steps if steps is None else steps
+        # One validation + checkpoint at the end: last.ckpt is the final model, evaluated offline.
+        return ["--size", self.size, "--max_steps", str(steps), "--val_every", str(steps), "--seed", str(self.seed),
+                "--log_dir", str(self.log_dir), *self.run_options, *options]
+
+    # ------------------------------------------------------------------ validation before any run
+    def parser(self):
+        if self._parser is None:
+            from experiments.run import build_parser
+
+            self._parser = build_parser()
+        return self._parser
+
+    def parse(self, argv: Sequence[str]):
+        """The run's resolved options (jsonargparse Namespace), validated as ``experiments.run`` does."""
+        from experiments.run import expand_aliases, validate_up_front
+
+        try:
+            cfg = self.parser().parse_args(expand_aliases(list(argv)))
+        except SystemExit as exit_:  # jsonargparse reports and exits on unknown options
+            raise ConfigError(f"invalid run options: {' '.join(argv)}") from exit_
+        validate_up_front(cfg)
+        return cfg
+
+    def validate(self, grid: Iterable[Sequence[str]]) -> None:
+        """Every configuration is checked before the first run starts."""
+        grid = list(grid)
+        if not grid:
+            raise ConfigError("the experiment's grid is empty: nothing to run")
+        for options in grid:
+            self.parse(self.argv(options))
+
+    # ------------------------------------------------------------------ running
+    def run(self, options: Sequence[str], steps: Optional[int] = None) -> Dict[str, Any]:
+        """Train one configuration (or reuse the finished run with identical options); its summary + run_dir."""
+        from experiments import run as run_cli
+
+        argv = self.argv(options, steps)
+        return load_summary(self.cached("experiments.run", argv, lambda: run_cli.main(argv)))
+
+    def cached(self, command: str, argv: Sequence[str], produce: Callable[[], pathlib.Path]) -> pathlib.Path:
+        """``produce()``'s run folder, or the folder an earlier identical command left with a summary.json."""
+        key = json.dumps([command, *argv])
+        previous = self._index().get(key)
+        if self.reuse and previous and (pathlib.Path(previous) / "summary.json").is_file():
+            return pathlib.Path(previous)
+        print(f"[repro] python -m {command} {' '.join(argv)}", file=sys.stderr, flush=True)
+        run_dir = pathlib.Path(produce())
+        index = self._index()
+        index[key] = str(run_dir)
+        self._write_index(index)
+        return run_dir
+
+    def _index(self) -> Dict[str, str]:
+        path = self.out / "runs.json"
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    def _write_index(self, index: Dict[str, str]) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        tmp = self.out / "runs.json.tmp"
+        tmp.write_text(json.dumps(index, indent=1) + "\n")
+        tmp.replace(self.out / "runs.json")
+
+    # ------------------------------------------------------------------ outputs
+    def write_report(self, title: str, sections: Sequence[str], results: Dict[str, Any]) -> pathlib.Path:
+        self.out.mkdir(parents=True, exist_ok=True)
+        header = [f"# {title}", ""]
+        if self.command:
+            header += [f"Command: `{self.command}`", ""]
+        (self.out / "results.md").write_text("\n".join(header + list(sections)).rstrip() + "\n")
+        (self.out / "results.json").write_text(json.dumps(results, indent=2, default=_jsonable) + "\n")
+        return self.out / "results.md"
+
+    def save_figure(self, fig, name: str) -> pathlib.Path:
+        """PNG into the output folder and the same image into ``<out>/tensorboard``."""
+        import matplotlib.pyplot as plt
+
+        self.out.mkdir(parents=True, exist_ok=True)
+        path = self.out / f"{name}.png"
+        fig.savefig(path, dpi=120, bbox_inches="tight")
+        writer = self.tensorboard()
+        writer.add_figure(f"repro/{name}", fig, global_step=0, close=False)
+        writer.flush()
+        plt.close(fig)
+        return path
+
+    def log_table(self, name: str, markdown: str) -> None:
+        writer = self.tensorboard()
+        writer.add_text(f"repro/{name}", markdown, global_step=0)
+        writer.flush()
+
+    def tensorboard(self):
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self.out / "tensorboard"))
+        return self._writer
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def _jsonable(value):
+    if isinstance(value, pathlib.Path):
+        return str(value)
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    return float(value)
+
+
+def load_summary(run_dir: pathlib.Path) -> Dict[str, Any]:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary["run_dir"] = str(run_dir)
+    return summary
+
+
+def figure(nrows: int = 1, ncols: int = 1, width: float = 5.0, height: float = 3.8):
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False)
+    return fig, axes
+
+
+# ---------------------------------------------------------------------------- tables
+def fmt(value: Any, digits: int = 4) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
+            return f"{value:.3e}"
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def parse_list(text: str, cast=float, option: str = "list") -> List[Any]:
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    try:
+        values = [cast(t) for t in items]
+    except ValueError as err:
+        raise ConfigError(f"--{option}: cannot read {text!r} as a comma-separated list ({err})") from err
+    if not values:
+        raise ConfigError(f"--{option}: the list is empty")
+    return values
+
+
+# ---------------------------------------------------------------------------- trained checkpoints
+def checkpoint_of(run_dir: pathlib.Path) -> pathlib.Path:
+    path = pathlib.Path(run_dir) / "checkpoints" / "last.ckpt"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: the run wrote no last.ckpt")
+    return path
+
+
+def load_model(run_dir: pathlib.Path):
+    """The trained model of a run (its final ``last.ckpt``), in eval mode on CPU."""
+    from experiments.analyze import load_model as load
+
+    return load(checkpoint_of(run_dir), "cpu")
+
+
+def validation_sequences(run_dir: pathlib.Path, model, count: int) -> torch.Tensor:
+    """(N, T+1): the first ``count`` blocks of the run's validation set, rebuilt from its config.yaml."""
+    from experiments.analyze import probe_sequences
+
+    return probe_sequences(pathlib.Path(run_dir), model.config.block_size, model.config.vocab_size, count)
+
+
+@torch.no_grad()
+def mean_loss(model, sequences: torch.Tensor, batch_size: int = 8) -> float:
+    """Token-weighted next-token cross-entropy (nats) of ``model`` over (N, T+1) token ids."""
+    model.eval()
+    total, tokens = 0.0, 0
+    for start in range(0, sequences.shape[0], batch_size):
+        batch = sequences[start : start + batch_size]
+        logits = model(batch[:, :-1]).logits
+        total += float(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1),
+                                       reduction="sum"))
+        tokens += batch[:, 1:].numel()
+    return total / max(1, tokens)
+
+
+def run_tokenizer(run_dir: pathlib.Path):
+    """The tokenizer a run trained with (from its config.yaml)."""
+    from datamodules.lm import DataConfig, LMDataModule
+    from experiments.analyze import run_config
+
+    config = run_config(pathlib.Path(run_dir))
+    fields = {f.name for f in dataclasses.fields(DataConfig)}
+    data = DataConfig(**{k: v for k, v in (config.get("data") or {}).items() if k in fields})
+    return LMDataModule(data, block_size=int(config["model"]["block_size"]), seed=0).tokenizer
+
+
+def read_documents(path: pathlib.Path) -> List[str]:
+    """Text of a .txt (one document) or .jsonl file (its ``text`` field per line)."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--ood: no file {path}")
+    if path.suffix == ".jsonl":
+        docs = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                text = json.loads(line).get("text")
+                if isinstance(text, str) and text.strip():
+                    docs.append(text)
+        if not docs:
+            raise ConfigError(f"--ood: {path} has no rows with a 'text' field")
+        return docs
+    return [path.read_text(encoding="utf-8")]
+
+
+def text_blocks(tokenizer, documents: Sequence[str], block_size: int, max_tokens: int) -> torch.Tensor:
+    """Documents joined with EOT and cut into non-overlapping (N, block_size + 1) blocks."""
+    ids: List[int] = []
+    for doc in documents:
+        ids.extend(tokenizer.encode(doc))
+        ids.append(tokenizer.eot_id)
+        if len(ids) >= max_tokens:
+            break
+    ids = ids[:max_tokens]
+    n = (len(ids) - 1) // block_size
+    if n < 1:
+        raise ConfigError(f"--ood: only {len(ids)} tokens, fewer than one block of {block_size + 1}")
+    return torch.stack([torch.tensor(ids[i * block_size : i * block_size + block_size + 1]) for i in range(n)])

@@ -1,0 +1,88 @@
+"""Every variant at equal steps: validation loss (training runs), FLOPs per token (routing-aware, from
+each run's summary), and step time + memory from ``experiments.bench`` (all variants timed in one
+process, repetitions interleaved so machine noise hits them alike; CPU memory = parameters, gradients,
+AdamW state and the activations saved for backward; CUDA memory = peak allocated)."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+from architectures.config import ConfigError
+from experiments.repro.common import Context, figure, markdown_table
+
+_NOT_MODEL = {"variant", "size"}
+
+
+def bench_options(run_options: Sequence[str]) -> List[str]:
+    """``--model.X V`` / ``--model.X=V`` run options as ``experiments.bench --set X=V``."""
+    out, items = [], list(run_options)
+    for i, item in enumerate(items):
+        if not item.startswith("--model."):
+            continue
+        key, sep, value = item[len("--model."):].partition("=")
+        if not sep:
+            if i + 1 >= len(items):
+                continue
+            value = items[i + 1]
+        if key not in _NOT_MODEL:
+            out += ["--set", f"{key}={value}"]
+    return out
+
+
+def head_to_head(ctx: Context, variants: Optional[Sequence[str]] = None, bench_steps: int = 5) -> Dict[str, Any]:
+    from architectures import variant_names
+    from experiments import bench
+    from experiments.repro.isoflop import run_geometry
+
+    variants = list(variants) if variants is not None else variant_names()
+    unknown = [v for v in variants if v not in variant_names()]
+    if unknown or not variants:
+        raise ConfigError(f"--variants: unknown {unknown or 'empty list'}; valid variants: {', '.join(variant_names())}")
+    if bench_steps <= 0:
+        raise ConfigError(f"--bench_steps: must be a positive integer, got {bench_steps}")
+    variants = ["vanilla", *[v for v in variants if v != "vanilla"]]  # every ratio is relative to vanilla
+    ctx.validate([["--variant", v] for v in variants])
+    cfg, base, _ = run_geometry(ctx)
+    summaries = {v: ctx.run(["--variant", v]) for v in variants}
+    timing = bench.run(bench.parse_args([
+        "--variants", ",".join(variants), "--size", ctx.size, "--steps", str(bench_steps), "--warmup", "1",
+        "--batch_size", str(cfg.data.batch_size), "--seq_len", str(base.block_size), "--vocab_size", str(base.vocab_size),
+        "--seed", str(ctx.seed), "--no_hf", *bench_options(ctx.run_options)]))
+    reference = summaries["vanilla"]
+    rows = []
+    for v in variants:
+        s, b = summaries[v], timing[v]
+        rows.append({"variant": v, "parameters": s["parameters"], "val_loss": s["final_val_loss"],
+                     "val_loss_delta": s["final_val_loss"] - reference["final_val_loss"],
+                     "flops_per_token": s["flops_per_token"]["forward"], "flops_ratio": s["flops_per_token"]["ratio_to_vanilla"],
+                     "run_step_s": s["median_step_time_s"], "bench_step_s": b["median_step_s"],
+                     "step_time_ratio": b["step_time_ratio"], "memory_mb": b["memory_mb"], "memory_ratio": b["memory_ratio"],
+                     "run_dir": s["run_dir"]})
+    table = markdown_table(
+        ["variant", "params", "val loss", "vs vanilla", "fwd FLOPs/token", "FLOPs x", "run step s", "bench step ms",
+         "time x", "memory MB", "memory x"],
+        [[r["variant"], r["parameters"], r["val_loss"], f"{r['val_loss_delta']:+.4f}", r["flops_per_token"],
+          r["flops_ratio"], r["run_step_s"], 1000 * r["bench_step_s"], r["step_time_ratio"], r["memory_mb"],
+          r["memory_ratio"]] for r in rows])
+    sections = [f"{ctx.steps} training steps per variant, same data order and seed. 'run step s': median step of the "
+                f"training run (includes the measurement callbacks); 'bench': {bench_steps} interleaved steps per "
+                "variant in one process, batch and context as in the runs.", "", table, ""]
+    fig, axes = figure(1, 2, width=5.5)
+    ax = axes[0, 0]
+    ax.scatter([r["flops_ratio"] for r in rows], [r["val_loss"] for r in rows])
+    for r in rows:
+        ax.annotate(r["variant"], (r["flops_ratio"], r["val_loss"]), fontsize=7)
+    ax.set_xlabel("forward FLOPs / token (x vanilla)")
+    ax.set_ylabel("validation loss")
+    ax = axes[0, 1]
+    positions = range(len(rows))
+    ax.bar([p - 0.2 for p in positions], [r["step_time_ratio"] for r in rows], 0.4, label="step time x vanilla")
+    ax.bar([p + 0.2 for p in positions], [r["memory_ratio"] or 0.0 for r in rows], 0.4, label="memory x vanilla")
+    ax.set_xticks(list(positions), [r["variant"] for r in rows], rotation=60, ha="right", fontsize=7)
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    ctx.save_figure(fig, "head_to_head")
+    ctx.log_table("head_to_head", table)
+    results = {"steps": ctx.steps, "variants": variants, "runs": rows}
+    ctx.write_report("Head-to-head: every variant at equal steps", sections, results)
+    return results

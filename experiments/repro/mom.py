@@ -1,0 +1,463 @@
+"""Mixture-of-Modules experiments (Gong et al. 2024, arXiv 2407.06677).
+
+* ``mom_kh``: validation loss over K (modules per step) x H (assembly steps), Figure 4.
+* ``mom_removal``: validation loss of ONE trained MoM over an N_A x N_F grid of modules kept in the
+  pool, Figure 3. Modules are removed from outside the model by ``removed_modules`` (a documented
+  forward hook on the routers, below); the weights are never touched.
+* ``mom_transitions``: module-to-module transition probabilities of a trained MoM, Figure 6, from
+  the routing trace with ``callbacks.routing``'s accumulator (the same counts the training-time
+  callback logs).
+* ``mom_two_phase``: two-phase training (vanilla, then MoM initialised from it) vs a from-scratch MoM
+  at equal total steps, with ``experiments.two_phase`` for the two-phase arm.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import pathlib
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from architectures.config import ConfigError
+from experiments.repro.common import (Context, figure, fmt, load_model, load_summary, markdown_table, mean_loss,
+                                      validation_sequences)
+
+SKIP = "skip"
+
+
+# ---------------------------------------------------------------------------- model access
+def mom_chunks(model) -> List[torch.nn.Module]:
+    chunks = getattr(model, "chunks", None)
+    if not chunks or not hasattr(chunks[0], "attn_router"):
+        raise ConfigError(f"model.variant: {model.config.variant!r} is not a Mixture-of-Modules model")
+    return list(chunks)
+
+
+@contextlib.contextmanager
+def removed_modules(model, attn: Sequence[int] = (), ffn: Sequence[int] = ()):
+    """Remove attention modules ``attn`` and FFN modules ``ffn`` (pool indices) from every chunk's pool.
+
+    The hook: ``register_forward_hook`` on each chunk's GRU router (``attn_router`` / ``ffn_router``)
+    replaces the logits it returns with the removed modules' entries set to -inf. The router's
+    softmax then gives them probability exactly 0, top-K never selects them, and the K weights are
+    renormalised over the remaining choices (SKIP included) exactly as for any other logits. The
+    GRU state is untouched, so later steps see the same recurrence. Leaving the context removes the
+    hooks. Fixed (non-learned) routing has no logits to mask and is refused, as is a removal that
+    leaves fewer than K choices.
+    """
+    handles = []
+    try:
+        for chunk in mom_chunks(model):
+            for kind, router, names, drop in (("attn", chunk.attn_router, chunk.attn_names, attn),
+                                              ("ffn", chunk.ffn_router, chunk.ffn_names, ffn)):
+                drop = sorted(set(int(i) for i in drop))
+                if not drop:
+                    continue
+                pool = len([n for n in names if n != SKIP])
+                if router is None:
+                    raise ConfigError(f"model.mom.routing: {model.config.mom.routing!r} routes {kind} modules "
+                                      "without a router; modules can only be removed from learned routing")
+                if drop[0] < 0 or drop[-1] >= pool:
+                    raise ConfigError(f"removed {kind} modules {drop} out of range for a pool of {pool}")
+                left = len(names) - len(drop)
+                if model.config.mom.top_k > left:
+                    raise ConfigError(f"removing {len(drop)} of {pool} {kind} modules leaves {left} choices, "
+                                      f"fewer than K={model.config.mom.top_k}")
+                mask = torch.zeros(len(names), dtype=torch.bool)
+                mask[drop] = True
+                handles.append(router.register_forward_hook(_mask_logits(mask)))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _mask_logits(mask: torch.Tensor):
+    def hook(module, inputs, output):
+        logits, state = output
+        return logits.masked_fill(mask.to(logits.device), float("-inf")), state
+
+    return hook
+
+
+@torch.no_grad()
+def routing_stats(model, sequences: torch.Tensor, batch_size: int = 8):
+    """``callbacks.routing.RoutingStats`` summed over the sequences (eval mode, no gradients)."""
+    from callbacks.routing import RoutingAccumulator
+
+    model.eval()
+    accumulator = RoutingAccumulator()
+    for start in range(0, sequences.shape[0], batch_size):
+        accumulator.add(model(sequences[start : start + batch_size, :-1]).trace)
+    stats = accumulator.reduce()
+    if stats is None:
+        raise ConfigError(f"model.variant: {model.config.variant!r} produced no routing trace")
+    return stats
+
+
+def module_usage(stats, kind: str) -> torch.Tensor:
+    """(pool,) selections of each real module of ``kind`` summed over every step and chunk."""
+    total = None
+    for name, site in stats.sites.items():
+        if not site.layout.group.endswith(f".{kind}"):
+            continue
+        real = torch.tensor([c != SKIP for c in site.layout.choices])
+        counts = site.counts[real]
+        total = counts if total is None else total + counts
+    if total is None:
+        raise ConfigError(f"no MoM {kind} routing sites in the trace")
+    return total
+
+
+def removal_order(model, sequences: torch.Tensor, order: str) -> Tuple[List[int], List[int]]:
+    """Module indices in the order they are removed: least used first ("usage") or last index first ("index")."""
+    chunk = mom_chunks(model)[0]
+    if order == "index":
+        return list(range(chunk.n_attn - 1, -1, -1)), list(range(chunk.n_ffn - 1, -1, -1))
+    if order != "usage":
+        raise ConfigError(f"--order: unknown order {order!r}; use usage or index")
+    stats = routing_stats(model, sequences)
+    attn, ffn = ([int(i) for i in torch.argsort(module_usage(stats, kind), stable=True)] for kind in ("attn", "ffn"))
+    return attn, ffn
+
+
+# ---------------------------------------------------------------------------- K x H sweep
+def kh_sweep(ctx: Context, ks: Sequence[int], hs: Sequence[int], variant: str = "mom",
+             options: Sequence[str] = ()) -> Dict[str, Any]:
+    grid = {(k, h): ["--variant", variant, *options, "--model.mom.top_k", str(k), "--model.mom.steps", str(h)]
+            for k in ks for h in hs}
+    reference = ["--variant", "vanilla", *options]
+    ctx.validate([*grid.values(), reference])
+    vanilla = ctx.run(reference)
+    runs = {key: ctx.run(argv) for key, argv in grid.items()}
+    rows = []
+    for (k, h), s in runs.items():
+        rows.append({"K": k, "H": h, "val_loss": s["final_val_loss"], "flops_ratio": s["flops_per_token"]["ratio_to_vanilla"],
+                     "flops_per_token": s["flops_per_token"]["forward"], "parameters": s["parameters"],
+                     "step_time_s": s["median_step_time_s"], "skip_share": skip_share(s["routing"]), "run_dir": s["run_dir"]})
+    loss = {(r["K"], r["H"]): r["val_loss"] for r in rows}
+    ratio = {(r["K"], r["H"]): r["flops_ratio"] for r in rows}
+    sections = [
+        f"Variant `{variant}` (K = model.mom.top_k, H = model.mom.steps), {ctx.steps} steps each; vanilla reference "
+        f"val loss {fmt(vanilla['final_val_loss'])}.", "",
+        "Validation loss (rows K, columns H):", "",
+        markdown_table(["K \\ H", *map(str, hs)], [[k, *(loss[(k, h)] for h in hs)] for k in ks]), "",
+        "Forward FLOPs per token relative to vanilla (routing-aware, last training batch):", "",
+        markdown_table(["K \\ H", *map(str, hs)], [[k, *(ratio[(k, h)] for h in hs)] for k in ks]), "",
+        "All runs:", "",
+        markdown_table(["K", "H", "val loss", "FLOPs/token", "x vanilla", "params", "step s", "SKIP share"],
+                       [[r["K"], r["H"], r["val_loss"], r["flops_per_token"], r["flops_ratio"], r["parameters"],
+                         r["step_time_s"], r["skip_share"]] for r in rows]), "",
+        "Observations (computed from the numbers above):", "", *kh_observations(rows, ks, hs), "",
+    ]
+    fig, axes = figure(1, 2, width=5.0)
+    for k in ks:
+        axes[0, 0].plot(list(hs), [loss[(k, h)] for h in hs], marker="o", label=f"K={k}")
+        axes[0, 1].scatter([ratio[(k, h)] for h in hs], [loss[(k, h)] for h in hs], label=f"K={k}")
+        for h in hs:
+            axes[0, 1].annotate(f"{k},{h}", (ratio[(k, h)], loss[(k, h)]), fontsize=7)
+    for ax in axes[0]:
+        ax.axhline(vanilla["final_val_loss"], color="gray", linestyle="--", label="vanilla")
+        ax.set_ylabel("validation loss")
+        ax.legend(fontsize=7)
+    axes[0, 0].set_xlabel("H (assembly steps)")
+    axes[0, 1].set_xlabel("forward FLOPs / token (x vanilla)")
+    fig.suptitle(f"MoM K x H sweep ({variant}, {ctx.size}, {ctx.steps} steps)")
+    ctx.save_figure(fig, "mom_kh")
+    ctx.log_table("mom_kh", sections[4])
+    results = {"variant": variant, "steps": ctx.steps, "vanilla_val_loss": vanilla["final_val_loss"], "runs": rows}
+    ctx.write_report("MoM K x H sweep", sections, results)
+    return results
+
+
+def skip_share(routing: Dict[str, Dict[str, float]]) -> Optional[float]:
+    shares = [fractions.get(SKIP, 0.0) for name, fractions in routing.items() if name.startswith("mom.")]
+    return sum(shares) / len(shares) if shares else None
+
+
+def pareto_front(points: Dict[Any, Tuple[float, float]]) -> List[Any]:
+    """Keys whose (cost, loss) no other point beats in both (lower is better)."""
+    front = []
+    for key, (cost, loss) in points.items():
+        if not any(c <= cost and l <= loss and (c, l) != (cost, loss) for c, l in points.values()):
+            front.append(key)
+    return sorted(front, key=lambda k: points[k][0])
+
+
+def kh_observations(rows: List[Dict[str, Any]], ks: Sequence[int], hs: Sequence[int]) -> List[str]:
+    loss = {(r["K"], r["H"]): r["val_loss"] for r in rows}
+    lines = []
+    if len(hs) >= 2:
+        for k in ks:
+            series = [loss[(k, h)] for h in hs]
+            gains = [a - b for a, b in zip(series, series[1:])]
+            trend = "decreases monotonically" if all(g > 0 for g in gains) else "does not decrease monotonically"
+            lines.append(f"- K={k}: loss {trend} with H (successive changes "
+                         + ", ".join(f"{-g:+.4f}" for g in gains) + ").")
+    front = pareto_front({(r["K"], r["H"]): (r["flops_ratio"], r["val_loss"]) for r in rows})
+    lines.append("- Loss-vs-FLOPs Pareto front (K,H): " + ", ".join(f"({k},{h})" for k, h in front) + ".")
+    if (3, 2) in loss:
+        lines.append(f"- (K=3, H=2) is {'on' if (3, 2) in front else 'not on'} the Pareto front.")
+    best = min(rows, key=lambda r: r["val_loss"])
+    lines.append(f"- Lowest loss: K={best['K']}, H={best['H']} ({best['val_loss']:.4f}).")
+    return lines
+
+
+# ---------------------------------------------------------------------------- module removal
+def trained_run(ctx: Context, variant: str, options: Sequence[str], run: Optional[str]) -> pathlib.Path:
+    if run:
+        path = pathlib.Path(run)
+        if not (path / "checkpoints" / "last.ckpt").is_file():
+            raise FileNotFoundError(f"--run: {path} has no checkpoints/last.ckpt")
+        return path
+    argv = ["--variant", variant, *options]
+    ctx.validate([argv])
+    return pathlib.Path(ctx.run(argv)["run_dir"])
+
+
+def removal(ctx: Context, variant: str = "mom", options: Sequence[str] = (), run: Optional[str] = None,
+            sequences: int = 64, order: str = "usage") -> Dict[str, Any]:
+    run_dir = trained_run(ctx, variant, options, run)
+    model = load_model(run_dir)
+    chunk = mom_chunks(model)[0]
+    data = validation_sequences(run_dir, model, sequences)
+    attn_order, ffn_order = removal_order(model, data, order)
+    n_a, n_f, k = chunk.n_attn, chunk.n_ffn, model.config.mom.top_k
+    skip = 1 if model.config.mom.allow_skip else 0
+    grid: Dict[Tuple[int, int], Optional[float]] = {}
+    for keep_a in range(n_a, 0, -1):
+        for keep_f in range(n_f, 0, -1):
+            if k > keep_a + skip or k > keep_f + skip:
+                grid[(keep_a, keep_f)] = None  # fewer choices than K: not a valid configuration
+                continue
+            with removed_modules(model, attn_order[: n_a - keep_a], ffn_order[: n_f - keep_f]):
+                grid[(keep_a, keep_f)] = mean_loss(model, data)
+    intact = grid[(n_a, n_f)]
+    half_a, three_quarter_f = max(1, round(n_a / 2)), max(1, round(0.75 * n_f))
+    checks = {
+        f"remove ~50% attention (keep {half_a}/{n_a})": grid.get((half_a, n_f)),
+        f"remove ~25% FFN (keep {three_quarter_f}/{n_f})": grid.get((n_a, three_quarter_f)),
+        f"both (keep {half_a}/{n_a} attention, {three_quarter_f}/{n_f} FFN)": grid.get((half_a, three_quarter_f)),
+        "keep 1 attention, 1 FFN": grid.get((1, 1)),
+    }
+    a_keep, f_keep = list(range(n_a, 0, -1)), list(range(n_f, 0, -1))
+    sections = [
+        f"Trained model: `{run_dir}` ({model.config.variant}, pool N_A={n_a}, N_F={n_f}, K={k}, "
+        f"H={chunk.steps}). Removal order: {order} (attention {attn_order}, FFN {ffn_order}: first listed is "
+        f"removed first). Loss over the first {data.shape[0]} validation sequences.", "",
+        "Validation loss (rows: attention modules kept, columns: FFN modules kept; '-' = fewer choices than K):", "",
+        markdown_table(["N_A \\ N_F", *map(str, f_keep)], [[a, *(grid[(a, f)] for f in f_keep)] for a in a_keep]), "",
+        markdown_table(["configuration", "val loss", "change vs intact", "relative"],
+                       [[name, value, None if value is None else value - intact,
+                         None if value is None else f"{100 * (value - intact) / intact:+.2f}%"]
+                        for name, value in [("intact", intact), *checks.items()]]), "",
+    ]
+    fig, axes = figure(1, 1, width=5.0, height=4.2)
+    ax = axes[0, 0]
+    matrix = torch.tensor([[float("nan") if grid[(a, f)] is None else grid[(a, f)] for f in f_keep] for a in a_keep])
+    image = ax.imshow(matrix.numpy(), cmap="viridis_r")
+    ax.set_xticks(range(len(f_keep)), f_keep)
+    ax.set_yticks(range(len(a_keep)), a_keep)
+    ax.set_xlabel("FFN modules kept (N_F)")
+    ax.set_ylabel("attention modules kept (N_A)")
+    for i, a in enumerate(a_keep):
+        for j, f in enumerate(f_keep):
+            if grid[(a, f)] is not None:
+                ax.text(j, i, f"{grid[(a, f)]:.2f}", ha="center", va="center", fontsize=7, color="white")
+    fig.colorbar(image, ax=ax, label="validation loss")
+    ax.set_title(f"MoM module removal ({model.config.variant})")
+    ctx.save_figure(fig, "mom_removal")
+    ctx.log_table("mom_removal", sections[3])
+    results = {"run_dir": str(run_dir), "order": order, "attn_order": attn_order, "ffn_order": ffn_order,
+               "n_attn": n_a, "n_ffn": n_f, "top_k": k, "intact": intact,
+               "grid": [{"attn_kept": a, "ffn_kept": f, "val_loss": v} for (a, f), v in grid.items()],
+               "checks": checks}
+    ctx.write_report("MoM module removal", sections, results)
+    return results
+
+
+# ---------------------------------------------------------------------------- transitions
+def group_transitions(stats) -> Dict[str, Dict[str, Any]]:
+    """Per router group: choices, counts summed over consecutive steps, and each step pair's counts."""
+    groups: Dict[str, Dict[str, Any]] = {}
+    for t in stats.transitions:
+        entry = groups.setdefault(t.group, {"choices": list(stats.sites[t.source].layout.choices), "pairs": []})
+        entry["pairs"].append((t.source, t.target, t.counts.clone()))
+    for entry in groups.values():
+        entry["counts"] = sum(c for _, _, c in entry["pairs"])
+    return groups
+
+
+def transition_shares(counts: torch.Tensor, choices: Sequence[str]) -> Dict[str, float]:
+    """Shares of all transitions that follow the vanilla order (i -> i+1), repeat a module, or involve SKIP."""
+    total = float(counts.sum())
+    real = [i for i, c in enumerate(choices) if c != SKIP]
+    skip = [i for i, c in enumerate(choices) if c == SKIP]
+    sequential = sum(float(counts[i, i + 1]) for i in real if i + 1 in real)
+    repeat = sum(float(counts[i, i]) for i in real)
+    with_skip = float(counts[skip, :].sum() + counts[:, skip].sum() - counts[skip][:, skip].sum()) if skip else 0.0
+    share = (lambda x: x / total) if total > 0 else (lambda x: 0.0)
+    return {"sequential": share(sequential), "repeat": share(repeat), "with_skip": share(with_skip),
+            "other": share(total - sequential - repeat - with_skip)}
+
+
+def transitions(ctx: Context, variant: str = "mom", options: Sequence[str] = (), run: Optional[str] = None,
+                sequences: int = 64) -> Dict[str, Any]:
+    run_dir = trained_run(ctx, variant, options, run)
+    model = load_model(run_dir)
+    mom_chunks(model)
+    data = validation_sequences(run_dir, model, sequences)
+    stats = routing_stats(model, data)
+    groups = group_transitions(stats)
+    if not groups:
+        raise ConfigError("the MoM has a single assembly step (H=1): there are no step-to-step transitions")
+    sections = [f"Trained model: `{run_dir}` ({model.config.variant}); routes of the first {data.shape[0]} validation "
+                "sequences. P(module j at step h+1 | module i at step h), summed over the consecutive steps.", ""]
+    results: Dict[str, Any] = {"run_dir": str(run_dir), "groups": {}}
+    fig, axes = figure(2, len(groups), width=4.6, height=4.2)
+    for col, (group, entry) in enumerate(sorted(groups.items())):
+        choices, counts = entry["choices"], entry["counts"]
+        rows = counts.sum(1, keepdim=True)
+        matrix = torch.where(rows > 0, counts / rows.clamp_min(1e-30), torch.zeros_like(counts))
+        shares = transition_shares(counts, choices)
+        usage = [stats.sites[name].fractions.tolist() for name in sorted({s for s, _, _ in entry["pairs"]}
+                                                                          | {t for _, t, _ in entry["pairs"]},
+                                                                          key=lambda n: stats.sites[n].layout.step)]
+        load_cv = [stats.sites[n].load_cv for n in stats.sites if stats.sites[n].layout.group == group]
+        results["groups"][group] = {"choices": choices, "matrix": matrix.tolist(), "counts": counts.tolist(),
+                                    "shares": shares, "usage_per_step": usage, "load_cv_per_step": load_cv}
+        sections += [f"### {group}", "", markdown_table(["from \\ to", *choices],
+                                                        [[c, *row] for c, row in zip(choices, matrix.tolist())]), "",
+                     f"Transitions in vanilla order (module i -> i+1): {100 * shares['sequential']:.1f}%; same module "
+                     f"again: {100 * shares['repeat']:.1f}%; to or from SKIP: {100 * shares['with_skip']:.1f}%; other "
+                     f"jumps: {100 * shares['other']:.1f}%. Load imbalance (CV of module counts) per step: "
+                     + ", ".join(fmt(v, 3) for v in load_cv) + ".", ""]
+        heat = axes[0, col]
+        heat.imshow(matrix.numpy(), vmin=0, vmax=1, cmap="viridis")
+        heat.set_xticks(range(len(choices)), choices, rotation=90, fontsize=7)
+        heat.set_yticks(range(len(choices)), choices, fontsize=7)
+        for i in range(len(choices)):
+            for j in range(len(choices)):
+                heat.text(j, i, f"{float(matrix[i, j]):.2f}", ha="center", va="center", fontsize=6,
+                          color="white" if matrix[i, j] < 0.6 else "black")
+        heat.set_title(f"{group}: P(next | current)", fontsize=8)
+        draw_route_graph(axes[1, col], entry, usage, choices)
+    fig.tight_layout()
+    ctx.save_figure(fig, "mom_transitions")
+    ctx.write_report("MoM module transitions", sections, results)
+    return results
+
+
+def draw_route_graph(ax, entry: Dict[str, Any], usage: List[List[float]], choices: Sequence[str]) -> None:
+    """Layered graph: a column per step, a node per module (size = usage), edges = transition shares."""
+    steps = len(usage)
+    for h, (_, _, counts) in enumerate(entry["pairs"]):
+        total = float(counts.sum())
+        for i in range(counts.shape[0]):
+            for j in range(counts.shape[1]):
+                share = float(counts[i, j]) / total if total > 0 else 0.0
+                if share > 0.01:
+                    ax.plot([h, h + 1], [i, j], color="tab:blue", alpha=min(1.0, 0.2 + share), linewidth=8 * share)
+    for h in range(steps):
+        ax.scatter([h] * len(choices), range(len(choices)), s=[600 * u for u in usage[h]], color="tab:orange", zorder=3)
+    ax.set_yticks(range(len(choices)), choices, fontsize=7)
+    ax.set_xticks(range(steps), [f"step {h + 1}" for h in range(steps)], fontsize=7)
+    ax.set_ylim(len(choices) - 0.5, -0.5)
+    ax.set_title("routes (node: usage, edge: transition share)", fontsize=8)
+
+
+# ---------------------------------------------------------------------------- two-phase vs from scratch
+@torch.no_grad()
+def module_similarity(model, sequences: torch.Tensor) -> Dict[str, float]:
+    """Mean pairwise cosine similarity of the pool modules' outputs on the same inputs (the first chunk's input).
+
+    Attention modules are compared by their QKV projections, FFN modules by their outputs, per token,
+    averaged over tokens and module pairs: 1 means the modules compute the same function (homogeneous).
+    """
+    chunk = mom_chunks(model)[0]
+    captured: List[torch.Tensor] = []
+    handle = chunk.register_forward_pre_hook(lambda module, args: captured.append(args[0].detach()))
+    try:
+        model.eval()
+        model(sequences[:, :-1])
+    finally:
+        handle.remove()
+    x = captured[0]
+    out = {}
+    for kind, outputs in (("attn", [m.project(x) for m in chunk.attn_modules]), ("ffn", [m(x) for m in chunk.ffn_modules])):
+        sims = [torch.nn.functional.cosine_similarity(a, b, dim=-1).mean().item()
+                for i, a in enumerate(outputs) for b in outputs[i + 1:]]
+        out[kind] = sum(sims) / len(sims) if sims else None
+    return out
+
+
+def routing_profile(model, sequences: torch.Tensor) -> Dict[str, Optional[float]]:
+    stats = routing_stats(model, sequences)
+    entropies = [s.entropy for s in stats.sites.values() if s.entropy is not None]
+    cvs = [s.load_cv for s in stats.sites.values() if s.load_cv is not None]
+    skips = [float(s.fractions[list(s.layout.choices).index(SKIP)]) for s in stats.sites.values() if SKIP in s.layout.choices]
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    return {"router_entropy": mean(entropies), "load_cv": mean(cvs), "skip_share": mean(skips)}
+
+
+def two_phase(ctx: Context, variant: str = "mom", phase1_steps: Optional[int] = None,
+              phase2_steps: Optional[int] = None, options: Sequence[str] = (), sequences: int = 32) -> Dict[str, Any]:
+    from experiments import two_phase as two_phase_cli
+
+    s1 = phase1_steps or max(1, ctx.steps // 2)
+    s2 = phase2_steps or max(1, ctx.steps - s1)
+    two_phase_cli.check_variant(variant)
+    scratch = ["--variant", variant, *options]
+    reference = ["--variant", "vanilla", *options]
+    ctx.validate([scratch, reference])
+    argv = ["--variant", variant, "--size", ctx.size, "--phase1_steps", str(s1), "--phase2_steps", str(s2),
+            "--log_dir", str(ctx.log_dir), "--seed", str(ctx.seed), *ctx.run_options, *options,
+            "--phase1.val_every", str(s1), "--phase2.val_every", str(s2)]
+    phase2_dir = ctx.cached("experiments.two_phase", argv, lambda: two_phase_cli.main(argv))
+    record = json.loads((phase2_dir / "two_phase.json").read_text())
+    phase1, phase2 = load_summary(pathlib.Path(record["phase1"])), load_summary(phase2_dir)
+    from_scratch = ctx.run(scratch, steps=s1 + s2)
+    vanilla = ctx.run(reference, steps=s1 + s2)
+    arms = {"two-phase": phase2, "from scratch": from_scratch}
+    measures = {}
+    for name, summary in arms.items():
+        model = load_model(pathlib.Path(summary["run_dir"]))
+        data = validation_sequences(pathlib.Path(summary["run_dir"]), model, sequences)
+        measures[name] = {**module_similarity(model, data), **routing_profile(model, data)}
+    rows = [["two-phase (vanilla %d + %s %d)" % (s1, variant, s2), phase2["final_val_loss"], *_measure_row(measures["two-phase"])],
+            [f"from scratch ({variant} {s1 + s2})", from_scratch["final_val_loss"], *_measure_row(measures["from scratch"])],
+            [f"vanilla {s1 + s2} (reference)", vanilla["final_val_loss"], None, None, None, None, None],
+            [f"phase 1 alone (vanilla {s1})", phase1["final_val_loss"], None, None, None, None, None]]
+    headers = ["model", "val loss", "attn module sim.", "FFN module sim.", "router entropy", "load CV", "SKIP share"]
+    better = phase2["final_val_loss"] < from_scratch["final_val_loss"]
+    sections = [
+        f"Equal total steps: {s1} + {s2} (two-phase) vs {s1 + s2} (from scratch). Module similarity = mean pairwise "
+        "cosine similarity of the pool modules' outputs on the same inputs (1 = homogeneous modules).", "",
+        markdown_table(headers, rows), "",
+        f"Two-phase {'beats' if better else 'does not beat'} from-scratch at equal steps "
+        f"({phase2['final_val_loss']:.4f} vs {from_scratch['final_val_loss']:.4f}).", "",
+    ]
+    fig, axes = figure(1, 1, width=6.0)
+    ax = axes[0, 0]
+    curve = lambda s, offset=0: ([p + offset for p, _ in s["train_loss_curve"]], [l for _, l in s["train_loss_curve"]])  # noqa: E731
+    ax.plot(*curve(phase1), label="phase 1 (vanilla)", color="tab:gray")
+    ax.plot(*curve(phase2, s1), label=f"phase 2 ({variant} from vanilla)", color="tab:blue")
+    ax.plot(*curve(from_scratch), label=f"{variant} from scratch", color="tab:red", alpha=0.7)
+    ax.plot(*curve(vanilla), label="vanilla", color="black", alpha=0.4)
+    ax.set_xlabel("total training step")
+    ax.set_ylabel("training loss")
+    ax.legend(fontsize=7)
+    ax.set_title("two-phase vs from-scratch MoM")
+    ctx.save_figure(fig, "mom_two_phase")
+    results = {"variant": variant, "phase1_steps": s1, "phase2_steps": s2, "phase1": phase1["run_dir"],
+               "two_phase": phase2["run_dir"], "from_scratch": from_scratch["run_dir"], "vanilla": vanilla["run_dir"],
+               "val_loss": {"two_phase": phase2["final_val_loss"], "from_scratch": from_scratch["final_val_loss"],
+                            "vanilla": vanilla["final_val_loss"], "phase1": phase1["final_val_loss"]},
+               "measures": measures}
+    ctx.write_report("MoM two-phase vs from-scratch training", sections, results)
+    return results
+
+
+def _measure_row(m: Dict[str, Optional[float]]) -> List[Optional[float]]:
+    return [m["attn"], m["ffn"], m["router_entropy"], m["load_cv"], m["skip_share"]]
