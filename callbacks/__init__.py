@@ -17,20 +17,35 @@ from architectures.config import ConfigError
 
 @dataclass
 class CallbacksConfig:
-    """``--callbacks.*``: which measurement callbacks run and how often (intervals in optimisation steps)."""
+    """``--callbacks.*``: which measurement callbacks run and how often (intervals in optimisation steps).
+
+    Args:
+        routing: routing statistics (token fractions, entropy, load CV, processed / dropped, transitions).
+        routing_every: steps between cross-rank reductions and logs of the routing counts.
+        routing_images_every: steps between transition heatmaps and routing-map images.
+        flops: log routing-aware FLOPs per token and the ratio to vanilla.
+        flops_every: steps between FLOPs logs.
+        throughput: Lightning's ThroughputMonitor (FLOP/s, and MFU on a GPU with a known peak).
+        throughput_window: batches in the monitor's rolling average (its first figures come after this many).
+        contribution: logit-lens MHA vs FFN contribution on a fixed probe batch.
+        contribution_every: steps between contribution measurements (also measured at the end).
+        contribution_batch_size: sequences in the fixed probe batch.
+        contribution_seq_len: tokens per probe sequence (default: the model's context).
+        tensorboard: custom-scalars layout and hparams with the final metrics.
+    """
 
     routing: bool = True
-    routing_every: int = 50  # reduce the accumulated counts across ranks and log scalars + histograms
-    routing_images_every: int = 500  # transition-matrix heatmaps and the routing map of a fixed sample
+    routing_every: int = 50
+    routing_images_every: int = 500
     flops: bool = True
     flops_every: int = 50
-    throughput: bool = True  # Lightning's ThroughputMonitor (FLOP/s and MFU on a GPU)
-    throughput_window: int = 50  # batches in its rolling average (the first figures appear after this many)
+    throughput: bool = True
+    throughput_window: int = 50
     contribution: bool = True
     contribution_every: int = 250
-    contribution_batch_size: int = 4  # sequences in the fixed probe batch
-    contribution_seq_len: Optional[int] = None  # tokens per probe sequence; None: the model's context
-    tensorboard: bool = True  # custom-scalars layout and hparams with final metrics
+    contribution_batch_size: int = 4
+    contribution_seq_len: Optional[int] = None
+    tensorboard: bool = True
 
     def validate(self, block_size: Optional[int] = None) -> None:
         for name in ("routing_every", "routing_images_every", "flops_every", "contribution_every",

@@ -317,8 +317,8 @@ class RoutingStatistics(L.Callback):
         trace = out.trace if out is not None else []
         if not trace:
             self._disabled = True
-            name = getattr(getattr(pl_module, "model", None), "config", None)
-            variant = getattr(name, "variant", type(pl_module).__name__)
+            config = getattr(getattr(pl_module, "model", None), "config", None)
+            variant = getattr(config, "variant", type(pl_module).__name__)
             rank_zero_warn(f"routing statistics: variant {variant!r} has no routing sites; nothing is logged "
                            "for routing")
             return

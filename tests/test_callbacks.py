@@ -21,7 +21,7 @@ from callbacks import CallbacksConfig, default_callbacks
 from callbacks.contribution import (ContributionCallback, check_probe, direct_logit_attribution,
                                     measure_contribution, ratios_from_values)
 from callbacks.flops import FlopsCallback, PeakAwareThroughputMonitor, flops_scalars, peak_flops, throughput_monitor
-from callbacks.routing import Layout, RoutingAccumulator, RoutingStatistics, RoutingStats, kept_onehot, pack
+from callbacks.routing import RoutingAccumulator, RoutingStatistics, RoutingStats, kept_onehot
 from callbacks.tensorboard import TensorBoardExtras
 from lightning_modules.lm import LanguageModelModule
 

@@ -1,0 +1,79 @@
+"""Save the run's ``checkpoints/last.ckpt`` when the job is preempted, so it can resume.
+
+What Lightning (2.6) already does, read in ``lightning/pytorch/trainer/connectors/signal_connector.py``:
+
+* SIGTERM, in every environment: its handler only sets ``trainer.received_sigterm``; the loops finish
+  the current batch (or validation batch), raise ``SIGTERMException`` (a ``SystemExit``), call the
+  callbacks' ``on_exception`` and exit. No checkpoint is written. Under DDP rank 0's flag is broadcast
+  to every rank at the start of each step.
+* On SLURM (``SLURMEnvironment`` is detected and built with ``auto_requeue=True``, the Trainer's
+  default): the requeue signal (SIGUSR1; ``#SBATCH --signal=SIGUSR1@90`` has SLURM send it 90 s
+  before the time limit) saves ``hpc_ckpt_<n>.ckpt`` in ``trainer.default_root_dir`` (the run
+  folder, as ``experiments.run`` sets it) and calls ``scontrol requeue $SLURM_JOB_ID``. A restarted
+  ``fit`` without ``ckpt_path`` on SLURM resumes from the newest ``hpc_ckpt_*.ckpt`` there.
+* Outside SLURM nothing handles SIGUSR1: its default action kills the process without a checkpoint.
+
+``PreemptionCheckpoint`` adds what is missing: on SIGTERM (anywhere), and on SIGUSR1 where Lightning
+has not taken that signal, the run stops at the end of the current step and writes
+``<run folder>/checkpoints/last.ckpt`` (the file ``ModelCheckpoint(save_last=True)`` keeps), so
+``python -m experiments.run ... --ckpt_path last`` (or the SLURM template's requeued job) continues
+from the interrupted step with the same data order. On SLURM the requeue terminates the job with
+SIGTERM after SIGUSR1, so both ``hpc_ckpt_<n>.ckpt`` and a newer ``last.ckpt`` exist;
+``experiments/slurm/train.sbatch`` resumes from the newer.
+The process then exits through Lightning's ``SIGTERMException`` (status 0); no ``summary.json`` is
+written for the interrupted part.
+"""
+from __future__ import annotations
+
+import pathlib
+import signal
+import threading
+from typing import Optional
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+
+class PreemptionCheckpoint(L.Callback):
+    def __init__(self, dirpath, filename: str = "last.ckpt", signum: int = signal.SIGUSR1):
+        self.path = pathlib.Path(dirpath) / filename
+        self.signum = signum
+        self.requested: Optional[int] = None
+        self._previous = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # Lightning registers its handlers just before training starts: take SIGUSR1 only if it left it free.
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(self.signum) in (signal.SIG_DFL, None):
+            self._previous = signal.signal(self.signum, self._request)
+
+    def _request(self, signum, frame) -> None:
+        self.requested = signum
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        stop = self.requested is not None
+        if trainer.world_size > 1:  # every rank stops at the same step, or the others hang in the next all-reduce
+            flag = torch.tensor(float(stop), device=pl_module.device)
+            stop = bool(trainer.strategy.reduce(flag, reduce_op="max") > 0)
+        if stop:
+            rank_zero_info(f"preemption: signal {self.requested} received, stopping after step {trainer.global_step}")
+            raise SIGTERMException()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._restore()  # Lightning skips the callbacks' teardown after an exception
+        if not isinstance(exception, SIGTERMException):
+            return
+        trainer.save_checkpoint(str(self.path))
+        rank_zero_info(f"preemption: saved {self.path} at step {trainer.global_step}; resume with --ckpt_path last")
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        if self._previous is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(self.signum, self._previous)
+        self._previous = None
+        self.requested = None
