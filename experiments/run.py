@@ -284,7 +284,10 @@ def make_trainer(cfg: Namespace, root: pathlib.Path, version: str, extra_callbac
         save_last=True,
         every_n_train_steps=cfg.val_every,
     )
-    callbacks = [checkpoints, LearningRateMonitor(logging_interval="step"), *extra_callbacks]
+    from callbacks.preemption import PreemptionCheckpoint  # SIGTERM/SIGUSR1 -> checkpoints/last.ckpt
+
+    callbacks = [checkpoints, PreemptionCheckpoint(checkpoints.dirpath), LearningRateMonitor(logging_interval="step"),
+                 *extra_callbacks]
     callbacks.extend(extra_run_callbacks(cfg))
     kwargs = _as_dict(cfg.trainer)
     kwargs["precision"] = kwargs.get("precision") or default_precision()
@@ -295,6 +298,7 @@ def make_trainer(cfg: Namespace, root: pathlib.Path, version: str, extra_callbac
     kwargs.update(
         logger=logger,
         callbacks=callbacks,
+        default_root_dir=str(root / version),  # Lightning's SLURM requeue checkpoint (hpc_ckpt_N) goes here
         val_check_interval=cfg.val_every,
         check_val_every_n_epoch=None,
         limit_val_batches=cfg.val_batches,
