@@ -123,6 +123,7 @@ class LanguageModelModule(L.LightningModule):
         self.last_lm_loss = lm_loss.detach()
         self.tokens_seen += targets.numel() * self.trainer.world_size
         self.log("train/loss", lm_loss, prog_bar=True)
+        self.log("train/ppl", torch.exp(lm_loss.detach()))
         self.log("train/aux_loss", out.aux_loss)
         self.log("train/total_loss", loss)
         for name, value in out.aux_losses.items():
