@@ -13,6 +13,8 @@ never a variant's internals, so a new variant needs one architecture file and on
   ``SubLayerState("embed", ...)`` first, then one ``"mha"`` and one ``"ffn"`` state per sub-update
   in the order they happened (routed models report the updates as they actually happened).
 * ``cache``: the updated ``KVCache`` when one was passed in (generation).
+* ``hidden``: optional (B, T, d) stream the head reads (before ``ln_f``), for a model whose head
+  does not read the last residual state (depth gating's gated mix). Use ``final_hidden(out)``.
 
 The FLOPs of a forward pass are ``model.flops_per_token(trace)`` -> ``Flops`` (see ``flops.py``).
 """
@@ -91,6 +93,15 @@ class ModelOutput:
     residuals: Optional[List[SubLayerState]] = None
     aux_losses: Dict[str, torch.Tensor] = field(default_factory=dict)
     cache: Optional["KVCache"] = None
+    hidden: Optional[torch.Tensor] = None
+
+    def final_hidden(self) -> torch.Tensor:
+        """What the LM head reads (before ``ln_f``): ``hidden`` if set, else the last residual state."""
+        if self.hidden is not None:
+            return self.hidden
+        if not self.residuals:
+            raise ValueError("final_hidden() needs forward(..., return_residuals=True)")
+        return self.residuals[-1].hidden
 
 
 class KVCache:

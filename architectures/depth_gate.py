@@ -81,7 +81,7 @@ class DepthGate(LanguageModel):
             valid=attention_mask.to(torch.bool) if attention_mask is not None else None,
         )
         return ModelOutput(logits=self.head(mixed), aux_loss=zero_aux(x), trace=[site], residuals=residuals,
-                           cache=cache)
+                           cache=cache, hidden=mixed)
 
     def flops_per_token(self, trace: Optional[List[RoutingSite]] = None, seq_len: Optional[int] = None) -> F_.Flops:
         """Vanilla FLOPs (every layer runs) plus the gate; the weighted sum is elementwise (uncounted)."""

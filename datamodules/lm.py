@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import pathlib
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Union
 
 import lightning as L
 import numpy as np
@@ -35,7 +35,8 @@ def default_cache_dir() -> pathlib.Path:
 class DataConfig:
     name: str = "embedded"
     tokenizer: Optional[str] = None  # None: the corpus's default (bpe for embedded, gpt2 otherwise)
-    path: List[str] = field(default_factory=list)  # local files for data.name=text (and hub corpora)
+    # local files for data.name=text (and hub corpora): one path/glob/folder, or a list of them
+    path: Union[str, List[str]] = field(default_factory=list)
     batch_size: int = 16
     val_fraction: float = 0.05
     num_workers: int = 0
@@ -47,8 +48,12 @@ class DataConfig:
     max_tokens: Optional[int] = None  # stop tokenising the training corpus after this many tokens
     num_proc: Optional[int] = None  # worker processes for the batched tokenisation map
 
+    @property
+    def paths(self) -> List[str]:
+        return [self.path] if isinstance(self.path, str) else list(self.path)
+
     def corpus_options(self) -> dict:
-        return {"path": self.path, "hub_id": self.hub_id, "revision": self.revision, "streaming": self.streaming,
+        return {"path": self.paths, "hub_id": self.hub_id, "revision": self.revision, "streaming": self.streaming,
                 "max_tokens": self.max_tokens, "num_proc": self.num_proc}
 
     def validate(self) -> None:

@@ -20,6 +20,7 @@ task's metrics per validation split and its GLUE score; XSUM: ROUGE-1/2/L and ``
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -37,6 +38,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser, Namespace  # noqa: E4
 from architectures import ModelConfig, variant_names  # noqa: E402
 from architectures.config import ConfigError, SIZES  # noqa: E402
 from datamodules.corpora import DataError  # noqa: E402
+from experiments.run import expand_aliases, parse_with_presets  # noqa: E402
 
 ALIASES = {"--variant": "--model.variant", "--size": "--model.size", "--batch_size": "--data.batch_size"}
 SHAPE_FIELDS = ("size", "vocab_size", "d_model", "n_layer", "n_head", "block_size", "ffn_ratio", "bias", "layer_norm_eps")
@@ -85,14 +87,6 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-def expand_aliases(argv: Sequence[str]) -> List[str]:
-    out = []
-    for arg in argv:
-        head, sep, tail = arg.partition("=")
-        out.append(ALIASES.get(head, head) + sep + tail if sep else ALIASES.get(arg, arg))
-    return out
-
-
 def task_list(task: str) -> List[str]:
     from datamodules.glue import GLUE_TASKS, get_task
 
@@ -134,6 +128,7 @@ def _is_hf(source: str) -> bool:
     return source.startswith("hf:") or (path.is_dir() and (path / "config.json").is_file())
 
 
+@functools.lru_cache(maxsize=4)  # glue/all asks once per task; a checkpoint is read once
 def checkpoint_model_config(source: str) -> ModelConfig:
     """The backbone configuration stored with ``--init_from``."""
     if _is_hf(source):
@@ -210,10 +205,19 @@ def resolve_tokenizer(spec: Optional[str], init_from: Optional[str]):
             corpus_name, corpus_path = data.get("name", "embedded"), data.get("path") or []
             cache_dir = pathlib.Path(data["cache_dir"]) if data.get("cache_dir") else cache_dir
             if spec is None:
-                spec = data.get("tokenizer") or get_corpus(corpus_name, path=corpus_path, cache_dir=cache_dir).default_tokenizer
+                spec = data.get("tokenizer") or _corpus_default_tokenizer(corpus_name, corpus_path, cache_dir)
     spec = spec or "gpt2"
     corpus = get_corpus(corpus_name, path=corpus_path, cache_dir=cache_dir) if spec == "bpe" else None
     return get_tokenizer(spec, cache_dir, corpus)
+
+
+def _corpus_default_tokenizer(name: str, path, cache_dir: pathlib.Path) -> str:
+    from datamodules.corpora import get_corpus
+
+    try:
+        return get_corpus(name, path=path, cache_dir=cache_dir).default_tokenizer
+    except DataError:  # a Hub corpus that is offline now: those all default to gpt2
+        return "gpt2"
 
 
 # ---------------------------------------------------------------------------- training
@@ -362,7 +366,7 @@ def write_json(path: pathlib.Path, data: Any) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> pathlib.Path:
     parser = build_parser()
-    cfg = parser.parse_args(expand_aliases(list(sys.argv[1:] if argv is None else argv)))
+    cfg = parse_with_presets(parser, expand_aliases(list(sys.argv[1:] if argv is None else argv), ALIASES))
     validate_up_front(cfg)
     tasks = task_list(cfg.task)
     tokenizer = resolve_tokenizer(cfg.tokenizer, cfg.init_from)

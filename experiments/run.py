@@ -50,11 +50,13 @@ ALIASES = {
 _TRAINER_SKIP = {"logger", "callbacks", "plugins", "profiler", "strategy", "accelerator", "precision", "devices"}
 
 
-def expand_aliases(argv: Sequence[str]) -> List[str]:
+def expand_aliases(argv: Sequence[str], aliases: Optional[Dict[str, str]] = None) -> List[str]:
+    """Rewrite short options (``--variant mod``, ``--size=tiny``) to their canonical nested names."""
+    aliases = ALIASES if aliases is None else aliases
     out = []
     for arg in argv:
         head, sep, tail = arg.partition("=")
-        out.append(ALIASES.get(head, head) + sep + tail if sep else ALIASES.get(arg, arg))
+        out.append(aliases.get(head, head) + sep + tail if sep else aliases.get(arg, arg))
     return out
 
 

@@ -1,7 +1,7 @@
 """GLUE fine-tuning on any variant's backbone: last-real-token pooling + a linear head.
 
 The backbone is read only through the model contract: ``model(idx, attention_mask=mask,
-return_residuals=True).residuals[-1].hidden`` is the final residual stream, ``model.ln_f`` its
+return_residuals=True).final_hidden()`` is the stream the LM head reads, ``model.ln_f`` its
 LayerNorm; the feature of a sequence is that vector at its last real token (right padding, causal
 attention: the last token has seen the whole input). Loss: cross-entropy (STS-B: mean squared error
 on the score) plus the backbone's auxiliary routing loss, so routers stay balanced while fine-tuning.
@@ -53,7 +53,7 @@ def split_prefix(split: str) -> str:
 def last_token_features(model: nn.Module, idx: torch.Tensor, attention_mask: torch.Tensor):
     """(B, d) final-LayerNorm features at each row's last real token, and the ModelOutput."""
     out = model(idx, attention_mask=attention_mask, return_residuals=True)
-    hidden = model.ln_f(out.residuals[-1].hidden)
+    hidden = model.ln_f(out.final_hidden())
     last = attention_mask.long().sum(dim=1) - 1
     return hidden[torch.arange(idx.shape[0], device=idx.device), last], out
 

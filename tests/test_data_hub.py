@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from datamodules import hub, token_cache
 from datamodules.corpora import DataError, TextFilesCorpus, get_corpus
@@ -27,6 +28,15 @@ SETS = hub.SLIMPAJAMA_TRAIN_SETS + hub.SLIMPAJAMA_OOD_SETS
 @pytest.fixture(autouse=True)
 def offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # tiny models: thread hand-offs cost more than the math, and on a shared 2-core machine much more
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _rows(split: str, n: int, offset: int = 0):

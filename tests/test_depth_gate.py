@@ -113,3 +113,13 @@ def test_cli_short_run(tmp_path):
     assert flops["ratio_to_vanilla"] == pytest.approx(flops["forward"] / (flops["forward"] - gate))
     assert flops["ratio_to_vanilla"] > 1.0, "depth gating saves no compute"
     assert sum(s["routing"]["depth_gate"].values()) == pytest.approx(1.0)
+
+
+def test_final_hidden_is_what_the_head_reads():
+    """depth_gate's head reads the gated mix, not the last residual; the contract exposes it."""
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(variant="depth_gate", vocab_size=50, d_model=16, n_layer=3, n_head=2,
+                                    block_size=12)).eval()
+    out = model(torch.randint(0, 50, (2, 12)), return_residuals=True)
+    torch.testing.assert_close(model.head(out.final_hidden()), out.logits)
+    assert not torch.allclose(model.head(out.residuals[-1].hidden), out.logits)

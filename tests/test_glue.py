@@ -30,6 +30,15 @@ def offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    # tiny models: thread hand-offs cost more than the math, and on a shared 2-core machine much more
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
     return get_tokenizer("bytes", tmp_path_factory.mktemp("tok"))

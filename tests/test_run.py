@@ -150,3 +150,14 @@ def test_default_command_learns_well_below_unigram_entropy(tmp_path):
     summary = _summary(tmp_path / "vanilla-tiny" / "version_0")
     assert summary["steps"] == 300 and summary["size"] == "tiny"
     assert summary["final_val_loss"] < summary["unigram_entropy_nats"] - 0.5, summary
+
+
+def test_local_text_file_as_data_with_a_plain_path(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("It was the best of times, it was the worst of times. " * 300)
+    run_dir = main(["--data", "text", "--data.path", str(corpus), "--tokenizer", "bytes", "--max_steps", "2",
+                    "--val_every", "2", "--log_dir", str(tmp_path / "runs"), *TINY_RUN])
+    summary = _summary(run_dir)
+    assert summary["steps"] == 2 and summary["final_val_loss"] < 6.0  # bytes: ln(257) = 5.55 at most-ish
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["model"]["vocab_size"] == 257 and config["data"]["path"] == str(corpus)

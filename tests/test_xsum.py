@@ -30,6 +30,15 @@ def offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    # tiny models: thread hand-offs cost more than the math, and on a shared 2-core machine much more
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def write_xsum(folder, train, validation):
     """train.jsonl and validation-00000-of-00001.parquet in the Hub's schema (document, summary, id)."""
     folder.mkdir(parents=True, exist_ok=True)
