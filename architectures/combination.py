@@ -172,6 +172,8 @@ def _whole(value: float, field: str, what: str) -> int:
 class CombinationLM(LanguageModel):
     """``caa`` / ``cea``: Outer-FFN of width r*W after MHA, dense Inner-FFN of width (1-r)*W inside it."""
 
+    may_skip_parameters = False  # dense: every parameter gets a gradient every step
+
     def __init__(self, config: ModelConfig):
         super().__init__(config)
         outer, inner = self.widths(config)
@@ -283,6 +285,8 @@ class CombinationLM(LanguageModel):
 
 class CombinationMoELM(CombinationLM):
     """``cea_moe``: the Inner-FFN is an MoE layer; the Outer-FFN stays dense."""
+
+    may_skip_parameters = True  # an Inner expert may get no token
 
     @staticmethod
     def inner_moe_config(config: ModelConfig):

@@ -140,8 +140,9 @@ def pack_of(stats: RoutingStats):
 
 def test_two_process_gloo_reduction_equals_one_process_over_both_shards(tmp_path):
     out = str(tmp_path / "reduced.pt")
-    # fork: the workers inherit the imported modules (a spawned interpreter would re-import Lightning)
-    mp.start_processes(_ddp_worker, args=(2, _free_port(), out), nprocs=2, join=True, start_method="fork")
+    # spawn, not fork: forking a process whose OpenMP/intra-op thread pools already run (any earlier
+    # test in the session) can deadlock the children on an inherited lock
+    mp.start_processes(_ddp_worker, args=(2, _free_port(), out), nprocs=2, join=True, start_method="spawn")
     distributed = torch.load(out)
     single = RoutingAccumulator()
     for shard in (0, 1):
