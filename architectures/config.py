@@ -56,7 +56,7 @@ class MoEConfig:
 
     num_experts: int = 8
     top_k: int = 1
-    renormalize: bool = True
+    renormalize: bool = True  # weights renormalised over the chosen k (k > 1; k = 1 keeps the raw probability)
     balance_coef: float = 1e-2
     z_loss_coef: float = 1e-3
     # Tokens per expert = capacity_factor * tokens * top_k / E. Ignored when dropless.
@@ -75,7 +75,7 @@ class MoTConfig:
     top_k: int = 2
     layers: Union[str, List[int]] = "all"
     balance_coef: float = 1e-2
-    renormalize: bool = True  # gate weights renormalised over the chosen k
+    renormalize: bool = True  # gate weights renormalised over the chosen k (k > 1 only, as for MoE)
 
 
 @dataclass

@@ -25,29 +25,29 @@ def sorted_dispatch(
     tokens that no expert processed.
     """
     N, k = selected.shape
-    flat_expert = selected.reshape(-1)
-    flat_weight = weights.reshape(-1)
-    flat_token = torch.arange(N, device=x.device).repeat_interleave(k)
-    active = flat_expert < len(experts)
+    E = len(experts)
+    # Inactive slots (SKIP / no-op ids >= E, or dropped) get key E and sort to the end, so one
+    # argsort + one bincount replace boolean filtering (each a hidden nonzero + copy).
+    key = selected.reshape(-1).clamp(max=E)
     if keep is not None:
-        active &= keep.reshape(-1)
-    flat_expert, flat_weight, flat_token = flat_expert[active], flat_weight[active], flat_token[active]
-    order = torch.argsort(flat_expert, stable=True)
-    flat_expert, flat_weight, flat_token = flat_expert[order], flat_weight[order], flat_token[order]
-    counts = torch.bincount(flat_expert, minlength=len(experts)).tolist()
-    tokens = x.index_select(0, flat_token)
+        key = torch.where(keep.reshape(-1), key, torch.full_like(key, E))
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=E + 1).tolist()
+    order = order[: N * k - counts[E]]
+    token_index = order if k == 1 else torch.div(order, k, rounding_mode="floor")  # flat = token * k + slot
+    flat_weight = weights.reshape(-1).index_select(0, order)
+    tokens = x.index_select(0, token_index)
     pieces = []
     start = 0
-    for expert, count in zip(experts, counts):
+    for expert, count in zip(experts, counts[:E]):
         if count:
             pieces.append(expert(tokens[start : start + count]))
         start += count
     if not pieces:
         return x.new_zeros(N, x.shape[-1])
-    outputs = torch.cat(pieces, dim=0)
+    outputs = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
     outputs = outputs * flat_weight.unsqueeze(-1).to(outputs.dtype)
-    result = outputs.new_zeros(N, outputs.shape[-1])
-    return result.index_add(0, flat_token, outputs)
+    return outputs.new_zeros(N, outputs.shape[-1]).index_add(0, token_index, outputs)
 
 
 def dense_reference(

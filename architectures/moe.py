@@ -140,7 +140,9 @@ class MoELayer(nn.Module):
         logits = fp32_linear(x, self.router.weight)
         probs = logits.softmax(dim=-1)
         weights, selected = probs.topk(self.top_k, dim=-1)
-        if self.cfg.renormalize:
+        if self.cfg.renormalize and self.cfg.top_k > 1:
+            # never at k=1: w/w = 1 would give the router no gradient through the output (Switch
+            # scales the expert output by the raw probability)
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return logits, probs, weights, selected
 

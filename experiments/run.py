@@ -149,12 +149,14 @@ def resolved_namespace(cfg: Namespace, mcfg: ModelConfig) -> Namespace:
     return resolved
 
 
-def run_version(cfg: Namespace, root: pathlib.Path) -> str:
-    """Deterministic across ranks: explicit, inherited from the launching rank, SLURM job, or next free."""
+def run_version(cfg: Namespace, root: pathlib.Path, ckpt_path: Optional[str] = None) -> str:
+    """Deterministic across ranks: explicit, the resumed run's own folder, inherited from the launching
+    rank, SLURM job, or next free. ``ckpt_path`` is the resolved checkpoint (``--ckpt_path last`` resolved)."""
     if cfg.version:
         return cfg.version
-    if cfg.ckpt_path and cfg.ckpt_path != "last":
-        ckpt = pathlib.Path(cfg.ckpt_path).resolve()
+    ckpt_path = ckpt_path or (cfg.ckpt_path if cfg.ckpt_path != "last" else None)
+    if ckpt_path:
+        ckpt = pathlib.Path(ckpt_path).resolve()
         if ckpt.parent.name == "checkpoints" and ckpt.parent.parent.parent == root.resolve():
             return ckpt.parent.parent.name  # resume in place: logs continue in the same folder
     if os.environ.get("DYNCOMP_RUN_VERSION"):
@@ -213,7 +215,7 @@ def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
 
     root = pathlib.Path(cfg.log_dir) / f"{mcfg.variant}-{mcfg.size}"
     ckpt_path = resolve_ckpt(cfg, root)
-    version = run_version(cfg, root)
+    version = run_version(cfg, root, ckpt_path)
     inherited = os.environ.get("DYNCOMP_RUN_VERSION")
     trainer, recorder = make_trainer(cfg, root, version, extra_callbacks=[StepRecorder()],
                                      find_unused=module.model.may_skip_parameters)

@@ -20,7 +20,7 @@ def dense_moe(layer: MoELayer, x: torch.Tensor, keep: torch.Tensor = None) -> to
     logits = x.float() @ layer.router.weight.float().t()
     probs = logits.softmax(-1)
     w, sel = probs.topk(layer.top_k, dim=-1)
-    if layer.cfg.renormalize:
+    if layer.cfg.renormalize and w.shape[-1] > 1:
         w = w / w.sum(-1, keepdim=True)
     if keep is not None:
         w = w * keep
@@ -317,3 +317,16 @@ def test_moe_layer_accepts_zero_tokens():
     assert result.output.shape == (2, 0, 16)
     assert all(float(v) == 0.0 for v in result.aux_losses.values())
     (result.output.sum() + sum(result.aux_losses.values())).backward()
+
+
+def test_switch_top1_router_learns_through_the_expert_output():
+    """k=1: the output is scaled by the raw probability, so the LM loss alone trains the router."""
+    from architectures.config import MoEConfig
+
+    torch.manual_seed(0)
+    layer = MoELayer(16, 32, MoEConfig(num_experts=4, top_k=1, balance_coef=0.0, z_loss_coef=0.0))
+    x = torch.randn(2, 8, 16)
+    result = layer(x)
+    assert (result.site.weights < 1).all()  # raw softmax probabilities, not renormalised to 1
+    result.output.pow(2).sum().backward()
+    assert layer.router.weight.grad.abs().sum() > 0

@@ -27,7 +27,7 @@ def naive_mot_layer(layer: MoTLayer, x: torch.Tensor) -> torch.Tensor:
     """Reference: per sequence and expert, run the block on exactly the tokens routed to it."""
     logits = x.float() @ layer.gate.weight.float().t()
     w, sel = logits.softmax(-1).topk(layer.cfg.top_k, dim=-1)
-    if layer.cfg.renormalize:
+    if layer.cfg.renormalize and w.shape[-1] > 1:
         w = w / w.sum(-1, keepdim=True)
     rows = []
     for b in range(x.shape[0]):

@@ -65,6 +65,8 @@ def test_resume_continues_the_exact_loss_trajectory(tmp_path):
         assert curve_b[step] == pytest.approx(curve_a[step], abs=1e-6), step
     assert resumed["tokens_seen"] == straight["tokens_seen"]
     assert resumed["run_dir"] == str(first)  # resuming continues in the same folder
+    again = _summary(main(["--max_steps", "10", "--log_dir", str(tmp_path / "b"), *common, "--ckpt_path", "last"]))
+    assert again["run_dir"] == str(first) and again["steps"] == 10  # 'last' resolves to that same run
 
 
 @pytest.mark.parametrize(

@@ -95,7 +95,7 @@ def split_argv(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-    from experiments.repro.common import Context, parse_list
+    from experiments.repro.common import Context
 
     argv = list(sys.argv[1:] if argv is None else argv)
     own, run_options = split_argv(argv)
@@ -108,12 +108,14 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     ctx = Context(out=args.out, size=args.size, steps=args.steps, seed=args.seed, run_options=run_options,
                   reuse=not args.no_reuse, command="python -m experiments.repro " + shlex.join(argv))
     try:
-        return dispatch(ctx, args, parse_list)
+        return dispatch(ctx, args)
     finally:
         ctx.close()
 
 
-def dispatch(ctx, args, parse_list) -> Dict[str, Any]:
+def dispatch(ctx, args) -> Dict[str, Any]:
+    from experiments.repro.common import parse_list
+
     name = args.experiment
     if name == "mom_kh":
         from experiments.repro.mom import kh_sweep

@@ -1,0 +1,210 @@
+"""Turn a grid of options into one training job per configuration.
+
+    python -m experiments.sweep GRID.yaml [--launcher local|slurm] [--dry_run] [-- COMMON RUN OPTIONS]
+    python -m experiments.sweep --grid variant=vanilla,mod --grid model.mod.capacity=0.125,0.25 --dry_run -- --size tiny
+
+A grid maps ``experiments.run`` options (without the leading ``--``; aliases such as ``variant``,
+``size``, ``max_steps`` work) to lists of values; the configurations are the Cartesian product.
+A YAML file may also give ``options`` (common run options, a list or one string), ``grid`` as a
+list of such mappings (the union of their products, for grids that are not rectangular), and
+``sbatch`` (extra sbatch options for every job):
+
+    options: [--size, small, --max_steps, 5000, --data, openwebtext]
+    sbatch: [--time=12:00:00, --partition=gpu]
+    grid:
+      variant: [vanilla, mod]
+      model.mod.capacity: [0.125, 0.25]
+
+A value that is itself a list is passed as one option value (``model.mod.routed_blocks: [[1, 3]]``).
+
+Launchers: ``local`` runs the jobs one after another here; ``slurm`` submits each with
+``sbatch ... experiments/slurm/train.sbatch <run options>``, with ``--nodes`` / ``--ntasks-per-node``
+(and ``--gpus-per-node`` unless ``--trainer.accelerator cpu``) taken from the configuration's
+``--trainer.num_nodes`` / ``--trainer.devices`` so that the allocation matches the Trainer.
+``--dry_run`` prints one command per configuration and launches nothing.
+
+Every configuration is parsed and validated exactly as ``experiments.run`` does (unknown variants,
+sizes, datasets, options or values) before the first job starts; an empty grid is an error.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import pathlib
+import shlex
+import subprocess
+import sys
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import yaml
+
+from architectures.config import ConfigError
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SBATCH_TEMPLATE = REPO / "experiments" / "slurm" / "train.sbatch"
+LAUNCHERS = ("local", "slurm")
+
+
+def option_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, dict)):
+        return json.dumps(value)
+    if value is None:
+        return "null"
+    return str(value)
+
+
+def as_options(options: Any, where: str) -> List[str]:
+    if options is None:
+        return []
+    if isinstance(options, str):
+        return shlex.split(options)
+    if isinstance(options, list):
+        return [option_value(o) for o in options]
+    raise ConfigError(f"{where}: expected a list of options or one string, got {type(options).__name__}")
+
+
+def expand(grid: Any) -> List[List[str]]:
+    """Configurations (run options) of a mapping ``option -> values`` or a list of such mappings."""
+    blocks = grid if isinstance(grid, list) else [grid]
+    configurations: List[List[str]] = []
+    for block in blocks:
+        if not isinstance(block, dict) or not block:
+            raise ConfigError(f"grid: each grid must be a non-empty mapping of option -> values, got {block!r}")
+        keys, choices = [], []
+        for key, values in block.items():
+            values = values if isinstance(values, list) else [values]
+            if not values:
+                raise ConfigError(f"grid: option {key!r} has no values")
+            keys.append("--" + str(key).lstrip("-"))
+            choices.append(values)
+        for combination in itertools.product(*choices):
+            configurations.append([item for key, value in zip(keys, combination) for item in (key, option_value(value))])
+    if not configurations:
+        raise ConfigError("grid: the grid is empty, nothing to run")
+    return configurations
+
+
+def parse_grid_args(items: Sequence[str]) -> Dict[str, List[Any]]:
+    """``--grid key=v1,v2`` items -> mapping (values read as YAML scalars)."""
+    grid: Dict[str, List[Any]] = {}
+    for item in items:
+        key, sep, values = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--grid: expected KEY=V1,V2,..., got {item!r}")
+        grid[key] = [yaml.safe_load(v) for v in values.split(",") if v.strip()]
+    return grid
+
+
+def load_grid(path: Optional[str], items: Sequence[str]) -> Tuple[List[List[str]], List[str], List[str]]:
+    """(configurations, common options, sbatch options) from a YAML file and/or ``--grid`` items."""
+    common: List[str] = []
+    sbatch: List[str] = []
+    grids: List[Dict[str, Any]] = []
+    if path:
+        file = pathlib.Path(path)
+        if not file.is_file():
+            raise FileNotFoundError(f"grid file {file} not found")
+        spec = yaml.safe_load(file.read_text()) or {}
+        if not isinstance(spec, dict):
+            raise ConfigError(f"{file}: expected a mapping with 'grid' (and optionally 'options', 'sbatch')")
+        unknown = set(spec) - {"grid", "options", "sbatch"}
+        if unknown:
+            raise ConfigError(f"{file}: unknown keys {sorted(unknown)}; use grid, options, sbatch")
+        common = as_options(spec.get("options"), f"{file}: options")
+        sbatch = as_options(spec.get("sbatch"), f"{file}: sbatch")
+        grid = spec.get("grid")
+        if grid is None or grid == {} or grid == []:
+            raise ConfigError(f"{file}: the grid is empty, nothing to run")
+        grids.extend(grid if isinstance(grid, list) else [grid])
+    if items:
+        grids.append(parse_grid_args(items))
+    if not grids:
+        raise ConfigError("grid: the grid is empty (give a GRID.yaml or --grid KEY=VALUES)")
+    return expand(grids), common, sbatch
+
+
+def validate(configurations: Sequence[Sequence[str]]) -> List[Any]:
+    """Parse and check every configuration as ``experiments.run`` would; all before any job starts."""
+    from experiments.run import build_parser, expand_aliases, validate_up_front
+
+    parser = build_parser()
+    parsed = []
+    for argv in configurations:
+        try:
+            cfg = parser.parse_args(expand_aliases(list(argv)))
+        except SystemExit as exit_:
+            raise ConfigError(f"invalid run options: {shlex.join(argv)}") from exit_
+        validate_up_front(cfg)
+        parsed.append(cfg)
+    return parsed
+
+
+def geometry(cfg) -> Tuple[int, int, bool]:
+    """(nodes, tasks per node, uses GPUs) of a parsed run configuration."""
+    nodes = int(cfg.trainer.num_nodes or 1)
+    devices = str(cfg.trainer.devices)
+    tasks = int(devices) if devices.isdigit() else 1
+    return nodes, tasks, str(cfg.trainer.accelerator) != "cpu"
+
+
+def commands(configurations: Sequence[Sequence[str]], parsed: Sequence[Any], launcher: str,
+             sbatch_options: Sequence[str] = (), template: pathlib.Path = SBATCH_TEMPLATE) -> List[List[str]]:
+    out = []
+    for i, (argv, cfg) in enumerate(zip(configurations, parsed)):
+        if launcher == "local":
+            out.append([sys.executable, "-m", "experiments.run", *argv])
+            continue
+        nodes, tasks, gpus = geometry(cfg)
+        allocation = [f"--job-name=dyncomp-{cfg.model.variant}-{i}", f"--nodes={nodes}", f"--ntasks-per-node={tasks}"]
+        if gpus:
+            allocation.append(f"--gpus-per-node={tasks}")
+        out.append(["sbatch", *allocation, *sbatch_options, str(template), *argv])
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> List[List[str]]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    common: List[str] = []
+    if "--" in argv:
+        split = argv.index("--")
+        argv, common = argv[:split], argv[split + 1:]
+    parser = argparse.ArgumentParser(prog="python -m experiments.sweep", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("grid_file", nargs="?", default=None, help="YAML grid (see below)")
+    parser.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2", help="a grid axis, repeatable")
+    parser.add_argument("--launcher", choices=LAUNCHERS, default="slurm")
+    parser.add_argument("--dry_run", action="store_true", help="print one command per configuration, launch nothing")
+    parser.add_argument("--sbatch", default=str(SBATCH_TEMPLATE), help="SLURM batch template")
+    parser.add_argument("--sbatch_args", default="", help="extra sbatch options for every job, one string")
+    args = parser.parse_args(argv)
+    grid, file_common, sbatch = load_grid(args.grid_file, args.grid)
+    configurations = [[*file_common, *common, *config] for config in grid]
+    parsed = validate(configurations)
+    jobs = commands(configurations, parsed, args.launcher, [*sbatch, *shlex.split(args.sbatch_args)],
+                    pathlib.Path(args.sbatch))
+    if args.dry_run:
+        for job in jobs:
+            print(shlex.join(job))
+        return jobs
+    failed = []
+    for job in jobs:
+        print(shlex.join(job), file=sys.stderr, flush=True)
+        if subprocess.run(job, cwd=REPO).returncode != 0:
+            failed.append(shlex.join(job))
+    if failed:
+        print(f"{len(failed)} of {len(jobs)} jobs failed:\n" + "\n".join(failed), file=sys.stderr)
+        sys.exit(1)
+    return jobs
+
+
+if __name__ == "__main__":
+    from datamodules.corpora import DataError
+
+    try:
+        main()
+    except (ConfigError, DataError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

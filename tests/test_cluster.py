@@ -1,0 +1,275 @@
+"""Cluster launching: the SLURM template and torchrun recipe, Lightning's SLURM environment as
+``experiments.run`` builds it, preemption (SIGTERM / SIGUSR1 -> last.ckpt -> resume), and the sweep."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import lightning as L
+import pytest
+import torch
+
+from architectures.config import ConfigError
+from callbacks.preemption import PreemptionCheckpoint
+from experiments import sweep
+from tests.conftest import REPO, TINY_RUN
+
+SBATCH = REPO / "experiments" / "slurm" / "train.sbatch"
+TORCHRUN = REPO / "experiments" / "slurm" / "torchrun.sh"
+
+
+def fake_command(tmp_path: pathlib.Path, name: str) -> pathlib.Path:
+    """A stand-in for srun / torchrun on PATH that writes its arguments, one per line."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    script = bin_dir / name
+    script.write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > "{tmp_path}/{name}.args"\n')
+    script.chmod(0o755)
+    return bin_dir
+
+
+def clean_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RUN_ID", "NNODES", "NODE_RANK"))}
+    env.update(extra)
+    return env
+
+
+# ---------------------------------------------------------------------------- templates
+@pytest.mark.parametrize("script", [SBATCH, TORCHRUN], ids=["sbatch", "torchrun"])
+def test_scripts_are_valid_bash(script):
+    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_sbatch_template_requests_requeue_signal_and_runs_srun():
+    directives = [line for line in SBATCH.read_text().splitlines() if line.startswith("#SBATCH")]
+    assert "#SBATCH --signal=SIGUSR1@90" in directives
+    assert "#SBATCH --requeue" in directives
+    assert any(line.startswith("#SBATCH --nodes=") for line in directives)
+    assert any(line.startswith("#SBATCH --ntasks-per-node=") for line in directives)
+    assert "srun --kill-on-bad-exit=1 python -m experiments.run" in SBATCH.read_text()
+
+
+def test_sbatch_template_matches_trainer_to_allocation_and_resumes_newest_checkpoint(tmp_path):
+    bin_dir = fake_command(tmp_path, "srun")
+    log_dir = tmp_path / "logs"
+    env = clean_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="2",
+                    SLURM_NTASKS_PER_NODE="4(x2)", SLURM_SUBMIT_DIR=str(REPO))
+    run = lambda: subprocess.run(["bash", str(SBATCH), "--variant", "mod", "--log_dir", str(log_dir)],  # noqa: E731
+                                 env=env, capture_output=True, text=True)
+    result = run()
+    assert result.returncode == 0, result.stderr
+    args = (tmp_path / "srun.args").read_text().splitlines()
+    assert args[:3] == ["--kill-on-bad-exit=1", "python", "-m"] and args[3] == "experiments.run"
+    joined = " ".join(args)
+    assert "--trainer.num_nodes 2 --trainer.devices 4 --variant mod" in joined
+    assert joined.endswith("--version slurm-4242")  # fresh job: nothing to resume
+    # requeued: Lightning's hpc checkpoint (SIGUSR1) and our newer last.ckpt (the SIGTERM that followed)
+    run_dir = log_dir / "mod-tiny" / "slurm-4242"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "hpc_ckpt_1.ckpt").write_bytes(b"")
+    time.sleep(0.05)
+    (run_dir / "checkpoints" / "last.ckpt").write_bytes(b"")
+    assert run().returncode == 0
+    args = (tmp_path / "srun.args").read_text().splitlines()
+    assert args[-4:] == ["--version", "slurm-4242", "--ckpt_path", str(run_dir / "checkpoints" / "last.ckpt")]
+    time.sleep(0.05)
+    (run_dir / "hpc_ckpt_2.ckpt").write_bytes(b"")  # newer than last.ckpt: that one wins
+    assert run().returncode == 0
+    assert (tmp_path / "srun.args").read_text().splitlines()[-1] == str(run_dir / "hpc_ckpt_2.ckpt")
+
+
+@pytest.mark.parametrize("option", [["--trainer.devices", "2"], ["--trainer.num_nodes=1"]])
+def test_sbatch_template_refuses_a_trainer_that_contradicts_the_allocation(tmp_path, option):
+    bin_dir = fake_command(tmp_path, "srun")
+    env = clean_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="7", SLURM_JOB_NUM_NODES="2",
+                    SLURM_NTASKS_PER_NODE="4", SLURM_SUBMIT_DIR=str(REPO))
+    result = subprocess.run(["bash", str(SBATCH), "--variant", "mod", *option], env=env, capture_output=True, text=True)
+    assert result.returncode == 2 and "does not match the allocation" in result.stderr
+    assert not (tmp_path / "srun.args").exists()  # nothing was started
+
+
+def test_torchrun_recipe_passes_geometry_and_needs_a_shared_run_id_across_nodes(tmp_path):
+    bin_dir = fake_command(tmp_path, "torchrun")
+    base = clean_env(PATH=f"{bin_dir}:{os.environ['PATH']}", NPROC_PER_NODE="3")
+    missing = subprocess.run(["bash", str(TORCHRUN), "--variant", "mod"], env={**base, "NNODES": "2"},
+                             capture_output=True, text=True)
+    assert missing.returncode == 2 and "RUN_ID" in missing.stderr
+    ok = subprocess.run(["bash", str(TORCHRUN), "--variant", "mod"],
+                        env={**base, "NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "node0", "RUN_ID": "r1"},
+                        capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    joined = " ".join((tmp_path / "torchrun.args").read_text().splitlines())
+    assert "--nnodes 2 --nproc_per_node 3 --node_rank 1 --master_addr node0" in joined
+    assert "-m experiments.run --trainer.num_nodes 2 --trainer.devices 3 --variant mod --version r1" in joined
+
+
+# ---------------------------------------------------------------------------- Lightning under SLURM
+SLURM_ENV = {"SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "4", "SLURM_PROCID": "6", "SLURM_LOCALID": "2",
+             "SLURM_NODEID": "1", "SLURM_JOB_ID": "4242", "SLURM_NODELIST": "node[01-02]", "SLURM_JOB_NAME": "dyncomp"}
+
+
+def test_lightning_selects_slurm_environment_with_the_tasks_ranks(tmp_path, monkeypatch):
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    from callbacks.run_summary import StepRecorder
+    from experiments.run import build_parser, expand_aliases, make_trainer, run_version
+
+    for key in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "GROUP_RANK", "DYNCOMP_RUN_VERSION"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in SLURM_ENV.items():
+        monkeypatch.setenv(key, value)
+    argv = ["--log_dir", str(tmp_path), *TINY_RUN, "--trainer.accelerator", "cpu", "--trainer.devices", "4",
+            "--trainer.num_nodes", "2", "--trainer.strategy", "ddp"]
+    cfg = build_parser().parse_args(expand_aliases(argv))
+    root = tmp_path / "vanilla-tiny"
+    version = run_version(cfg, root)
+    assert version == "slurm-4242"  # every task, and the requeued job, use the same run folder
+    trainer, _ = make_trainer(cfg, root, version, extra_callbacks=[StepRecorder()])
+    environment = trainer.strategy.cluster_environment
+    assert isinstance(environment, SLURMEnvironment) and environment.auto_requeue
+    assert (trainer.global_rank, trainer.local_rank, trainer.node_rank, trainer.world_size) == (6, 2, 1, 8)
+    assert trainer.num_nodes == 2 and trainer.num_devices == 4
+    assert pathlib.Path(trainer.default_root_dir) == root / version  # hpc_ckpt_N lands in the run folder
+    assert any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks)
+
+
+# ---------------------------------------------------------------------------- preemption
+def _ckpt_step(path: pathlib.Path) -> int:
+    return int(torch.load(path, map_location="cpu", weights_only=False)["global_step"])
+
+
+@pytest.mark.slow
+def test_sigterm_saves_last_checkpoint_and_the_same_command_resumes_to_max_steps(tmp_path):
+    command = [sys.executable, "-m", "experiments.run", "--max_steps", "60", "--val_every", "5",
+               "--log_dir", str(tmp_path), *TINY_RUN]
+    env = clean_env(OMP_NUM_THREADS="1")
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    last = tmp_path / "vanilla-tiny" / "version_0" / "checkpoints" / "last.ckpt"
+    deadline = time.time() + 240
+    while not last.is_file():  # the first periodic checkpoint (step 5): training is under way
+        assert process.poll() is None and time.time() < deadline, process.communicate()
+        time.sleep(0.2)
+    periodic = _ckpt_step(last)
+    signalled = time.time()
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert "preemption: saved" in stderr, stderr
+    step = _ckpt_step(last)
+    assert last.stat().st_mtime >= signalled and periodic <= step < 60
+    assert not (last.parent.parent / "summary.json").exists()  # the interrupted run did not finish
+    resumed = subprocess.run([*command, "--ckpt_path", "last"], cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    summary = json.loads((pathlib.Path(resumed.stdout.strip().splitlines()[-1]) / "summary.json").read_text())
+    assert summary["steps"] == 60
+    assert summary["train_loss_curve"][0][0] == step + 1  # continued from the saved step, not from scratch
+    assert summary["tokens_seen"] == 60 * 4 * 64
+
+
+def test_preemption_callback_leaves_sigusr1_to_lightning_when_it_handles_it():
+    lightning_handler = lambda signum, frame: None  # noqa: E731  (what SLURM auto-requeue installs)
+    previous = signal.signal(signal.SIGUSR1, lightning_handler)
+    try:
+        callback = PreemptionCheckpoint("unused")
+        callback.on_train_start(None, None)
+        assert signal.getsignal(signal.SIGUSR1) is lightning_handler
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)  # outside SLURM nobody handles it: the callback does
+        callback.on_train_start(None, None)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert callback.requested == signal.SIGUSR1
+        callback.teardown(None, None, "fit")
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL and callback.requested is None
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+class SignalAtStep(L.Callback):
+    def __init__(self, step: int, signum: int):
+        self.step, self.signum = step, signum
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), self.signum)
+
+
+def test_sigusr1_outside_slurm_saves_last_checkpoint_and_resume_reaches_max_steps(tmp_path, monkeypatch):
+    import experiments.run as run
+
+    for key in SLURM_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(run, "extra_run_callbacks", lambda cfg: [SignalAtStep(3, signal.SIGUSR1)])
+    argv = ["--max_steps", "8", "--val_every", "100", "--log_dir", str(tmp_path), *TINY_RUN]
+    before = signal.getsignal(signal.SIGUSR1)
+    with pytest.raises(SystemExit):
+        run.main(argv)
+    assert signal.getsignal(signal.SIGUSR1) == before  # the handler is restored after the run
+    last = tmp_path / "vanilla-tiny" / "version_0" / "checkpoints" / "last.ckpt"
+    assert _ckpt_step(last) in (3, 4)  # the signal lands during step 3's end; the run stops after that step
+    monkeypatch.setattr(run, "extra_run_callbacks", lambda cfg: [])
+    summary = json.loads((run.main([*argv, "--ckpt_path", "last"]) / "summary.json").read_text())
+    assert summary["steps"] == 8 and summary["train_loss_curve"][0][0] == _ckpt_step(last) + 1
+
+
+# ---------------------------------------------------------------------------- sweep
+def _no_jobs(monkeypatch):
+    launched = []
+    monkeypatch.setattr(sweep.subprocess, "run", lambda *a, **k: launched.append(a) or subprocess.CompletedProcess(a, 0))
+    return launched
+
+
+@pytest.mark.parametrize("argv,pattern", [
+    ([], "grid is empty"),
+    (["--grid", "variant="], "has no values"),
+    (["--grid", "variant=vanilla,nope"], "valid variants: .*vanilla"),
+    (["--grid", "model.mod.capacity=0.5,1.5", "--grid", "variant=mod"], "model.mod.capacity"),
+])
+def test_bad_grids_fail_before_any_job(monkeypatch, argv, pattern):
+    launched = _no_jobs(monkeypatch)
+    with pytest.raises(ConfigError, match=pattern):
+        sweep.main(argv)
+    assert launched == []
+
+
+def test_empty_grid_file_fails_before_any_job(tmp_path, monkeypatch):
+    launched = _no_jobs(monkeypatch)
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("options: [--size, tiny]\ngrid: {}\n")
+    with pytest.raises(ConfigError, match="empty"):
+        sweep.main([str(grid)])
+    assert launched == []
+
+
+def test_dry_run_prints_one_sbatch_command_per_configuration(tmp_path, monkeypatch, capsys):
+    launched = _no_jobs(monkeypatch)
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("options: [--max_steps, 50]\nsbatch: [--time=01:00:00]\n"
+                    "grid:\n  - {variant: [vanilla, mod], seed: [1, 2]}\n  - {variant: mom, model.mom.top_k: [1, 2]}\n")
+    jobs = sweep.main([str(grid), "--dry_run", "--", "--trainer.num_nodes", "2", "--trainer.devices", "4"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert launched == [] and len(lines) == len(jobs) == 6
+    for line in lines:
+        words = shlex.split(line)
+        assert words[0] == "sbatch" and "--nodes=2" in words and "--ntasks-per-node=4" in words
+        assert "--gpus-per-node=4" in words and "--time=01:00:00" in words
+        template = words.index(str(sweep.SBATCH_TEMPLATE))
+        run_options = words[template + 1:]
+        assert run_options[:2] == ["--max_steps", "50"]
+        sweep.validate([run_options])  # each printed command is a valid experiments.run command line
+    assert sorted(" ".join(shlex.split(l)[-4:]) for l in lines[:4]) == [
+        "--variant mod --seed 1", "--variant mod --seed 2", "--variant vanilla --seed 1", "--variant vanilla --seed 2"]
+    assert [shlex.split(l)[-1] for l in lines[4:]] == ["1", "2"]
+
+
+def test_dry_run_local_launcher_prints_run_commands(capsys, monkeypatch):
+    _no_jobs(monkeypatch)
+    sweep.main(["--grid", "variant=vanilla,mod", "--launcher", "local", "--dry_run", "--", "--trainer.accelerator", "cpu"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [shlex.split(l)[1:3] for l in lines] == [["-m", "experiments.run"]] * 2
+    assert [shlex.split(l)[-1] for l in lines] == ["vanilla", "mod"]

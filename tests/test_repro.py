@@ -1,0 +1,250 @@
+"""The reproduction experiments (``python -m experiments.repro``): their building blocks, and every
+experiment end to end at a minimal grid with a tiny model."""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+import torch
+
+from architectures import ModelConfig, build_model
+from architectures.config import ConfigError
+from experiments.repro import main as repro
+from experiments.repro.head_to_head import bench_options
+from experiments.repro.isoflop import isoflop_configs, model_cost
+from experiments.repro.mom import pareto_front, removed_modules, transition_shares
+from tests.conftest import TINY_RUN
+
+STEPS = ["--steps", "3"]
+
+
+def results(out: pathlib.Path) -> dict:
+    assert (out / "results.md").is_file()
+    return json.loads((out / "results.json").read_text())
+
+
+# ---------------------------------------------------------------------------- isoFLOP sizing
+@pytest.mark.parametrize("budget", [3e10, 2e11, 1.7e12])
+def test_isoflop_configs_spend_the_budget_within_5_percent(budget):
+    base = ModelConfig(size="tiny", vocab_size=4096, block_size=64)
+    base.mod.capacity = 0.25
+    configs = isoflop_configs(budget, base, tokens_per_step=512, variants=("vanilla", "mod"), widths=(32, 48, 64, 96))
+    assert {c.variant for c in configs} == {"vanilla", "mod"}
+    for c in configs:
+        assert c.steps >= 20
+        assert abs(c.steps * c.tokens_per_step * c.flops_per_token / budget - 1) <= 0.05
+        # the planned FLOPs are the model's own training figure, capacity included
+        real = build_model(ModelConfig(variant=c.variant, size="tiny", vocab_size=4096, block_size=64, d_model=c.d_model,
+                                       n_layer=c.n_layer, n_head=c.n_head, mod=base.mod))
+        assert c.flops_per_token == pytest.approx(real.flops_per_token(None, 64).training)
+        assert c.parameters == real.num_parameters()
+    vanilla = {c.d_model: c for c in configs if c.variant == "vanilla"}
+    mod = {c.d_model: c for c in configs if c.variant == "mod"}
+    for width in set(vanilla) & set(mod):  # MoD spends fewer FLOPs per token, so it gets more steps
+        assert mod[width].flops_per_token < vanilla[width].flops_per_token and mod[width].steps > vanilla[width].steps
+
+
+def test_isoflop_budget_too_small_or_invalid_is_an_error():
+    base = ModelConfig(size="tiny", vocab_size=4096, block_size=64)
+    _, smallest = model_cost(base.resolve(), "vanilla", 32, 4, 4)
+    with pytest.raises(ConfigError, match="too small for the smallest vanilla model"):
+        isoflop_configs(19 * 512 * smallest, base, 512, widths=(32, 64))
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ConfigError, match="budget"):
+            isoflop_configs(bad, base, 512, widths=(32,))
+    with pytest.raises(ConfigError, match="n_head"):
+        isoflop_configs(1e12, base, 512, widths=(30,))
+
+
+# ---------------------------------------------------------------------------- MoM module removal hook
+def tiny_mom(**mom) -> torch.nn.Module:
+    config = ModelConfig(variant="mom", size="tiny", vocab_size=64, d_model=32, n_layer=4, n_head=2, block_size=16)
+    for key, value in {"top_k": 2, "steps": 3, "router_hidden": 16, **mom}.items():
+        setattr(config.mom, key, value)
+    torch.manual_seed(0)
+    return build_model(config).eval()
+
+
+def test_removed_modules_are_never_selected_and_the_hooks_go_away():
+    model = tiny_mom()
+    idx = torch.randint(0, 64, (4, 16))
+    with torch.no_grad():
+        before = model(idx)
+        with removed_modules(model, attn=[0, 2], ffn=[1]):
+            during = model(idx)
+        after = model(idx)
+    for site in during.trace:
+        names = site.choice_names
+        removed = {"attn0", "attn2"} if ".attn." in site.name else {"ffn1"}
+        chosen = {names[i] for i in site.selected.unique().tolist()}
+        assert not chosen & removed, site.name
+        assert torch.allclose(site.weights.sum(-1), torch.ones(()))  # renormalised over what is left
+    used = {before.trace[0].choice_names[i] for i in before.trace[0].selected.unique().tolist()}
+    assert used & {"attn0", "attn2"}  # the removal did change the routes
+    assert not torch.allclose(during.logits, before.logits)
+    assert torch.equal(after.logits, before.logits)  # hooks removed on exit
+
+
+def test_removing_too_many_or_from_fixed_routing_is_refused():
+    with pytest.raises(ConfigError, match="fewer than K=2"):
+        with removed_modules(tiny_mom(), attn=[0, 1, 2, 3]):
+            pass
+    with pytest.raises(ConfigError, match="out of range"):
+        with removed_modules(tiny_mom(), ffn=[7]):
+            pass
+    with pytest.raises(ConfigError, match="learned routing"):
+        with removed_modules(tiny_mom(routing="moe", top_k=1), attn=[1]):
+            pass
+
+
+def test_transition_shares_and_pareto_front():
+    choices = ["m0", "m1", "m2", "skip"]
+    counts = torch.tensor([[1.0, 4, 0, 0], [0, 2, 3, 0], [0, 0, 0, 1], [0, 1, 0, 0]])
+    shares = transition_shares(counts, choices)
+    assert shares == pytest.approx({"sequential": 7 / 12, "repeat": 3 / 12, "with_skip": 2 / 12, "other": 0.0})
+    front = pareto_front({"a": (1.0, 5.0), "b": (2.0, 4.0), "c": (2.5, 4.5), "d": (3.0, 3.0)})
+    assert front == ["a", "b", "d"]
+
+
+def test_bench_options_keep_only_model_overrides():
+    assert bench_options(["--model.d_model", "32", "--data.batch_size", "4", "--model.mom.top_k=2",
+                          "--model.variant", "mod"]) == ["--set", "d_model=32", "--set", "mom.top_k=2"]
+
+
+# ---------------------------------------------------------------------------- experiments end to end
+def test_unknown_variant_or_empty_grid_fails_before_any_run(tmp_path):
+    with pytest.raises(ConfigError, match="valid variants"):
+        repro(["head_to_head", "--out", str(tmp_path), "--variants", "vanilla,nope", *STEPS, "--", *TINY_RUN])
+    with pytest.raises(ConfigError, match="empty"):
+        repro(["mom_kh", "--out", str(tmp_path), "--ks", ",", *STEPS, "--", *TINY_RUN])
+    with pytest.raises(ConfigError, match="too small"):
+        repro(["mod_isoflop", "--out", str(tmp_path), "--budgets", "1e6", "--widths", "32", *STEPS, "--", *TINY_RUN])
+    assert not (tmp_path / "runs").exists()
+
+
+def test_mom_kh_sweep_end_to_end_and_reuse(tmp_path):
+    out = tmp_path / "kh"
+    first = repro(["mom_kh", "--out", str(out), "--ks", "1", "--hs", "1,2", *STEPS, "--", *TINY_RUN])
+    assert [(r["K"], r["H"]) for r in first["runs"]] == [(1, 1), (1, 2)]
+    for r in first["runs"]:
+        summary = json.loads((pathlib.Path(r["run_dir"]) / "summary.json").read_text())
+        assert summary["steps"] == 3 and summary["variant"] == "mom"
+        assert any(p.name.startswith("events.out.tfevents") for p in pathlib.Path(r["run_dir"]).iterdir())
+    # more assembly steps, more FLOPs
+    assert first["runs"][1]["flops_per_token"] > first["runs"][0]["flops_per_token"]
+    assert (out / "mom_kh.png").is_file() and any((out / "tensorboard").iterdir())
+    table = (out / "results.md").read_text()
+    assert "| K \\ H | 1 | 2 |" in table
+    again = repro(["mom_kh", "--out", str(out), "--ks", "1", "--hs", "1,2", *STEPS, "--", *TINY_RUN])
+    assert [r["run_dir"] for r in again["runs"]] == [r["run_dir"] for r in first["runs"]]  # reused, not retrained
+
+
+@pytest.fixture(scope="module")
+def trained_mom(tmp_path_factory):
+    """One tiny MoM (pool 2 + SKIP, K=1, H=3) trained by the removal experiment, shared with the transitions test."""
+    out = tmp_path_factory.mktemp("removal")
+    result = repro(["mom_removal", "--out", str(out), "--sequences", "8", *STEPS, "--", *TINY_RUN,
+                    "--model.mom.steps", "3"])
+    return out, result
+
+
+def test_mom_removal_heatmap_end_to_end(trained_mom):
+    out, result = trained_mom
+    assert results(out)["n_attn"] == 2 and (out / "mom_removal.png").is_file()
+    grid = {(g["attn_kept"], g["ffn_kept"]): g["val_loss"] for g in result["grid"]}
+    assert set(grid) == {(a, f) for a in (1, 2) for f in (1, 2)}
+    assert grid[(2, 2)] == pytest.approx(result["intact"])
+    assert all(loss is not None and 0 < loss < 10 for loss in grid.values())
+
+
+def test_mom_transitions_end_to_end(trained_mom, tmp_path):
+    removal_out, removal_result = trained_mom
+    result = repro(["mom_transitions", "--out", str(tmp_path), "--run", removal_result["run_dir"], "--sequences", "8"])
+    assert set(result["groups"]) == {"mom.chunk0.attn", "mom.chunk0.ffn"}
+    for group in result["groups"].values():
+        matrix = torch.tensor(group["matrix"])
+        visited = torch.tensor(group["counts"]).sum(1) > 0
+        assert torch.allclose(matrix[visited].sum(1), torch.ones(int(visited.sum()), dtype=matrix.dtype))
+        assert sum(group["shares"].values()) == pytest.approx(1.0)
+    assert (tmp_path / "mom_transitions.png").is_file() and not (tmp_path / "runs").exists()  # nothing trained
+
+
+def test_mod_isoflop_runs_spend_the_budget(tmp_path):
+    result = repro(["mod_isoflop", "--out", str(tmp_path), "--budgets", "1.2e10", "--widths", "32", *STEPS, "--",
+                    *TINY_RUN])
+    assert {r["variant"] for r in result["runs"]} == {"vanilla", "mod"}
+    for r in result["runs"]:
+        assert abs(r["measured_deviation"]) <= 0.05  # the run's own FLOPs x tokens seen
+        summary = json.loads((pathlib.Path(r["run_dir"]) / "summary.json").read_text())
+        assert summary["steps"] == r["steps"]
+    assert (tmp_path / "mod_isoflop.png").is_file()
+
+
+@pytest.mark.slow
+def test_mom_two_phase_end_to_end(tmp_path):
+    result = repro(["mom_two_phase", "--out", str(tmp_path), "--steps", "4", "--", *TINY_RUN])
+    assert result["phase1_steps"] == 2 and result["phase2_steps"] == 2
+    phase1 = json.loads((pathlib.Path(result["phase1"]) / "summary.json").read_text())
+    assert phase1["variant"] == "vanilla" and phase1["steps"] == 2
+    scratch = json.loads((pathlib.Path(result["from_scratch"]) / "summary.json").read_text())
+    assert scratch["variant"] == "mom" and scratch["steps"] == 4
+    for arm in ("two-phase", "from scratch"):
+        assert -1.0 <= result["measures"][arm]["ffn"] <= 1.0
+    assert (tmp_path / "mom_two_phase.png").is_file()
+
+
+@pytest.mark.slow
+def test_contribution_end_to_end_with_ood_text(tmp_path):
+    ood = tmp_path / "ood.txt"
+    ood.write_text("The quick brown fox jumps over the lazy dog. " * 200)
+    result = repro(["contribution", "--out", str(tmp_path / "out"), "--wide_ratio", "8", "--ratios", "0.5",
+                    "--methods", "logit_lens,mi", "--sequences", "8", "--ood", f"fox={ood}", "--ood_tokens", "600",
+                    *STEPS, "--", *TINY_RUN])
+    names = [r["name"] for r in result["runs"]]
+    assert names == ["vanilla", "ffn_wider", "caa r=0.5"]
+    for r in result["runs"]:
+        assert 0 < r["ood"]["fox"] < 10
+        if r["mha_mi"] is not None:
+            assert r["mha_mi"] + r["ffn_mi"] == pytest.approx(1.0)
+    assert result["runs"][1]["parameters"] > result["runs"][0]["parameters"]  # 8d FFN vs 4d
+    assert "OOD loss fox" in (tmp_path / "out" / "results.md").read_text()
+
+
+@pytest.mark.slow
+def test_head_to_head_end_to_end(tmp_path):
+    result = repro(["head_to_head", "--out", str(tmp_path), "--variants", "mod,moe", "--bench_steps", "1", *STEPS,
+                    "--", *TINY_RUN])
+    assert [r["variant"] for r in result["runs"]] == ["vanilla", "mod", "moe"]
+    vanilla = result["runs"][0]
+    assert vanilla["flops_ratio"] == 1.0 and vanilla["step_time_ratio"] == 1.0
+    for r in result["runs"]:
+        assert r["val_loss"] > 0 and r["memory_mb"] > 0 and r["bench_step_s"] > 0
+    assert (tmp_path / "head_to_head.png").is_file()
+
+
+@pytest.mark.slow
+def test_contribution_reports_slimpajama_subset_losses(tmp_path):
+    """With SlimPajama-layout data the runs validate per subset and the table shows those losses.
+
+    The set names below are attached to generated text only to exercise the plumbing."""
+    import random
+
+    rng = random.Random(0)
+    words = "the of and to in is was for on that with as by at from his her which or be are an".split()
+    sets = ["RedPajamaCommonCrawl", "RedPajamaC4", "RedPajamaGithub", "RedPajamaArXiv"]
+    data = tmp_path / "sp"
+    data.mkdir()
+    for split, rows in (("train", 160), ("validation", 40)):
+        with open(data / f"{split}.jsonl", "w") as handle:
+            for i in range(rows):
+                text = " ".join(rng.choice(words) for _ in range(200))
+                handle.write(json.dumps({"text": text, "meta": {"redpajama_set_name": sets[i % 4]}}) + "\n")
+    result = repro(["contribution", "--out", str(tmp_path / "out"), "--wide_ratio", "8", "--ratios", "0.5",
+                    "--methods", "logit_lens", "--sequences", "4", *STEPS, "--", *TINY_RUN,
+                    "--data", "slimpajama", "--data.path", str(data), "--tokenizer", "bytes"])
+    for r in result["runs"]:
+        assert set(r["ood"]) == {"RedPajamaGithub", "RedPajamaArXiv"}
+        summary = json.loads((pathlib.Path(r["run_dir"]) / "summary.json").read_text())
+        assert r["ood"]["RedPajamaArXiv"] == summary["val_metrics"]["val/RedPajamaArXiv/loss"] > 0
+    assert "OOD loss RedPajamaGithub" in (tmp_path / "out" / "results.md").read_text()
