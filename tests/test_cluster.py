@@ -117,6 +117,11 @@ SLURM_ENV = {"SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "4", "SLURM_PROCID": 
 
 def test_lightning_selects_slurm_environment_with_the_tasks_ranks(tmp_path, monkeypatch):
     from lightning.fabric.plugins.environments import SLURMEnvironment
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    # A Trainer sets the process-global rank_zero_only.rank (here to 6); put it back afterwards, or every
+    # later run in this pytest process would think it is not rank 0 and write no logs or files.
+    monkeypatch.setattr(rank_zero_only, "rank", getattr(rank_zero_only, "rank", 0))
 
     from callbacks.run_summary import StepRecorder
     from experiments.run import build_parser, expand_aliases, make_trainer, run_version
@@ -211,10 +216,12 @@ def test_sigusr1_outside_slurm_saves_last_checkpoint_and_resume_reaches_max_step
         run.main(argv)
     assert signal.getsignal(signal.SIGUSR1) == before  # the handler is restored after the run
     last = tmp_path / "vanilla-tiny" / "version_0" / "checkpoints" / "last.ckpt"
-    assert _ckpt_step(last) in (3, 4)  # the signal lands during step 3's end; the run stops after that step
+    stopped_at = _ckpt_step(last)
+    assert stopped_at in (3, 4)  # the signal lands during step 3's end; the run stops after that step
     monkeypatch.setattr(run, "extra_run_callbacks", lambda cfg: [])
     summary = json.loads((run.main([*argv, "--ckpt_path", "last"]) / "summary.json").read_text())
-    assert summary["steps"] == 8 and summary["train_loss_curve"][0][0] == _ckpt_step(last) + 1
+    assert summary["steps"] == 8 and summary["train_loss_curve"][0][0] == stopped_at + 1
+    assert summary["run_dir"] == str(last.parent.parent)  # resumed in the same run folder
 
 
 # ---------------------------------------------------------------------------- sweep
