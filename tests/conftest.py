@@ -21,6 +21,23 @@ TINY_RUN = [
 
 
 @pytest.fixture
+def offline(monkeypatch):
+    """As on a machine without the Hugging Face Hub: every hub access must fail fast or use local files."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture
+def one_thread():
+    # tiny models: thread hand-offs cost more than the math, and on a shared 2-core machine much more
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
 def shared_data() -> pathlib.Path:
     if not SHARED_DATA.is_dir():
         pytest.skip("../shared/data is not present (only on the project's development machines)")

@@ -25,18 +25,7 @@ from tests.conftest import TINY_RUN
 SETS = hub.SLIMPAJAMA_TRAIN_SETS + hub.SLIMPAJAMA_OOD_SETS
 
 
-@pytest.fixture(autouse=True)
-def offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # tiny models: thread hand-offs cost more than the math, and on a shared 2-core machine much more
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("offline", "one_thread")  # fixtures in tests/conftest.py
 
 
 def _rows(split: str, n: int, offset: int = 0):

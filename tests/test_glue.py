@@ -25,18 +25,7 @@ TINY = dict(vocab_size=257, d_model=32, n_layer=2, n_head=2, block_size=48)
 N = 8
 
 
-@pytest.fixture(autouse=True)
-def offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # tiny models: thread hand-offs cost more than the math, and on a shared 2-core machine much more
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("offline", "one_thread")  # fixtures in tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -25,18 +25,7 @@ SEP = [90, 91, 92]
 EOT = 99
 
 
-@pytest.fixture(autouse=True)
-def offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # tiny models: thread hand-offs cost more than the math, and on a shared 2-core machine much more
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("offline", "one_thread")  # fixtures in tests/conftest.py
 
 
 def write_xsum(folder, train, validation):
