@@ -141,7 +141,8 @@ def _expand(paths: Sequence[str]) -> List[str]:
     return out
 
 
-def _jsonl_texts(path: pathlib.Path, key: str) -> Iterator[str]:
+def jsonl_rows(path: pathlib.Path) -> Iterator[Tuple[int, dict]]:
+    """(line number, object) for each non-blank line; a bad line is a DataError naming file and line."""
     with path.open(encoding="utf-8") as handle:
         for line_no, line in enumerate(handle, 1):
             if not line.strip():
@@ -150,10 +151,17 @@ def _jsonl_texts(path: pathlib.Path, key: str) -> Iterator[str]:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
                 raise DataError(f"{path}:{line_no}: not valid JSON ({err.msg})") from err
-            if key not in row:
-                raise DataError(f"{path}:{line_no}: missing column {key!r} (has {sorted(row)})")
-            if row[key]:
-                yield row[key]
+            if not isinstance(row, dict):
+                raise DataError(f"{path}:{line_no}: expected one JSON object per line")
+            yield line_no, row
+
+
+def _jsonl_texts(path: pathlib.Path, key: str) -> Iterator[str]:
+    for line_no, row in jsonl_rows(path):
+        if key not in row:
+            raise DataError(f"{path}:{line_no}: missing column {key!r} (has {sorted(row)})")
+        if row[key]:
+            yield row[key]
 
 
 # ---------------------------------------------------------------------------- hub reachability

@@ -19,7 +19,6 @@ texts (unless ``drop_empty``, which drops and counts them).
 from __future__ import annotations
 
 import csv
-import json
 import pathlib
 import sys
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from datamodules.corpora import DataError, hub_reachable
+from datamodules.corpora import DataError, hub_reachable, jsonl_rows
 from datamodules.tokenizer import TextTokenizer
 
 GLUE_HUB_ID = "nyu-mll/glue"
@@ -226,14 +225,7 @@ def _records(path: pathlib.Path) -> Tuple[List[dict], List[str]]:
 
         table = pq.read_table(path)
         return table.to_pylist(), table.column_names
-    records = []
-    with path.open(encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, 1):
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as err:
-                    raise DataError(f"{path}:{line_no}: not valid JSON ({err.msg})") from err
+    records = [row for _, row in jsonl_rows(path)]
     if not records:
         raise DataError(f"{path}: the file has no rows")
     return records, sorted(set().union(*(r.keys() for r in records)))

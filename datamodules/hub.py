@@ -24,7 +24,6 @@ cache, construction fails at once with a message naming the dataset and ``--data
 from __future__ import annotations
 
 import hashlib
-import json
 import pathlib
 import sys
 from dataclasses import dataclass, replace
@@ -32,7 +31,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from datamodules.corpora import Corpus, DataError, hub_reachable
+from datamodules.corpora import Corpus, DataError, hub_reachable, jsonl_rows
 
 OPENWEBTEXT_ID = "Skylion007/openwebtext"
 OPENWEBTEXT_REVISION = "refs/convert/parquet"
@@ -153,16 +152,8 @@ def check_columns(path: pathlib.Path, columns: Sequence[str]) -> None:
 
 
 def _first_json_row(path: pathlib.Path) -> Tuple[Optional[dict], int]:
-    with path.open(encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, 1):
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise DataError(f"{path}:{line_no}: not valid JSON ({err.msg})") from err
-                if not isinstance(row, dict):
-                    raise DataError(f"{path}:{line_no}: expected one JSON object per line")
-                return row, line_no
+    for line_no, row in jsonl_rows(path):
+        return row, line_no
     return None, 0
 
 

@@ -13,7 +13,6 @@ prompt is ``doc[:T - len(SEP) - max_new_tokens] + SEP``.
 """
 from __future__ import annotations
 
-import json
 import pathlib
 import sys
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from datamodules.corpora import DataError, hub_reachable
+from datamodules.corpora import DataError, hub_reachable, jsonl_rows
 from datamodules.tokenizer import TextTokenizer
 
 XSUM_HUB_ID = "EdinburghNLP/xsum"
@@ -94,18 +93,11 @@ def read_records(path: pathlib.Path) -> List[dict]:
             raise DataError(f"{path}: missing column(s) {missing} (has {table.column_names})")
         return table.select(list(COLUMNS)).to_pylist()
     records = []
-    with path.open(encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{line_no}: not valid JSON ({err.msg})") from err
-            missing = [c for c in COLUMNS if c not in row]
-            if missing:
-                raise DataError(f"{path}:{line_no}: missing column(s) {missing} (has {sorted(row)})")
-            records.append(row)
+    for line_no, row in jsonl_rows(path):
+        missing = [c for c in COLUMNS if c not in row]
+        if missing:
+            raise DataError(f"{path}:{line_no}: missing column(s) {missing} (has {sorted(row)})")
+        records.append(row)
     return records
 
 
