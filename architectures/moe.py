@@ -11,8 +11,9 @@ renormalised to sum to 1. A no-op expert ("skip") costs nothing and adds nothing
 
 Capacity: with ``dropless=False`` each real expert accepts at most
 ``ceil(capacity_factor * N * k / E)`` (token, slot) assignments, N = routed (valid) tokens. Priority is
-deterministic, GShard/Switch style: all first-choice slots before all second-choice slots, and within
-a slot earlier tokens (batch-major, then position) first. Slots over capacity are marked ``dropped``.
+by position (``capacity_keep``): all assignments at position t, over the batch rows, before any at t+1,
+so a later token never evicts an earlier one (causal) and drops spread evenly over the rows. Slots over
+capacity are marked ``dropped``.
 Capacity applies per forward call, so in KV-cache decoding (a few tokens per call) it rarely binds:
 the usual train/inference difference of capacity-limited MoE. ``dropless=True`` (the default) has none.
 
@@ -64,26 +65,34 @@ class MoEResult:
     aux_losses: Dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def capacity_keep(selected: torch.Tensor, num_experts: int, capacity: int, routed: torch.Tensor) -> torch.Tensor:
+def capacity_keep(selected: torch.Tensor, num_experts: int, capacity: int, routed: torch.Tensor,
+                  seq_len: Optional[int] = None) -> torch.Tensor:
     """(N, k) bool: which assignments fit within ``capacity`` per real expert.
 
-    Priority: slot-major (every token's 1st choice before any 2nd choice), then token order. One
-    stable argsort gives each assignment its rank inside its expert's segment. Assignments to ids
-    >= num_experts (no-op) and of unrouted tokens are never dropped (they cost nothing).
+    Priority is by position: every assignment of an earlier position (all batch rows of position t,
+    row order, each token's choices in slot order) beats any assignment of a later position. So a later
+    token can never evict an earlier token's choice (capacity-limited routing stays causal), and the
+    tokens that lose out are spread evenly over the batch rows instead of piling up in the last rows.
+    ``seq_len`` = T of the (B, T) grid the N = B*T tokens come from (batch-major); None: one row.
+    Assignments to ids >= num_experts (no-op) and of unrouted tokens are never dropped (they cost nothing).
     """
     N, k = selected.shape
-    flat = selected.t().reshape(-1)  # slot-major order
-    real = (flat < num_experts) & routed.repeat(k)
+    T = seq_len or max(N, 1)
+    order = torch.arange(N, device=selected.device).view(-1, T).t().reshape(-1)  # position-major token order
+    flat = selected.index_select(0, order).reshape(-1)
+    real = (flat < num_experts) & routed.index_select(0, order).repeat_interleave(k)
     key = torch.where(real, flat, torch.full_like(flat, num_experts))
-    order = torch.argsort(key, stable=True)
-    sorted_key = key[order]
+    by_expert = torch.argsort(key, stable=True)
+    sorted_key = key[by_expert]
     counts = torch.bincount(sorted_key, minlength=num_experts + 1)
     starts = torch.cumsum(counts, 0) - counts
     rank = torch.arange(flat.numel(), device=flat.device) - starts[sorted_key]
     keep_sorted = (rank < capacity) | (sorted_key == num_experts)
-    keep = torch.empty_like(keep_sorted)
-    keep[order] = keep_sorted
-    return keep.view(k, N).t()
+    keep_priority = torch.empty_like(keep_sorted)
+    keep_priority[by_expert] = keep_sorted
+    keep = torch.empty(N, k, dtype=torch.bool, device=selected.device)
+    keep[order] = keep_priority.view(N, k)
+    return keep
 
 
 def balance_loss(probs: torch.Tensor, selected: torch.Tensor, num_experts: int, valid: torch.Tensor) -> torch.Tensor:
@@ -157,7 +166,7 @@ class MoELayer(nn.Module):
         keep = None if valid is None else valid_flat.unsqueeze(-1).expand(N, self.top_k)
         dropped = torch.zeros(N, self.top_k, dtype=torch.bool, device=x.device)
         if not self.cfg.dropless:
-            fits = capacity_keep(sel_flat, self.num_experts, self.capacity(int(valid_flat.sum())), valid_flat)
+            fits = capacity_keep(sel_flat, self.num_experts, self.capacity(int(valid_flat.sum())), valid_flat, T)
             dropped = ~fits
             keep = fits if keep is None else keep & fits
         out = sorted_dispatch(x.reshape(N, d), sel_flat, w_flat.to(x.dtype), self.experts, keep)

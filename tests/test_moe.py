@@ -118,16 +118,46 @@ def test_router_runs_in_fp32_under_bf16_input_and_autocast():
     torch.testing.assert_close(r.site.logits[0], x[0] @ layer.router.weight.t())
 
 
-def test_capacity_priority_is_slot_major_then_token_order():
-    # 4 tokens, k=2, 2 experts, capacity 3: expert 0 gets first choices of t0,t1,t2 then t3's 2nd
+def test_capacity_priority_is_by_position_then_row_then_slot():
+    # 4 tokens of one row, k=2, 2 experts, capacity 3: t0..t2 fill both experts, t3 loses both choices
     selected = torch.tensor([[0, 1], [0, 1], [0, 1], [1, 0]])
     keep = capacity_keep(selected, 2, 3, torch.ones(4, dtype=torch.bool))
-    want = torch.tensor([[True, True], [True, True], [True, False], [True, False]])
+    want = torch.tensor([[True, True], [True, True], [True, True], [False, False]])
     assert torch.equal(keep, want)
+    # two rows of two positions (batch-major input): position 0 of both rows goes before position 1
+    selected = torch.tensor([[0], [0], [0], [0]])  # row0: t0, t1; row1: t0, t1
+    keep = capacity_keep(selected, 2, 2, torch.ones(4, dtype=torch.bool), seq_len=2)
+    assert torch.equal(keep.squeeze(-1), torch.tensor([True, False, True, False]))
     # no-op ids and unrouted tokens are never dropped and take no capacity
     selected = torch.tensor([[2], [0], [0], [0]])
     keep = capacity_keep(selected, 2, 1, torch.tensor([True, False, True, True]))
     assert torch.equal(keep.squeeze(-1), torch.tensor([True, True, True, False]))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_capacity_limited_top2_is_causal(seed):
+    """Issue 12 §3.1: slot-major priority let a later token evict an earlier token's 2nd choice."""
+    torch.manual_seed(seed)
+    model = build_model(tiny_config(num_experts=4, top_k=2, dropless=False, capacity_factor=1.0)).eval()
+    idx = torch.randint(0, 101, (2, 16))
+    changed = idx.clone()
+    changed[:, 8:] = torch.randint(0, 101, (2, 8))
+    with torch.no_grad():
+        a, b = model(idx), model(changed)
+    torch.testing.assert_close(a.logits[:, :8], b.logits[:, :8], atol=1e-5, rtol=0)
+    for sa, sb in zip(a.trace, b.trace):
+        assert torch.equal(sa.dropped[:, :8], sb.dropped[:, :8])
+
+
+def test_capacity_drops_spread_evenly_over_batch_rows():
+    """Issue 12 §3.1: batch-major priority dropped 0% of rows 0-5 and a third of row 7."""
+    torch.manual_seed(0)
+    layer = MoELayer(16, 24, MoEConfig(num_experts=4, top_k=1, dropless=False, capacity_factor=1.0))
+    with torch.no_grad():
+        layer.router.weight.mul_(20)  # a skewed router, so capacity binds
+    dropped = layer(torch.randn(8, 128, 16)).site.dropped.squeeze(-1).float().mean(dim=1)
+    assert dropped.mean() > 0.1, "the test needs a binding capacity"
+    assert dropped.max() - dropped.min() < 0.15, f"drop share per row {dropped.tolist()}"
 
 
 def test_capacity_limits_counts_and_dropped_tokens_get_no_update():
