@@ -7,7 +7,8 @@ gating does to quality and routing statistics, not an efficiency method (for tha
 * Gate: a bias-free linear map of the embedded token (token + position embedding, fp32) to L
   logits; softmax gives a distribution g over the L layers.
 * Soft mode: output h = sum_l g_l * h_l, where h_l is the residual stream after layer l.
-* Hard mode: only the top-k layers by g take part, with g renormalised over those k. The other
+* Hard mode: only the top-k layers by g take part, with g renormalised over those k (k=1: the
+  straight-through weight g / stopgrad(g), 1 forward, so the gate still learns). The other
   layers still run (later layers and attention need them), so hard mode saves nothing either.
 * ``ln_f`` and the tied head read the mixed stream h.
 
@@ -53,8 +54,10 @@ class DepthGate(LanguageModel):
         logits = fp32_linear(x0, self.gate.weight)
         probs = logits.softmax(dim=-1)
         if self.config.depth_gate.mode == "hard":
-            weights, selected = probs.topk(self.config.depth_gate.top_k, dim=-1)
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            top, selected = probs.topk(self.config.depth_gate.top_k, dim=-1)
+            # k=1: w / w.sum() is identically 1 and gives the gate no gradient; the straight-through
+            # p / stopgrad(p) is 1 forward too but passes d loss / d p through (as MoM's K=1 routers)
+            weights = top / (top.detach() if top.shape[-1] == 1 else top.sum(dim=-1, keepdim=True))
         else:
             L = probs.shape[-1]
             selected = torch.arange(L, device=probs.device).expand(*probs.shape[:-1], L)
