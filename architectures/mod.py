@@ -22,7 +22,8 @@ own cache entry per routed block (``"block{i}.row{b}"``): a token the block skip
 MoDE (``mode_staged``, ``mode_integrated``) uses the shared ``MoELayer`` (architectures/moe.py).
 Staged: the MLP of each routed block is an MoE layer, so routing happens around attention + MoE.
 Integrated: routed blocks keep dense attention and replace the MLP by an MoE layer with
-``model.mod.noop_experts`` identity experts, so skipping is a token-choice among the experts. In both,
+``model.mod.noop_experts`` identity experts, so skipping is a token-choice among the experts, within
+a budget of ``1 - model.mod.capacity`` of each row's assignments. In both,
 the remaining blocks get an MoE MLP when ``model.moe.layers`` selects them.
 """
 from __future__ import annotations
@@ -464,8 +465,11 @@ class MoDEStaged(MoD):
 class MoDEIntegrated(MoD):
     """Integrated MoDE: in routed blocks the MLP is an MoE layer whose router may pick no-op experts.
 
-    Attention stays dense; skipping is token choice, hence causal: no predictor is needed to sample,
-    and ``model.mod.capacity`` / ``sampling`` are not used. Sites with no-op experts form group "mode",
+    Attention stays dense; skipping is token choice, hence causal: no predictor is needed to sample
+    (``model.mod.sampling`` is unused). The compute budget is MoD's: at most ``1 - model.mod.capacity``
+    of each row's (token, slot) assignments may go to the no-op experts, greedily by position (tokens
+    past the budget choose among the real experts; ``moe.noop_budget_keep``), and the balance loss
+    counts only the real experts, so skipping is neither rewarded nor able to take the whole row. Sites with no-op experts form group "mode",
     the plain MoE layers (``model.moe.layers`` outside the routed blocks) group "moe", so each chain
     has one set of choices.
     """
@@ -480,7 +484,8 @@ class MoDEIntegrated(MoD):
         for i in range(config.n_layer):
             if i in routed:
                 self.moe_chain[i] = ("mode", routed.index(i))
-                blocks.append(MoEBlock(config, expert_hidden(config), noop_experts=config.mod.noop_experts))
+                blocks.append(MoEBlock(config, expert_hidden(config), noop_experts=config.mod.noop_experts,
+                                       noop_share=1.0 - config.mod.capacity))
             elif i in plain:
                 self.moe_chain[i] = ("moe", plain.index(i))
                 blocks.append(MoEBlock(config, expert_hidden(config)))
@@ -491,6 +496,8 @@ class MoDEIntegrated(MoD):
     @classmethod
     def validate_config(cls, config: ModelConfig) -> None:
         routed_block_indices(config)
+        require(isinstance(config.mod.capacity, (int, float)) and 0.0 < config.mod.capacity <= 1.0, "model.mod.capacity",
+                f"must be in (0, 1] (1 - capacity is the no-op experts' budget), got {config.mod.capacity!r}")
         require(isinstance(config.mod.noop_experts, int) and config.mod.noop_experts >= 1, "model.mod.noop_experts",
                 f"must be an integer >= 1 for mode_integrated (the no-op experts are how tokens skip), "
                 f"got {config.mod.noop_experts!r}")

@@ -98,19 +98,47 @@ def capacity_keep(selected: torch.Tensor, num_experts: int, capacity: int, route
 def balance_loss(probs: torch.Tensor, selected: torch.Tensor, num_experts: int, valid: torch.Tensor) -> torch.Tensor:
     """Switch loss E * sum_i f_i * P_i over the real experts i < num_experts (coefficient not applied).
 
-    probs (N, E_total), selected (N, k), valid (N,) bool. f_i = share of the valid tokens' k
-    assignments that chose i (before capacity dropping, as in Switch); P_i = mean router probability
-    of i over valid tokens. No-op experts take part in the softmax and in the denominators but are
-    left out of the sum: the router may send tokens to a no-op expert without paying a balance
-    penalty (MoDE: skipping is meant to be learned), while the real experts are still balanced.
-    A uniform router over E real experts and no no-op gives exactly 1.
+    probs (N, E_total), selected (N, k), valid (N,) bool. f_i = share of the valid tokens' real-expert
+    assignments that chose i (before capacity dropping, as in Switch); P_i = mean over valid tokens of
+    the router probability of i renormalised over the real experts. No-op experts (ids >= num_experts)
+    are left out of the sum AND of both denominators, so the loss is the same whatever share of tokens
+    skips: it balances the real experts without rewarding skipping (counting the no-op in the
+    denominators made it (1 - s)^2 at skip share s, minimised by skipping everything). A uniform router
+    over E real experts gives exactly 1.
     """
     n_valid = valid.sum().clamp(min=1)
-    k = selected.shape[1]
     chosen = selected[valid].reshape(-1)
-    f = torch.bincount(chosen, minlength=probs.shape[1])[:num_experts].to(probs.dtype) / (n_valid * k)
-    P = (probs * valid.unsqueeze(-1).to(probs.dtype)).sum(0)[:num_experts] / n_valid
+    counts = torch.bincount(chosen, minlength=probs.shape[1])[:num_experts].to(probs.dtype)
+    f = counts / counts.sum().clamp(min=1)
+    real = probs[:, :num_experts]
+    if probs.shape[1] > num_experts:
+        real = real / real.sum(-1, keepdim=True).clamp(min=1e-9)
+    P = (real * valid.unsqueeze(-1).to(probs.dtype)).sum(0) / n_valid
     return num_experts * (f * P).sum()
+
+
+def noop_budget_keep(wants: torch.Tensor, valid: torch.Tensor, share: float, k: int,
+                     state: Optional[torch.Tensor] = None):
+    """(B, T) bool: which tokens may take the no-op experts they chose, and the running state (B, 3).
+
+    Greedy by position within each row: token t keeps its ``wants[b, t]`` no-op assignments while the
+    row's accepted no-op assignments stay <= floor(share * k * n_t), n_t = valid tokens up to t. The
+    greedy count has the closed form A_t = W_t + min(0, min_{s<=t}(L_s - W_s)) (W: wanted so far,
+    L: the limit), so it is one cumsum and one cummin: causal, per row (independent of batch-mates and
+    right padding), and ``state`` = (W, running min, n) carries it across cached decoding calls.
+    """
+    B, T = wants.shape
+    if state is None:
+        state = wants.new_zeros(B, 3, dtype=torch.float64)
+    w = (wants * valid).to(torch.float64)
+    W = state[:, :1] + w.cumsum(1)
+    n = state[:, 2:3] + valid.to(torch.float64).cumsum(1)
+    L = torch.floor(share * k * n + 1e-9)
+    m = torch.minimum(state[:, 1:2], torch.cummin(L - W, dim=1).values)
+    A = W + m.clamp(max=0)
+    A_prev = torch.cat([state[:, :1] + state[:, 1:2].clamp(max=0), A[:, :-1]], dim=1)
+    keep = (A - A_prev) >= w
+    return keep, torch.stack([W[:, -1], m[:, -1], n[:, -1]], dim=1) if T else state
 
 
 def z_loss(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -124,7 +152,7 @@ class MoELayer(nn.Module):
     """E GPT-2 MLP experts (+ optional no-op experts) behind a token-choice top-k router."""
 
     def __init__(self, d_model: int, hidden: int, cfg: MoEConfig, bias: bool = True, dropout: float = 0.0,
-                 noop_experts: int = 0):
+                 noop_experts: int = 0, noop_share: Optional[float] = None):
         super().__init__()
         require(noop_experts >= 0, "noop_experts", f"must be >= 0, got {noop_experts}")
         validate_moe_config(cfg, noop_experts=noop_experts)
@@ -133,6 +161,8 @@ class MoELayer(nn.Module):
         self.num_experts = cfg.num_experts
         self.noop_experts = noop_experts
         self.top_k = cfg.top_k
+        # most a row's (token, slot) assignments that may go to no-op experts (MoDE's compute budget)
+        self.noop_share = noop_share if noop_experts else None
         self.router = nn.Linear(d_model, cfg.num_experts + noop_experts, bias=False)
         self.experts = nn.ModuleList([MLP(d_model, hidden, bias, dropout) for _ in range(cfg.num_experts)])
         self.choice_names = [f"expert{i}" for i in range(cfg.num_experts)] + ["skip"] * noop_experts
@@ -144,22 +174,44 @@ class MoELayer(nn.Module):
     def capacity(self, n_tokens: int) -> int:
         return max(1, math.ceil(self.cfg.capacity_factor * n_tokens * self.top_k / self.num_experts))
 
-    def route(self, x: torch.Tensor):
-        """fp32 router: (logits, probs, weights, selected), shapes (..., E_total) and (..., k)."""
+    def route(self, x: torch.Tensor, valid: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None,
+              site_name: str = "moe"):
+        """fp32 router: (logits, probs, weights, selected), shapes (..., E_total) and (..., k).
+
+        With a no-op budget (``noop_share``), tokens past their row's budget choose among the real
+        experts only (``noop_budget_keep``); the running count travels on the cache when decoding.
+        """
         logits = fp32_linear(x, self.router.weight)
         probs = logits.softmax(dim=-1)
         weights, selected = probs.topk(self.top_k, dim=-1)
+        if self.noop_share is not None and x.dim() == 3:
+            weights, selected = self._enforce_noop_budget(probs, weights, selected, valid, cache, site_name)
         if self.cfg.renormalize and self.cfg.top_k > 1:
             # never at k=1: w/w = 1 would give the router no gradient through the output (Switch
             # scales the expert output by the raw probability)
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return logits, probs, weights, selected
 
+    def _enforce_noop_budget(self, probs, weights, selected, valid, cache, site_name):
+        B, T, _ = probs.shape
+        valid = torch.ones(B, T, dtype=torch.bool, device=probs.device) if valid is None else valid.to(torch.bool)
+        wants = (selected >= self.num_experts).sum(-1)
+        budgets = None if cache is None else vars(cache).setdefault("noop_budget", {})
+        keep, state = noop_budget_keep(wants, valid, self.noop_share, self.top_k,
+                                       None if budgets is None else budgets.get(site_name))
+        if budgets is not None:
+            budgets[site_name] = state
+        real_only = probs.masked_fill(torch.arange(probs.shape[-1], device=probs.device) >= self.num_experts, -1.0)
+        real_w, real_sel = real_only.topk(self.top_k, dim=-1)
+        real_w = probs.gather(-1, real_sel)
+        over = (~keep).unsqueeze(-1)
+        return torch.where(over, real_w, weights), torch.where(over, real_sel, selected)
+
     def forward(self, x: torch.Tensor, valid: Optional[torch.Tensor] = None, site_name: str = "moe",
-                group: str = "moe", step: int = 0) -> MoEResult:
+                group: str = "moe", step: int = 0, cache: Optional[KVCache] = None) -> MoEResult:
         B, T, d = x.shape
         N = B * T
-        logits, probs, weights, selected = self.route(x)
+        logits, probs, weights, selected = self.route(x, valid, cache, site_name)
         valid_flat = (torch.ones(N, dtype=torch.bool, device=x.device) if valid is None
                       else valid.reshape(N).to(torch.bool))
         sel_flat, w_flat = selected.reshape(N, self.top_k), weights.reshape(N, self.top_k)
@@ -209,20 +261,20 @@ def active_assignments(site: RoutingSite, num_experts: int) -> float:
 class MoEBlock(nn.Module):
     """Pre-LN block whose MLP is an ``MoELayer``: x + attn(ln_1 x), then + moe(ln_2 x)."""
 
-    def __init__(self, config: ModelConfig, hidden: int, noop_experts: int = 0):
+    def __init__(self, config: ModelConfig, hidden: int, noop_experts: int = 0, noop_share: Optional[float] = None):
         super().__init__()
         d = config.d_model
         self.ln_1 = nn.LayerNorm(d, eps=config.layer_norm_eps)
         self.attn = CausalSelfAttention(d, config.n_head, config.bias, config.dropout)
         self.ln_2 = nn.LayerNorm(d, eps=config.layer_norm_eps)
-        self.moe = MoELayer(d, hidden, config.moe, config.bias, config.dropout, noop_experts)
+        self.moe = MoELayer(d, hidden, config.moe, config.bias, config.dropout, noop_experts, noop_share)
 
     def forward(self, x, valid=None, cache=None, cache_key="", residuals=None, layer=0, site_name="moe",
                 step=0):
         x = x + self.attn(self.ln_1(x), cache, cache_key)
         if residuals is not None:
             residuals.append(SubLayerState("mha", layer, x))
-        result = self.moe(self.ln_2(x), valid, site_name=site_name, group="moe", step=step)
+        result = self.moe(self.ln_2(x), valid, site_name=site_name, group="moe", step=step, cache=cache)
         x = x + result.output
         if residuals is not None:
             residuals.append(SubLayerState("ffn", layer, x))

@@ -345,6 +345,42 @@ def test_mode_integrated_uses_noop_experts_in_routed_blocks():
                        m.generate(tokens(B=2, length=5), 8, greedy=True, use_cache=False))
 
 
+def test_mode_integrated_noop_share_never_exceeds_the_budget_and_decoding_agrees():
+    """Issue 12 §3.3: nothing kept the no-op from taking every token (97.6% after 300 steps)."""
+    m = model("mode_integrated", sampling="none", capacity=0.25).eval()
+    with torch.no_grad():
+        for block in m.blocks:
+            if block.moe.noop_experts:  # every token prefers the no-op: a constant feature, a large weight on it
+                block.ln_2.bias[0] = 5.0
+                block.moe.router.weight.zero_()
+                block.moe.router.weight[block.moe.num_experts:, 0] = 10.0
+    idx = tokens(B=2, length=40)
+    out = m(idx)
+    site = next(s for s in out.trace if s.group == "mode")
+    skip_share = (site.selected >= 4).float().mean(dim=(1, 2))
+    assert torch.all(skip_share <= 0.75 + 1e-6), f"no-op share per row {skip_share.tolist()}"
+    assert torch.all(skip_share >= 0.7), "the budget should bind with a router that always prefers skipping"
+    # the running budget travels on the cache: decoding makes the same choices as the full forward
+    cache = KVCache()
+    steps = [m(idx[:, :17], cache=cache)] + [m(idx[:, t:t + 1], cache=cache) for t in range(17, 40)]
+    logits = torch.cat([o.logits for o in steps], dim=1)
+    torch.testing.assert_close(logits, out.logits, atol=1e-5, rtol=1e-5)
+
+
+def test_balance_loss_does_not_reward_skipping():
+    """Issue 12 §3.3: with the no-op in f's denominator the loss was (1 - s)^2 at skip share s."""
+    from architectures.moe import balance_loss
+
+    E, N = 4, 400
+    for skip in (0.0, 0.5, 0.9):
+        n_skip = int(skip * N)
+        selected = torch.cat([torch.full((n_skip, 1), E), torch.arange(N - n_skip).remainder(E).unsqueeze(-1)])
+        probs = torch.full((N, E + 1), (1 - skip) / E)
+        probs[:, E] = skip
+        loss = balance_loss(probs, selected, E, torch.ones(N, dtype=torch.bool))
+        torch.testing.assert_close(loss, torch.tensor(1.0), msg=f"skip share {skip}")
+
+
 # ---------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("variant,mod,field", [
     ("mod", dict(capacity=0.0), "model.mod.capacity"),

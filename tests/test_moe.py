@@ -68,13 +68,15 @@ def test_balance_loss_equals_formula_on_hand_made_routing():
     probs = torch.tensor([[0.7, 0.2, 0.1], [0.6, 0.3, 0.1], [0.2, 0.5, 0.3], [0.1, 0.1, 0.8]])
     selected = torch.tensor([[0], [0], [1], [2]])
     valid = torch.ones(4, dtype=torch.bool)
-    f = torch.tensor([2 / 4, 1 / 4])
-    P = probs[:, :2].mean(0)
+    # the no-op is out of the sum and of the denominators: f over real assignments, P renormalised over real
+    real = probs[:, :2] / probs[:, :2].sum(-1, keepdim=True)
+    f = torch.tensor([2 / 3, 1 / 3])
+    P = real.mean(0)
     assert balance_loss(probs, selected, 2, valid).item() == pytest.approx(2 * (f * P).sum().item())
     # padding is excluded from both f and P
     valid = torch.tensor([True, True, True, False])
     f = torch.tensor([2 / 3, 1 / 3])
-    P = probs[:3, :2].mean(0)
+    P = real[:3].mean(0)
     assert balance_loss(probs, selected, 2, valid).item() == pytest.approx(2 * (f * P).sum().item())
     # a perfectly uniform router scores exactly 1
     uniform = torch.full((4, 4), 0.25)
