@@ -1,8 +1,8 @@
 """Mixture-of-Depths (Raposo et al. 2024, arXiv 2404.02258) and MoDE (staged / integrated).
 
 ``mod``: in each routed block (``model.mod.routed_blocks``, default every odd block) a scalar linear
-router r = w^T x scores every token; the block takes the top k = floor(c*T) tokens of each sequence
-(expert choice), keeps them in their original order, runs attention and MLP on the gathered (B, k, d)
+router r = w^T x (fp32, autocast off) scores every token; the block takes the top k = max(1, floor(c*T))
+tokens of each sequence, T = that example's real (unpadded) length (expert choice), keeps them in their original order, runs attention and MLP on the gathered (B, k, d)
 tensor only (causal among the k; positions are already in the embeddings) and writes back
 x_i + r_i * f(X_sel)_i. Every other token is copied through bit for bit.
 
@@ -41,21 +41,26 @@ from architectures.base import LanguageModel, require
 from architectures.config import ConfigError, ModelConfig, layer_selection
 from architectures.contract import KVCache, ModelOutput, RoutingSite, SubLayerState, sum_aux
 from architectures.gpt2 import MLP, Block, CausalSelfAttention
-from architectures.moe import MoEBlock, MoELayer, expert_hidden, validate_moe_config
+from architectures.moe import MoEBlock, MoELayer, expert_hidden, fp32_linear, validate_moe_config
 
 SAMPLING_CHOICES = ("aux_loss", "predictor", "none")
 
 
 # ---------------------------------------------------------------------------- configuration
 def capacity_tokens(capacity: float, seq_len: int) -> int:
-    """k = floor(c * T): tokens each routed block processes per sequence of length ``seq_len``."""
-    k = math.floor(capacity * seq_len)
-    if k < 1:
-        raise ConfigError(
-            f"model.mod.capacity: capacity {capacity} gives k = floor({capacity} * {seq_len}) = 0 tokens for "
-            f"sequence length {seq_len}; use a capacity >= {1.0 / seq_len:.4g} or longer sequences"
-        )
-    return k
+    """k = max(1, floor(c * T)): tokens each routed block processes per sequence of ``seq_len`` real tokens.
+
+    A sequence shorter than 1/c still gets one token (as every reference implementation does); an
+    empty one gets none.
+    """
+    return min(seq_len, max(1, math.floor(capacity * seq_len)))
+
+
+def row_capacity(capacity: float, valid: Optional[torch.Tensor], B: int, T: int, device) -> torch.Tensor:
+    """(B,) k per row from each example's own real length, so right padding and batch-mates change nothing."""
+    lengths = torch.full((B,), T, device=device) if valid is None else valid.sum(dim=1)
+    k = torch.floor(capacity * lengths.double() + 1e-9).long()
+    return torch.minimum(k.clamp(min=1), lengths)
 
 
 def routed_block_indices(config: ModelConfig) -> List[int]:
@@ -70,7 +75,6 @@ def validate_mod_routing(config: ModelConfig) -> None:
     cfg = config.mod
     require(isinstance(cfg.capacity, (int, float)) and 0.0 < cfg.capacity <= 1.0, "model.mod.capacity",
             f"must be in (0, 1], got {cfg.capacity!r}")
-    capacity_tokens(cfg.capacity, config.block_size)
     routed_block_indices(config)
     require(cfg.sampling in SAMPLING_CHOICES, "model.mod.sampling",
             f"unknown causal sampling {cfg.sampling!r}; use one of {', '.join(SAMPLING_CHOICES)}")
@@ -111,6 +115,18 @@ def _scatter_rows(values: torch.Tensor, flat: torch.Tensor, n_rows: int, fill=0)
     values = values.detach()
     out = values.new_full((n_rows, *values.shape[1:]), fill)
     return out.index_copy(0, flat, values)
+
+
+def _select_tokens(site: RoutingSite, keep: torch.Tensor) -> RoutingSite:
+    """The site restricted to the gathered tokens ``keep`` (flat bool), as one row."""
+    def pick(t):
+        return None if t is None else t.reshape(keep.numel(), *t.shape[2:])[keep].unsqueeze(0)
+
+    return RoutingSite(
+        name=site.name, kind=site.kind, choice_names=site.choice_names, selected=pick(site.selected),
+        weights=pick(site.weights), group=site.group, step=site.step, probs=pick(site.probs),
+        dropped=pick(site.dropped), valid=pick(site.valid), logits=pick(site.logits), extras=site.extras,
+    )
 
 
 def expand_site(site: RoutingSite, flat: torch.Tensor, B: int, T: int) -> RoutingSite:
@@ -164,11 +180,14 @@ class RoutedBlock(nn.Module):
 
     # -------------------------------------------------------------- routing
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
-        # fp32 so that top-k ranks are not decided by bf16 ties under autocast
-        return F.linear(x.float(), self.router.weight.float()).squeeze(-1)
+        # fp32 with autocast off, so that top-k ranks are not decided by bf16 ties
+        return fp32_linear(x, self.router.weight).squeeze(-1)
 
     def predictor_logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.predictor(x.detach()).squeeze(-1).float()
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            first, act, last = self.predictor
+            h = act(F.linear(x.detach().float(), first.weight.float(), first.bias.float()))
+            return F.linear(h, last.weight.float(), last.bias.float()).squeeze(-1)
 
     def causal_decision(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """(B, T) bool from information up to each token only: sigmoid(predictor or router) > 0.5."""
@@ -184,17 +203,31 @@ class RoutedBlock(nn.Module):
         return self._forward_topk(x, logits, weight, ctx)
 
     def _forward_topk(self, x, logits, weight, ctx: _Pass) -> torch.Tensor:
+        """Each row takes its own k_b = floor(c * real length) best tokens, in position order.
+
+        Rows are gathered to a common width k_max: a row's k_b chosen tokens come first, then fillers
+        (the row's next tokens by position). Attention among the gathered tokens is causal, so the
+        chosen ones never see a filler, and fillers are not written back: an example's output does not
+        depend on its batch-mates or on right padding.
+        """
         B, T, d = x.shape
-        k = capacity_tokens(self.cfg.capacity, T)
+        k_row = row_capacity(self.cfg.capacity, ctx.valid, B, T, x.device)
+        k_max = max(1, int(k_row.max()))
         scores = logits.detach()
         if ctx.valid is not None:
-            # padding ranks below every real token, so it is taken only when real tokens run out
-            scores = scores.masked_fill(~ctx.valid, float("-inf"))
-        idx = scores.topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+            scores = scores.masked_fill(~ctx.valid, float("-inf"))  # padding is never chosen
+        rank = scores.argsort(dim=1, descending=True, stable=True).argsort(dim=1)
+        chosen_mask = rank < k_row.unsqueeze(1)
+        positions = torch.arange(T, device=x.device).expand(B, T)
+        order_key = torch.where(chosen_mask, positions, positions + T)  # chosen first, by position
+        idx = order_key.topk(k_max, dim=1, largest=False, sorted=True).indices
+        real = torch.arange(k_max, device=x.device).unsqueeze(0) < k_row.unsqueeze(1)  # (B, k_max)
         flat = (idx + torch.arange(B, device=x.device).unsqueeze(1) * T).reshape(-1)
-        valid_sel = None if ctx.valid is None else ctx.valid.reshape(-1)[flat].view(B, k)
-        chosen = self._run(x, flat, (B, k), weight, self.attn.attend, valid_sel, ctx)
-        self._record(ctx, chosen, weight, logits, self._sampling_losses(x, logits, chosen, ctx))
+        chosen = self._run(x, flat, (B, k_max), weight, self.attn.attend, real, ctx, write=real.reshape(-1))
+        pairs = float(B * k_max * k_max)
+        extras = {"attn_pairs": torch.tensor(pairs), "processed": torch.tensor(float(B * k_max))}
+        extras.update(self._sampling_losses(x, logits, chosen, ctx))
+        self._record(ctx, chosen, weight, logits, extras)
         return chosen.out
 
     def _forward_causal(self, x, logits, weight, ctx: _Pass) -> torch.Tensor:
@@ -226,19 +259,26 @@ class RoutedBlock(nn.Module):
         return chosen.out
 
     # -------------------------------------------------------------- compute on the processed tokens
-    def _run(self, x, flat, shape: Tuple[int, int], weight, attend: Callable, valid_sel, ctx: _Pass) -> "_Chosen":
-        """Gather the tokens at ``flat`` as ``shape`` = (rows, len), update them, scatter back."""
+    def _run(self, x, flat, shape: Tuple[int, int], weight, attend: Callable, valid_sel, ctx: _Pass,
+             write: Optional[torch.Tensor] = None) -> "_Chosen":
+        """Gather the tokens at ``flat`` as ``shape`` = (rows, len), update them, scatter back.
+
+        ``write`` (bool per gathered token): which results are written back; the others (fillers)
+        were computed only to give every row the same width.
+        """
         B, T, d = x.shape
         xf = x.reshape(B * T, d)
         x_sel = xf.index_select(0, flat).view(*shape, d)
         r = weight.reshape(-1).index_select(0, flat).view(*shape, 1).to(x.dtype)
         a = self.attn.resid_drop(self.attn.c_proj(attend(self.attn.c_attn(self.ln_1(x_sel)))))
-        m, moe_site = self._ffn(self.ln_2(x_sel + a), valid_sel, flat, B, T, ctx)
-        h = x_sel + r * a
-        y = h + r * m
-        out = xf.index_copy(0, flat, y.reshape(-1, d)).view(B, T, d)
+        m, moe_site = self._ffn(self.ln_2(x_sel + a), valid_sel, flat, B, T, ctx, write)
+        h = (x_sel + r * a).reshape(-1, d)
+        y = h + r.reshape(-1, 1) * m.reshape(-1, d)
+        if write is not None:
+            flat, h, y = flat[write], h[write], y[write]
+        out = xf.index_copy(0, flat, y).view(B, T, d)
         if ctx.residuals is not None:
-            ctx.residuals.append(SubLayerState("mha", self.index, xf.index_copy(0, flat, h.reshape(-1, d)).view(B, T, d)))
+            ctx.residuals.append(SubLayerState("mha", self.index, xf.index_copy(0, flat, h).view(B, T, d)))
             ctx.residuals.append(SubLayerState("ffn", self.index, out))
         mask = torch.zeros(B * T, dtype=torch.bool, device=x.device).index_fill(0, flat, True).view(B, T)
         return _Chosen(out, mask, moe_site)
@@ -261,12 +301,13 @@ class RoutedBlock(nn.Module):
             )
         return _Chosen(x, torch.zeros(B, T, dtype=torch.bool, device=x.device), moe_site)
 
-    def _ffn(self, z, valid_sel, flat, B, T, ctx: _Pass):
+    def _ffn(self, z, valid_sel, flat, B, T, ctx: _Pass, write=None):
         if not isinstance(self.mlp, MoELayer):
             return self.mlp(z), None
         res = self.mlp(z, valid=valid_sel, site_name=f"block{self.index}.moe", group="moe", step=self.moe_step)
         ctx.aux.update(res.aux_losses)
-        return res.output, expand_site(res.site, flat, B, T)
+        site = res.site if write is None else _select_tokens(res.site, write)
+        return res.output, expand_site(site, flat if write is None else flat[write], B, T)
 
     # -------------------------------------------------------------- causal predictors and the trace
     def _sampling_losses(self, x, logits, chosen: "_Chosen", ctx: _Pass) -> Dict[str, torch.Tensor]:
@@ -301,9 +342,10 @@ class RoutedBlock(nn.Module):
         if site is None:
             k = capacity_tokens(self.cfg.capacity, T)
             frac, pairs_per_token = k / T, k * k / T
-        else:
+        else:  # what ran: the chosen tokens plus any fillers that pad rows to a common width
             n_tokens = site.selected.shape[0] * site.selected.shape[1]
-            frac = float(site.selected.sum()) / n_tokens
+            processed = site.extras.get("processed")
+            frac = float(site.selected.sum() if processed is None else processed) / n_tokens
             pairs = site.extras.get("attn_pairs")
             if pairs is None:
                 pairs = site.selected.squeeze(-1).sum(dim=1).double().square().sum()

@@ -144,10 +144,10 @@ def test_padding_is_never_chosen_while_a_real_token_is_left_out():
     for s, s_free in zip(mod_sites(out), mod_sites(unmasked)):
         chosen, valid = s.selected[..., 0].bool(), mask.bool()
         assert torch.equal(s.valid, valid)
-        assert chosen[0, :5].all() and chosen[0].sum() == 8  # 5 real tokens < k: all of them, then padding
-        assert not chosen[1][~valid[1]].any() and chosen[1].sum() == 8
+        # k from each row's real length: max(1, floor(0.125 * 5)) = 1, floor(0.125 * 20) = 2, 8; no padding
+        assert not (chosen & ~valid).any() and chosen.sum(dim=1).tolist() == [1, 2, 8]
         assert s_free.selected[1, 20:].sum() == 8  # without the mask the router would take padding
-        assert s.counts().tolist() == [89 - 21, 5 + 8 + 8]  # statistics see the 89 real tokens only
+        assert s.counts().tolist() == [89 - 11, 11]  # statistics see the 89 real tokens only
     torch.testing.assert_close(out.logits[2], unmasked.logits[2])
 
 
@@ -385,7 +385,6 @@ def test_balance_loss_does_not_reward_skipping():
 @pytest.mark.parametrize("variant,mod,field", [
     ("mod", dict(capacity=0.0), "model.mod.capacity"),
     ("mod", dict(capacity=1.5), "model.mod.capacity"),
-    ("mod", dict(capacity=0.01), "model.mod.capacity"),  # k = floor(0.01 * 64) = 0
     ("mod", dict(routed_blocks=[1, 7]), "model.mod.routed_blocks"),
     ("mod", dict(routed_blocks=[]), "model.mod.routed_blocks"),
     ("mod", dict(routed_blocks="middle"), "model.mod.routed_blocks"),
@@ -400,10 +399,49 @@ def test_bad_config_names_the_field(variant, mod, field):
         tiny(variant, **mod).resolve()
 
 
-def test_too_short_sequence_for_the_capacity_names_the_field():
-    m = model(capacity=0.125)
-    with pytest.raises(ConfigError, match=r"^model\.mod\.capacity: .*sequence length 7"):
-        m(tokens(length=7))
+@pytest.mark.parametrize("variant", ["mod", "mode_staged"])
+def test_sequences_shorter_than_one_over_capacity_route_one_token(variant):
+    """Issue 12 §3.4: T < 1/capacity raised ConfigError; every reference implementation takes k >= 1."""
+    m = model(variant, capacity=0.125)
+    for length in (1, 3, 7):
+        out = m(tokens(length=length))
+        assert all(s.selected.sum(dim=(1, 2)).tolist() == [1, 1, 1] for s in mod_sites(out))
+    tiny("mod", capacity=0.01).resolve()  # k = floor(0.01 * 64) = 0 at block_size is k = 1, not an error
+
+
+@pytest.mark.parametrize("variant", ["mod", "mode_staged"])
+def test_an_example_does_not_depend_on_right_padding_or_batch_mates(variant):
+    """Issue 12 §3.4: k came from the padded batch length, so an example changed with its batch-mates."""
+    m = model(variant, capacity=0.25, sampling="none").eval()
+    idx = tokens(B=3, length=48)
+    mask = torch.ones(3, 48, dtype=torch.long)
+    mask[0, 21:] = 0
+    mask[1, 37:] = 0
+    with torch.no_grad():
+        padded = m(idx, attention_mask=mask)
+        for row, length in enumerate((21, 37, 48)):
+            alone = m(idx[row:row + 1, :length])
+            torch.testing.assert_close(padded.logits[row, :length], alone.logits[0], atol=1e-5, rtol=1e-5)
+            for s, s_alone in zip(mod_sites(padded), mod_sites(alone)):
+                assert torch.equal(s.selected[row, :length], s_alone.selected[0])
+
+
+@pytest.mark.parametrize("sampling", ["predictor", "aux_loss"])
+def test_router_and_predictor_logits_are_fp32_under_bf16_autocast(sampling):
+    """Issue 12 §3.4: F.linear(x.float(), w.float()) still ran in bf16 under autocast."""
+    m = model(capacity=0.25, sampling=sampling)
+    block = m.blocks[1]
+    x = torch.randn(2, 16, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = block.router_logits(x)
+        out = m(tokens(B=2, length=16))
+        predicted = block.predictor_logits(x) if block.predictor is not None else None
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, (x @ block.router.weight.t()).squeeze(-1), atol=1e-5, rtol=1e-5)
+    assert all(s.logits.dtype == torch.float32 for s in mod_sites(out))
+    if predicted is not None:
+        assert predicted.dtype == torch.float32
+        torch.testing.assert_close(predicted, block.predictor(x).squeeze(-1), atol=1e-5, rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------- CLI
