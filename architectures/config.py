@@ -12,12 +12,58 @@ allowed values, so a bad command line fails before any data or weights are touch
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
 
 class ConfigError(ValueError):
     """A configuration value is invalid. The message names the field and what is allowed."""
+
+
+def tracks_explicit(cls):
+    """Class decorator for a config group: remember which fields the user set explicitly.
+
+    ``explicit_fields(group)`` is the set of fields given to the constructor (by name or position) or
+    assigned afterwards; ``dataclasses.replace`` keeps the original's set and adds the fields it changes.
+    Variant presets (``registry.apply_preset``) fill only the other fields, so an explicit value wins
+    even when it equals the dataclass default (``MoMConfig(top_k=1)`` with ``mom_e`` builds K=1).
+    """
+    init = cls.__init__
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+
+    @functools.wraps(init)  # keeps the signature that jsonargparse reads
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        given = set(names[: len(args)]) | set(kwargs)
+        source = _replaced_object(cls)
+        if source is not None:  # dataclasses.replace passes every field: keep what was explicit before
+            given = set(explicit_fields(source)) | {n for n in names if getattr(self, n) != getattr(source, n)}
+        object.__setattr__(self, "_explicit", frozenset(given))
+
+    def __setattr__(self, name, value):
+        if "_explicit" in self.__dict__ and name in names:
+            object.__setattr__(self, "_explicit", self._explicit | {name})
+        object.__setattr__(self, name, value)
+
+    cls.__init__, cls.__setattr__ = __init__, __setattr__
+    return cls
+
+
+def _replaced_object(cls):
+    """The object ``dataclasses.replace`` is copying when it is the caller of ``cls.__init__``, else None."""
+    import sys
+
+    frame = sys._getframe(2)
+    if frame.f_code is dataclasses.replace.__code__:
+        obj = frame.f_locals.get("obj")
+        return obj if isinstance(obj, cls) else None
+    return None
+
+
+def explicit_fields(group) -> frozenset:
+    """Fields of a config group the user set explicitly (see ``tracks_explicit``)."""
+    return getattr(group, "_explicit", frozenset())
 
 
 # d = width, L = layers, heads, T = context (block size). See ../shared/SPEC.md §1.
@@ -31,6 +77,7 @@ SIZES: Dict[str, Dict[str, int]] = {
 GPT2_VOCAB_SIZE = 50257
 
 
+@tracks_explicit
 @dataclass
 class MoDConfig:
     """Mixture-of-Depths (Raposo et al. 2024). Used by ``mod``, ``mode_staged``, ``mode_integrated``."""
@@ -50,6 +97,7 @@ class MoDConfig:
     noop_experts: int = 1
 
 
+@tracks_explicit
 @dataclass
 class MoEConfig:
     """Token-choice Mixture-of-Experts FFN (Switch / top-k)."""
@@ -67,6 +115,7 @@ class MoEConfig:
     expert_ffn_ratio: Optional[float] = None  # None: the model's ffn_ratio
 
 
+@tracks_explicit
 @dataclass
 class MoTConfig:
     """Mixture of Transformers: whole blocks as experts, top-k gate per mixture layer."""
@@ -78,6 +127,7 @@ class MoTConfig:
     renormalize: bool = True  # gate weights renormalised over the chosen k (k > 1 only, as for MoE)
 
 
+@tracks_explicit
 @dataclass
 class DepthGateConfig:
     """Soft / hard depth gating over layer outputs (the blog-post "MoD"; saves no compute)."""
@@ -86,6 +136,7 @@ class DepthGateConfig:
     top_k: int = 2
 
 
+@tracks_explicit
 @dataclass
 class MoMConfig:
     """Mixture-of-Modules (Gong et al. 2024). Semantics and defaults: ``architectures/mom.py``.
@@ -118,6 +169,7 @@ class MoMConfig:
     straight_through: bool = True  # K=1: weight p / stopgrad(p) (= 1) so the router gets a gradient
 
 
+@tracks_explicit
 @dataclass
 class CombinationConfig:
     """FFN-Wider / Combination Adjustable (caa) / Enhanced (cea) architectures (Lu et al. 2024).

@@ -12,7 +12,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Dict
 
-from architectures.config import ConfigError, ModelConfig
+from architectures.config import ConfigError, ModelConfig, explicit_fields
 
 
 @dataclass(frozen=True)
@@ -78,10 +78,11 @@ def get_variant(name: str) -> Variant:
 def apply_preset(config: ModelConfig) -> ModelConfig:
     """Return ``config`` with the variant's preset overrides applied, once.
 
-    For a config whose ``preset`` is unset, the overrides replace the fields still at their
-    dataclass defaults (programmatic use: ``ModelConfig(variant="mom_e")``). The CLI instead puts
-    the preset into the parser's defaults (``preset_defaults``), so an explicit command-line value
-    always wins, even one equal to the dataclass default.
+    For a config whose ``preset`` is unset, the overrides fill every group field the user did not set
+    explicitly (``config.explicit_fields``: given to the group's constructor, assigned, or changed by
+    ``dataclasses.replace``), so ``ModelConfig(variant="mom_e", mom=MoMConfig(top_k=1))`` builds K=1
+    even though 1 is the dataclass default. The CLI instead puts the preset into the parser's defaults
+    (``preset_defaults``), so an explicit command-line value always wins there too.
     """
     variant = get_variant(config.variant)
     if config.preset == config.variant:
@@ -89,8 +90,8 @@ def apply_preset(config: ModelConfig) -> ModelConfig:
     config = dataclasses.replace(config, preset=config.variant)
     for group_name, values in variant.overrides.items():
         group = getattr(config, group_name)
-        defaults = type(group)()
-        changes = {k: v for k, v in values.items() if getattr(group, k) == getattr(defaults, k)}
+        explicit = explicit_fields(group)
+        changes = {k: v for k, v in values.items() if k not in explicit}
         setattr(config, group_name, dataclasses.replace(group, **changes))
     return config
 

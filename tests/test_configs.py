@@ -56,3 +56,41 @@ def test_explicit_values_beat_presets_even_when_equal_to_the_dataclass_default()
     assert resolved("--variant", "mom_e", "--model.mom.top_k", "1").mom.top_k == 1
     built = build_model(resolved("--variant", "cea", "--model.combo.outer_ratio", "0.5"))  # not re-applied
     assert built.config.combo.outer_ratio == 0.5
+
+
+def test_explicit_values_beat_presets_in_the_python_api_and_bench_set():
+    """Issue 12 §3.5: ModelConfig(variant="mom_e", mom=MoMConfig(top_k=1)) built K=3."""
+    import dataclasses
+
+    from architectures import ModelConfig
+    from architectures.config import CombinationConfig, MoMConfig
+    from experiments.bench import apply_overrides
+
+    def built(config):
+        with torch.device("meta"):
+            return build_model(config).config
+
+    assert built(ModelConfig(variant="mom_e")).mom.top_k == 3  # the preset fills what the user left alone
+    assert built(ModelConfig(variant="mom_e", mom=MoMConfig(top_k=1))).mom.top_k == 1  # == dataclass default
+    both = built(ModelConfig(variant="mom_e", mom=dataclasses.replace(MoMConfig(top_k=1), router_hidden=64)))
+    assert (both.mom.top_k, both.mom.router_hidden, both.mom.steps) == (1, 64, 1)  # replace keeps it explicit
+    assigned = ModelConfig(variant="cea")
+    assigned.combo.outer_ratio = 0.5
+    assert built(assigned).combo.outer_ratio == 0.5
+    assert built(ModelConfig(variant="cea", combo=CombinationConfig(0.5 * 64))).combo.outer_ratio == 0.125
+    bench = apply_overrides(ModelConfig(variant="mom_e"), ["mom.top_k=1"])
+    assert built(bench).mom.top_k == 1
+
+
+def test_variant_yaml_presets_carry_the_registry_overrides():
+    """A YAML variant preset may not contradict the registry's preset for the same variant."""
+    import yaml
+
+    from architectures.registry import VARIANTS
+
+    for name, variant in VARIANTS.items():
+        data = yaml.safe_load((CONFIGS / "variants" / f"{name}.yaml").read_text())["model"]
+        assert data["variant"] == name
+        for group, values in variant.overrides.items():
+            for field, value in values.items():
+                assert data.get(group, {}).get(field) == value, f"{name}.yaml: model.{group}.{field}"
