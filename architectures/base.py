@@ -44,10 +44,21 @@ class LanguageModel(nn.Module):
 
     # ------------------------------------------------------------------ building blocks
     def init_weights(self) -> None:
-        """GPT-2 init: N(0, 0.02), residual output projections scaled by 1/sqrt(2L)."""
+        """GPT-2 init: N(0, 0.02), residual output projections scaled by 1/sqrt(2L).
+
+        Recurrent router cells (MoM's ``GRUCell``) get the same N(0, 0.02) weights and zero biases, as
+        the official code initialises its routers (PyTorch's default uniform init made fresh tiny routers
+        send every token to SKIP).
+        """
         std = self.config.init_std
         for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
+            if isinstance(module, nn.RNNCellBase):
+                for pname, param in module.named_parameters(recurse=False):
+                    if pname.startswith("bias"):
+                        nn.init.zeros_(param)
+                    else:
+                        nn.init.normal_(param, mean=0.0, std=std)
+            elif isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)

@@ -1,7 +1,7 @@
 """Token-choice Mixture-of-Experts FFN (Switch / top-k) and the ``moe`` variant.
 
-``MoELayer`` is the one MoE layer of the suite: the ``moe`` variant, MoDE (``mod``), ``cea_moe`` and
-MoM's MoE special case all use it. It replaces a block's MLP: it returns the FFN *update* only (the
+``MoELayer`` is the one MoE layer of the suite: the ``moe`` variant, MoDE (``mod``) and ``cea_moe`` use
+it (MoM's ``routing: moe`` is its own GRU-routed configuration, not this layer). It replaces a block's MLP: it returns the FFN *update* only (the
 caller adds the residual), so a token that gets no expert (dropped by the capacity limit, routed to a
 no-op expert, or padding) is left unchanged by the residual.
 

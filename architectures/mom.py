@@ -27,8 +27,12 @@ below 7 layers one chunk of n_layer - 1 modules + anchor).
 
 Routing modes (``model.mom.routing``), each a configuration of the same code:
 ``learned``; ``vanilla`` (module h at step h, one slot, weight 1); ``param_share`` (module 0 at every
-step); ``moe`` (attention fixed at module h, FFN learned over the pool: MoE with shared experts);
-``layer_skip`` (the learned router may choose only module h or SKIP at step h, K=1).
+step); ``moe`` (attention fixed at module h, FFN learned over the pool); ``layer_skip`` (the learned
+router may choose only module h or SKIP at step h, K=1).
+``moe`` is an MoE-flavoured MoM configuration, NOT the ``moe`` variant: its FFN experts form one pool
+shared by every step, chosen by the GRU router at temperature ``tau`` with SKIP competing, while the
+``moe`` variant has separate experts per layer behind a linear router. No equivalence is claimed.
+Routers (GRUCell and W_o) start at N(0, 0.02) weights and zero biases, as in the official code.
 Fixed sites have no router; they still appear in the trace (one slot, weight 1).
 
 With K=1 the renormalised weight is 1 and carries no gradient; ``straight_through`` (default) uses

@@ -9,9 +9,9 @@ Phase 2 starts from phase 1's ``last.ckpt`` through ``--init_from`` (the MoM's `
 vanilla layer j -> attention module j and FFN module j, embeddings copied, routers fresh).
 
 Any other option is passed to both phases (model dimensions, data, trainer options must agree);
-``--phase1.X V`` / ``--phase2.X V`` pass ``--X V`` to one phase only. Phase 1 validates and
-checkpoints every gcd(phase1_steps, 100) steps unless ``--val_every`` is given (it must divide
-phase1_steps, so that ``last.ckpt`` holds the final vanilla model). Phase 2 warms up over
+``--phase1.X V`` / ``--phase2.X V`` pass ``--X V`` to one phase only. Phase 1 validates on the run's
+own ``--val_every`` schedule; its ``last.ckpt`` is written at the final step whatever that schedule
+is, so phase 2 always starts from the final vanilla model. Phase 2 warms up over
 min(500, M / 10) steps unless ``--phase2.optim.warmup_steps`` says otherwise (the official recipe:
 AdamW (0.9, 0.95), wd 0.1, lr 1e-3 cosine, 500 warmup steps of 5k). Single process: for DDP, run the
 two phases with ``experiments.run`` yourself. Prints phase 2's run folder last and writes
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import pathlib
 import re
 import sys
@@ -58,22 +57,6 @@ def parse(argv: Sequence[str]) -> Tuple[argparse.Namespace, List[str], List[str]
     return args, common + only["phase1"], common + only["phase2"]
 
 
-def phase1_val_every(args: argparse.Namespace, phase1_extra: List[str]) -> List[str]:
-    """Phase 1 checkpoints every ``val_every`` steps; it must divide phase1_steps so last.ckpt is the final model."""
-    given = None
-    for i, arg in enumerate(phase1_extra):
-        if arg == "--val_every" and i + 1 < len(phase1_extra):
-            given = phase1_extra[i + 1]
-        elif arg.startswith("--val_every="):
-            given = arg.split("=", 1)[1]
-    if given is None:
-        return ["--val_every", str(math.gcd(args.phase1_steps, 100))]
-    if not given.isdigit() or int(given) <= 0 or args.phase1_steps % int(given):
-        raise ConfigError(f"val_every: {given} does not divide phase1_steps={args.phase1_steps}, so phase 1's "
-                          "last checkpoint would miss its final steps; pick a divisor")
-    return []
-
-
 def check_variant(variant: str) -> None:
     from architectures.registry import get_variant, variant_names
 
@@ -96,11 +79,10 @@ def main(argv: Optional[Sequence[str]] = None) -> pathlib.Path:
 
     args, phase1_extra, phase2_extra = parse(sys.argv[1:] if argv is None else argv)
     check_variant(args.variant)
-    val_every = phase1_val_every(args, phase1_extra)
     log_dir = pathlib.Path(args.log_dir)
     version = shared_version(log_dir, args.size, args.variant)
     base = ["--size", args.size, "--log_dir", str(log_dir), "--version", version]
-    phase1 = run.main(["--variant", "vanilla", *base, "--max_steps", str(args.phase1_steps), *val_every, *phase1_extra])
+    phase1 = run.main(["--variant", "vanilla", *base, "--max_steps", str(args.phase1_steps), *phase1_extra])
     checkpoint = phase1 / "checkpoints" / "last.ckpt"
     if not checkpoint.is_file():
         raise FileNotFoundError(f"phase 1 wrote no {checkpoint}")

@@ -211,6 +211,24 @@ def test_attention_and_ffn_dispatch_equal_dense_masked_reference_values_and_grad
 
 
 # ---------------------------------------------------------------------------- GRU routers
+@pytest.mark.parametrize("seed", range(3))
+def test_routers_start_as_the_official_code_and_fresh_routers_do_not_all_skip(seed):
+    """Issue 12 §3.6: GRUCell kept PyTorch's default init; fresh tiny routers sent every attention slot to SKIP."""
+    torch.manual_seed(seed)
+    model = build_model(ModelConfig(variant="mom", size="tiny", vocab_size=V, **SLIM))
+    for chunk in model.chunks:
+        for router in (chunk.attn_router, chunk.ffn_router):
+            for name, param in router.named_parameters():
+                if "bias" in name:
+                    assert torch.equal(param, torch.zeros_like(param)), name
+                else:
+                    assert abs(float(param.std()) - 0.02) < 0.003, (name, float(param.std()))
+    out = model(tokens(B=4, T=32, seed=seed))
+    attn = [s for s in out.trace if s.group.endswith(".attn")]
+    skip_share = torch.stack([(s.selected == len(s.choice_names) - 1).float().mean() for s in attn])
+    assert float(skip_share.max()) < 0.9, f"SKIP share per attention step {skip_share.tolist()}"
+
+
 def test_gru_state_is_carried_across_steps():
     model = mom(top_k=2).eval()
     out = model(tokens(), return_residuals=True)
