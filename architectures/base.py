@@ -1,21 +1,83 @@
-"""Shared pieces of every architecture: embeddings, head, weight init, generation.
+"""Shared pieces of every architecture: the one forward, embeddings, head, weight init, generation.
 
-``LanguageModel`` owns token + learned position embeddings, the final LayerNorm and the tied
-LM head. A variant subclasses it and implements ``forward`` (returning ``ModelOutput``) and
-``flops_per_token``. ``generate`` works for every variant whose ``forward`` honours a ``KVCache``.
+``LanguageModel`` owns token + learned position embeddings, the final LayerNorm, the tied LM head
+and THE forward pass (defined once, here): embed at the cache offset, run ``body``, advance the
+cache, apply the head, return ``ModelOutput``. A ``ForwardState`` travels through the blocks and
+collects what they report (routing sites, aux losses, residual snapshots). A variant implements only
+what differs: its blocks (each ``block(x, state) -> x`` and ``block.flops(sites, T) -> Flops``), or
+``body`` when the layout itself is routed (MoM, depth gating). ``flops_per_token`` is composed from
+the blocks' figures with one sequence-length rule (``resolve_seq_len``). The declared contract for
+callers (causal routing, vanilla-weight mapping, generation readiness) is on this class too.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import List, Optional
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, Iterator, List, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from architectures.config import ConfigError, ModelConfig
-from architectures.contract import KVCache, ModelOutput, RoutingSite
+from architectures.contract import KVCache, ModelOutput, RoutingSite, SubLayerState, sum_aux
+from architectures import flops as F_
 from architectures.flops import Flops
+
+
+@dataclass
+class ForwardState:
+    """What one forward pass carries through the blocks, and what the blocks report back.
+
+    * ``cache``: the ``KVCache`` when decoding (``None`` otherwise); ``offset`` = positions before this call.
+    * ``valid``: (B, T) bool, real (non-padding) tokens of this call, or None (all real).
+    * ``causal``: route causally (generation, ``causal_routing()``, or any cached call).
+    * ``residuals``: the snapshot list when ``return_residuals`` (embed, then mha/ffn per sub-update).
+    * ``trace`` / ``aux``: routing sites and named aux losses, in the order the blocks ran.
+    * ``hidden``: set by a body whose head does not read the last stream (depth gating's mix).
+    * ``options``: variant-specific switches a model hands its blocks (e.g. MoD's test hook).
+    """
+
+    cache: Optional[KVCache]
+    valid: Optional[torch.Tensor]
+    causal: bool
+    residuals: Optional[List[SubLayerState]]
+    offset: int = 0
+    trace: List[RoutingSite] = field(default_factory=list)
+    aux: Dict[str, torch.Tensor] = field(default_factory=dict)
+    hidden: Optional[torch.Tensor] = None
+    options: Dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def standalone(cls) -> "ForwardState":
+        """For a block called on its own (tests, references): no cache, no padding, nothing recorded."""
+        return cls(cache=None, valid=None, causal=False, residuals=None)
+
+    def record(self, tag: str, layer: int, x: torch.Tensor) -> None:
+        """Snapshot the residual stream after a sub-update (no-op unless residuals were asked for)."""
+        if self.residuals is not None:
+            self.residuals.append(SubLayerState(tag, layer, x))
+
+    def report(self, site: Optional[RoutingSite], aux: Optional[Dict[str, torch.Tensor]] = None) -> None:
+        if site is not None:
+            self.trace.append(site)
+        if aux:
+            self.aux.update(aux)
+
+
+def resolve_seq_len(trace: Optional[List[RoutingSite]], seq_len: Optional[int], default: int) -> int:
+    """Keys per query for attention FLOPs, decided in one place: an explicit ``seq_len``, else the
+    trace (a cached decode step stamps its full key length as ``extras["key_len"]``; otherwise the
+    traced batch's T), else ``default`` (the block size)."""
+    if seq_len:
+        return int(seq_len)
+    for site in trace or []:
+        if "key_len" in site.extras:
+            return int(site.extras["key_len"])
+    if trace:
+        return int(trace[0].selected.shape[1])
+    return default
 
 
 class LanguageModel(nn.Module):
@@ -26,6 +88,11 @@ class LanguageModel(nn.Module):
     #: True when a training step may leave some parameters without gradient (an expert or module
     #: that no token chose); DDP then needs find_unused_parameters. Dense models set False.
     may_skip_parameters: bool = True
+    #: True when the default (training / eval) routing is not causal: a token's routing may depend on
+    #: later tokens (MoD's sequence top-k). Causal evaluation then needs ``causal_routing()``.
+    routing_sees_future: bool = False
+    #: settings for the invariant suite (tests/test_contract.py): tiny config overrides per variant live
+    #: in the registry (``Variant.test_settings``); nothing here.
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -90,18 +157,85 @@ class LanguageModel(nn.Module):
             n -= self.wte.weight.numel() + self.wpe.weight.numel()
         return n
 
-    # ------------------------------------------------------------------ contract
-    def forward(  # pragma: no cover - abstract
+    # ------------------------------------------------------------------ the one forward
+    def forward(
         self,
         idx: torch.Tensor,
         attention_mask: Optional[torch.Tensor] = None,
         return_residuals: bool = False,
         cache: Optional[KVCache] = None,
+        compute_logits: bool = True,
     ) -> ModelOutput:
-        raise NotImplementedError
+        """Right padding only: causal attention keeps real tokens from seeing pads; ``attention_mask``
+        (its last T columns, so a mask covering the cached prefix works too) tells routers which tokens
+        are real. ``compute_logits=False`` skips the head: ``logits`` is None and ``hidden`` is the
+        stream the head would read, before ``ln_f``."""
+        T = idx.shape[1]
+        offset = cache.offset if cache is not None else 0
+        x = self.embed(idx, offset)
+        valid = attention_mask[:, -T:].to(torch.bool) if attention_mask is not None else None
+        state = ForwardState(cache=cache, valid=valid, causal=self._causal or cache is not None,
+                             residuals=[] if return_residuals else None, offset=offset)
+        state.record("embed", -1, x)
+        x = self.body(x, state)
+        if cache is not None:
+            cache.offset += T
+            for site in state.trace:  # a decode step's queries see every cached key
+                site.extras.setdefault("key_len", torch.tensor(offset + T))
+        hidden = state.hidden if state.hidden is not None else x
+        return ModelOutput(
+            logits=self.head(hidden) if compute_logits else None, aux_loss=sum_aux(state.aux, x),
+            trace=state.trace, residuals=state.residuals, aux_losses=state.aux, cache=cache,
+            hidden=hidden if (state.hidden is not None or not compute_logits) else None,
+        )
 
+    def body(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
+        """The variant's layers: by default every block of ``self.blocks`` in order, ``block(x, state)``."""
+        for block in self.blocks:
+            x = block(x, state)
+        return x
+
+    # ------------------------------------------------------------------ FLOPs, composed from the blocks
     def flops_per_token(self, trace: Optional[List[RoutingSite]] = None, seq_len: Optional[int] = None) -> Flops:
-        raise NotImplementedError  # pragma: no cover - abstract
+        """Forward FLOPs per token of the traced batch (or expected, without a trace): the head plus
+        every block's ``flops(sites, T)`` plus ``extra_flops``, T from ``resolve_seq_len``."""
+        cfg = self.config
+        T = resolve_seq_len(trace, seq_len, cfg.block_size)
+        sites = {site.name: site for site in trace or []}
+        total = F_.lm_head(cfg.d_model, cfg.vocab_size) + self.extra_flops(sites, T)
+        for block in self.flop_blocks():
+            total = total + block.flops(sites, T)
+        return total
+
+    def flop_blocks(self) -> Iterable[nn.Module]:
+        return self.blocks
+
+    def extra_flops(self, sites: Dict[str, RoutingSite], T: int) -> Flops:
+        """FLOPs outside the blocks (e.g. depth gating's gate); none by default."""
+        return Flops()
+
+    # ------------------------------------------------------------------ declared contract
+    _causal: bool = False
+
+    @contextlib.contextmanager
+    def causal_routing(self) -> Iterator[None]:
+        """Inside, every routing decision is causal, as in generation (MoD uses its causal predictor).
+        A no-op for variants whose routing is causal anyway (``routing_sees_future`` False)."""
+        previous, self._causal = self._causal, True
+        try:
+            yield
+        finally:
+            self._causal = previous
+
+    def vanilla_state_mapping(self, vanilla_state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """A vanilla GPT-2 state dict (this suite's names) mapped to this variant's parameter names.
+
+        Default: identical names (every variant whose blocks keep GPT-2's names: tensors that do not
+        exist here, or whose shapes differ, are left to the caller to report). MoM overrides it with the
+        paper's layer -> module mapping.
+        """
+        own = self.state_dict()
+        return {name: value for name, value in vanilla_state.items() if name in own}
 
     # ------------------------------------------------------------------ generation
     def prepare_generation(self) -> None:
@@ -132,6 +266,10 @@ class LanguageModel(nn.Module):
                 f"{self.config.block_size}"
             )
         self.prepare_generation()
+        with self.causal_routing():
+            return self._generate(idx, max_new_tokens, temperature, top_k, greedy, eos_token_id, use_cache, generator)
+
+    def _generate(self, idx, max_new_tokens, temperature, top_k, greedy, eos_token_id, use_cache, generator):
         was_training = self.training
         self.eval()
         cache = KVCache() if (use_cache and self.supports_kv_cache) else None

@@ -48,15 +48,15 @@ scores count what the math kernel computes, ``(T-1)^2`` query-key pairs per sequ
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 from architectures import flops as F_
-from architectures.base import LanguageModel, require
+from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ModelConfig
-from architectures.contract import KVCache, ModelOutput, RoutingSite, SubLayerState, sum_aux
+from architectures.contract import KVCache, RoutingSite
 from architectures.gpt2 import MLP, CausalSelfAttention, causal_attention
 from architectures.moe import MoELayer, MoEResult, validate_moe_config
 
@@ -133,9 +133,11 @@ class CombinationBlock(nn.Module):
     With no Inner path its parameters are named exactly like ``gpt2.Block`` (weights interchange).
     """
 
-    def __init__(self, config: ModelConfig, outer: int, inner: Optional[nn.Module]):
+    def __init__(self, config: ModelConfig, outer: int, inner: Optional[nn.Module], index: int = 0,
+                 inner_width: int = 0):
         super().__init__()
         d = config.d_model
+        self.index, self.d_model, self.inner_width = index, d, inner_width
         self.ln_1 = nn.LayerNorm(d, eps=config.layer_norm_eps)
         path = InnerPath(d, inner, config.bias) if inner is not None else None
         self.attn = CombinationAttention(d, config.n_head, path, config.bias, config.dropout)
@@ -144,23 +146,34 @@ class CombinationBlock(nn.Module):
             self.ln_2 = nn.LayerNorm(d, eps=config.layer_norm_eps)
             self.mlp = MLP(d, outer, config.bias, config.dropout)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cache: Optional[KVCache],
-        layer: int,
-        residuals: Optional[List[SubLayerState]],
-        valid: Optional[torch.Tensor],
-    ) -> Tuple[torch.Tensor, Optional[MoEResult]]:
-        update, moe = self.attn(self.ln_1(x), cache, f"block{layer}", valid, f"block{layer}.{INNER_SITE}", layer)
+    def forward(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
+        # the mask only tells an Inner MoE which tokens to route and count (right padding, as vanilla)
+        layer = self.index
+        update, moe = self.attn(self.ln_1(x), state.cache, f"block{layer}", state.valid,
+                                f"block{layer}.{INNER_SITE}", layer)
+        if moe is not None:
+            state.report(moe.site, moe.aux_losses)
         x = x + update
-        if residuals is not None:
-            residuals.append(SubLayerState("mha", layer, x))
+        state.record("mha", layer, x)
         if self.outer > 0:
             x = x + self.mlp(self.ln_2(x))
-        if residuals is not None:
-            residuals.append(SubLayerState("ffn", layer, x))  # unchanged when r = 0: no Outer-FFN
-        return x, moe
+        state.record("ffn", layer, x)  # unchanged when r = 0: no Outer-FFN
+        return x
+
+    def flops(self, sites: Dict[str, RoutingSite], T: int) -> F_.Flops:
+        d = self.d_model
+        flops = F_.Flops(attn_proj=F_.attention_projections(d), attn_scores=F_.attention_scores(d, T),
+                         ffn=F_.ffn(d, self.outer) if self.outer else 0.0)
+        inner = self.attn.inner
+        if inner is None:
+            return flops
+        # (T-1) queries x (T-1) keys per sequence (the shifted causal call), averaged over T tokens.
+        path = F_.Flops(attn_proj=2 * F_.linear(d, d), attn_scores=F_.attention_scores(d, (T - 1) ** 2 / T))
+        if isinstance(inner.ffn, MoELayer):
+            path = path + inner.ffn.flops_per_token(sites.get(f"block{self.index}.{INNER_SITE}"), d)
+        else:
+            path = path + F_.Flops(ffn=F_.ffn(d, self.inner_width))
+        return flops + path
 
 
 def _whole(value: float, field: str, what: str) -> int:
@@ -179,8 +192,8 @@ class CombinationLM(LanguageModel):
         outer, inner = self.widths(config)
         self.outer_width, self.inner_width = outer, inner
         self.blocks = nn.ModuleList(
-            [CombinationBlock(config, outer, self.make_inner(config, inner) if inner > 0 else None)
-             for _ in range(config.n_layer)]
+            [CombinationBlock(config, outer, self.make_inner(config, inner) if inner > 0 else None, i, inner)
+             for i in range(config.n_layer)]
         )
         self.init_weights()
 
@@ -215,56 +228,6 @@ class CombinationLM(LanguageModel):
         for name, param in self.named_parameters():
             if ".inner.ffn." in name and name.endswith("c_proj.weight"):
                 nn.init.normal_(param, mean=0.0, std=self.config.init_std)
-
-    # ------------------------------------------------------------------ contract
-    def forward(
-        self,
-        idx: torch.Tensor,
-        attention_mask: Optional[torch.Tensor] = None,
-        return_residuals: bool = False,
-        cache: Optional[KVCache] = None,
-    ) -> ModelOutput:
-        # Right padding only (as vanilla): causal attention keeps real tokens from seeing pads; the
-        # mask only tells an Inner MoE which tokens to route and count.
-        offset = cache.offset if cache is not None else 0
-        x = self.embed(idx, offset)
-        valid = attention_mask.bool() if attention_mask is not None else None
-        residuals = [SubLayerState("embed", -1, x)] if return_residuals else None
-        trace: List[RoutingSite] = []
-        aux = {}
-        for i, block in enumerate(self.blocks):
-            x, moe = block(x, cache, i, residuals, valid)
-            if moe is not None:
-                trace.append(moe.site)
-                aux.update(moe.aux_losses)
-        if cache is not None:
-            cache.offset += idx.shape[1]
-        return ModelOutput(logits=self.head(x), aux_loss=sum_aux(aux, x), trace=trace, residuals=residuals,
-                           aux_losses=aux, cache=cache)
-
-    def flops_per_token(self, trace: Optional[List[RoutingSite]] = None, seq_len: Optional[int] = None) -> F_.Flops:
-        cfg = self.config
-        T = seq_len or cfg.block_size
-        sites = {site.name: site for site in (trace or [])}
-        total = F_.Flops()
-        for i, block in enumerate(self.blocks):
-            total = total + self.block_flops(block, T, sites.get(f"block{i}.{INNER_SITE}"))
-        return total + F_.lm_head(cfg.d_model, cfg.vocab_size)
-
-    def block_flops(self, block: CombinationBlock, T: int, site: Optional[RoutingSite]) -> F_.Flops:
-        d = self.config.d_model
-        flops = F_.Flops(attn_proj=F_.attention_projections(d), attn_scores=F_.attention_scores(d, T),
-                         ffn=F_.ffn(d, self.outer_width) if self.outer_width else 0.0)
-        inner = block.attn.inner
-        if inner is None:
-            return flops
-        # (T-1) queries x (T-1) keys per sequence (the shifted causal call), averaged over T tokens.
-        path = F_.Flops(attn_proj=2 * F_.linear(d, d), attn_scores=F_.attention_scores(d, (T - 1) ** 2 / T))
-        if isinstance(inner.ffn, MoELayer):
-            path = path + inner.ffn.flops_per_token(site, d)
-        else:
-            path = path + F_.Flops(ffn=F_.ffn(d, self.inner_width))
-        return flops + path
 
     def num_parameters_formula(self) -> int:
         """Closed-form parameter count (tied head counted once); tests check it against the model."""

@@ -19,16 +19,15 @@ the final mix is not a sub-layer update and is not reported.
 """
 from __future__ import annotations
 
-from typing import List, Optional
 
 import torch
 import torch.nn as nn
 
 from architectures import flops as F_
-from architectures.base import LanguageModel, require
+from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ModelConfig
-from architectures.contract import KVCache, ModelOutput, RoutingSite, SubLayerState, zero_aux
-from architectures.gpt2 import Block, vanilla_flops
+from architectures.contract import RoutingSite
+from architectures.gpt2 import Block
 from architectures.moe import fp32_linear
 
 
@@ -37,7 +36,7 @@ class DepthGate(LanguageModel):
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
-        self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.blocks = nn.ModuleList([Block(config, i) for i in range(config.n_layer)])
         self.gate = nn.Linear(config.d_model, config.n_layer, bias=False)
         self.init_weights()
 
@@ -64,31 +63,21 @@ class DepthGate(LanguageModel):
             weights = probs
         return logits, probs, selected, weights
 
-    def forward(self, idx: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                return_residuals: bool = False, cache: Optional[KVCache] = None) -> ModelOutput:
-        offset = cache.offset if cache is not None else 0
-        x = self.embed(idx, offset)
-        residuals = [SubLayerState("embed", -1, x)] if return_residuals else None
+    def body(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
         logits, probs, selected, weights = self.gate_weights(x)
         # dense per-layer weight (B, T, L): zeros for layers outside the hard top-k
         dense = torch.zeros_like(probs).scatter(-1, selected, weights).to(x.dtype)
         mixed = torch.zeros_like(x)
         for i, block in enumerate(self.blocks):
-            x = block(x, cache, f"block{i}", residuals, i)
+            x = block(x, state)
             mixed = mixed + dense[..., i : i + 1] * x
-        if cache is not None:
-            cache.offset += idx.shape[1]
-        site = RoutingSite(
+        state.report(RoutingSite(
             name="depth_gate", kind="soft_gate", choice_names=[f"layer{i}" for i in range(len(self.blocks))],
-            selected=selected, weights=weights, group="depth_gate", probs=probs, logits=logits,
-            valid=attention_mask.to(torch.bool) if attention_mask is not None else None,
-        )
-        return ModelOutput(logits=self.head(mixed), aux_loss=zero_aux(x), trace=[site], residuals=residuals,
-                           cache=cache, hidden=mixed)
+            selected=selected, weights=weights, group="depth_gate", probs=probs, logits=logits, valid=state.valid,
+        ))
+        state.hidden = mixed  # the head reads the gated mix, not the last layer
+        return x
 
-    def flops_per_token(self, trace: Optional[List[RoutingSite]] = None, seq_len: Optional[int] = None) -> F_.Flops:
-        """Vanilla FLOPs (every layer runs) plus the gate; the weighted sum is elementwise (uncounted)."""
-        if not seq_len and trace:
-            seq_len = int(trace[0].selected.shape[1])
-        gate = F_.Flops(router=F_.linear(self.config.d_model, self.config.n_layer))
-        return vanilla_flops(self.config, seq_len) + gate
+    def extra_flops(self, sites, T: int) -> F_.Flops:
+        """Every layer runs (the blocks' dense figures) plus the gate; the weighted sum is elementwise."""
+        return F_.Flops(router=F_.linear(self.config.d_model, self.config.n_layer))

@@ -6,16 +6,16 @@ reuse, and the loader for Hugging Face ``GPT2LMHeadModel`` weights. Parameter na
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from architectures import flops as F_
-from architectures.base import LanguageModel
+from architectures.base import ForwardState, LanguageModel
 from architectures.config import ModelConfig
-from architectures.contract import KVCache, ModelOutput, RoutingSite, SubLayerState, zero_aux
+from architectures.contract import KVCache, RoutingSite
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
@@ -75,31 +75,34 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LN Transformer block: x + attn(ln_1 x), then + mlp(ln_2 x)."""
+    """Pre-LN Transformer block: x + attn(ln_1 x), then + mlp(ln_2 x).
 
-    def __init__(self, config: ModelConfig, ffn_hidden: Optional[int] = None):
+    ``index`` is the layer number its residual snapshots carry; ``cache_key`` names its KV-cache entry
+    (default ``block{index}``).
+    """
+
+    def __init__(self, config: ModelConfig, index: int = 0, cache_key: Optional[str] = None,
+                 ffn_hidden: Optional[int] = None):
         super().__init__()
         d = config.d_model
+        self.index = index
+        self.cache_key = cache_key or f"block{index}"
         self.ln_1 = nn.LayerNorm(d, eps=config.layer_norm_eps)
         self.attn = CausalSelfAttention(d, config.n_head, config.bias, config.dropout)
         self.ln_2 = nn.LayerNorm(d, eps=config.layer_norm_eps)
         self.mlp = MLP(d, ffn_hidden or config.ffn_hidden, config.bias, config.dropout)
+        self.d_model, self.ffn_hidden = d, ffn_hidden or config.ffn_hidden
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cache: Optional[KVCache] = None,
-        cache_key: str = "",
-        residuals: Optional[List[SubLayerState]] = None,
-        layer: int = 0,
-    ) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache, cache_key)
-        if residuals is not None:
-            residuals.append(SubLayerState("mha", layer, x))
+    def forward(self, x: torch.Tensor, state: Optional[ForwardState] = None) -> torch.Tensor:
+        state = state or ForwardState.standalone()
+        x = x + self.attn(self.ln_1(x), state.cache, self.cache_key)
+        state.record("mha", self.index, x)
         x = x + self.mlp(self.ln_2(x))
-        if residuals is not None:
-            residuals.append(SubLayerState("ffn", layer, x))
+        state.record("ffn", self.index, x)
         return x
+
+    def flops(self, sites: Dict[str, RoutingSite], T: int) -> F_.Flops:
+        return F_.dense_block(self.d_model, self.ffn_hidden, T)
 
 
 class GPT2(LanguageModel):
@@ -109,28 +112,8 @@ class GPT2(LanguageModel):
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
-        self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.blocks = nn.ModuleList([Block(config, i) for i in range(config.n_layer)])
         self.init_weights()
-
-    def forward(
-        self,
-        idx: torch.Tensor,
-        attention_mask: Optional[torch.Tensor] = None,
-        return_residuals: bool = False,
-        cache: Optional[KVCache] = None,
-    ) -> ModelOutput:
-        # Right padding only: causal attention already keeps real tokens from seeing pads.
-        offset = cache.offset if cache is not None else 0
-        x = self.embed(idx, offset)
-        residuals = [SubLayerState("embed", -1, x)] if return_residuals else None
-        for i, block in enumerate(self.blocks):
-            x = block(x, cache, f"block{i}", residuals, i)
-        if cache is not None:
-            cache.offset += idx.shape[1]
-        return ModelOutput(logits=self.head(x), aux_loss=zero_aux(x), trace=[], residuals=residuals, cache=cache)
-
-    def flops_per_token(self, trace: Optional[List[RoutingSite]] = None, seq_len: Optional[int] = None) -> F_.Flops:
-        return vanilla_flops(self.config, seq_len)
 
 
 def vanilla_flops(config: ModelConfig, seq_len: Optional[int] = None) -> F_.Flops:

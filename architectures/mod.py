@@ -28,18 +28,17 @@ the remaining blocks get an MoE MLP when ``model.moe.layers`` selects them.
 """
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from architectures import flops as F_
-from architectures.base import LanguageModel, require
+from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ConfigError, ModelConfig, layer_selection
-from architectures.contract import KVCache, ModelOutput, RoutingSite, SubLayerState, sum_aux
+from architectures.contract import RoutingSite
 from architectures.gpt2 import MLP, Block, CausalSelfAttention
 from architectures.moe import MoEBlock, MoELayer, expert_hidden, fp32_linear, validate_moe_config
 
@@ -94,20 +93,6 @@ def masked_mean(values: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Te
         return values.mean()
     w = valid.to(values.dtype)
     return (values * w).sum() / w.sum().clamp(min=1)
-
-
-# ---------------------------------------------------------------------------- per-pass state
-class _Pass:
-    """What one forward pass shares between blocks: inputs, cache, and what blocks report back."""
-
-    def __init__(self, valid, cache, causal, residuals, fixed_weight):
-        self.valid: Optional[torch.Tensor] = valid
-        self.cache: Optional[KVCache] = cache
-        self.causal: bool = causal
-        self.residuals: Optional[List[SubLayerState]] = residuals
-        self.fixed_weight: Optional[float] = fixed_weight
-        self.trace: List[RoutingSite] = []
-        self.aux: Dict[str, torch.Tensor] = {}
 
 
 def _scatter_rows(values: torch.Tensor, flat: torch.Tensor, n_rows: int, fill=0) -> torch.Tensor:
@@ -165,6 +150,7 @@ class RoutedBlock(nn.Module):
         self.cfg = config.mod
         self.index, self.step, self.moe_step = index, step, moe_step
         self.name = f"block{index}.mod"
+        self.d_model, self.ffn_hidden = d, config.ffn_hidden
         self.ln_1 = nn.LayerNorm(d, eps=config.layer_norm_eps)
         self.attn = CausalSelfAttention(d, config.n_head, config.bias, config.dropout)
         self.ln_2 = nn.LayerNorm(d, eps=config.layer_norm_eps)
@@ -195,14 +181,15 @@ class RoutedBlock(nn.Module):
             return self.predictor_logits(x) > 0
         return logits > 0
 
-    def forward(self, x: torch.Tensor, ctx: _Pass) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardState) -> torch.Tensor:
         logits = self.router_logits(x)
-        weight = logits if ctx.fixed_weight is None else torch.full_like(logits, ctx.fixed_weight)
-        if ctx.causal or ctx.cache is not None:
+        fixed = ctx.options.get("fixed_router_weight")
+        weight = logits if fixed is None else torch.full_like(logits, fixed)
+        if ctx.causal:
             return self._forward_causal(x, logits, weight, ctx)
         return self._forward_topk(x, logits, weight, ctx)
 
-    def _forward_topk(self, x, logits, weight, ctx: _Pass) -> torch.Tensor:
+    def _forward_topk(self, x, logits, weight, ctx: ForwardState) -> torch.Tensor:
         """Each row takes its own k_b = floor(c * real length) best tokens, in position order.
 
         Rows are gathered to a common width k_max: a row's k_b chosen tokens come first, then fillers
@@ -230,7 +217,7 @@ class RoutedBlock(nn.Module):
         self._record(ctx, chosen, weight, logits, extras)
         return chosen.out
 
-    def _forward_causal(self, x, logits, weight, ctx: _Pass) -> torch.Tensor:
+    def _forward_causal(self, x, logits, weight, ctx: ForwardState) -> torch.Tensor:
         B, T, d = x.shape
         decided = self.causal_decision(x, logits)
         if ctx.valid is not None:
@@ -259,7 +246,7 @@ class RoutedBlock(nn.Module):
         return chosen.out
 
     # -------------------------------------------------------------- compute on the processed tokens
-    def _run(self, x, flat, shape: Tuple[int, int], weight, attend: Callable, valid_sel, ctx: _Pass,
+    def _run(self, x, flat, shape: Tuple[int, int], weight, attend: Callable, valid_sel, ctx: ForwardState,
              write: Optional[torch.Tensor] = None) -> "_Chosen":
         """Gather the tokens at ``flat`` as ``shape`` = (rows, len), update them, scatter back.
 
@@ -278,16 +265,16 @@ class RoutedBlock(nn.Module):
             flat, h, y = flat[write], h[write], y[write]
         out = xf.index_copy(0, flat, y).view(B, T, d)
         if ctx.residuals is not None:
-            ctx.residuals.append(SubLayerState("mha", self.index, xf.index_copy(0, flat, h).view(B, T, d)))
-            ctx.residuals.append(SubLayerState("ffn", self.index, out))
+            ctx.record("mha", self.index, xf.index_copy(0, flat, h).view(B, T, d))
+            ctx.record("ffn", self.index, out)
         mask = torch.zeros(B * T, dtype=torch.bool, device=x.device).index_fill(0, flat, True).view(B, T)
         return _Chosen(out, mask, moe_site)
 
-    def _skip_all(self, x, ctx: _Pass) -> "_Chosen":
+    def _skip_all(self, x, ctx: ForwardState) -> "_Chosen":
         """No token chose the block (possible only with causal decisions): nothing runs."""
         B, T, _ = x.shape
-        if ctx.residuals is not None:
-            ctx.residuals += [SubLayerState("mha", self.index, x), SubLayerState("ffn", self.index, x)]
+        ctx.record("mha", self.index, x)
+        ctx.record("ffn", self.index, x)
         moe_site = None
         if isinstance(self.mlp, MoELayer):
             E, k = self.mlp.num_choices, self.mlp.top_k
@@ -301,7 +288,7 @@ class RoutedBlock(nn.Module):
             )
         return _Chosen(x, torch.zeros(B, T, dtype=torch.bool, device=x.device), moe_site)
 
-    def _ffn(self, z, valid_sel, flat, B, T, ctx: _Pass, write=None):
+    def _ffn(self, z, valid_sel, flat, B, T, ctx: ForwardState, write=None):
         if not isinstance(self.mlp, MoELayer):
             return self.mlp(z), None
         res = self.mlp(z, valid=valid_sel, site_name=f"block{self.index}.moe", group="moe", step=self.moe_step)
@@ -310,7 +297,7 @@ class RoutedBlock(nn.Module):
         return res.output, expand_site(site, flat if write is None else flat[write], B, T)
 
     # -------------------------------------------------------------- causal predictors and the trace
-    def _sampling_losses(self, x, logits, chosen: "_Chosen", ctx: _Pass) -> Dict[str, torch.Tensor]:
+    def _sampling_losses(self, x, logits, chosen: "_Chosen", ctx: ForwardState) -> Dict[str, torch.Tensor]:
         """BCE of the causal decision against top-k membership, and the decision's agreement with it."""
         if self.cfg.sampling == "none":
             return {}
@@ -324,7 +311,7 @@ class RoutedBlock(nn.Module):
         agree = ((decision.detach() > 0) == chosen.mask).to(torch.float32)
         return {"causal_agreement": masked_mean(agree, ctx.valid)}
 
-    def _record(self, ctx: _Pass, chosen: "_Chosen", weight, logits, extras) -> None:
+    def _record(self, ctx: ForwardState, chosen: "_Chosen", weight, logits, extras) -> None:
         mask = chosen.mask
         ctx.trace.append(RoutingSite(
             name=self.name, kind="expert_choice", choice_names=["skip", "block"],
@@ -336,8 +323,9 @@ class RoutedBlock(nn.Module):
             ctx.trace.append(chosen.moe_site)
 
     # -------------------------------------------------------------- FLOPs
-    def flops(self, sites: Dict[str, RoutingSite], T: int, d: int, hidden: int) -> F_.Flops:
+    def flops(self, sites: Dict[str, RoutingSite], T: int) -> F_.Flops:
         """Per token of the batch: the block on the processed tokens only, the router and predictor on all."""
+        d, hidden = self.d_model, self.ffn_hidden
         site = sites.get(self.name)
         if site is None:
             k = capacity_tokens(self.cfg.capacity, T)
@@ -379,6 +367,7 @@ class MoD(LanguageModel):
     """
 
     fixed_router_weight: Optional[float] = None
+    routing_sees_future = True  # the sequence top-k: causal only inside causal_routing()
     # every routed block takes k >= 1 tokens and its router/predictor always get a loss: nothing idles
     may_skip_parameters = False
 
@@ -387,62 +376,31 @@ class MoD(LanguageModel):
     def __init__(self, config: ModelConfig):
         super().__init__(config)
         self.routed = routed_block_indices(config) if self.uses_mod_router else []
-        # block index -> (group, step) of the MoE sites of the unrouted MoE blocks (MoDE)
-        self.moe_chain: Dict[int, Tuple[str, int]] = {}
         self.blocks = nn.ModuleList(self._make_blocks(config))
-        self._causal = False
         self.init_weights()
 
     def _make_blocks(self, config: ModelConfig) -> List[nn.Module]:
-        return [RoutedBlock(config, i, self.routed.index(i)) if i in self.routed else Block(config)
-                for i in range(config.n_layer)]
+        """Routed blocks from ``_routed_block``; the other blocks of the MoE chain an ``MoEBlock``; the rest dense."""
+        routed = routed_block_indices(config)
+        chain = self._moe_chain(config, routed)
+        return [self._routed_block(config, i, routed, chain) if i in routed
+                else MoEBlock(config, expert_hidden(config), i, f"block{i}.moe", *chain[i]) if i in chain
+                else Block(config, i) for i in range(config.n_layer)]
+
+    def _moe_chain(self, config: ModelConfig, routed: List[int]) -> Dict[int, Tuple[str, int]]:
+        """block index -> (group, step) of its MoE site; MoD has none."""
+        return {}
+
+    def _routed_block(self, config: ModelConfig, i: int, routed: List[int], chain) -> nn.Module:
+        return RoutedBlock(config, i, routed.index(i), moe_step=chain[i][1] if i in chain else None)
 
     @classmethod
     def validate_config(cls, config: ModelConfig) -> None:
         validate_mod_routing(config)
 
-    # -------------------------------------------------------------- forward
-    def forward(
-        self,
-        idx: torch.Tensor,
-        attention_mask: Optional[torch.Tensor] = None,
-        return_residuals: bool = False,
-        cache: Optional[KVCache] = None,
-    ) -> ModelOutput:
-        offset = cache.offset if cache is not None else 0
-        x = self.embed(idx, offset)
-        valid = None if attention_mask is None else attention_mask.to(torch.bool)
-        residuals = [SubLayerState("embed", -1, x)] if return_residuals else None
-        ctx = _Pass(valid, cache, self._causal, residuals, self.fixed_router_weight)
-        for i, block in enumerate(self.blocks):
-            if isinstance(block, RoutedBlock):
-                x = block(x, ctx)
-            elif isinstance(block, MoEBlock):
-                x = self._moe_block(i, block, x, ctx)
-            else:
-                x = block(x, cache, f"block{i}", residuals, i)
-        if cache is not None:
-            cache.offset += idx.shape[1]
-        return ModelOutput(logits=self.head(x), aux_loss=sum_aux(ctx.aux, x), trace=ctx.trace,
-                           residuals=residuals, aux_losses=ctx.aux, cache=cache)
-
-    def _moe_block(self, i: int, block: MoEBlock, x: torch.Tensor, ctx: _Pass) -> torch.Tensor:
-        group, step = self.moe_chain[i]
-        x, result = block(x, ctx.valid, ctx.cache, f"block{i}", ctx.residuals, i, f"block{i}.moe", step)
-        result.site.group = group
-        ctx.trace.append(result.site)
-        ctx.aux.update(result.aux_losses)
-        return x
-
-    # -------------------------------------------------------------- causal routing and generation
-    @contextlib.contextmanager
-    def causal_routing(self) -> Iterator[None]:
-        """Route every forward pass inside by the causal decision instead of the sequence top-k."""
-        previous, self._causal = self._causal, True
-        try:
-            yield
-        finally:
-            self._causal = previous
+    def body(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
+        state.options["fixed_router_weight"] = self.fixed_router_weight
+        return super().body(x, state)
 
     def prepare_generation(self) -> None:
         if self.uses_mod_router and self.config.mod.sampling == "none":
@@ -450,29 +408,6 @@ class MoD(LanguageModel):
                 "model.mod.sampling: 'none' trains no causal routing decision, so the top-k router cannot be "
                 "used to sample token by token; train with 'predictor' or 'aux_loss' to use generate()"
             )
-
-    def generate(self, *args, **kwargs) -> torch.Tensor:
-        self.prepare_generation()
-        with self.causal_routing():
-            return super().generate(*args, **kwargs)
-
-    # -------------------------------------------------------------- FLOPs
-    def flops_per_token(self, trace: Optional[List[RoutingSite]] = None, seq_len: Optional[int] = None) -> F_.Flops:
-        """Forward FLOPs per token; with a trace, from the tokens each routed block actually processed."""
-        cfg = self.config
-        d = cfg.d_model
-        sites = {s.name: s for s in trace or []}
-        T = seq_len or (next(iter(sites.values())).selected.shape[1] if sites else cfg.block_size)
-        total = F_.lm_head(d, cfg.vocab_size)
-        for i, block in enumerate(self.blocks):
-            if isinstance(block, RoutedBlock):
-                total = total + block.flops(sites, T, d, cfg.ffn_hidden)
-            elif isinstance(block, MoEBlock):
-                total = total + F_.Flops(attn_proj=F_.attention_projections(d), attn_scores=F_.attention_scores(d, T))
-                total = total + block.moe.flops_per_token(sites.get(f"block{i}.moe"), d)
-            else:
-                total = total + F_.dense_block(d, cfg.ffn_hidden, T)
-        return total
 
 
 class MoDEStaged(MoD):
@@ -484,18 +419,9 @@ class MoDEStaged(MoD):
 
     may_skip_parameters = True  # an expert may get no token
 
-    def _make_blocks(self, config: ModelConfig) -> List[nn.Module]:
-        order = sorted(set(layer_selection(config.moe.layers, config.n_layer, "model.moe.layers")) | set(self.routed))
-        blocks: List[nn.Module] = []
-        for i in range(config.n_layer):
-            if i in self.routed:
-                blocks.append(RoutedBlock(config, i, self.routed.index(i), moe_step=order.index(i)))
-            elif i in order:
-                self.moe_chain[i] = ("moe", order.index(i))
-                blocks.append(MoEBlock(config, expert_hidden(config)))
-            else:
-                blocks.append(Block(config))
-        return blocks
+    def _moe_chain(self, config: ModelConfig, routed: List[int]) -> Dict[int, Tuple[str, int]]:
+        order = sorted(set(layer_selection(config.moe.layers, config.n_layer, "model.moe.layers")) | set(routed))
+        return {i: ("moe", step) for step, i in enumerate(order)}
 
     @classmethod
     def validate_config(cls, config: ModelConfig) -> None:
@@ -511,29 +437,24 @@ class MoDEIntegrated(MoD):
     (``model.mod.sampling`` is unused). The compute budget is MoD's: at most ``1 - model.mod.capacity``
     of each row's (token, slot) assignments may go to the no-op experts, greedily by position (tokens
     past the budget choose among the real experts; ``moe.noop_budget_keep``), and the balance loss
-    counts only the real experts, so skipping is neither rewarded nor able to take the whole row. Sites with no-op experts form group "mode",
-    the plain MoE layers (``model.moe.layers`` outside the routed blocks) group "moe", so each chain
+    counts only the real experts, so skipping is neither rewarded nor able to take the whole row.
+    Sites with no-op experts form group "mode", the plain MoE layers (``model.moe.layers`` outside the routed blocks) group "moe", so each chain
     has one set of choices.
     """
 
     uses_mod_router = False
     may_skip_parameters = True
+    routing_sees_future = False  # token choice; the no-op budget counts earlier positions only
 
-    def _make_blocks(self, config: ModelConfig) -> List[nn.Module]:
-        routed = routed_block_indices(config)
+    def _moe_chain(self, config: ModelConfig, routed: List[int]) -> Dict[int, Tuple[str, int]]:
         plain = sorted(set(layer_selection(config.moe.layers, config.n_layer, "model.moe.layers")) - set(routed))
-        blocks: List[nn.Module] = []
-        for i in range(config.n_layer):
-            if i in routed:
-                self.moe_chain[i] = ("mode", routed.index(i))
-                blocks.append(MoEBlock(config, expert_hidden(config), noop_experts=config.mod.noop_experts,
-                                       noop_share=1.0 - config.mod.capacity))
-            elif i in plain:
-                self.moe_chain[i] = ("moe", plain.index(i))
-                blocks.append(MoEBlock(config, expert_hidden(config)))
-            else:
-                blocks.append(Block(config))
-        return blocks
+        chain = {i: ("mode", step) for step, i in enumerate(routed)}
+        chain.update({i: ("moe", step) for step, i in enumerate(plain)})
+        return chain
+
+    def _routed_block(self, config: ModelConfig, i: int, routed: List[int], chain) -> nn.Module:
+        return MoEBlock(config, expert_hidden(config), i, f"block{i}.moe", *chain[i],
+                        noop_experts=config.mod.noop_experts, noop_share=1.0 - config.mod.capacity)
 
     @classmethod
     def validate_config(cls, config: ModelConfig) -> None:

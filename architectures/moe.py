@@ -31,9 +31,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from architectures import flops as F_
-from architectures.base import LanguageModel, require
+from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ModelConfig, MoEConfig, layer_selection
-from architectures.contract import KVCache, ModelOutput, RoutingSite, SubLayerState, sum_aux
+from architectures.contract import KVCache, RoutingSite
 from architectures.dispatch import sorted_dispatch
 from architectures.gpt2 import MLP, Block, CausalSelfAttention
 
@@ -259,40 +259,41 @@ def active_assignments(site: RoutingSite, num_experts: int) -> float:
 
 # ---------------------------------------------------------------------------- the ``moe`` variant
 class MoEBlock(nn.Module):
-    """Pre-LN block whose MLP is an ``MoELayer``: x + attn(ln_1 x), then + moe(ln_2 x)."""
+    """Pre-LN block whose MLP is an ``MoELayer``: x + attn(ln_1 x), then + moe(ln_2 x).
 
-    def __init__(self, config: ModelConfig, hidden: int, noop_experts: int = 0, noop_share: Optional[float] = None):
+    Reports one ``token_choice`` site ``site_name`` (group ``group``, chain position ``step``).
+    """
+
+    def __init__(self, config: ModelConfig, hidden: int, index: int = 0, site_name: str = "moe",
+                 group: str = "moe", step: int = 0, noop_experts: int = 0, noop_share: Optional[float] = None):
         super().__init__()
         d = config.d_model
+        self.index, self.site_name, self.group, self.step = index, site_name, group, step
+        self.cache_key = f"block{index}"
         self.ln_1 = nn.LayerNorm(d, eps=config.layer_norm_eps)
         self.attn = CausalSelfAttention(d, config.n_head, config.bias, config.dropout)
         self.ln_2 = nn.LayerNorm(d, eps=config.layer_norm_eps)
         self.moe = MoELayer(d, hidden, config.moe, config.bias, config.dropout, noop_experts, noop_share)
 
-    def forward(self, x, valid=None, cache=None, cache_key="", residuals=None, layer=0, site_name="moe",
-                step=0):
-        x = x + self.attn(self.ln_1(x), cache, cache_key)
-        if residuals is not None:
-            residuals.append(SubLayerState("mha", layer, x))
-        result = self.moe(self.ln_2(x), valid, site_name=site_name, group="moe", step=step, cache=cache)
+    def forward(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), state.cache, self.cache_key)
+        state.record("mha", self.index, x)
+        result = self.moe(self.ln_2(x), state.valid, site_name=self.site_name, group=self.group, step=self.step,
+                          cache=state.cache)
+        state.report(result.site, result.aux_losses)
         x = x + result.output
-        if residuals is not None:
-            residuals.append(SubLayerState("ffn", layer, x))
-        return x, result
+        state.record("ffn", self.index, x)
+        return x
+
+    def flops(self, sites: Dict[str, RoutingSite], T: int) -> F_.Flops:
+        d = self.ln_1.normalized_shape[0]
+        attention = F_.Flops(attn_proj=F_.attention_projections(d), attn_scores=F_.attention_scores(d, T))
+        return attention + self.moe.flops_per_token(sites.get(self.site_name), d)
 
 
 def expert_hidden(config: ModelConfig) -> int:
     ratio = config.moe.expert_ffn_ratio
     return config.ffn_hidden if ratio is None else int(round(ratio * config.d_model))
-
-
-def trace_seq_len(trace: Optional[List[RoutingSite]], seq_len: Optional[int], default: int) -> int:
-    """Sequence length for attention FLOPs: explicit, else the traced batch's T, else ``default``."""
-    if seq_len:
-        return seq_len
-    if trace:
-        return int(trace[0].selected.shape[1])
-    return default
 
 
 class MoEGPT(LanguageModel):
@@ -307,7 +308,8 @@ class MoEGPT(LanguageModel):
         self.moe_layers = layer_selection(config.moe.layers, config.n_layer, "model.moe.layers")
         hidden = expert_hidden(config)
         self.blocks = nn.ModuleList([
-            MoEBlock(config, hidden) if i in self.moe_layers else Block(config) for i in range(config.n_layer)
+            MoEBlock(config, hidden, i, f"layer{i}.moe", "moe", self.moe_layers.index(i)) if i in self.moe_layers
+            else Block(config, i) for i in range(config.n_layer)
         ])
         self.init_weights()
 
@@ -315,38 +317,3 @@ class MoEGPT(LanguageModel):
     def validate_config(config: ModelConfig) -> None:
         validate_moe_config(config.moe)
         layer_selection(config.moe.layers, config.n_layer, "model.moe.layers")
-
-    def forward(self, idx: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                return_residuals: bool = False, cache: Optional[KVCache] = None) -> ModelOutput:
-        offset = cache.offset if cache is not None else 0
-        valid = attention_mask.to(torch.bool) if attention_mask is not None else None
-        x = self.embed(idx, offset)
-        residuals = [SubLayerState("embed", -1, x)] if return_residuals else None
-        trace: List[RoutingSite] = []
-        aux: Dict[str, torch.Tensor] = {}
-        for i, block in enumerate(self.blocks):
-            if isinstance(block, MoEBlock):
-                x, result = block(x, valid, cache, f"block{i}", residuals, i, f"layer{i}.moe", len(trace))
-                trace.append(result.site)
-                aux.update(result.aux_losses)
-            else:
-                x = block(x, cache, f"block{i}", residuals, i)
-        if cache is not None:
-            cache.offset += idx.shape[1]
-        return ModelOutput(logits=self.head(x), aux_loss=sum_aux(aux, x), trace=trace, residuals=residuals,
-                           aux_losses=aux, cache=cache)
-
-    def flops_per_token(self, trace: Optional[List[RoutingSite]] = None, seq_len: Optional[int] = None) -> F_.Flops:
-        cfg = self.config
-        T = trace_seq_len(trace, seq_len, cfg.block_size)
-        sites = {site.name: site for site in trace or []}
-        total = F_.lm_head(cfg.d_model, cfg.vocab_size)
-        attention = F_.Flops(attn_proj=F_.attention_projections(cfg.d_model),
-                             attn_scores=F_.attention_scores(cfg.d_model, T))
-        for i, block in enumerate(self.blocks):
-            total = total + attention
-            if isinstance(block, MoEBlock):
-                total = total + block.moe.flops_per_token(sites.get(f"layer{i}.moe"), cfg.d_model)
-            else:
-                total = total + F_.Flops(ffn=F_.ffn(cfg.d_model, cfg.ffn_hidden))
-        return total

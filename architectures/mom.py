@@ -52,7 +52,7 @@ reproduces the full forward.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -60,9 +60,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from architectures import flops as F_
-from architectures.base import LanguageModel, require
+from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ConfigError, ModelConfig
-from architectures.contract import KVCache, ModelOutput, RoutingSite, SubLayerState, sum_aux
+from architectures.contract import KVCache, RoutingSite
 from architectures.dispatch import sorted_dispatch
 from architectures.gpt2 import MLP, Block, CausalSelfAttention
 from architectures.moe import balance_loss
@@ -213,23 +213,6 @@ def router_flops(d_model: int, hidden: int, n_choices: int) -> float:
 
 
 @dataclass
-class _Pass:
-    """What one forward pass collects while the chunks run."""
-
-    cache: Optional[KVCache]
-    residuals: Optional[List[SubLayerState]]
-    valid: Optional[torch.Tensor]
-    balance_scale: float
-    trace: List[RoutingSite] = field(default_factory=list)
-    aux: Dict[str, torch.Tensor] = field(default_factory=dict)
-    layer: int = 0
-
-    def record(self, tag: str, x: torch.Tensor) -> None:
-        if self.residuals is not None:
-            self.residuals.append(SubLayerState(tag, self.layer, x))
-
-
-@dataclass
 class _Route:
     selected: torch.Tensor  # (N, k) long
     weights: torch.Tensor  # (N, k)
@@ -239,10 +222,13 @@ class _Route:
 class MoMChunk(nn.Module):
     """A module pool with its two routers, run for H steps, then the optional anchor layer."""
 
-    def __init__(self, config: ModelConfig, layout: MoMLayout, index: int):
+    def __init__(self, config: ModelConfig, layout: MoMLayout, index: int, first_layer: int = 0,
+                 balance_scale: float = 1.0):
         super().__init__()
         m = config.mom
         self.index = index
+        self.config = config
+        self.first_layer, self.balance_scale = first_layer, balance_scale
         self.cfg = m
         self.steps = layout.steps
         self.n_attn, self.n_ffn = layout.n_attn, layout.n_ffn
@@ -254,7 +240,8 @@ class MoMChunk(nn.Module):
         learned = _LEARNED[m.routing]
         self.attn_router = GRURouter(config.d_model, m.router_hidden, len(self.attn_names)) if learned["attn"] else None
         self.ffn_router = GRURouter(config.d_model, m.router_hidden, len(self.ffn_names)) if learned["ffn"] else None
-        self.anchor = Block(config) if layout.anchor else None
+        self.anchor = (Block(config, first_layer + layout.steps, f"chunk{index}.anchor") if layout.anchor
+                       else None)
         self.resid_drop = nn.Dropout(config.dropout)
 
     # ------------------------------------------------------------------ routing
@@ -264,7 +251,7 @@ class MoMChunk(nn.Module):
         return step  # vanilla order; "moe" fixes attention at module h
 
     def route(self, kind: str, router: Optional[GRURouter], x: torch.Tensor, step: int,
-              state: Optional[torch.Tensor], run: _Pass) -> Tuple[_Route, Optional[torch.Tensor]]:
+              state: Optional[torch.Tensor], run: ForwardState) -> Tuple[_Route, Optional[torch.Tensor]]:
         B, T, d = x.shape
         names = self.attn_names if kind == "attn" else self.ffn_names
         group = f"mom.chunk{self.index}.{kind}"
@@ -291,7 +278,7 @@ class MoMChunk(nn.Module):
         valid = run.valid.reshape(-1) if run.valid is not None else torch.ones(B * T, dtype=torch.bool, device=x.device)
         if self.cfg.balance_coef > 0:
             loss = balance_loss(probs, selected, len(names), valid)
-            run.aux[f"{site['name']}/balance"] = loss * (self.cfg.balance_coef * run.balance_scale)
+            run.aux[f"{site['name']}/balance"] = loss * (self.cfg.balance_coef * self.balance_scale)
         run.trace.append(RoutingSite(
             selected=selected.view(B, T, -1), weights=weights.detach().view(B, T, -1),
             probs=probs.detach().view(B, T, -1), logits=logits.detach().view(B, T, -1), **site))
@@ -324,20 +311,47 @@ class MoMChunk(nn.Module):
         out = sorted_dispatch(x.reshape(B * T, d), route.selected, route.weights, list(self.ffn_modules))
         return out.view(B, T, d)
 
-    def forward(self, x: torch.Tensor, run: _Pass) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, run: ForwardState) -> torch.Tensor:
         attn_state = ffn_state = None
         for step in range(self.steps):
+            layer = self.first_layer + step
             route, attn_state = self.route("attn", self.attn_router, x, step, attn_state, run)
             x = x + self.assemble_attention(x, route, run.cache, f"chunk{self.index}.step{step}")
-            run.record("mha", x)
+            run.record("mha", layer, x)
             route, ffn_state = self.route("ffn", self.ffn_router, x, step, ffn_state, run)
             x = x + self.assemble_ffn(x, route)
-            run.record("ffn", x)
-            run.layer += 1
+            run.record("ffn", layer, x)
         if self.anchor is not None:
-            x = self.anchor(x, run.cache, f"chunk{self.index}.anchor", run.residuals, run.layer)
-            run.layer += 1
+            x = self.anchor(x, run)
         return x
+
+    def flops(self, sites: Dict[str, RoutingSite], T: int) -> F_.Flops:
+        """This chunk's sites: attention projections (QKV + output) once per (token, chosen real module);
+        attention scores ``4 * T * d`` per token once per step when any token of the batch chose a real
+        attention module (the shared attention runs over all tokens); FFN once per (token, chosen real
+        module); each learned router's GRUCell (input + hidden matmuls) and ``W_o`` for every token.
+        With no site: the upper bound, every one of the K slots a real module (min(K, pool) per step;
+        1 for fixed and layer-skip sites). Plus the anchor layer, dense."""
+        cfg = self.config
+        d, hidden = cfg.d_model, cfg.ffn_hidden
+        total = self.anchor.flops(sites, T) if self.anchor is not None else F_.Flops()
+        learned = _LEARNED[cfg.mom.routing]
+        for kind, pool, names in (("attn", self.n_attn, len(self.attn_names)), ("ffn", self.n_ffn, len(self.ffn_names))):
+            router = router_flops(d, cfg.mom.router_hidden, names) if learned[kind] else 0.0
+            own = [sites.get(f"mom.chunk{self.index}.{kind}.step{h}") for h in range(self.steps)]
+            if all(site is not None for site in own):
+                per_step = [float((s.selected < pool).sum()) / (s.selected.shape[0] * s.selected.shape[1]) for s in own]
+            else:
+                k = 1 if (not learned[kind] or cfg.mom.routing == "layer_skip") else min(cfg.mom.top_k, pool)
+                per_step = [float(k)] * self.steps
+            modules = sum(per_step)
+            if kind == "attn":
+                scores = sum(1 for r in per_step if r > 0) * F_.attention_scores(d, T)
+                total = total + F_.Flops(attn_proj=modules * F_.attention_projections(d), attn_scores=scores)
+            else:
+                total = total + F_.Flops(ffn=modules * F_.ffn(d, hidden))
+            total = total + F_.Flops(router=router * len(per_step))
+        return total
 
 
 # ---------------------------------------------------------------------------- the model
@@ -348,78 +362,28 @@ class MixtureOfModules(LanguageModel):
         super().__init__(config)
         self.layout = validate_mom_config(config)
         lay = self.layout
-        self.bottom = nn.ModuleList([Block(config) for _ in range(lay.bottom)])
-        self.chunks = nn.ModuleList([MoMChunk(config, lay, c) for c in range(lay.chunks)])
-        self.top = nn.ModuleList([Block(config) for _ in range(lay.top)])
         learned = _LEARNED[config.mom.routing]
         self.n_learned_sites = lay.chunks * lay.steps * (int(learned["attn"]) + int(learned["ffn"]))
+        per_chunk = lay.steps + int(lay.anchor)  # logical layers a chunk reports (steps, then the anchor)
+        self.bottom = nn.ModuleList([Block(config, i, f"bottom{i}") for i in range(lay.bottom)])
+        self.chunks = nn.ModuleList([
+            MoMChunk(config, lay, c, lay.bottom + c * per_chunk, 1.0 / max(1, self.n_learned_sites))
+            for c in range(lay.chunks)])
+        first_top = lay.bottom + lay.chunks * per_chunk
+        self.top = nn.ModuleList([Block(config, first_top + i, f"top{i}") for i in range(lay.top)])
         self.init_weights()
 
     @staticmethod
     def validate_config(config: ModelConfig) -> None:
         validate_mom_config(config)
 
-    def forward(
-        self,
-        idx: torch.Tensor,
-        attention_mask: Optional[torch.Tensor] = None,
-        return_residuals: bool = False,
-        cache: Optional[KVCache] = None,
-    ) -> ModelOutput:
-        T = idx.shape[1]
-        offset = cache.offset if cache is not None else 0
-        x = self.embed(idx, offset)
-        valid = attention_mask[:, -T:].bool() if attention_mask is not None else None
-        run = _Pass(cache=cache, residuals=[SubLayerState("embed", -1, x)] if return_residuals else None,
-                    valid=valid, balance_scale=1.0 / max(1, self.n_learned_sites))
-        for i, block in enumerate(self.bottom):
-            x = block(x, cache, f"bottom{i}", run.residuals, run.layer)
-            run.layer += 1
-        for chunk in self.chunks:
-            x = chunk(x, run)
-        for i, block in enumerate(self.top):
-            x = block(x, cache, f"top{i}", run.residuals, run.layer)
-            run.layer += 1
-        if cache is not None:
-            cache.offset += T
-        return ModelOutput(logits=self.head(x), aux_loss=sum_aux(run.aux, x), trace=run.trace,
-                           residuals=run.residuals, aux_losses=run.aux, cache=cache)
+    def body(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
+        for module in self.flop_blocks():
+            x = module(x, state)
+        return x
 
-    # ------------------------------------------------------------------ FLOPs
-    def flops_per_token(self, trace: Optional[List[RoutingSite]] = None, seq_len: Optional[int] = None) -> F_.Flops:
-        """Forward FLOPs per token (average over the B*T tokens of the traced batch).
-
-        Vanilla layers (bottom, anchors, top) and the head are dense. Per MoM site: attention
-        projections (QKV + output) once per (token, chosen real module); attention scores
-        ``4 * T * d`` per token once per step when any token of the batch chose a real attention
-        module (the shared attention runs over all tokens); FFN once per (token, chosen real module);
-        each learned router's GRUCell (input + hidden matmuls) and ``W_o`` for every token. With no
-        trace: the upper bound, every one of the K slots a real module (min(K, pool) per step; 1 for
-        fixed and layer-skip sites).
-        """
-        cfg, lay = self.config, self.layout
-        sites = [s for s in (trace or []) if s.name.startswith("mom.")]
-        T = seq_len or (sites[0].selected.shape[1] if sites else cfg.block_size)
-        d, hidden = cfg.d_model, cfg.ffn_hidden
-        total = F_.dense_block(d, hidden, T).scale(lay.vanilla_layers) + F_.lm_head(d, cfg.vocab_size)
-        learned = _LEARNED[cfg.mom.routing]
-        for kind, pool, names in (("attn", lay.n_attn, len(self.chunks[0].attn_names)),
-                                  ("ffn", lay.n_ffn, len(self.chunks[0].ffn_names))):
-            router = router_flops(d, cfg.mom.router_hidden, names) if learned[kind] else 0.0
-            if sites:
-                per_step = [float((s.selected < pool).sum()) / (s.selected.shape[0] * s.selected.shape[1])
-                            for s in sites if s.group.endswith(f".{kind}")]
-            else:
-                k = 1 if (not learned[kind] or cfg.mom.routing == "layer_skip") else min(cfg.mom.top_k, pool)
-                per_step = [float(k)] * (lay.chunks * lay.steps)
-            modules = sum(per_step)
-            if kind == "attn":
-                scores = sum(1 for r in per_step if r > 0) * F_.attention_scores(d, T)
-                total = total + F_.Flops(attn_proj=modules * F_.attention_projections(d), attn_scores=scores)
-            else:
-                total = total + F_.Flops(ffn=modules * F_.ffn(d, hidden))
-            total = total + F_.Flops(router=router * len(per_step))
-        return total
+    def flop_blocks(self):
+        return [*self.bottom, *self.chunks, *self.top]
 
     # ------------------------------------------------------------------ two-phase training
     def vanilla_mapping(self) -> List[Tuple[str, str]]:
@@ -453,6 +417,11 @@ class MixtureOfModules(LanguageModel):
             add(f"top.{i}", block, layer)
             layer += 1
         return pairs
+
+    def vanilla_state_mapping(self, vanilla_state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """The paper's mapping (``vanilla_mapping``) applied: {MoM parameter name: vanilla tensor}; routers absent."""
+        state = _strip_prefix(vanilla_state)
+        return {target: state[source] for target, source in self.vanilla_mapping() if source in state}
 
     def init_from_vanilla(self, vanilla_state: Dict[str, torch.Tensor]) -> None:
         """Phase 2: copy a vanilla GPT-2 state dict (this suite's names) into the pools; routers stay fresh.

@@ -35,11 +35,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from architectures import flops as F_
-from architectures.base import LanguageModel, require
+from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ModelConfig, layer_selection
-from architectures.contract import KVCache, ModelOutput, RoutingSite, SubLayerState, sum_aux
+from architectures.contract import KVCache, RoutingSite
 from architectures.gpt2 import Block
-from architectures.moe import balance_loss, fp32_linear, trace_seq_len
+from architectures.moe import balance_loss, fp32_linear
 
 
 @dataclass
@@ -126,12 +126,27 @@ def expert_update(block: Block, x: torch.Tensor, seg: ExpertSegment, batch: int,
 class MoTLayer(nn.Module):
     """E expert blocks behind a top-k token-choice gate."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, index: int = 0, step: int = 0):
         super().__init__()
         cfg = config.mot
         self.cfg = cfg
+        self.config = config
+        self.index, self.step, self.site_name = index, step, f"layer{index}.mot"
         self.gate = nn.Linear(config.d_model, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList([Block(config) for _ in range(cfg.num_experts)])
+
+    def forward(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
+        """The block protocol: mix, report the site and losses, snapshot mha / ffn."""
+        x, after_attn, site, losses = self.mix(x, state.valid, state.cache, f"block{self.index}",
+                                               state.residuals is not None, self.site_name, self.step)
+        state.report(site, losses)
+        if state.residuals is not None:
+            state.record("mha", self.index, after_attn)
+        state.record("ffn", self.index, x)
+        return x
+
+    def flops(self, sites: Dict[str, RoutingSite], T: int) -> F_.Flops:
+        return self.flops_per_token(sites.get(self.site_name), self.config, T)
 
     def route(self, x: torch.Tensor):
         logits = fp32_linear(x, self.gate.weight)
@@ -143,7 +158,7 @@ class MoTLayer(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return logits, probs, weights, selected
 
-    def forward(self, x, valid=None, cache=None, cache_prefix="", want_attn=False, site_name="mot", step=0):
+    def mix(self, x, valid=None, cache=None, cache_prefix="", want_attn=False, site_name="mot", step=0):
         """Returns (new x, x after the attention updates only or None, RoutingSite, aux losses)."""
         B, T, d = x.shape
         N, k = B * T, self.cfg.top_k
@@ -197,7 +212,8 @@ class MoT(LanguageModel):
         super().__init__(config)
         self.mot_layers = layer_selection(config.mot.layers, config.n_layer, "model.mot.layers")
         self.blocks = nn.ModuleList([
-            MoTLayer(config) if i in self.mot_layers else Block(config) for i in range(config.n_layer)
+            MoTLayer(config, i, self.mot_layers.index(i)) if i in self.mot_layers else Block(config, i)
+            for i in range(config.n_layer)
         ])
         self.init_weights()
 
@@ -210,38 +226,3 @@ class MoT(LanguageModel):
                 f"must be in [1, num_experts={cfg.num_experts}], got {cfg.top_k!r}")
         require(cfg.balance_coef >= 0, "model.mot.balance_coef", f"must be >= 0, got {cfg.balance_coef}")
         layer_selection(cfg.layers, config.n_layer, "model.mot.layers")
-
-    def forward(self, idx: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                return_residuals: bool = False, cache: Optional[KVCache] = None) -> ModelOutput:
-        offset = cache.offset if cache is not None else 0
-        valid = attention_mask.to(torch.bool) if attention_mask is not None else None
-        x = self.embed(idx, offset)
-        residuals = [SubLayerState("embed", -1, x)] if return_residuals else None
-        trace: List[RoutingSite] = []
-        aux: Dict[str, torch.Tensor] = {}
-        for i, block in enumerate(self.blocks):
-            if isinstance(block, MoTLayer):
-                x, after_attn, site, losses = block(x, valid, cache, f"block{i}", return_residuals,
-                                                    f"layer{i}.mot", len(trace))
-                trace.append(site)
-                aux.update(losses)
-                if residuals is not None:
-                    residuals += [SubLayerState("mha", i, after_attn), SubLayerState("ffn", i, x)]
-            else:
-                x = block(x, cache, f"block{i}", residuals, i)
-        if cache is not None:
-            cache.offset += idx.shape[1]
-        return ModelOutput(logits=self.head(x), aux_loss=sum_aux(aux, x), trace=trace, residuals=residuals,
-                           aux_losses=aux, cache=cache)
-
-    def flops_per_token(self, trace: Optional[List[RoutingSite]] = None, seq_len: Optional[int] = None) -> F_.Flops:
-        cfg = self.config
-        T = trace_seq_len(trace, seq_len, cfg.block_size)
-        sites = {site.name: site for site in trace or []}
-        total = F_.lm_head(cfg.d_model, cfg.vocab_size)
-        for i, block in enumerate(self.blocks):
-            if isinstance(block, MoTLayer):
-                total = total + block.flops_per_token(sites.get(f"layer{i}.mot"), cfg, T)
-            else:
-                total = total + F_.dense_block(cfg.d_model, cfg.ffn_hidden, T)
-        return total

@@ -48,7 +48,7 @@ def test_layer_matches_per_sequence_subset_reference_forward_and_grad(E, k, reno
     model = _model(num_experts=E, top_k=k, renormalize=renorm)
     layer = model.blocks[0]
     x = torch.randn(3, 11, 32, requires_grad=True)
-    got, _, site, _ = layer(x)
+    got, _, site, _ = layer.mix(x)
     want = naive_mot_layer(layer, x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     upstream = torch.randn_like(want)
@@ -79,7 +79,7 @@ def test_one_expert_top1_equals_vanilla_block_and_model():
             new[name] = vanilla.state_dict()[name]
     mot.load_state_dict(new)
     x = torch.randn(2, 9, 32)
-    out, after_attn, _, _ = mot.blocks[1](x, want_attn=True)
+    out, after_attn, _, _ = mot.blocks[1].mix(x, want_attn=True)
     torch.testing.assert_close(out, vanilla.blocks[1](x))
     block = vanilla.blocks[1]
     torch.testing.assert_close(after_attn, x + block.attn(block.ln_1(x)))
