@@ -28,7 +28,7 @@ from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ModelConfig
 from architectures.contract import RoutingSite
 from architectures.gpt2 import Block
-from architectures.moe import fp32_linear
+from architectures.routing import fp32_linear, token_topk
 
 
 class DepthGate(LanguageModel):
@@ -51,13 +51,13 @@ class DepthGate(LanguageModel):
     def gate_weights(self, x0: torch.Tensor):
         """(logits, probs, selected, weights) from the embedded tokens x0 (B, T, d)."""
         logits = fp32_linear(x0, self.gate.weight)
-        probs = logits.softmax(dim=-1)
         if self.config.depth_gate.mode == "hard":
-            top, selected = probs.topk(self.config.depth_gate.top_k, dim=-1)
             # k=1: w / w.sum() is identically 1 and gives the gate no gradient; the straight-through
             # p / stopgrad(p) is 1 forward too but passes d loss / d p through (as MoM's K=1 routers)
-            weights = top / (top.detach() if top.shape[-1] == 1 else top.sum(dim=-1, keepdim=True))
+            probs, weights, selected = token_topk(logits, self.config.depth_gate.top_k, renormalize=True,
+                                                  straight_through=True)
         else:
+            probs = logits.softmax(dim=-1)
             L = probs.shape[-1]
             selected = torch.arange(L, device=probs.device).expand(*probs.shape[:-1], L)
             weights = probs

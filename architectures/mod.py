@@ -40,7 +40,8 @@ from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ConfigError, ModelConfig, layer_selection
 from architectures.contract import RoutingSite
 from architectures.gpt2 import MLP, Block, CausalSelfAttention
-from architectures.moe import MoEBlock, MoELayer, expert_hidden, fp32_linear, validate_moe_config
+from architectures.moe import MoEBlock, MoELayer, expert_hidden, validate_moe_config
+from architectures.routing import expert_choice_topk, fp32_linear
 
 SAMPLING_CHOICES = ("aux_loss", "predictor", "none")
 
@@ -53,13 +54,6 @@ def capacity_tokens(capacity: float, seq_len: int) -> int:
     empty one gets none.
     """
     return min(seq_len, max(1, math.floor(capacity * seq_len)))
-
-
-def row_capacity(capacity: float, valid: Optional[torch.Tensor], B: int, T: int, device) -> torch.Tensor:
-    """(B,) k per row from each example's own real length, so right padding and batch-mates change nothing."""
-    lengths = torch.full((B,), T, device=device) if valid is None else valid.sum(dim=1)
-    k = torch.floor(capacity * lengths.double() + 1e-9).long()
-    return torch.minimum(k.clamp(min=1), lengths)
 
 
 def routed_block_indices(config: ModelConfig) -> List[int]:
@@ -190,7 +184,8 @@ class RoutedBlock(nn.Module):
         return self._forward_topk(x, logits, weight, ctx)
 
     def _forward_topk(self, x, logits, weight, ctx: ForwardState) -> torch.Tensor:
-        """Each row takes its own k_b = floor(c * real length) best tokens, in position order.
+        """Each row takes its own k_b = max(1, floor(c * real length)) best tokens, in position order
+        (``routing.expert_choice_topk``).
 
         Rows are gathered to a common width k_max: a row's k_b chosen tokens come first, then fillers
         (the row's next tokens by position). Attention among the gathered tokens is causal, so the
@@ -198,17 +193,8 @@ class RoutedBlock(nn.Module):
         depend on its batch-mates or on right padding.
         """
         B, T, d = x.shape
-        k_row = row_capacity(self.cfg.capacity, ctx.valid, B, T, x.device)
-        k_max = max(1, int(k_row.max()))
-        scores = logits.detach()
-        if ctx.valid is not None:
-            scores = scores.masked_fill(~ctx.valid, float("-inf"))  # padding is never chosen
-        rank = scores.argsort(dim=1, descending=True, stable=True).argsort(dim=1)
-        chosen_mask = rank < k_row.unsqueeze(1)
-        positions = torch.arange(T, device=x.device).expand(B, T)
-        order_key = torch.where(chosen_mask, positions, positions + T)  # chosen first, by position
-        idx = order_key.topk(k_max, dim=1, largest=False, sorted=True).indices
-        real = torch.arange(k_max, device=x.device).unsqueeze(0) < k_row.unsqueeze(1)  # (B, k_max)
+        _, idx, real = expert_choice_topk(logits.detach(), self.cfg.capacity, ctx.valid)
+        k_max = idx.shape[1]
         flat = (idx + torch.arange(B, device=x.device).unsqueeze(1) * T).reshape(-1)
         chosen = self._run(x, flat, (B, k_max), weight, self.attn.attend, real, ctx, write=real.reshape(-1))
         pairs = float(B * k_max * k_max)

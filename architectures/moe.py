@@ -24,24 +24,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from architectures import flops as F_
 from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ModelConfig, MoEConfig, layer_selection
 from architectures.contract import KVCache, RoutingSite
-from architectures.dispatch import sorted_dispatch
+from architectures.routing import (  # noqa: F401  (re-exported: the MoE layer's routing pieces)
+    balance_loss, capacity_keep, fp32_linear, noop_budget_keep, sorted_dispatch, token_topk, z_loss,
+)
 from architectures.gpt2 import MLP, Block, CausalSelfAttention
-
-
-def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Router logits in fp32 even under autocast (which would otherwise run the matmul in bf16/fp16)."""
-    with torch.autocast(device_type=x.device.type, enabled=False):
-        return F.linear(x.float(), weight.float())
 
 
 def validate_moe_config(cfg: MoEConfig, prefix: str = "model.moe", noop_experts: int = 0) -> None:
@@ -63,89 +58,6 @@ class MoEResult:
     output: torch.Tensor  # (B, T, d): the FFN update only; tokens with no expert get 0
     site: RoutingSite
     aux_losses: Dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-def capacity_keep(selected: torch.Tensor, num_experts: int, capacity: int, routed: torch.Tensor,
-                  seq_len: Optional[int] = None) -> torch.Tensor:
-    """(N, k) bool: which assignments fit within ``capacity`` per real expert.
-
-    Priority is by position: every assignment of an earlier position (all batch rows of position t,
-    row order, each token's choices in slot order) beats any assignment of a later position. So a later
-    token can never evict an earlier token's choice (capacity-limited routing stays causal), and the
-    tokens that lose out are spread evenly over the batch rows instead of piling up in the last rows.
-    ``seq_len`` = T of the (B, T) grid the N = B*T tokens come from (batch-major); None: one row.
-    Assignments to ids >= num_experts (no-op) and of unrouted tokens are never dropped (they cost nothing).
-    """
-    N, k = selected.shape
-    T = seq_len or max(N, 1)
-    order = torch.arange(N, device=selected.device).view(-1, T).t().reshape(-1)  # position-major token order
-    flat = selected.index_select(0, order).reshape(-1)
-    real = (flat < num_experts) & routed.index_select(0, order).repeat_interleave(k)
-    key = torch.where(real, flat, torch.full_like(flat, num_experts))
-    by_expert = torch.argsort(key, stable=True)
-    sorted_key = key[by_expert]
-    counts = torch.bincount(sorted_key, minlength=num_experts + 1)
-    starts = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(flat.numel(), device=flat.device) - starts[sorted_key]
-    keep_sorted = (rank < capacity) | (sorted_key == num_experts)
-    keep_priority = torch.empty_like(keep_sorted)
-    keep_priority[by_expert] = keep_sorted
-    keep = torch.empty(N, k, dtype=torch.bool, device=selected.device)
-    keep[order] = keep_priority.view(N, k)
-    return keep
-
-
-def balance_loss(probs: torch.Tensor, selected: torch.Tensor, num_experts: int, valid: torch.Tensor) -> torch.Tensor:
-    """Switch loss E * sum_i f_i * P_i over the real experts i < num_experts (coefficient not applied).
-
-    probs (N, E_total), selected (N, k), valid (N,) bool. f_i = share of the valid tokens' real-expert
-    assignments that chose i (before capacity dropping, as in Switch); P_i = mean over valid tokens of
-    the router probability of i renormalised over the real experts. No-op experts (ids >= num_experts)
-    are left out of the sum AND of both denominators, so the loss is the same whatever share of tokens
-    skips: it balances the real experts without rewarding skipping (counting the no-op in the
-    denominators made it (1 - s)^2 at skip share s, minimised by skipping everything). A uniform router
-    over E real experts gives exactly 1.
-    """
-    n_valid = valid.sum().clamp(min=1)
-    chosen = selected[valid].reshape(-1)
-    counts = torch.bincount(chosen, minlength=probs.shape[1])[:num_experts].to(probs.dtype)
-    f = counts / counts.sum().clamp(min=1)
-    real = probs[:, :num_experts]
-    if probs.shape[1] > num_experts:
-        real = real / real.sum(-1, keepdim=True).clamp(min=1e-9)
-    P = (real * valid.unsqueeze(-1).to(probs.dtype)).sum(0) / n_valid
-    return num_experts * (f * P).sum()
-
-
-def noop_budget_keep(wants: torch.Tensor, valid: torch.Tensor, share: float, k: int,
-                     state: Optional[torch.Tensor] = None):
-    """(B, T) bool: which tokens may take the no-op experts they chose, and the running state (B, 3).
-
-    Greedy by position within each row: token t keeps its ``wants[b, t]`` no-op assignments while the
-    row's accepted no-op assignments stay <= floor(share * k * n_t), n_t = valid tokens up to t. The
-    greedy count has the closed form A_t = W_t + min(0, min_{s<=t}(L_s - W_s)) (W: wanted so far,
-    L: the limit), so it is one cumsum and one cummin: causal, per row (independent of batch-mates and
-    right padding), and ``state`` = (W, running min, n) carries it across cached decoding calls.
-    """
-    B, T = wants.shape
-    if state is None:
-        state = wants.new_zeros(B, 3, dtype=torch.float64)
-    w = (wants * valid).to(torch.float64)
-    W = state[:, :1] + w.cumsum(1)
-    n = state[:, 2:3] + valid.to(torch.float64).cumsum(1)
-    L = torch.floor(share * k * n + 1e-9)
-    m = torch.minimum(state[:, 1:2], torch.cummin(L - W, dim=1).values)
-    A = W + m.clamp(max=0)
-    A_prev = torch.cat([state[:, :1] + state[:, 1:2].clamp(max=0), A[:, :-1]], dim=1)
-    keep = (A - A_prev) >= w
-    return keep, torch.stack([W[:, -1], m[:, -1], n[:, -1]], dim=1) if T else state
-
-
-def z_loss(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """ST-MoE router z-loss: mean over valid tokens of logsumexp(logits)^2 (coefficient not applied)."""
-    lse = torch.logsumexp(logits, dim=-1)
-    w = valid.to(lse.dtype)
-    return (lse.square() * w).sum() / w.sum().clamp(min=1)
 
 
 class MoELayer(nn.Module):
@@ -182,8 +94,7 @@ class MoELayer(nn.Module):
         experts only (``noop_budget_keep``); the running count travels on the cache when decoding.
         """
         logits = fp32_linear(x, self.router.weight)
-        probs = logits.softmax(dim=-1)
-        weights, selected = probs.topk(self.top_k, dim=-1)
+        probs, weights, selected = token_topk(logits, self.top_k)
         if self.noop_share is not None and x.dim() == 3:
             weights, selected = self._enforce_noop_budget(probs, weights, selected, valid, cache, site_name)
         if self.cfg.renormalize and self.cfg.top_k > 1:

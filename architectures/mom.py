@@ -57,7 +57,6 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from architectures import flops as F_
 from architectures.base import ForwardState, LanguageModel, require
@@ -65,7 +64,7 @@ from architectures.config import ConfigError, ModelConfig
 from architectures.contract import KVCache, RoutingSite
 from architectures.dispatch import sorted_dispatch
 from architectures.gpt2 import MLP, Block, CausalSelfAttention
-from architectures.moe import balance_loss
+from architectures.routing import balance_loss, token_topk
 
 ROUTINGS = ("learned", "vanilla", "param_share", "moe", "layer_skip")
 LAYOUTS = ("plain", "chunked")
@@ -264,17 +263,12 @@ class MoMChunk(nn.Module):
             run.trace.append(RoutingSite(selected=selected.view(B, T, 1), weights=weights.view(B, T, 1), **site))
             return _Route(selected, weights, fixed=module), state
         logits, state = router(x.reshape(B * T, d), state)
-        scores = logits
+        allowed = None
         if self.cfg.routing == "layer_skip":
             allowed = torch.zeros(len(names), dtype=torch.bool, device=x.device)
             allowed[step] = allowed[-1] = True
-            scores = logits.masked_fill(~allowed, float("-inf"))
-        probs = F.softmax(scores / self.cfg.temperature, dim=-1)
-        top, selected = probs.topk(self.cfg.top_k, dim=-1)
-        if self.cfg.top_k == 1 and self.cfg.straight_through:
-            weights = top / top.detach()
-        else:
-            weights = top / top.sum(-1, keepdim=True)
+        probs, weights, selected = token_topk(logits, self.cfg.top_k, self.cfg.temperature, renormalize=True,
+                                              straight_through=self.cfg.straight_through, allowed=allowed)
         valid = run.valid.reshape(-1) if run.valid is not None else torch.ones(B * T, dtype=torch.bool, device=x.device)
         if self.cfg.balance_coef > 0:
             loss = balance_loss(probs, selected, len(names), valid)

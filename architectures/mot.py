@@ -39,7 +39,7 @@ from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ModelConfig, layer_selection
 from architectures.contract import KVCache, RoutingSite
 from architectures.gpt2 import Block
-from architectures.moe import balance_loss, fp32_linear
+from architectures.routing import balance_loss, fp32_linear, token_topk
 
 
 @dataclass
@@ -150,12 +150,9 @@ class MoTLayer(nn.Module):
 
     def route(self, x: torch.Tensor):
         logits = fp32_linear(x, self.gate.weight)
-        probs = logits.softmax(dim=-1)
-        weights, selected = probs.topk(self.cfg.top_k, dim=-1)
-        if self.cfg.renormalize and self.cfg.top_k > 1:
-            # never at k=1: w/w = 1 would give the router no gradient through the output (Switch
-            # scales the expert output by the raw probability)
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        # renormalised over k only for k > 1: at k = 1 the raw probability keeps the gate learning
+        probs, weights, selected = token_topk(logits, self.cfg.top_k,
+                                              renormalize=self.cfg.renormalize and self.cfg.top_k > 1)
         return logits, probs, weights, selected
 
     def mix(self, x, valid=None, cache=None, cache_prefix="", want_attn=False, site_name="mot", step=0):
