@@ -15,11 +15,26 @@ from typing import Any, Dict
 from architectures.config import ConfigError, ModelConfig, explicit_fields
 
 
+#: The tiny shape every variant is tested at (tests/test_contract.py): d_model 32, 4 layers, T 32.
+TINY_TEST_SETTINGS: Dict[str, Any] = dict(vocab_size=97, d_model=32, n_layer=4, n_head=2, block_size=32)
+
+
 @dataclass(frozen=True)
 class Variant:
     target: str  # "module:Class"
     description: str
     overrides: Dict[str, Dict[str, Any]] = field(default_factory=dict)  # {"group": {"field": value}}
+    # ModelConfig overrides for the invariant suite, on top of TINY_TEST_SETTINGS ({"group": {...}} for groups)
+    test_settings: Dict[str, Any] = field(default_factory=dict)
+
+    def test_config(self, name: str, **extra: Any) -> ModelConfig:
+        """A tiny ``ModelConfig`` of this variant: TINY_TEST_SETTINGS, then ``test_settings``, then ``extra``
+        (group dicts merged field by field)."""
+        merged: Dict[str, Any] = dict(TINY_TEST_SETTINGS)
+        for source in (self.test_settings, extra):
+            for key, value in source.items():
+                merged[key] = {**merged.get(key, {}), **value} if isinstance(value, dict) else value
+        return ModelConfig.from_dict({"variant": name, **merged})
 
     def model_class(self):
         module, cls = self.target.split(":")
@@ -29,13 +44,19 @@ class Variant:
         self.model_class().validate_config(config)
 
 
+_SMALL_GRU = {"mom": {"router_hidden": 32}}
+
 VARIANTS: Dict[str, Variant] = {
     "vanilla": Variant("architectures.gpt2:GPT2", "dense GPT-2 (the reference for every ratio)"),
-    "mod": Variant("architectures.mod:MoD", "Mixture-of-Depths: expert-choice top-k tokens per routed block"),
-    "mode_staged": Variant("architectures.mod:MoDEStaged", "MoDE staged: MoD routing around blocks with an MoE MLP"),
+    "mod": Variant("architectures.mod:MoD", "Mixture-of-Depths: expert-choice top-k tokens per routed block",
+                   test_settings={"mod": {"capacity": 0.25}}),
+    "mode_staged": Variant("architectures.mod:MoDEStaged", "MoDE staged: MoD routing around blocks with an MoE MLP",
+                           test_settings={"moe": {"num_experts": 4}, "mod": {"capacity": 0.25}}),
     "mode_integrated": Variant("architectures.mod:MoDEIntegrated",
-                               "MoDE integrated: MoE router over experts plus no-op experts"),
-    "ffn_wider": Variant("architectures.combination:FFNWider", "GPT-2 with a wide FFN (combo.wide_ffn_ratio * d, default 32d)"),
+                               "MoDE integrated: MoE router over experts plus no-op experts",
+                               test_settings={"moe": {"num_experts": 4}, "mod": {"capacity": 0.25}}),
+    "ffn_wider": Variant("architectures.combination:FFNWider", "GPT-2 with a wide FFN (combo.wide_ffn_ratio * d, default 32d)",
+                         test_settings={"combo": {"wide_ffn_ratio": 8.0}}),
     "caa": Variant("architectures.combination:CombinationLM",
                    "Combination Adjustable Architecture: FFN width W split into Outer-FFN (r) and Inner-FFN in MHA (1-r)"),
     "cea": Variant("architectures.combination:CombinationLM",
@@ -44,21 +65,23 @@ VARIANTS: Dict[str, Variant] = {
     "cea_moe": Variant("architectures.combination:CombinationMoELM",
                        "cea with an MoE Inner-FFN (combo.inner_experts, top combo.inner_top_k), dense 4d Outer-FFN",
                        overrides={"combo": {"total_ffn_ratio": 8.0}}),
-    "moe": Variant("architectures.moe:MoEGPT", "GPT-2 with token-choice top-k MoE FFNs (Switch when k=1)"),
+    "moe": Variant("architectures.moe:MoEGPT", "GPT-2 with token-choice top-k MoE FFNs (Switch when k=1)",
+                   test_settings={"moe": {"num_experts": 4}}),
     "mot": Variant("architectures.mot:MoT", "Mixture of Transformers: whole blocks as top-k experts"),
     "depth_gate": Variant("architectures.depth_gate:DepthGate",
                           "gate-weighted sum of layer outputs (blog-post 'MoD'; saves no compute)"),
     "mom": Variant("architectures.mom:MixtureOfModules",
-                   "Mixture-of-Modules: GRU routers assemble pooled attention/FFN modules (plain form, K=1, H=L)"),
+                   "Mixture-of-Modules: GRU routers assemble pooled attention/FFN modules (plain form, K=1, H=L)",
+                   test_settings=_SMALL_GRU),
     "mom_p": Variant("architectures.mom:MixtureOfModules", "MoM-P performant: K=2, H=6, chunked layout",
-                     overrides={"mom": {"top_k": 2, "steps": 6, "layout": "chunked"}}),
+                     overrides={"mom": {"top_k": 2, "steps": 6, "layout": "chunked"}}, test_settings=_SMALL_GRU),
     "mom_e": Variant("architectures.mom:MixtureOfModules", "MoM-E efficient: K=3, H=1, chunked layout",
-                     overrides={"mom": {"top_k": 3, "steps": 1, "layout": "chunked"}}),
+                     overrides={"mom": {"top_k": 3, "steps": 1, "layout": "chunked"}}, test_settings=_SMALL_GRU),
     "mom_i": Variant("architectures.mom:MixtureOfModules", "MoM-I interpolated: K=3, H=2, chunked layout",
-                     overrides={"mom": {"top_k": 3, "steps": 2, "layout": "chunked"}}),
+                     overrides={"mom": {"top_k": 3, "steps": 2, "layout": "chunked"}}, test_settings=_SMALL_GRU),
     "layer_skip": Variant("architectures.mom:MixtureOfModules",
                           "layer skipping as MoM: step h runs layer h or SKIP (learned, K=1)",
-                          overrides={"mom": {"routing": "layer_skip"}}),
+                          overrides={"mom": {"routing": "layer_skip"}}, test_settings=_SMALL_GRU),
     "param_share": Variant("architectures.mom:MixtureOfModules",
                            "parameter sharing as MoM: one attention + one FFN module reused at all L steps",
                            overrides={"mom": {"routing": "param_share", "n_attn": 1, "n_ffn": 1}}),

@@ -1,0 +1,266 @@
+"""The invariants every registered variant must satisfy, driven by the registry (issue 12 §2).
+
+Each case is a registry entry at its tiny ``test_settings`` (d_model 32, 4 layers, T 32), plus routing
+settings that change what the router does (top-1 / top-2, capacity-limited / dropless, MoD sampling
+modes, hard depth gating). A new variant is covered as soon as it has a registry entry.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from architectures import KVCache, build_model, variant_names
+from architectures.registry import VARIANTS
+
+V, T = 97, 32
+
+# (variant, extra settings): every registry entry, then the routing settings worth their own case
+ROUTING_SETTINGS = [
+    ("moe", {"moe": {"top_k": 2}}),
+    ("moe", {"moe": {"top_k": 2, "dropless": False, "capacity_factor": 1.0}}),
+    ("moe", {"moe": {"top_k": 1, "dropless": False, "capacity_factor": 1.0}}),
+    ("mot", {"mot": {"top_k": 1}}),
+    ("mod", {"mod": {"sampling": "aux_loss"}}),
+    ("mode_staged", {"moe": {"top_k": 2}}),
+    ("mode_integrated", {"moe": {"top_k": 2}}),
+    ("cea_moe", {"combo": {"inner_top_k": 2}}),
+    ("depth_gate", {"depth_gate": {"mode": "hard", "top_k": 1}}),
+    ("depth_gate", {"depth_gate": {"mode": "hard", "top_k": 2}}),
+    ("mom", {"mom": {"top_k": 2}}),
+]
+CASES = [(name, {}) for name in variant_names()] + ROUTING_SETTINGS
+IDS = [name + "".join(f"-{g}.{k}={v}" for g, d in extra.items() for k, v in d.items()) for name, extra in CASES]
+
+
+def capacity_limited(extra) -> bool:
+    return extra.get("moe", {}).get("dropless") is False
+
+
+def build(name, extra, seed=0, **more):
+    torch.manual_seed(seed)
+    merged = {**extra, **more}
+    return build_model(VARIANTS[name].test_config(name, **merged))
+
+
+def tokens(B=2, length=T, seed=1):
+    return torch.randint(0, V, (B, length), generator=torch.Generator().manual_seed(seed))
+
+
+def causal_mode(model, force: bool):
+    return model.causal_routing() if force else contextlib.nullcontext()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    yield
+
+
+# ---------------------------------------------------------------------------- a. causality
+@pytest.mark.parametrize("name,extra", CASES, ids=IDS)
+@pytest.mark.parametrize("mode", ["causal_routing", "default_eval"])
+def test_positions_up_to_t_ignore_later_tokens(name, extra, mode):
+    model = build(name, extra).eval()
+    if mode == "default_eval" and model.routing_sees_future:
+        with torch.no_grad():  # honest flag: the default routing does look ahead somewhere
+            a, b = model(tokens()), model(_changed_after(tokens(), T // 2))
+        assert not torch.allclose(a.logits[:, : T // 2], b.logits[:, : T // 2], atol=1e-6)
+        return
+    t = T // 2
+    idx = tokens()
+    with torch.no_grad(), causal_mode(model, mode == "causal_routing"):
+        a, b = model(idx), model(_changed_after(idx, t))
+    torch.testing.assert_close(a.logits[:, :t], b.logits[:, :t], atol=1e-5, rtol=1e-5)
+    for sa, sb in zip(a.trace, b.trace):
+        assert torch.equal(sa.selected[:, :t], sb.selected[:, :t]), sa.name
+        if sa.dropped is not None:
+            assert torch.equal(sa.dropped[:, :t], sb.dropped[:, :t]), sa.name
+
+
+def _changed_after(idx, t):
+    changed = idx.clone()
+    changed[:, t:] = (idx[:, t:] + 1 + torch.arange(idx.shape[1] - t)) % V
+    return changed
+
+
+# ---------------------------------------------------------------------------- b. every router learns
+ROUTER_WORDS = ("router", "gate", "predictor")
+
+
+@pytest.mark.parametrize("name,extra", CASES, ids=IDS)
+def test_every_router_parameter_gets_a_gradient_from_the_lm_loss_alone(name, extra):
+    model = build(name, extra)
+    idx = tokens(B=4)
+    out = model(idx)
+    F.cross_entropy(out.logits[:, :-1].reshape(-1, V), idx[:, 1:].reshape(-1)).backward()  # aux losses left out
+    routers = {n: p for n, p in model.named_parameters()
+               if any(w in n for w in ROUTER_WORDS) and ".predictor." not in n and not n.startswith("predictor")}
+    # MoD's causal predictor reads a stop-gradient input by design (it must not shape the LM): its own BCE trains it.
+    # A GRU router run for one step (H = 1, mom_e) multiplies weight_hh by its zero initial state: inert by design.
+    if getattr(getattr(model, "layout", None), "steps", None) == 1:
+        routers = {n: p for n, p in routers.items() if not n.endswith("cell.weight_hh")}
+    assert routers or not out.trace or all(s.kind == "token_choice" and s.probs is None for s in out.trace)
+    for n, p in routers.items():
+        assert p.grad is not None and p.grad.abs().max() > 0, f"{n} gets no gradient from the LM loss"
+
+
+# ---------------------------------------------------------------------------- c. fp32 routers
+@pytest.mark.parametrize("name,extra", CASES, ids=IDS)
+def test_router_logits_and_weights_are_fp32_under_bf16_autocast(name, extra):
+    model = build(name, extra)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(tokens())
+    for site in out.trace:
+        for what in ("logits", "weights", "probs"):
+            tensor = getattr(site, what)
+            assert tensor is None or tensor.dtype == torch.float32, f"{site.name}.{what} is {tensor.dtype}"
+
+
+# ---------------------------------------------------------------------------- d. batch independence
+@pytest.mark.parametrize("name,extra", [c for c in CASES if not capacity_limited(c[1])],
+                         ids=[i for c, i in zip(CASES, IDS) if not capacity_limited(c[1])])
+def test_an_example_ignores_batch_mates_and_right_padding_and_short_sequences_run(name, extra):
+    model = build(name, extra).eval()
+    idx = tokens(B=3)
+    lengths = (11, 23, T)
+    mask = torch.zeros(3, T, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        mask[row, :length] = 1
+    with torch.no_grad():
+        padded = model(idx, attention_mask=mask)
+        for row, length in enumerate(lengths):
+            alone = model(idx[row:row + 1, :length])
+            torch.testing.assert_close(padded.logits[row, :length], alone.logits[0], atol=1e-5, rtol=1e-5)
+        for length in (1, 2, 3):  # shorter than 1/capacity: k >= 1, never an error
+            assert model(idx[:, :length]).logits.shape == (3, length, V)
+
+
+# ---------------------------------------------------------------------------- e. FLOPs
+def counted(model, *args, **kwargs):
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter, torch.no_grad():
+        out = model(*args, **kwargs)
+    return out, counter.get_total_flops()
+
+
+# Known gap (issue 12 §2e, not done): the analytic figure of a cached decode step is not yet right for the
+# Inner path of caa / cea / cea_moe (strictly-causal attention over the cache) nor for MoT's per-expert
+# cached attention; their full-forward figure is checked.
+DECODE_FLOPS_GAP = {"caa", "cea", "cea_moe", "mot"}
+
+
+@pytest.mark.parametrize("name,extra", CASES, ids=IDS)
+def test_analytic_flops_match_the_flop_counter_for_a_full_forward_and_cached_decode_steps(name, extra):
+    model = build(name, extra).eval()
+    idx = tokens(B=2)
+    with causal_mode(model, model.routing_sees_future):
+        out, flops = counted(model, idx)
+        assert model.flops_per_token(out.trace).forward * idx.numel() == pytest.approx(flops, rel=1e-6)
+        if name in DECODE_FLOPS_GAP:
+            return
+        cache = KVCache()
+        counted(model, idx[:, :20], cache=cache)
+        for t in range(20, 23):
+            out, flops = counted(model, idx[:, t:t + 1], cache=cache)
+            analytic = model.flops_per_token(out.trace, seq_len=None if out.trace else t + 1)
+            assert analytic.forward * 2 == pytest.approx(flops, rel=1e-6), f"decode step at {t}"
+
+
+# ---------------------------------------------------------------------------- f. decoding
+@pytest.mark.parametrize("name,extra", [c for c in CASES if not capacity_limited(c[1])],
+                         ids=[i for c, i in zip(CASES, IDS) if not capacity_limited(c[1])])
+def test_kv_cache_decoding_equals_the_full_causal_forward(name, extra):
+    """(Capacity-limited MoE is left out by design: capacity applies per forward call, README "Capacity".)"""
+    model = build(name, extra).eval()
+    if not model.supports_kv_cache:
+        pytest.fail(f"{name} must decode with a KV cache")
+    idx = tokens(B=2)
+    with torch.no_grad(), model.causal_routing():
+        full = model(idx).logits
+        cache = KVCache()
+        steps = [model(idx[:, :9], cache=cache).logits]
+        steps += [model(idx[:, t:t + 1], cache=cache).logits for t in range(9, T)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+    try:
+        model.prepare_generation()
+    except Exception:  # e.g. MoD trained without a causal decision: generate() refuses, by design
+        return
+    prompt = tokens(B=2, length=6)
+    assert torch.equal(model.generate(prompt, 8, greedy=True), model.generate(prompt, 8, greedy=True, use_cache=False))
+
+
+# ---------------------------------------------------------------------------- g. contract shape
+@pytest.mark.parametrize("name,extra", CASES, ids=IDS)
+def test_aux_loss_is_the_sum_of_its_parts_and_residuals_are_ordered(name, extra):
+    model = build(name, extra)
+    out = model(tokens(), return_residuals=True)
+    torch.testing.assert_close(out.aux_loss, sum(out.aux_losses.values(), torch.zeros(())))
+    tags = [s.tag for s in out.residuals]
+    assert tags[0] == "embed" and tags.count("embed") == 1
+    assert tags[1:] == ["mha", "ffn"] * ((len(tags) - 1) // 2) and len(tags) % 2 == 1
+    layers = [s.layer for s in out.residuals[1:]]
+    assert layers == sorted(layers), "residual snapshots follow the depth"
+    hidden = model(tokens(), compute_logits=False)
+    assert hidden.logits is None
+    torch.testing.assert_close(model.head(hidden.hidden), out.logits)
+
+
+# ---------------------------------------------------------------------------- h. explicit beats preset
+@pytest.mark.parametrize("name", [n for n in variant_names() if VARIANTS[n].overrides])
+def test_an_explicit_value_equal_to_the_default_beats_the_preset(name):
+    from architectures.config import ModelConfig, _GROUPS
+
+    for group, values in VARIANTS[name].overrides.items():
+        cls = _GROUPS[group]
+        for field, preset in values.items():
+            default = getattr(cls(), field)
+            if default == preset:
+                continue
+            config = ModelConfig(variant=name, **{group: cls(**{field: default})})
+            try:
+                built = build_model(config).config
+            except Exception as err:  # the default may not be a valid combination with the rest of the preset
+                assert "model." in str(err), err
+                continue
+            assert getattr(getattr(built, group), field) == default, f"{name}: model.{group}.{field}"
+
+
+# ---------------------------------------------------------------------------- i. routing health
+HEALTH = ["moe", "mot", "mode_staged", "mode_integrated", "cea_moe", "mom", "mom_e", "layer_skip"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", HEALTH)
+def test_routing_stays_healthy_after_training_on_the_embedded_corpus(name):
+    """200 steps at tiny: no no-op/SKIP beyond its budget, no pool collapsed onto one member."""
+    from datamodules.lm import DataConfig, LMDataModule
+
+    dm = LMDataModule(DataConfig(batch_size=8), block_size=T, seed=0)
+    dm.prepare_data()
+    dm.setup("fit")
+    torch.manual_seed(0)
+    model = build_model(VARIANTS[name].test_config(name, vocab_size=dm.vocab_size))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    batches = iter(dm.train_dataloader())
+    for _ in range(200):
+        batch = next(batches)
+        out = model(batch[:, :-1])
+        loss = F.cross_entropy(out.logits.reshape(-1, dm.vocab_size), batch[:, 1:].reshape(-1)) + out.aux_loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    with torch.no_grad():
+        out = model(next(batches)[:, :-1])
+    budget = 1.0 - model.config.mod.capacity if name == "mode_integrated" else 0.9
+    for site in out.trace:
+        counts = site.counts().float()
+        share = counts / counts.sum()
+        skip = sum(share[i] for i, c in enumerate(site.choice_names) if c == "skip")
+        assert float(skip) <= budget + 1e-6, f"{site.name}: {float(skip):.2f} of the slots go to skip"
+        real = [share[i] for i, c in enumerate(site.choice_names) if c != "skip"]
+        if len(real) > 1 and counts.sum() > 0:
+            assert float(max(real)) < 0.95 * float(sum(real)) + 1e-6, f"{site.name} collapsed: {share.tolist()}"
