@@ -201,25 +201,6 @@ def test_parameter_count_matches_closed_form(variant, bias, combo):
                              else model.config.combo.total_ffn_ratio * d)
 
 
-# ---------------------------------------------------------------------------- generation with a cache
-@pytest.mark.parametrize("variant", ["ffn_wider", "caa", "cea", "cea_moe"])
-def test_incremental_decoding_with_cache_equals_full_forward(variant):
-    model = build(variant, **({"wide_ffn_ratio": 8.0} if variant == "ffn_wider" else {}))
-    x = tokens(t=12)
-    full = model(x).logits
-    cache = KVCache()
-    pieces = [model(x[:, :5], cache=cache).logits]
-    for t in range(5, 12):
-        pieces.append(model(x[:, t:t + 1], cache=cache).logits)
-    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-5, atol=1e-5)
-    if model.inner_width:
-        assert cache.length("block0.inner") == 12 and cache.layers["block0.inner"][0].shape[-1] == 0
-    prompt = x[:, :4]
-    with_cache = model.generate(prompt, 6, greedy=True, use_cache=True)
-    without = model.generate(prompt, 6, greedy=True, use_cache=False)
-    assert torch.equal(with_cache, without)
-
-
 def test_cache_reorder_keeps_the_inner_values_with_their_rows():
     model = build("cea_moe")
     x = tokens(B=3, t=8)

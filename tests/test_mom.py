@@ -8,7 +8,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from architectures import ModelConfig, build_model
 from architectures.config import ConfigError, MoMConfig
-from architectures.contract import KVCache
 from architectures.dispatch import dense_reference
 from architectures.gpt2 import causal_attention, vanilla_flops
 from architectures.mom import MixtureOfModules, _Route, chunked_defaults
@@ -339,21 +338,6 @@ def test_flops_formula_by_hand_and_mom_e_meets_the_benchmark_goal_at_small():
         small = build_model(ModelConfig(variant="mom_e", size="small"))
     ratio = small.flops_per_token().forward / vanilla_flops(small.config).forward
     assert ratio == pytest.approx(0.8565, abs=1e-4) and ratio <= 0.86
-
-
-# ---------------------------------------------------------------------------- generation
-@pytest.mark.parametrize("variant", ["mom_p", "layer_skip"])
-def test_kv_cache_decoding_matches_the_full_forward(variant):
-    model = mom(variant, dims=SLIM, temperature=1.0, router_hidden=48).eval()
-    idx = tokens(B=2, T=30)
-    full = model(idx).logits
-    cache = KVCache()
-    pieces = [model(idx[:, :20], cache=cache).logits]
-    pieces += [model(idx[:, t: t + 1], cache=cache).logits for t in range(20, 30)]
-    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-4, atol=1e-4)
-    assert cache.length("chunk0.step0") == 30 and cache.offset == 30
-    out = model.generate(idx[:, :5], max_new_tokens=4, greedy=True)
-    assert torch.equal(out, model.generate(idx[:, :5], max_new_tokens=4, greedy=True, use_cache=False))
 
 
 # ---------------------------------------------------------------------------- presets and config errors
