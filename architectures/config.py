@@ -264,22 +264,18 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: Dict[str, Any]) -> "ModelConfig":
-        groups = {f.name: f.type for f in dataclasses.fields(cls) if f.name in _GROUPS}
         kwargs = dict(data)
-        for name in groups:
+        for name, group in config_groups().items():
             if name in kwargs and isinstance(kwargs[name], dict):
-                kwargs[name] = _GROUPS[name](**kwargs[name])
+                kwargs[name] = group(**kwargs[name])
         return cls(**kwargs)
 
 
-_GROUPS = {
-    "mod": MoDConfig,
-    "moe": MoEConfig,
-    "mot": MoTConfig,
-    "depth_gate": DepthGateConfig,
-    "mom": MoMConfig,
-    "combo": CombinationConfig,
-}
+def config_groups() -> Dict[str, type]:
+    """{group name: its dataclass}, collected from ``ModelConfig``'s fields: the one list of config groups
+    (``from_dict``, the CLI's resolved config and the tests all read it)."""
+    return {f.name: f.default_factory for f in dataclasses.fields(ModelConfig)
+            if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)}
 
 
 def layer_selection(spec: Union[str, List[int]], n_layer: int, field_name: str) -> List[int]:

@@ -31,7 +31,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace  # noqa: E402
 
 from architectures import ModelConfig, variant_names  # noqa: E402
-from architectures.config import ConfigError, SIZES  # noqa: E402
+from architectures.config import ConfigError, SIZES, config_groups  # noqa: E402
 from callbacks import CallbacksConfig, config_from as callbacks_config  # noqa: E402
 from datamodules.corpora import DataError, corpus_names  # noqa: E402
 from datamodules.lm import DataConfig  # noqa: E402
@@ -144,7 +144,7 @@ def resolved_namespace(cfg: Namespace, mcfg: ModelConfig) -> Namespace:
     """The config as it actually ran: size defaults, preset and tokenizer vocabulary filled in."""
     resolved = cfg.clone()
     resolved.model = Namespace(**dataclasses.asdict(mcfg.resolve()))
-    for group in ("mod", "moe", "mot", "depth_gate", "mom", "combo"):
+    for group in config_groups():
         resolved.model[group] = Namespace(**resolved.model[group])
     return resolved
 
