@@ -4,7 +4,7 @@
 and THE forward pass (defined once, here): embed at the cache offset, run ``body``, advance the
 cache, apply the head, return ``ModelOutput``. A ``ForwardState`` travels through the blocks and
 collects what they report (routing sites, aux losses, residual snapshots). A variant implements only
-what differs: its blocks (each ``block(x, state) -> x`` and ``block.flops(sites, T) -> Flops``), or
+what differs: its blocks (each ``block(x, state) -> x`` and ``block.flops(sites, T, queries) -> Flops``), or
 ``body`` when the layout itself is routed (MoM, depth gating). ``flops_per_token`` is composed from
 the blocks' figures with one sequence-length rule (``resolve_seq_len``). The declared contract for
 callers (causal routing, vanilla-weight mapping, generation readiness) is on this class too.
@@ -196,15 +196,20 @@ class LanguageModel(nn.Module):
         return x
 
     # ------------------------------------------------------------------ FLOPs, composed from the blocks
-    def flops_per_token(self, trace: Optional[List[RoutingSite]] = None, seq_len: Optional[int] = None) -> Flops:
+    def flops_per_token(self, trace: Optional[List[RoutingSite]] = None, seq_len: Optional[int] = None,
+                        queries: Optional[int] = None) -> Flops:
         """Forward FLOPs per token of the traced batch (or expected, without a trace): the head plus
-        every block's ``flops(sites, T)`` plus ``extra_flops``, T from ``resolve_seq_len``."""
+        every block's ``flops(sites, T, queries)`` plus ``extra_flops``. T (keys per query) comes from
+        ``resolve_seq_len``; ``queries`` = new positions of the call (a cached decode step: 1), by default
+        the trace's T, else a full forward (T)."""
         cfg = self.config
         T = resolve_seq_len(trace, seq_len, cfg.block_size)
+        if queries is None:
+            queries = int(trace[0].selected.shape[1]) if trace else T
         sites = {site.name: site for site in trace or []}
         total = F_.lm_head(cfg.d_model, cfg.vocab_size) + self.extra_flops(sites, T)
         for block in self.flop_blocks():
-            total = total + block.flops(sites, T)
+            total = total + block.flops(sites, T, queries)
         return total
 
     def flop_blocks(self) -> Iterable[nn.Module]:

@@ -160,15 +160,18 @@ class CombinationBlock(nn.Module):
         state.record("ffn", layer, x)  # unchanged when r = 0: no Outer-FFN
         return x
 
-    def flops(self, sites: Dict[str, RoutingSite], T: int) -> F_.Flops:
+    def flops(self, sites: Dict[str, RoutingSite], T: int, queries: Optional[int] = None) -> F_.Flops:
         d = self.d_model
         flops = F_.Flops(attn_proj=F_.attention_projections(d), attn_scores=F_.attention_scores(d, T),
                          ffn=F_.ffn(d, self.outer) if self.outer else 0.0)
         inner = self.attn.inner
         if inner is None:
             return flops
-        # (T-1) queries x (T-1) keys per sequence (the shifted causal call), averaged over T tokens.
-        path = F_.Flops(attn_proj=2 * F_.linear(d, d), attn_scores=F_.attention_scores(d, (T - 1) ** 2 / T))
+        # strictly causal = causal over the keys shifted by one: the call's Q queries (minus one at
+        # absolute position 0, which has no earlier key) x (T - 1) keys, averaged over the Q new tokens
+        Q = T if queries is None else queries
+        scored = Q - max(0, Q - (T - 1))
+        path = F_.Flops(attn_proj=2 * F_.linear(d, d), attn_scores=F_.attention_scores(d, scored * (T - 1) / Q))
         if isinstance(inner.ffn, MoELayer):
             path = path + inner.ffn.flops_per_token(sites.get(f"block{self.index}.{INNER_SITE}"), d)
         else:

@@ -101,7 +101,7 @@ class Block(nn.Module):
         state.record("ffn", self.index, x)
         return x
 
-    def flops(self, sites: Dict[str, RoutingSite], T: int) -> F_.Flops:
+    def flops(self, sites: Dict[str, RoutingSite], T: int, queries: Optional[int] = None) -> F_.Flops:
         return F_.dense_block(self.d_model, self.ffn_hidden, T)
 
 

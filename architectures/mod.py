@@ -309,7 +309,7 @@ class RoutedBlock(nn.Module):
             ctx.trace.append(chosen.moe_site)
 
     # -------------------------------------------------------------- FLOPs
-    def flops(self, sites: Dict[str, RoutingSite], T: int) -> F_.Flops:
+    def flops(self, sites: Dict[str, RoutingSite], T: int, queries: Optional[int] = None) -> F_.Flops:
         """Per token of the batch: the block on the processed tokens only, the router and predictor on all."""
         d, hidden = self.d_model, self.ffn_hidden
         site = sites.get(self.name)

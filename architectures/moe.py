@@ -196,7 +196,7 @@ class MoEBlock(nn.Module):
         state.record("ffn", self.index, x)
         return x
 
-    def flops(self, sites: Dict[str, RoutingSite], T: int) -> F_.Flops:
+    def flops(self, sites: Dict[str, RoutingSite], T: int, queries: Optional[int] = None) -> F_.Flops:
         d = self.ln_1.normalized_shape[0]
         attention = F_.Flops(attn_proj=F_.attention_projections(d), attn_scores=F_.attention_scores(d, T))
         return attention + self.moe.flops_per_token(sites.get(self.site_name), d)

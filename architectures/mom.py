@@ -319,7 +319,7 @@ class MoMChunk(nn.Module):
             x = self.anchor(x, run)
         return x
 
-    def flops(self, sites: Dict[str, RoutingSite], T: int) -> F_.Flops:
+    def flops(self, sites: Dict[str, RoutingSite], T: int, queries: Optional[int] = None) -> F_.Flops:
         """This chunk's sites: attention projections (QKV + output) once per (token, chosen real module);
         attention scores ``4 * T * d`` per token once per step when any token of the batch chose a real
         attention module (the shared attention runs over all tokens); FFN once per (token, chosen real
@@ -328,7 +328,7 @@ class MoMChunk(nn.Module):
         1 for fixed and layer-skip sites). Plus the anchor layer, dense."""
         cfg = self.config
         d, hidden = cfg.d_model, cfg.ffn_hidden
-        total = self.anchor.flops(sites, T) if self.anchor is not None else F_.Flops()
+        total = self.anchor.flops(sites, T, queries) if self.anchor is not None else F_.Flops()
         learned = _LEARNED[cfg.mom.routing]
         for kind, pool, names in (("attn", self.n_attn, len(self.attn_names)), ("ffn", self.n_ffn, len(self.ffn_names))):
             router = router_flops(d, cfg.mom.router_hidden, names) if learned[kind] else 0.0

@@ -145,7 +145,7 @@ class MoTLayer(nn.Module):
         state.record("ffn", self.index, x)
         return x
 
-    def flops(self, sites: Dict[str, RoutingSite], T: int) -> F_.Flops:
+    def flops(self, sites: Dict[str, RoutingSite], T: int, queries: Optional[int] = None) -> F_.Flops:
         return self.flops_per_token(sites.get(self.site_name), self.config, T)
 
     def route(self, x: torch.Tensor):
@@ -162,11 +162,14 @@ class MoTLayer(nn.Module):
         logits, probs, weights, selected = self.route(x)
         x_flat, w_flat = x.reshape(N, d), weights.reshape(N * k)
         full, attn, tokens = [], [], []
+        pairs = 0.0  # with a cache: (query, key) pairs the experts' attention scored, for the FLOPs
         for e, seg in enumerate(plan_segments(selected, valid, self.cfg.num_experts)):
             if seg is None:
                 continue
             a, f = expert_update(self.experts[e], x_flat.index_select(0, seg.tokens), seg, B, cache,
                                  f"{cache_prefix}.expert{e}")
+            if cache is not None:
+                pairs += B * seg.width * cache.length(f"{cache_prefix}.expert{e}")
             w = w_flat.index_select(0, seg.slots).to(x.dtype).unsqueeze(-1)
             full.append(f * w)
             attn.append(a * w)
@@ -182,7 +185,8 @@ class MoTLayer(nn.Module):
         site = RoutingSite(name=site_name, kind="token_choice",
                            choice_names=[f"expert{i}" for i in range(self.cfg.num_experts)],
                            selected=selected, weights=weights, group="mot", step=step, probs=probs,
-                           valid=None if valid is None else valid.to(torch.bool), logits=logits)
+                           valid=None if valid is None else valid.to(torch.bool), logits=logits,
+                           extras={"attn_pairs": torch.tensor(pairs)} if cache is not None else {})
         return combine(full), (combine(attn) if want_attn else None), site, aux
 
     def flops_per_token(self, site: Optional[RoutingSite], config: ModelConfig, seq_len: int) -> F_.Flops:
@@ -199,6 +203,8 @@ class MoTLayer(nn.Module):
             if seg is not None:
                 n_tokens += seg.tokens.numel()
                 scores += B * seg.width * F_.attention_scores(d, seg.width)
+        if "attn_pairs" in site.extras:  # cached call: each new token also scored its expert's cached keys
+            scores = F_.attention_scores(d, float(site.extras["attn_pairs"]))
         return per_token.scale(n_tokens / (B * T)) + F_.Flops(attn_scores=scores / (B * T)) + gate
 
 
