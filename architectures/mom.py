@@ -29,9 +29,10 @@ Routing modes (``model.mom.routing``), each a configuration of the same code:
 ``learned``; ``vanilla`` (module h at step h, one slot, weight 1); ``param_share`` (module 0 at every
 step); ``moe`` (attention fixed at module h, FFN learned over the pool); ``layer_skip`` (the learned
 router may choose only module h or SKIP at step h, K=1).
-``moe`` is an MoE-flavoured MoM configuration, NOT the ``moe`` variant: its FFN experts form one pool
-shared by every step, chosen by the GRU router at temperature ``tau`` with SKIP competing, while the
-``moe`` variant has separate experts per layer behind a linear router. No equivalence is claimed.
+Under ``moe`` the FFN pool is restricted per step (``allowed_choices``): step h chooses among its own
+E = n_ffn / steps experts, so each step is an MoE layer with its own experts. Given the same weights
+and the same routing (a linear router on the step's LayerNorm, temperature 1, no SKIP) it computes
+exactly the ``moe`` variant (tested); its own router is the GRU.
 Routers (GRUCell and W_o) start at N(0, 0.02) weights and zero biases, as in the official code.
 Fixed sites have no router; they still appear in the trace (one slot, weight 1).
 
@@ -155,6 +156,14 @@ def validate_mom_config(config: ModelConfig) -> MoMLayout:
         require(layout.n_ffn >= layout.steps, "model.mom.n_ffn",
                 f"routing {m.routing!r} uses FFN module h at step h: needs n_ffn >= steps "
                 f"(got n_ffn={layout.n_ffn}, steps={layout.steps})")
+    if m.routing == "moe":
+        require(layout.n_ffn % layout.steps == 0, "model.mom.n_ffn",
+                f"routing 'moe' gives each of the {layout.steps} steps its own n_ffn / steps experts: n_ffn must be "
+                f"a multiple of steps, got n_ffn={layout.n_ffn}")
+        per_step = layout.n_ffn // layout.steps + skip
+        require(m.top_k <= per_step, "model.mom.top_k",
+                f"K={m.top_k} exceeds the {per_step} choices of a step under routing 'moe' (n_ffn / steps"
+                f"{' + SKIP' if skip else ''})")
     if m.routing == "layer_skip":
         require(m.allow_skip, "model.mom.allow_skip", "routing 'layer_skip' needs the SKIP module")
         require(m.top_k == 1, "model.mom.top_k", f"routing 'layer_skip' chooses module h or SKIP: K must be 1, got {m.top_k}")
@@ -244,6 +253,27 @@ class MoMChunk(nn.Module):
         self.resid_drop = nn.Dropout(config.dropout)
 
     # ------------------------------------------------------------------ routing
+    def allowed_choices(self, kind: str, step: int, n_names: int, device) -> Optional[torch.Tensor]:
+        """The choices a learned router may take at ``step`` (None: all of them).
+
+        ``layer_skip``: module h or SKIP. ``moe``: the FFN pool is split into ``steps`` groups of
+        E = n_ffn / steps experts and step h chooses within its own group (plus SKIP when allowed), so
+        each step is one MoE layer with its own experts, as in the ``moe`` variant.
+        """
+        routing = self.cfg.routing
+        if routing == "layer_skip":
+            allowed = torch.zeros(n_names, dtype=torch.bool, device=device)
+            allowed[step] = allowed[-1] = True
+            return allowed
+        if routing == "moe" and kind == "ffn":
+            per_step = self.n_ffn // self.steps
+            allowed = torch.zeros(n_names, dtype=torch.bool, device=device)
+            allowed[step * per_step:(step + 1) * per_step] = True
+            if self.cfg.allow_skip:
+                allowed[-1] = True
+            return allowed
+        return None
+
     def _fixed_module(self, kind: str, step: int) -> int:
         if self.cfg.routing == "param_share":
             return 0
@@ -263,10 +293,7 @@ class MoMChunk(nn.Module):
             run.trace.append(RoutingSite(selected=selected.view(B, T, 1), weights=weights.view(B, T, 1), **site))
             return _Route(selected, weights, fixed=module), state
         logits, state = router(x.reshape(B * T, d), state)
-        allowed = None
-        if self.cfg.routing == "layer_skip":
-            allowed = torch.zeros(len(names), dtype=torch.bool, device=x.device)
-            allowed[step] = allowed[-1] = True
+        allowed = self.allowed_choices(kind, step, len(names), x.device)
         probs, weights, selected = token_topk(logits, self.cfg.top_k, self.cfg.temperature, renormalize=True,
                                               straight_through=self.cfg.straight_through, allowed=allowed)
         valid = run.valid.reshape(-1) if run.valid is not None else torch.ones(B * T, dtype=torch.bool, device=x.device)
@@ -336,7 +363,8 @@ class MoMChunk(nn.Module):
             if all(site is not None for site in own):
                 per_step = [float((s.selected < pool).sum()) / (s.selected.shape[0] * s.selected.shape[1]) for s in own]
             else:
-                k = 1 if (not learned[kind] or cfg.mom.routing == "layer_skip") else min(cfg.mom.top_k, pool)
+                choices = pool // self.steps if (cfg.mom.routing == "moe" and kind == "ffn") else pool
+                k = 1 if (not learned[kind] or cfg.mom.routing == "layer_skip") else min(cfg.mom.top_k, choices)
                 per_step = [float(k)] * self.steps
             modules = sum(per_step)
             if kind == "attn":

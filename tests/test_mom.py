@@ -284,6 +284,64 @@ def test_layer_skip_chooses_only_module_h_or_skip_and_moe_fixes_attention():
     assert model.chunks[0].attn_router is None and model.chunks[0].ffn_router is not None
 
 
+class _MoERouterOfStep(torch.nn.Module):
+    """Stands in for MoM's GRU FFN router: at step h, the ``moe`` variant's layer-h router on its LayerNorm."""
+
+    def __init__(self, moe_model, n_choices):
+        super().__init__()
+        self.moe_model, self.n_choices = moe_model, n_choices
+
+    def forward(self, x, state):
+        step = 0 if state is None else int(state[0])
+        block = self.moe_model.blocks[step]
+        E = block.moe.num_experts
+        # other steps' experts would win: only the pool restriction keeps them out
+        logits = torch.full((x.shape[0], self.n_choices), 50.0)
+        logits[:, step * E:(step + 1) * E] = block.moe.router(block.ln_2(x)).float()
+        return logits, torch.full((1,), step + 1)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_moe_routing_is_the_moe_variant_given_the_same_weights_and_routing(k):
+    """Issue 12 §3.6: MoM's MoE special case as a per-step expert-pool restriction, exactly the ``moe`` variant.
+
+    k >= 2 (both renormalise over the k picks); at k = 1 MoM's weight is 1 where Switch scales by p."""
+    from architectures.config import MoEConfig
+
+    E, L = 3, 4
+    torch.manual_seed(0)
+    moe = build_model(ModelConfig(variant="moe", vocab_size=V, d_model=32, n_layer=L, n_head=2, block_size=32,
+                                  moe=MoEConfig(num_experts=E, top_k=k, renormalize=True))).eval()
+    model = build_model(ModelConfig(variant="mom", vocab_size=V, d_model=32, n_layer=L, n_head=2, block_size=32,
+                                    mom=MoMConfig(routing="moe", n_ffn=L * E, top_k=k, allow_skip=False,
+                                                  temperature=1.0, straight_through=False))).eval()
+    chunk = model.chunks[0]
+    with torch.no_grad():
+        for name in ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"):
+            model.state_dict()[name].copy_(moe.state_dict()[name])
+        for h, block in enumerate(moe.blocks):
+            chunk.attn_modules[h].ln_1.load_state_dict(block.ln_1.state_dict())
+            chunk.attn_modules[h].attn.load_state_dict(block.attn.state_dict())
+            for e in range(E):
+                chunk.ffn_modules[h * E + e].ln_2.load_state_dict(block.ln_2.state_dict())
+                chunk.ffn_modules[h * E + e].mlp.load_state_dict(block.moe.experts[e].state_dict())
+    chunk.ffn_router = _MoERouterOfStep(moe, len(chunk.ffn_names))
+    idx = tokens(B=2, T=16)
+    with torch.no_grad():
+        want, got = moe(idx), model(idx)
+    ffn_sites = [s for s in got.trace if s.group.endswith(".ffn")]
+    for site, moe_site in zip(ffn_sites, want.trace):
+        assert torch.equal(site.selected - site.step * E, moe_site.selected)
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)
+
+
+def test_moe_routing_restricts_each_step_to_its_own_experts():
+    model = mom(routing="moe", n_ffn=8, top_k=2, temperature=1.0)  # plain tiny: 4 steps x 2 experts + SKIP
+    out = model(tokens(B=4, T=32))
+    for site in (s for s in out.trace if s.group.endswith(".ffn")):
+        assert set(site.selected.unique().tolist()) <= {2 * site.step, 2 * site.step + 1, len(site.choice_names) - 1}
+
+
 def test_trace_names_groups_and_balance_loss():
     model = mom("mom_i", size="tiny")  # K=3, H=2, one chunk of 3 modules + anchor
     idx = tokens()
