@@ -91,8 +91,6 @@ class LanguageModel(nn.Module):
     #: True when the default (training / eval) routing is not causal: a token's routing may depend on
     #: later tokens (MoD's sequence top-k). Causal evaluation then needs ``causal_routing()``.
     routing_sees_future: bool = False
-    #: settings for the invariant suite (tests/test_contract.py): tiny config overrides per variant live
-    #: in the registry (``Variant.test_settings``); nothing here.
 
     def __init__(self, config: ModelConfig):
         super().__init__()

@@ -3,9 +3,10 @@
 Callbacks, FLOPs accounting, analyses and the Lightning modules read ONLY these structures,
 never a variant's internals, so a new variant needs one architecture file and one registry entry.
 
-``model(idx, attention_mask=None, return_residuals=False, cache=None) -> ModelOutput``
+``model(idx, attention_mask=None, return_residuals=False, cache=None, compute_logits=True) -> ModelOutput``
+(the one forward, ``base.LanguageModel.forward``; the rest of the declared contract is on that class)
 
-* ``logits``: (B, T, V) float.
+* ``logits``: (B, T, V) float; None with ``compute_logits=False``.
 * ``aux_loss``: scalar tensor added to the LM loss (0 for vanilla). ``aux_losses`` breaks it
   down by name (e.g. ``"layer1.moe/balance"``) for logging.
 * ``trace``: a list of ``RoutingSite`` (empty for vanilla), one per routing decision point.
@@ -14,7 +15,8 @@ never a variant's internals, so a new variant needs one architecture file and on
   in the order they happened (routed models report the updates as they actually happened).
 * ``cache``: the updated ``KVCache`` when one was passed in (generation).
 * ``hidden``: optional (B, T, d) stream the head reads (before ``ln_f``), for a model whose head
-  does not read the last residual state (depth gating's gated mix). Use ``final_hidden(out)``.
+  does not read the last residual state (depth gating's gated mix), and always with
+  ``compute_logits=False``. Use ``final_hidden(out)``.
 
 The FLOPs of a forward pass are ``model.flops_per_token(trace)`` -> ``Flops`` (see ``flops.py``).
 """
@@ -87,7 +89,7 @@ class SubLayerState:
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor
+    logits: Optional[torch.Tensor]
     aux_loss: torch.Tensor
     trace: List[RoutingSite] = field(default_factory=list)
     residuals: Optional[List[SubLayerState]] = None
