@@ -55,7 +55,8 @@ def _replaced_object(cls):
     import sys
 
     frame = sys._getframe(2)
-    if frame.f_code is dataclasses.replace.__code__:
+    # Python <= 3.12 builds the copy in dataclasses.replace itself, 3.13+ in dataclasses._replace.
+    if frame.f_globals.get("__name__") == "dataclasses" and frame.f_code.co_name in ("replace", "_replace"):
         obj = frame.f_locals.get("obj")
         return obj if isinstance(obj, cls) else None
     return None
