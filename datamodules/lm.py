@@ -138,6 +138,7 @@ class LMDataModule(L.LightningDataModule):
         self.samples_consumed = 0  # per rank, restored from checkpoints
         self.train_set: Optional[PackedBlocks] = None
         self.val_sets: Dict[str, PackedBlocks] = {}
+        self._fingerprints: Optional[Dict[str, str]] = None
 
     # ------------------------------------------------------------------ tokenizer and cache
     @property
@@ -233,6 +234,17 @@ class LMDataModule(L.LightningDataModule):
             loaders.append(DataLoader(subset, batch_size=self.config.batch_size, shuffle=False, num_workers=0))
         return loaders if len(loaders) > 1 else loaders[0]
 
+    def fingerprints(self) -> Dict[str, str]:
+        """What the token stream depends on besides the model: saved in every checkpoint (``state_dict``)
+        so that ``experiments.run --ckpt_path`` resumes only a run trained on the same data and tokenizer."""
+        if self._fingerprints is None:
+            self._fingerprints = {
+                "data": f"{self.corpus.name}:{self.corpus.fingerprint()}",
+                "tokenizer": f"{self.tokenizer.name}:{self.tokenizer.fingerprint}",
+                "val_fraction": str(self.config.val_fraction),
+            }
+        return self._fingerprints
+
     def val_names_from_corpus(self) -> List[str]:
         """Names of the validation loaders, known before ``setup`` (the LightningModule needs them)."""
         named = self.corpus.validation_sets()
@@ -244,7 +256,7 @@ class LMDataModule(L.LightningDataModule):
         consumed = self.samples_consumed
         if trainer is not None:
             consumed = trainer.global_step * trainer.accumulate_grad_batches * self.config.batch_size
-        return {"samples_consumed": consumed}
+        return {"samples_consumed": consumed, "fingerprints": self.fingerprints()}
 
     def load_state_dict(self, state: dict) -> None:
         self.samples_consumed = int(state.get("samples_consumed", 0))

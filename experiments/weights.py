@@ -16,13 +16,35 @@ import torch
 from architectures.config import ConfigError
 
 
+def read_checkpoint(path, option: str = "ckpt_path") -> dict:
+    """The checkpoint at ``path`` as a dict; a missing, truncated or foreign file is one ConfigError line.
+
+    Memory-mapped when the file allows it, so reading the metadata of a large checkpoint is cheap.
+    """
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{option}: {path} does not exist or is not a file")
+    try:
+        try:
+            blob = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        except RuntimeError:  # legacy (non-zip) files cannot be memory-mapped
+            blob = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # noqa: BLE001 - any failure to unpickle means "not a usable checkpoint"
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
+        raise ConfigError(f"{option}: {path} is not a readable PyTorch checkpoint (truncated or another kind of "
+                          f"file: {reason})") from None
+    if not isinstance(blob, dict):
+        raise ConfigError(f"{option}: {path} holds a {type(blob).__name__}, not a checkpoint dict")
+    return blob
+
+
 def vanilla_state_from(source: str) -> Dict[str, torch.Tensor]:
     if source.startswith("hf:") or (pathlib.Path(source).is_dir() and (pathlib.Path(source) / "config.json").is_file()):
         return _hf_state(source.removeprefix("hf:"))
     path = pathlib.Path(source)
     if not path.is_file():
         raise FileNotFoundError(f"init_from: {source} is neither a checkpoint file, 'hf:<id>' nor a Hugging Face folder")
-    blob = torch.load(path, map_location="cpu", weights_only=False)
+    blob = read_checkpoint(path, "init_from")
     state = blob.get("state_dict", blob) if isinstance(blob, dict) else blob
     # Lightning checkpoints prefix the LanguageModelModule attribute name.
     return {k.removeprefix("model."): v for k, v in state.items() if not k.startswith(("val_", "tokens_seen"))}
