@@ -63,6 +63,9 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--config", action=ActionConfigFile)
     parser.add_argument("--task", type=str, required=True, help="glue/<task>, glue/all or xsum")
     parser.add_argument("--init_from", type=Optional[str], default=None)
+    parser.add_argument("--init_strict", type=bool, default=True,
+                        help="refuse --init_from when its tokenizer differs or it initialises less than --init_min_share")
+    parser.add_argument("--init_min_share", type=float, default=0.5)
     parser.add_argument("--tokenizer", type=Optional[str], default=None)
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--log_dir", type=str, default="runs/finetune")
@@ -176,17 +179,14 @@ def backbone_config(cfg: Namespace, vocab_size: int) -> Tuple[ModelConfig, Optio
     return built, source
 
 
-def load_backbone(model, init_from: str, source: ModelConfig) -> None:
-    from experiments.weights import load_initial_weights, vanilla_state_from
+def load_backbone(model, init_from: str, source: Optional[ModelConfig] = None, strict: bool = False,
+                  min_share: float = 0.5, tokenizer=None) -> None:
+    """``--init_from`` into the backbone, with the table of loaded / mapped / unused / new tensors
+    (a checkpoint of the same variant loads by name; a vanilla one through the variant's mapping)."""
+    from experiments.weights import load_initial_weights
 
-    if source.variant == model.config.variant and not _is_hf(init_from):
-        state = {k: v for k, v in vanilla_state_from(init_from).items() if not k.startswith("head.")}
-        result = model.load_state_dict(state, strict=False)
-        if result.missing_keys or result.unexpected_keys:
-            raise ConfigError(f"init_from: {init_from} does not match the {model.config.variant} backbone "
-                              f"(missing {result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]})")
-        return
-    load_initial_weights(model, init_from)
+    fingerprint = f"{tokenizer.name}:{tokenizer.fingerprint}" if tokenizer is not None else None
+    load_initial_weights(model, init_from, strict=strict, min_share=min_share, tokenizer=fingerprint)
 
 
 def resolve_tokenizer(spec: Optional[str], init_from: Optional[str]):
@@ -264,14 +264,15 @@ def total_steps(cfg: Namespace, train_size: int, epochs: int, world: int) -> int
     return epochs * math.ceil(train_size / (cfg.data.batch_size * world))
 
 
-def build_module(module_cls, cfg: Namespace, vocab_size: int, **kwargs):
+def build_module(module_cls, cfg: Namespace, tokenizer, **kwargs):
     import lightning as L
 
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    mcfg, source = backbone_config(cfg, vocab_size)
+    mcfg, _ = backbone_config(cfg, tokenizer.vocab_size)
     module = module_cls(model=dataclasses.asdict(mcfg), **kwargs)
     if cfg.init_from:
-        load_backbone(module.model, cfg.init_from, source)
+        load_backbone(module.model, cfg.init_from, strict=cfg.init_strict, min_share=cfg.init_min_share,
+                      tokenizer=tokenizer)
     return module, mcfg
 
 
@@ -290,7 +291,7 @@ def run_glue_task(cfg: Namespace, task: str, tokenizer, save_dir: pathlib.Path, 
     data.setup("fit")
     trainer = make_trainer(cfg, save_dir, name, version, epochs)
     steps = total_steps(cfg, len(data.train_set), epochs, trainer.world_size)
-    module, mcfg = build_module(GlueModule, cfg, tokenizer.vocab_size, task=spec.name, optim=optim_settings(cfg, steps),
+    module, mcfg = build_module(GlueModule, cfg, tokenizer, task=spec.name, optim=optim_settings(cfg, steps),
                                 max_steps=steps, head_dropout=cfg.dropout)
     trainer.fit(module, datamodule=data)
     final = trainer.validate(module, datamodule=data, verbose=False)
@@ -322,7 +323,7 @@ def run_xsum(cfg: Namespace, tokenizer, save_dir: pathlib.Path, name: str, versi
     data.setup("fit")
     trainer = make_trainer(cfg, save_dir, name, version, epochs)
     steps = total_steps(cfg, len(data.train_set), epochs, trainer.world_size)
-    module, mcfg = build_module(XSumModule, cfg, tokenizer.vocab_size, optim=optim_settings(cfg, steps), max_steps=steps,
+    module, mcfg = build_module(XSumModule, cfg, tokenizer, optim=optim_settings(cfg, steps), max_steps=steps,
                                 eot_id=tokenizer.eot_id, num_beams=cfg.num_beams, max_new_tokens=cfg.max_new_tokens,
                                 length_penalty=cfg.length_penalty, rouge_stemmer=cfg.rouge_stemmer, tokenizer=tokenizer)
     trainer.fit(module, datamodule=data)

@@ -84,6 +84,11 @@ def build_parser() -> ArgumentParser:
                         help="resume: a checkpoint path, or 'last' for the newest last.ckpt of this variant-size")
     parser.add_argument("--init_from", type=Optional[str], default=None,
                         help="initialise weights from a vanilla checkpoint, 'hf:gpt2' or a local HF folder")
+    parser.add_argument("--init_strict", type=bool, default=True,
+                        help="refuse --init_from when its tokenizer differs or it initialises less than "
+                        "--init_min_share of the parameters")
+    parser.add_argument("--init_min_share", type=float, default=0.5,
+                        help="smallest share of the model's parameters --init_from must initialise (strict mode)")
     parser.add_argument("--val_every", type=int, default=100, help="validate every N optimisation steps")
     parser.add_argument("--val_batches", type=int, default=20, help="batches per validation set and rank")
     parser.add_class_arguments(ModelConfig, "model")
@@ -119,6 +124,8 @@ def validate_up_front(cfg: Namespace) -> None:
         raise ConfigError(f"trainer.max_steps: must be a positive integer, got {cfg.trainer.max_steps}")
     if cfg.val_every <= 0:
         raise ConfigError(f"val_every: must be a positive integer, got {cfg.val_every}")
+    if not 0.0 <= cfg.init_min_share <= 1.0:
+        raise ConfigError(f"init_min_share: must be in [0, 1], got {cfg.init_min_share}")
     if cfg.val_batches <= 0:
         raise ConfigError(f"val_batches: must be a positive integer, got {cfg.val_batches}")
     DataConfig(**_as_dict(cfg.data)).validate()
@@ -286,7 +293,8 @@ def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
     module = LanguageModelModule(model=dataclasses.asdict(mcfg), optim=_as_dict(cfg.optim),
                                  max_steps=cfg.trainer.max_steps, val_names=data.val_names_from_corpus())
     if cfg.init_from:
-        load_initial_weights(module.model, cfg.init_from)
+        load_initial_weights(module.model, cfg.init_from, strict=cfg.init_strict, min_share=cfg.init_min_share,
+                             tokenizer=data.fingerprints()["tokenizer"])
 
     root = pathlib.Path(cfg.log_dir) / f"{mcfg.variant}-{mcfg.size}"
     ckpt_path = resolve_ckpt(cfg, root, run_fingerprints(mcfg, data))

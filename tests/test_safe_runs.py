@@ -80,3 +80,48 @@ def test_checkpoints_record_data_and_tokenizer_fingerprints(tmp_path, two_corpor
     blob = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
     saved = blob["LMDataModule"]["fingerprints"]
     assert saved["data"].startswith("text:text-") and saved["tokenizer"].startswith("bytes:")
+
+
+# ---------------------------------------------------------------------------- --init_from reports and refuses
+def test_init_from_prints_the_table_and_refuses_a_small_share_unless_not_strict(tmp_path, two_corpora, capsys):
+    a, _ = two_corpora
+    vanilla = main(_text_run(tmp_path, a, "--max_steps", "2", "--val_every", "2"))
+    ckpt = str(vanilla / "checkpoints" / "last.ckpt")
+    capsys.readouterr()
+    moe = ["--variant", "moe", "--model.moe.num_experts", "8", "--init_from", ckpt]
+    with pytest.raises(ConfigError, match=r"only \d+\.\d% of the moe model's parameters .*--init_strict false"):
+        main(_text_run(tmp_path, a, "--max_steps", "1", *moe))
+    table = capsys.readouterr().err
+    for row in ("loaded (same name)", "mapped (renamed)", "newly initialised", "unused in source"):
+        assert row in table
+    assert "experts" in table  # the new tensors are named
+    assert not (tmp_path / "runs" / "moe-tiny").exists()
+    run = main(_text_run(tmp_path, a, "--max_steps", "1", "--val_every", "1", *moe, "--init_strict", "false"))
+    assert (run / "summary.json").is_file()
+
+
+def test_init_from_vanilla_into_vanilla_loads_everything(tmp_path, two_corpora, capsys):
+    from experiments.weights import load_initial_weights
+    from lightning_modules.lm import LanguageModelModule
+
+    a, _ = two_corpora
+    vanilla = main(_text_run(tmp_path, a, "--max_steps", "2", "--val_every", "2"))
+    blob = torch.load(vanilla / "checkpoints" / "last.ckpt", weights_only=False)
+    module = LanguageModelModule(model=blob["hyper_parameters"]["model"])
+    report = load_initial_weights(module.model, str(vanilla / "checkpoints" / "last.ckpt"), strict=True)
+    assert report.initialised_share == 1.0 and not report.new and not report.unused and not report.mapped
+    torch.testing.assert_close(module.model.wte.weight, blob["state_dict"]["model.wte.weight"])
+
+
+def test_init_from_a_checkpoint_trained_with_another_tokenizer_is_refused(tmp_path, two_corpora):
+    from experiments.weights import load_initial_weights
+    from lightning_modules.lm import LanguageModelModule
+
+    a, _ = two_corpora
+    vanilla = main(_text_run(tmp_path, a, "--max_steps", "2", "--val_every", "2"))
+    ckpt = vanilla / "checkpoints" / "last.ckpt"
+    blob = torch.load(ckpt, weights_only=False)
+    module = LanguageModelModule(model=blob["hyper_parameters"]["model"])
+    with pytest.raises(ConfigError, match="was trained with tokenizer bytes:.*this run uses bpe:0123"):
+        load_initial_weights(module.model, str(ckpt), strict=True, tokenizer="bpe:0123456789abcdef")
+    load_initial_weights(module.model, str(ckpt), strict=False, tokenizer="bpe:0123456789abcdef")  # explicit override
