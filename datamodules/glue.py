@@ -19,6 +19,7 @@ texts (unless ``drop_empty``, which drops and counts them).
 from __future__ import annotations
 
 import csv
+import io
 import pathlib
 import sys
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from datamodules.corpora import DataError, hub_reachable, jsonl_rows
+from datamodules.corpora import DataError, hub_reachable, jsonl_rows, read_utf8
 from datamodules.tokenizer import TextTokenizer
 
 GLUE_HUB_ID = "nyu-mll/glue"
@@ -183,7 +184,8 @@ class _Rows:
 def read_glue_tsv(task: GlueTask, path: pathlib.Path, drop_empty: bool = False) -> GlueSplit:
     csv.field_size_limit(sys.maxsize)
     rows = _Rows(task, str(path), drop_empty)
-    with path.open(encoding="utf-8-sig", newline="") as handle:  # utf-8-sig: MRPC's header has a BOM
+    text = read_utf8(path).removeprefix("\ufeff")  # MRPC's header has a byte-order mark
+    with io.StringIO(text, newline="") as handle:
         reader = csv.reader(handle, delimiter="\t", quoting=csv.QUOTE_NONE)
         if task.name == "cola":
             width, text_idx, label_idx, first = COLA_FIELDS, [3], 1, 1

@@ -57,7 +57,7 @@ class FinetuneData:
 
 
 def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(prog="python -m experiments.finetune", default_env=False,
+    parser = ArgumentParser(prog="python -m experiments.finetune", default_env=False, exit_on_error=False,
                             description="Fine-tune a variant on GLUE or XSUM. Aliases: "
                             + ", ".join(f"{k} = {v}" for k, v in ALIASES.items()))
     parser.add_argument("--config", action=ActionConfigFile)
@@ -119,6 +119,12 @@ def validate_up_front(cfg: Namespace) -> None:
         (cfg.eval_split in ("validation", "test"), "eval_split", "must be 'validation' or 'test'"),
         (cfg.data.batch_size > 0, "data.batch_size", "must be a positive integer"),
         (cfg.data.max_length is None or cfg.data.max_length >= 4, "data.max_length", "must be >= 4"),
+        (cfg.data.max_train_examples is None or cfg.data.max_train_examples > 0, "data.max_train_examples",
+         "must be a positive integer (or unset for all)"),
+        (cfg.data.max_eval_examples is None or cfg.data.max_eval_examples > 0, "data.max_eval_examples",
+         "must be a positive integer (or unset for all)"),
+        (cfg.data.eval_batch_size > 0, "data.eval_batch_size", "must be a positive integer"),
+        (0.0 <= cfg.init_min_share <= 1.0, "init_min_share", "must be in [0, 1]"),
     ]
     for ok, name, message in checks:
         if not ok:
@@ -150,10 +156,10 @@ def checkpoint_model_config(source: str) -> ModelConfig:
     path = pathlib.Path(source)
     if not path.is_file():
         raise FileNotFoundError(f"init_from: {source} is neither a checkpoint file, 'hf:<id>' nor a Hugging Face folder")
-    import torch
+    from experiments.weights import read_checkpoint
 
-    blob = torch.load(path, map_location="cpu", weights_only=False)
-    model = blob.get("hyper_parameters", {}).get("model") if isinstance(blob, dict) else None
+    blob = read_checkpoint(path, "init_from")
+    model = (blob.get("hyper_parameters") or {}).get("model")
     if not model:
         raise ConfigError(f"init_from: {path} holds no model configuration (hyper_parameters.model); "
                           "use a checkpoint written by experiments.run")
@@ -264,15 +270,15 @@ def total_steps(cfg: Namespace, train_size: int, epochs: int, world: int) -> int
     return epochs * math.ceil(train_size / (cfg.data.batch_size * world))
 
 
-def build_module(module_cls, cfg: Namespace, tokenizer, **kwargs):
+def build_module(module_cls, cfg: Namespace, run_tokenizer, **kwargs):
     import lightning as L
 
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    mcfg, _ = backbone_config(cfg, tokenizer.vocab_size)
+    mcfg, _ = backbone_config(cfg, run_tokenizer.vocab_size)
     module = module_cls(model=dataclasses.asdict(mcfg), **kwargs)
     if cfg.init_from:
         load_backbone(module.model, cfg.init_from, strict=cfg.init_strict, min_share=cfg.init_min_share,
-                      tokenizer=tokenizer)
+                      tokenizer=run_tokenizer)
     return module, mcfg
 
 
@@ -406,8 +412,6 @@ def run_tasks(cfg: Namespace, tasks: List[str], tokenizer, root: pathlib.Path, v
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ConfigError, DataError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    from experiments.run import cli
+
+    cli(main)

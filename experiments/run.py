@@ -18,6 +18,7 @@ the last line printed.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import pathlib
@@ -74,6 +75,7 @@ def build_parser() -> ArgumentParser:
         description="Train a dynamic-computation Transformer variant. Aliases: "
         + ", ".join(f"{k} = {v}" for k, v in ALIASES.items()),
         default_env=False,
+        exit_on_error=False,  # parse errors reach cli(): one line, exit status 2
     )
     parser.add_argument("--config", action=ActionConfigFile, help="YAML file with any of the options below")
     parser.add_argument("--seed", type=int, default=1337)
@@ -425,9 +427,21 @@ def _devices(value):
     return value
 
 
-if __name__ == "__main__":
+# The user mistakes ``cli`` reports as one line (exit status 2) instead of a traceback.
+USER_ERRORS = (ConfigError, DataError, FileNotFoundError, argparse.ArgumentError)
+USER_ERROR_EXIT = 2
+
+
+def cli(entry=None, argv: Optional[Sequence[str]] = None) -> None:
+    """Run ``entry(argv)`` (default: ``main``) as a command: a user mistake prints ``error: <one line>``
+    to stderr and exits with status 2; a preempted run exits with ``callbacks.preemption``'s status."""
     try:
-        main()
-    except (ConfigError, DataError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        (entry or main)(argv)
+    except USER_ERRORS as err:
+        message = " ".join(str(err).split()) or type(err).__name__
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(USER_ERROR_EXIT) from None
+
+
+if __name__ == "__main__":
+    cli()
