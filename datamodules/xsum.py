@@ -281,11 +281,13 @@ class XSumDataModule(L.LightningDataModule):
         return data
 
     def setup(self, stage: Optional[str] = None) -> None:
-        if self.train_set is not None:
-            return
+        """Every split; ``validate`` / ``test`` (``--eval_only``) read only the evaluation split."""
         eot = self.tokenizer.eot_id
-        train = encode(self._split("train", self.max_train_examples), self.tokenizer, self.block_size)
-        self.train_set = SummaryTrainSet(train, self.separator, eot, self.block_size, "xsum/train")
+        if self.train_set is None and stage not in ("validate", "test"):
+            train = encode(self._split("train", self.max_train_examples), self.tokenizer, self.block_size)
+            self.train_set = SummaryTrainSet(train, self.separator, eot, self.block_size, "xsum/train")
+        if self.eval_set is not None:
+            return
         held = encode(self._split(self.eval_split, self.max_eval_examples), self.tokenizer, self.block_size)
         self.val_set = SummaryTrainSet(held, self.separator, eot, self.block_size, f"xsum/{self.eval_split}")
         self.eval_set = SummaryEvalSet(held, self.separator, eot, self.block_size, self.max_new_tokens)

@@ -81,6 +81,9 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--eval_split", type=str, default="validation")
     parser.add_argument("--rouge_stemmer", type=bool, default=False)
     parser.add_argument("--save_checkpoint", type=bool, default=False)
+    parser.add_argument("--eval_only", type=bool, default=False,
+                        help="evaluate --init_from without training (GLUE: a checkpoint fine-tuned on the task, "
+                        "written with --save_checkpoint true; XSUM: any checkpoint)")
     parser.add_argument("--trainer.accelerator", type=str, default="auto")
     parser.add_argument("--trainer.devices", type=str, default="auto")
     parser.add_argument("--trainer.precision", type=Optional[str], default=None)
@@ -129,6 +132,19 @@ def validate_up_front(cfg: Namespace) -> None:
     for ok, name, message in checks:
         if not ok:
             raise ConfigError(f"{name}: {message}, got {cfg[name]!r}")
+    if cfg.eval_only and not cfg.init_from:
+        raise ConfigError("eval_only: needs --init_from (the checkpoint to evaluate)")
+    if cfg.eval_only and len(task_list(cfg.task)) > 1:
+        raise ConfigError("eval_only: evaluates one fine-tuned task checkpoint; pass --task glue/<task>, not glue/all")
+
+
+def check_task_files(cfg: Namespace, tasks: List[str]) -> None:
+    """Every task's files, before anything trains (glue/all used to fail at MNLI after five tasks)."""
+    glue = [t for t in tasks if t.startswith("glue/")]
+    if glue:
+        from datamodules.glue import check_files
+
+        check_files(glue, cfg.data.path, splits=("validation",) if cfg.eval_only else ("train", "validation"))
 
 
 # ---------------------------------------------------------------------------- backbone and tokenizer
@@ -195,6 +211,24 @@ def load_backbone(model, init_from: str, source: Optional[ModelConfig] = None, s
     load_initial_weights(model, init_from, strict=strict, min_share=min_share, tokenizer=fingerprint)
 
 
+def load_task_head(module, init_from: str, spec) -> None:
+    """``--eval_only`` on GLUE: the classification head must come from the checkpoint (a fresh head
+    would measure nothing), so it must be a checkpoint fine-tuned on this task."""
+    from experiments.weights import read_checkpoint
+
+    if _is_hf(init_from):
+        raise ConfigError(f"eval_only: {init_from} has no trained {spec.slug} classification head; fine-tune first "
+                          "(--save_checkpoint true) and evaluate that checkpoint")
+    blob = read_checkpoint(init_from, "init_from")
+    state = blob.get("state_dict", blob)
+    head = {k.removeprefix("head."): v for k, v in state.items() if k.startswith("head.")}
+    task = (blob.get("hyper_parameters") or {}).get("task")
+    if not head or (task and task != spec.name):
+        raise ConfigError(f"eval_only: {init_from} has no trained {spec.slug} classification head (its task: "
+                          f"{task or 'none'}); fine-tune on {spec.slug} with --save_checkpoint true and evaluate that")
+    module.head.load_state_dict(head)
+
+
 def resolve_tokenizer(spec: Optional[str], init_from: Optional[str]):
     """``--tokenizer``, else the tokenizer recorded in the checkpoint's run config, else gpt2."""
     from datamodules.corpora import get_corpus
@@ -247,7 +281,7 @@ def make_trainer(cfg: Namespace, save_dir: pathlib.Path, name: str, version: str
         accelerator=cfg.trainer.accelerator,
         devices=int(devices) if str(devices).isdigit() else devices,
         precision=cfg.trainer.precision or default_precision(),
-        max_epochs=epochs,
+        max_epochs=-1 if cfg.max_steps else epochs,  # --max_steps overrides the epochs (the LR schedule too)
         max_steps=cfg.max_steps or -1,
         gradient_clip_val=1.0,
         logger=TensorBoardLogger(save_dir=str(save_dir), name=name, version=version, default_hp_metric=False),
@@ -294,12 +328,15 @@ def run_glue_task(cfg: Namespace, task: str, tokenizer, save_dir: pathlib.Path, 
                           batch_size=cfg.data.batch_size, path=cfg.data.path,
                           drop_empty=cfg.data.drop_empty, max_train_examples=cfg.data.max_train_examples,
                           max_eval_examples=cfg.data.max_eval_examples, seed=cfg.seed, num_workers=cfg.data.num_workers)
-    data.setup("fit")
+    data.setup("validate" if cfg.eval_only else "fit")
     trainer = make_trainer(cfg, save_dir, name, version, epochs)
-    steps = total_steps(cfg, len(data.train_set), epochs, trainer.world_size)
+    steps = 1 if cfg.eval_only else total_steps(cfg, len(data.train_set), epochs, trainer.world_size)
     module, mcfg = build_module(GlueModule, cfg, tokenizer, task=spec.name, optim=optim_settings(cfg, steps),
                                 max_steps=steps, head_dropout=cfg.dropout)
-    trainer.fit(module, datamodule=data)
+    if cfg.eval_only:
+        load_task_head(module, cfg.init_from, spec)
+    else:
+        trainer.fit(module, datamodule=data)
     final = trainer.validate(module, datamodule=data, verbose=False)
     logged = {k: float(v) for k, v in (final[0] if final else {}).items()}
     splits = {}
@@ -309,7 +346,7 @@ def run_glue_task(cfg: Namespace, task: str, tokenizer, save_dir: pathlib.Path, 
     scores = [glue_score(spec, values) for values in splits.values()]
     return {
         "task": spec.slug, "variant": mcfg.variant, "metrics": splits, "score": sum(scores) / len(scores),
-        "train_examples": len(data.train_set), "eval_examples": {s: len(d) for s, d in data.val_sets.items()},
+        "train_examples": len(data.train_set or []), "eval_examples": {s: len(d) for s, d in data.val_sets.items()},
         "steps": trainer.global_step, "seconds": round(time.time() - start, 1), "init_from": cfg.init_from,
         "log_dir": trainer.logger.log_dir,
     }
@@ -326,13 +363,14 @@ def run_xsum(cfg: Namespace, tokenizer, save_dir: pathlib.Path, name: str, versi
                           max_new_tokens=cfg.max_new_tokens, eval_split=cfg.eval_split, drop_empty=cfg.data.drop_empty,
                           max_train_examples=cfg.data.max_train_examples, max_eval_examples=cfg.data.max_eval_examples,
                           eval_batch_size=cfg.data.eval_batch_size, seed=cfg.seed, num_workers=cfg.data.num_workers)
-    data.setup("fit")
+    data.setup("validate" if cfg.eval_only else "fit")
     trainer = make_trainer(cfg, save_dir, name, version, epochs)
-    steps = total_steps(cfg, len(data.train_set), epochs, trainer.world_size)
+    steps = 1 if cfg.eval_only else total_steps(cfg, len(data.train_set), epochs, trainer.world_size)
     module, mcfg = build_module(XSumModule, cfg, tokenizer, optim=optim_settings(cfg, steps), max_steps=steps,
                                 eot_id=tokenizer.eot_id, num_beams=cfg.num_beams, max_new_tokens=cfg.max_new_tokens,
                                 length_penalty=cfg.length_penalty, rouge_stemmer=cfg.rouge_stemmer, tokenizer=tokenizer)
-    trainer.fit(module, datamodule=data)
+    if not cfg.eval_only:
+        trainer.fit(module, datamodule=data)
     val = trainer.validate(module, datamodule=data, verbose=False)
     test = trainer.test(module, dataloaders=data.test_dataloader(), verbose=False)
     rouge = {k: float(test[0][f"test/{k}"]) for k in ROUGE_KEYS} if test else {}
@@ -346,7 +384,7 @@ def run_xsum(cfg: Namespace, tokenizer, save_dir: pathlib.Path, name: str, versi
         "task": "xsum", "variant": mcfg.variant, "rouge": rouge, "eval_split": cfg.eval_split,
         "val_summary_loss": float(val[0]["val/loss"]) if val and "val/loss" in val[0] else None,
         "decoding": "greedy" if cfg.num_beams == 1 else f"beam{cfg.num_beams}", "max_new_tokens": cfg.max_new_tokens,
-        "train_examples": len(data.train_set), "eval_examples": len(data.eval_set), "steps": trainer.global_step,
+        "train_examples": len(data.train_set or []), "eval_examples": len(data.eval_set), "steps": trainer.global_step,
         "seconds": round(time.time() - start, 1), "init_from": cfg.init_from, "log_dir": str(run_dir),
     }
 
@@ -376,6 +414,7 @@ def main(argv: Optional[Sequence[str]] = None) -> pathlib.Path:
     cfg = parse_with_presets(parser, expand_aliases(list(sys.argv[1:] if argv is None else argv), ALIASES))
     validate_up_front(cfg)
     tasks = task_list(cfg.task)
+    check_task_files(cfg, tasks)
     tokenizer = resolve_tokenizer(cfg.tokenizer, cfg.init_from)
     label = "glue-all" if len(tasks) > 1 else tasks[0].replace("/", "-")
     root = pathlib.Path(cfg.log_dir) / f"{label}-{cfg.model.variant}"

@@ -125,3 +125,134 @@ def test_init_from_a_checkpoint_trained_with_another_tokenizer_is_refused(tmp_pa
     with pytest.raises(ConfigError, match="was trained with tokenizer bytes:.*this run uses bpe:0123"):
         load_initial_weights(module.model, str(ckpt), strict=True, tokenizer="bpe:0123456789abcdef")
     load_initial_weights(module.model, str(ckpt), strict=False, tokenizer="bpe:0123456789abcdef")  # explicit override
+
+
+# ---------------------------------------------------------------------------- fine-tuning does what it says
+FT = ["--model.d_model", "32", "--model.n_layer", "1", "--model.n_head", "2", "--model.block_size", "48",
+      "--batch_size", "4", "--trainer.enable_progress_bar", "false", "--tokenizer", "bytes", "--dropout", "0"]
+
+
+def _sst2(root):
+    folder = root / "SST-2"
+    folder.mkdir(parents=True)
+    rows = [("good great fine", 1), ("bad awful poor", 0)] * 4
+    for name in ("train.tsv", "dev.tsv"):
+        (folder / name).write_text("sentence\tlabel\n" + "".join(f"{s} {i}\t{y}\n" for i, (s, y) in enumerate(rows)))
+    return root
+
+
+def test_finetune_max_steps_overrides_epochs_and_sizes_the_schedule(tmp_path):
+    from experiments import finetune
+
+    glue = _sst2(tmp_path / "glue")  # 8 examples, batch 4: 2 steps per epoch, 3 epochs by default = 6 steps
+    run_dir = finetune.main(["--task", "glue/sst2", "--data.path", str(glue), "--max_steps", "10",
+                             "--log_dir", str(tmp_path / "runs"), *FT])
+    assert json.loads((run_dir / "results.json").read_text())["steps"] == 10
+    cfg = finetune.build_parser().parse_args(["--task", "glue/sst2", "--max_steps", "10", "--epochs", "3"])
+    assert finetune.total_steps(cfg, 8, 3, 1) == 10  # the LR schedule's length
+
+
+def test_glue_all_checks_every_tasks_files_before_training_anything(tmp_path):
+    from datamodules.corpora import DataError
+    from datamodules.glue import GLUE_TASKS
+    from experiments import finetune
+
+    root = tmp_path / "glue"
+    for task in GLUE_TASKS.values():  # names only: the check runs before any file is read
+        (root / task.folder).mkdir(parents=True)
+        (root / task.folder / "train.tsv").write_text("")
+        for split in task.val_splits:
+            (root / task.folder / ("dev.tsv" if split == "validation" else split.replace("validation", "dev") + ".tsv")).write_text("")
+    (root / "MNLI" / "dev_mismatched.tsv").unlink()
+    (root / "RTE" / "train.tsv").unlink()
+    with pytest.raises(DataError, match=r"missing GLUE files for glue/mnli validation_mismatched, glue/rte train "
+                                        r"\(nothing was trained\)"):
+        finetune.main(["--task", "glue/all", "--data.path", str(root), "--log_dir", str(tmp_path / "runs"), *FT])
+    assert not (tmp_path / "runs").exists()
+
+
+def test_glue_eval_only_reproduces_the_fine_tuned_checkpoints_validation(tmp_path):
+    from experiments import finetune
+
+    glue = _sst2(tmp_path / "glue")
+    trained = finetune.main(["--task", "glue/sst2", "--data.path", str(glue), "--max_steps", "4", "--save_checkpoint",
+                             "true", "--log_dir", str(tmp_path / "runs"), *FT])
+    result = json.loads((trained / "results.json").read_text())
+    ckpt = next(trained.rglob("*.ckpt"))
+    (glue / "SST-2" / "train.tsv").unlink()  # evaluation only: the training file is not needed
+    evaluated = finetune.main(["--task", "glue/sst2", "--data.path", str(glue), "--eval_only", "true",
+                               "--init_from", str(ckpt), "--log_dir", str(tmp_path / "eval"), *FT])
+    again = json.loads((evaluated / "results.json").read_text())
+    assert again["steps"] == 0 and again["train_examples"] == 0
+    assert again["metrics"] == result["metrics"]
+
+
+def test_eval_only_needs_a_trained_head_for_glue_and_an_init_from(tmp_path, two_corpora):
+    from experiments import finetune
+
+    a, _ = two_corpora
+    lm = main(_text_run(tmp_path, a, "--max_steps", "1", "--val_every", "1"))
+    glue = _sst2(tmp_path / "glue")
+    with pytest.raises(ConfigError, match="eval_only: needs --init_from"):
+        finetune.main(["--task", "glue/sst2", "--data.path", str(glue), "--eval_only", "true", *FT])
+    with pytest.raises(ConfigError, match="has no trained glue/sst2 classification head"):
+        finetune.main(["--task", "glue/sst2", "--data.path", str(glue), "--eval_only", "true", "--init_from",
+                       str(lm / "checkpoints" / "last.ckpt"), "--log_dir", str(tmp_path / "eval"), *FT])
+
+
+def test_xsum_eval_only_from_a_pretraining_checkpoint_reads_no_training_file(tmp_path, two_corpora):
+    from experiments import finetune
+
+    a, _ = two_corpora
+    lm = main(_text_run(tmp_path, a, "--max_steps", "1", "--val_every", "1"))
+    folder = tmp_path / "xsum"
+    folder.mkdir()
+    (folder / "validation.jsonl").write_text("".join(
+        json.dumps({"document": f"The cat sat on mat {i}.", "summary": "A cat.", "id": str(i)}) + "\n" for i in range(3)))
+    run_dir = finetune.main(["--task", "xsum", "--data.path", str(folder), "--eval_only", "true", "--init_from",
+                             str(lm / "checkpoints" / "last.ckpt"), "--max_new_tokens", "4", "--model.block_size", "64",
+                             "--log_dir", str(tmp_path / "eval"), *FT[:6], *FT[8:]])
+    result = json.loads((run_dir / "results.json").read_text())
+    assert result["steps"] == 0 and result["train_examples"] == 0 and result["eval_examples"] == 3
+    assert set(result["rouge"]) and len((run_dir / "predictions.jsonl").read_text().splitlines()) == 3
+
+
+# ---------------------------------------------------------------------------- GLUE file layouts
+def test_glue_accepts_val_jsonl_with_superglue_column_names(tmp_path):
+    from datamodules.glue import get_task, load_split
+
+    folder = tmp_path / "RTE"
+    folder.mkdir()
+    rows = [{"premise": "A man sleeps.", "hypothesis": "A man rests.", "label": "entailment", "idx": 0},
+            {"premise": "It rains.", "hypothesis": "It is dry.", "label": "not_entailment", "idx": 1}]
+    (folder / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    split = load_split(get_task("rte"), "validation", str(tmp_path))
+    assert split.texts == [("A man sleeps.", "A man rests."), ("It rains.", "It is dry.")] and split.labels == [0, 1]
+
+
+def test_hub_exported_rte_tsv_is_read_with_its_csv_quoting(tmp_path):
+    from datamodules.glue import get_task, load_split
+
+    folder = tmp_path / "RTE"
+    folder.mkdir()
+    # pandas' to_csv(sep="\t"): a field holding a quote is quoted and its quotes doubled; label 0 = entailment
+    (folder / "dev.tsv").write_text('sentence1\tsentence2\tlabel\tidx\n'
+                                    '"He watched ""The Osbournes"" twice."\tHe watched a show.\t0\t0\n'
+                                    'Plain text here.\t"A ""quoted"" word"\t1\t1\n')
+    split = load_split(get_task("rte"), "validation", str(tmp_path))
+    assert split.texts == [('He watched "The Osbournes" twice.', "He watched a show."),
+                           ("Plain text here.", 'A "quoted" word')]
+    assert split.labels == [0, 1]
+
+
+def test_real_hub_layout_rte_dev_matches_the_superglue_copy(shared_data):
+    from datamodules.glue import get_task, read_split_file
+
+    rte = get_task("rte")
+    hub = read_split_file(rte, shared_data / "glue" / "RTE" / "dev_hf_layout.tsv")
+    superglue = read_split_file(rte, shared_data / "glue" / "RTE" / "val.jsonl")
+    assert len(hub) == len(superglue) == 277 and hub.labels == superglue.labels
+    assert not [t for pair in hub.texts for t in pair if t.startswith('"') and t.endswith('"')]  # no CSV quotes kept
+    differ = [(a, b) for a, b in zip(hub.texts, superglue.texts) if a != b]
+    assert len(differ) <= 6  # SOURCES.md: six SuperGLUE texts lost their inner quotes
+    assert all(tuple(t.replace('"', "") for t in a) == tuple(t.replace('"', "") for t in b) for a, b in differ)
