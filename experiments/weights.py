@@ -194,3 +194,28 @@ def load_initial_weights(model: torch.nn.Module, source: str, strict: bool = Fal
     else:
         model.load_state_dict(mapping, strict=False)
     return report
+
+
+def mapping_table(size: str = "tiny") -> str:
+    """Markdown: for each variant, what ``--init_from`` a vanilla model of ``size`` initialises."""
+    from architectures import ModelConfig, build_model, variant_names
+    from architectures.registry import apply_preset
+
+    state = build_model(ModelConfig(variant="vanilla", size=size).resolve()).state_dict()
+    lines = [f"| variant | share of parameters from vanilla ({size}) | tensors loaded / mapped / new / unused | |",
+             "|---|---|---|---|"]
+    for name in variant_names():
+        model = build_model(apply_preset(ModelConfig(variant=name, size=size)).resolve())
+        own, mapping = model.state_dict(), vanilla_state_mapping(model, state)
+        bad = [k for k, v in mapping.items() if k in own and own[k].shape != v.shape]
+        report = init_report(model, state, mapping)
+        note = f"refused: {len(bad)} shapes differ (e.g. `{bad[0]}`)" if bad else ""
+        share = "-" if bad else f"{100 * report.initialised_share:.1f}%"
+        lines.append(f"| `{name}` | {share} | {len(report.loaded)} / "
+                     f"{len(report.mapped)} / {len(report.new)} / {len(report.unused)} | {note} |")
+        del model
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(mapping_table(sys.argv[1] if len(sys.argv) > 1 else "tiny"))
