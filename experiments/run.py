@@ -304,7 +304,7 @@ def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
     refuse_foreign_run_folder(root / version, ckpt_path)
     inherited = os.environ.get("DYNCOMP_RUN_VERSION")
     writer = config_writer(lambda path: parser.save(resolved_namespace(cfg, mcfg), path, overwrite=True,
-                                                          skip_validation=True))
+                                                    skip_validation=True))
     trainer, recorder = make_trainer(cfg, root, version, extra_callbacks=[StepRecorder(), writer],
                                      find_unused=module.model.may_skip_parameters)
     run_dir = pathlib.Path(trainer.logger.log_dir)

@@ -278,6 +278,7 @@ def _no_jobs(monkeypatch):
     (["--grid", "variant="], "has no values"),
     (["--grid", "variant=vanilla,nope"], "valid variants: .*vanilla"),
     (["--grid", "model.mod.capacity=0.5,1.5", "--grid", "variant=mod"], "model.mod.capacity"),
+    (["--grid", "variant=vanilla", "--", "--nope", "1"], "invalid run options: .*--nope 1"),
 ])
 def test_bad_grids_fail_before_any_job(monkeypatch, argv, pattern):
     launched = _no_jobs(monkeypatch)
