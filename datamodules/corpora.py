@@ -166,6 +166,18 @@ def decode_utf8(data: bytes, where: str, first_line: int = 1, base_offset: int =
                         f"{base_offset + err.start}); re-encode the file as UTF-8 (e.g. iconv -t UTF-8)") from None
 
 
+def read_parquet(path: pathlib.Path):
+    """A parquet file as a pyarrow Table; a truncated or foreign file is a DataError naming it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(path)
+    except (pa.ArrowException, OSError) as err:
+        reason = (str(err).strip().splitlines() or ["unreadable"])[0][:160]
+        raise DataError(f"{path}: not a readable parquet file ({reason})") from None
+
+
 def read_utf8(path: pathlib.Path) -> str:
     """A whole text file, checked: see ``decode_utf8``."""
     return decode_utf8(pathlib.Path(path).read_bytes(), str(path))

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from datamodules.corpora import DataError, hub_reachable, jsonl_rows, read_utf8
+from datamodules.corpora import DataError, hub_reachable, jsonl_rows, read_parquet, read_utf8
 from datamodules.tokenizer import TextTokenizer
 
 GLUE_HUB_ID = "nyu-mll/glue"
@@ -233,9 +233,7 @@ def read_hub_file(task: GlueTask, path: pathlib.Path, drop_empty: bool = False) 
 
 def _records(path: pathlib.Path) -> Tuple[List[dict], List[str]]:
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        table = pq.read_table(path)
+        table = read_parquet(path)
         return table.to_pylist(), table.column_names
     records = [row for _, row in jsonl_rows(path)]
     if not records:

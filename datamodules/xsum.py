@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from datamodules.corpora import DataError, hub_reachable, jsonl_rows
+from datamodules.corpora import DataError, hub_reachable, jsonl_rows, read_parquet
 from datamodules.tokenizer import TextTokenizer
 
 XSUM_HUB_ID = "EdinburghNLP/xsum"
@@ -85,9 +85,7 @@ def local_files(paths: Sequence[str]) -> Dict[str, List[pathlib.Path]]:
 
 def read_records(path: pathlib.Path) -> List[dict]:
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        table = pq.read_table(path)
+        table = read_parquet(path)
         missing = [c for c in COLUMNS if c not in table.column_names]
         if missing:
             raise DataError(f"{path}: missing column(s) {missing} (has {table.column_names})")

@@ -52,6 +52,12 @@ def inputs(tmp_path_factory) -> pathlib.Path:
     (root / "xsum").mkdir()
     (root / "xsum" / "train.jsonl").write_bytes(b'{"document": "caf\xe9", "summary": "s", "id": "1"}\n')
     (root / "xsum" / "validation.jsonl").write_text('{"document": "d", "summary": "s", "id": "2"}\n')
+    (root / "xsum_parquet").mkdir()
+    (root / "xsum_parquet" / "train.parquet").write_bytes(b"PAR1 truncated")
+    (root / "xsum_parquet" / "validation.jsonl").write_text('{"document": "d", "summary": "s", "id": "2"}\n')
+    (root / "glue_parquet" / "sst2").mkdir(parents=True)
+    (root / "glue_parquet" / "sst2" / "train-00000.parquet").write_bytes(b"not parquet at all")
+    (root / "glue_parquet" / "sst2" / "validation.jsonl").write_text('{"sentence": "ok", "label": 1}\n')
     # one real checkpoint (block_size 64) to resume with the wrong settings, and a truncated copy
     ckpt_run = run.main(["--data", "text", "--data.path", str(root / "good.txt"), "--tokenizer", "bytes",
                          "--max_steps", "1", "--val_every", "1", "--log_dir", str(root / "ckpt_runs"),
@@ -130,6 +136,10 @@ CASES = [
     ("ft-glue-missing-dev", "finetune", _ft("--task", "glue/rte", "--data.path", "{d}/glue"), r"RTE"),
     ("ft-xsum-jsonl-not-utf8", "finetune", _ft("--task", "xsum", "--data.path", "{d}/xsum"),
      r"train\.jsonl:1: not UTF-8 text"),
+    ("ft-xsum-parquet-truncated", "finetune", _ft("--task", "xsum", "--data.path", "{d}/xsum_parquet"),
+     r"train\.parquet: not a readable parquet file"),
+    ("ft-glue-parquet-foreign", "finetune", _ft("--task", "glue/sst2", "--data.path", "{d}/glue_parquet"),
+     r"train-00000\.parquet: not a readable parquet file"),
     ("ft-init_from-truncated", "finetune", _ft("--task", "glue/sst2", "--data.path", "{d}/glue", "--init_from",
                                                "{d}/truncated.ckpt"), r"truncated\.ckpt is not a readable"),
 ]
