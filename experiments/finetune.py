@@ -347,7 +347,7 @@ def run_glue_task(cfg: Namespace, task: str, tokenizer, save_dir: pathlib.Path, 
     return {
         "task": spec.slug, "variant": mcfg.variant, "metrics": splits, "score": sum(scores) / len(scores),
         "train_examples": len(data.train_set or []), "eval_examples": {s: len(d) for s, d in data.val_sets.items()},
-        "steps": trainer.global_step, "seconds": round(time.time() - start, 1), "init_from": cfg.init_from,
+        "steps": trainer.global_step, "seconds": round(time.time() - start, 1), "init_from": cfg.init_from, "eval_only": cfg.eval_only,
         "log_dir": trainer.logger.log_dir,
     }
 
@@ -385,7 +385,7 @@ def run_xsum(cfg: Namespace, tokenizer, save_dir: pathlib.Path, name: str, versi
         "val_summary_loss": float(val[0]["val/loss"]) if val and "val/loss" in val[0] else None,
         "decoding": "greedy" if cfg.num_beams == 1 else f"beam{cfg.num_beams}", "max_new_tokens": cfg.max_new_tokens,
         "train_examples": len(data.train_set or []), "eval_examples": len(data.eval_set), "steps": trainer.global_step,
-        "seconds": round(time.time() - start, 1), "init_from": cfg.init_from, "log_dir": str(run_dir),
+        "seconds": round(time.time() - start, 1), "init_from": cfg.init_from, "eval_only": cfg.eval_only, "log_dir": str(run_dir),
     }
 
 

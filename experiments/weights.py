@@ -140,6 +140,44 @@ def vanilla_state_mapping(model: torch.nn.Module, state: Dict[str, torch.Tensor]
     return {k: v for k, v in state.items() if k in own}
 
 
+def _source_finder(state: Dict[str, torch.Tensor], used: set):
+    """Which source tensor a mapped tensor came from: the same object, a view of its storage (e.g. one
+    expert's slice of an MLP), or an equal copy (e.g. an upcycled expert); "?" when none is found.
+    Equal copies are ambiguous for tensors that are alike (fresh zero biases): a source not yet used,
+    then the one whose name ends most like the target's, wins."""
+    by_identity = {id(v): k for k, v in state.items()}
+    by_storage = {v.untyped_storage().data_ptr(): k for k, v in state.items() if v.numel()}
+    by_value: Dict[tuple, List[str]] = {}
+    for k, v in state.items():
+        by_value.setdefault(_value_key(v), []).append(k)
+
+    def suffix_match(a: str, b: str) -> int:
+        n = 0
+        for x, y in zip(reversed(a.split(".")), reversed(b.split("."))):
+            if x != y:
+                break
+            n += 1
+        return n
+
+    def find(target: str, tensor: torch.Tensor) -> str:
+        if id(tensor) in by_identity:
+            return by_identity[id(tensor)]
+        if tensor.numel() and tensor.untyped_storage().data_ptr() in by_storage:
+            return by_storage[tensor.untyped_storage().data_ptr()]
+        candidates = by_value.get(_value_key(tensor), [])
+        if not candidates:
+            return "?"
+        return max(candidates, key=lambda c: (c not in used, suffix_match(c, target)))
+
+    return find
+
+
+def _value_key(tensor: torch.Tensor):
+    """A cheap content key (shape, sum, first values): equal copies share it; distinct tensors almost never."""
+    flat = tensor.detach().reshape(-1)
+    return tuple(tensor.shape), float(flat.double().sum()) if flat.numel() else 0.0, tuple(flat[:8].tolist())
+
+
 def init_report(model: torch.nn.Module, state: Dict[str, torch.Tensor], mapping: Dict[str, torch.Tensor]) -> InitReport:
     own = model.state_dict()
     sizes, seen = {}, set()
@@ -147,10 +185,10 @@ def init_report(model: torch.nn.Module, state: Dict[str, torch.Tensor], mapping:
         key = (tensor.data_ptr(), tensor.numel()) if tensor.numel() else (name,)
         sizes[name] = 0 if key in seen else tensor.numel()
         seen.add(key)
-    by_identity = {id(v): k for k, v in state.items()}
     loaded, mapped, used = [], [], set()
+    find_source = _source_finder(state, used)
     for target, tensor in mapping.items():
-        source = target if target in state and state[target] is tensor else by_identity.get(id(tensor), "?")
+        source = target if target in state and state[target] is tensor else find_source(target, tensor)
         used.add(source)
         (loaded.append(target) if source == target else mapped.append((target, source)))
     initialised = set(mapping)

@@ -183,7 +183,7 @@ def test_glue_eval_only_reproduces_the_fine_tuned_checkpoints_validation(tmp_pat
     evaluated = finetune.main(["--task", "glue/sst2", "--data.path", str(glue), "--eval_only", "true",
                                "--init_from", str(ckpt), "--log_dir", str(tmp_path / "eval"), *FT])
     again = json.loads((evaluated / "results.json").read_text())
-    assert again["steps"] == 0 and again["train_examples"] == 0
+    assert again["steps"] == 0 and again["train_examples"] == 0 and again["eval_only"] is True
     assert again["metrics"] == result["metrics"]
 
 
@@ -256,3 +256,27 @@ def test_real_hub_layout_rte_dev_matches_the_superglue_copy(shared_data):
     differ = [(a, b) for a, b in zip(hub.texts, superglue.texts) if a != b]
     assert len(differ) <= 6  # SOURCES.md: six SuperGLUE texts lost their inner quotes
     assert all(tuple(t.replace('"', "") for t in a) == tuple(t.replace('"', "") for t in b) for a, b in differ)
+
+
+def test_init_report_recognises_copied_and_sliced_source_tensors():
+    """A variant's vanilla_state_mapping may return the source tensors themselves, copies (an upcycled
+    expert) or views (a slice of the MLP): all count as mapped from their source, none as unused."""
+    from architectures import ModelConfig, build_model
+    from architectures.registry import apply_preset
+    from experiments.weights import init_report
+
+    tiny = dict(size="tiny", d_model=32, n_layer=2, n_head=2, block_size=32, vocab_size=97)
+    state = build_model(ModelConfig(variant="vanilla", **tiny).resolve()).state_dict()
+    moe = build_model(apply_preset(ModelConfig(variant="moe", **tiny)).resolve())
+    own = moe.state_dict()
+    mapping = {k: v for k, v in state.items() if k in own}
+    for name in own:
+        if ".moe.experts." in name:  # sparse upcycling: every expert a copy of its layer's MLP
+            layer, rest = name.split(".")[1], name.split(".experts.")[1].split(".", 1)[1]
+            mapping[name] = state[f"blocks.{layer}.mlp.{rest}"].clone()
+    report = init_report(moe, state, mapping)
+    assert report.unused == [] and all(source != "?" for _, source in report.mapped)
+    assert report.new == ["blocks.0.moe.router.weight", "blocks.1.moe.router.weight"]
+    assert ("blocks.1.moe.experts.3.c_fc.weight", "blocks.1.mlp.c_fc.weight") in report.mapped
+    view = {"blocks.0.moe.experts.0.c_fc.weight": state["blocks.0.mlp.c_fc.weight"][16:]}  # shares storage
+    assert init_report(moe, state, view).mapped == [("blocks.0.moe.experts.0.c_fc.weight", "blocks.0.mlp.c_fc.weight")]
