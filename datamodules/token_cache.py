@@ -153,6 +153,7 @@ def build_tokens_from_dataset(
         return {"ids": [np.asarray(ids + [eot], dtype=dtype) for ids in tokenizer.encode_batch(batch[column])]}
 
     folder.mkdir(parents=True, exist_ok=True)
+    remove_orphans(folder, scratch_dirs=True)  # before this build's own scratch folder exists
     with tempfile.TemporaryDirectory(dir=folder, prefix="map.tmp") as scratch:
         mapped = dataset.map(
             encode, batched=True, batch_size=1000, num_proc=num_proc, remove_columns=dataset.column_names,
@@ -251,14 +252,17 @@ def _mib(n: Optional[int]) -> str:
     return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
 
 
-def remove_orphans(folder: pathlib.Path) -> None:
-    """Delete temporary files a killed build left behind (``tokens.bin.tmp*``, ``meta.json.tmp*``).
+def remove_orphans(folder: pathlib.Path, scratch_dirs: bool = False) -> None:
+    """Delete what a killed build left behind (``tokens.bin.tmp*``, ``meta.json.tmp*``, ``map.tmp*/``).
 
     Only one build runs per cache folder at a time (rank 0's ``prepare_data``), so every temporary
     file found when a build starts is an orphan."""
     for pattern in ("tokens.bin.tmp*", "meta.json.tmp*"):
         for orphan in folder.glob(pattern):
             orphan.unlink(missing_ok=True)
+    for scratch in folder.glob("map.tmp*") if scratch_dirs else ():  # build_tokens_from_dataset's scratch
+        if scratch.is_dir():
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def follow_umask(path) -> None:

@@ -173,6 +173,17 @@ def test_orphan_temporary_files_of_a_killed_build_are_removed_by_the_next_build(
     assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "tokens.bin"]
 
 
+def test_orphan_scratch_folder_of_a_killed_dataset_build_is_removed(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    tok = get_tokenizer("bytes", tmp_path)
+    folder = tmp_path / "cache"
+    (folder / "map.tmpdead" / "ids.arrow").parent.mkdir(parents=True)
+    (folder / "map.tmpdead" / "ids.arrow").write_bytes(b"\0" * 100)
+    (folder / "tokens.bin.tmpdead").write_bytes(b"\0" * 100)
+    token_cache.build_tokens_from_dataset(datasets.Dataset.from_dict({"text": ["abc", "def"] * 10}), "text", tok, folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "tokens.bin"]
+
+
 def test_cache_files_follow_the_users_umask(tmp_path):
     previous = os.umask(0o027)
     try:
