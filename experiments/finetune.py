@@ -8,7 +8,9 @@
     --tokenizer T                                default: the checkpoint's run config (config.yaml next to
                                                  checkpoints/), else gpt2
     --data.path PATH                             local files instead of the Hub (see datamodules/glue.py, xsum.py)
-    --epochs N / --max_steps N, --batch_size B, --lr, --weight_decay, --warmup_ratio, --dropout
+    --init_strict false, --init_min_share F      load a checkpoint of another tokenizer / below share F anyway
+    --eval_only true                             evaluate --init_from without training (GLUE: a fine-tuned checkpoint)
+    --epochs N / --max_steps N (overrides epochs), --batch_size B, --lr, --weight_decay, --warmup_ratio, --dropout
     --max_train_examples N, --max_eval_examples N   seeded subsets for quick runs
     XSUM: --num_beams K (1 = greedy), --max_new_tokens N, --length_penalty A, --eval_split validation|test
 
