@@ -253,6 +253,7 @@ class LMDataModule(L.LightningDataModule):
                 "data": f"{self.corpus.name}:{self.corpus.fingerprint()}",
                 "tokenizer": f"{self.tokenizer.name}:{self.tokenizer.fingerprint}",
                 "val_fraction": str(self.config.val_fraction),
+                "data_source": " ".join([self.config.name, *self.config.paths]),  # for messages only
             }
         return self._fingerprints
 

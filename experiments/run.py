@@ -237,7 +237,10 @@ def checkpoint_differences(path: str, expected: Dict[str, Any]) -> List[str]:
     for key in ("data", "tokenizer", "val_fraction"):
         if key in expected and saved.get(key) != expected[key]:
             label = "data.val_fraction" if key == "val_fraction" else key
-            out.append(f"{label} ({saved.get(key)} in the checkpoint, {expected[key]} now)")
+            was, now = saved.get(key), expected[key]
+            if key == "data" and saved.get("data_source"):  # name the files as well as their fingerprints
+                was, now = f"{was} = {saved['data_source']}", f"{now} = {expected.get('data_source')}"
+            out.append(f"{label} ({was} in the checkpoint, {now} now)")
     return out
 
 
