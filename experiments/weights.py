@@ -2,9 +2,12 @@
 
 Sources: a Lightning checkpoint (``.ckpt``) or ``state_dict`` file of this suite's vanilla model,
 ``hf:<hub id>`` (e.g. ``hf:gpt2``), or a local Hugging Face folder (config.json + weights).
-A vanilla target loads the weights directly; a variant that defines ``init_from_vanilla`` (MoM's
-phase 2, for example) maps them itself; any other variant loads the tensors whose names and shapes
-match and reports the rest.
+A checkpoint of the target's own variant loads by name; a vanilla one goes through the variant's
+``vanilla_state_mapping`` (the paper-faithful mapping). Before loading, a table of loaded / mapped /
+unused / newly initialised tensors (counts and share of parameters) goes to stderr; in strict mode (the
+command lines' default) a source trained with another tokenizer, or one that initialises less than
+``--init_min_share`` of the parameters, is refused. ``python -m experiments.weights [SIZE]`` prints, for
+every variant, what a vanilla model of SIZE initialises (the README's table).
 """
 from __future__ import annotations
 
