@@ -15,6 +15,10 @@ Trainer is deterministic), on SLURM (``srun python -m experiments.run ...``) and
 Run folder: ``<log_dir>/<variant>-<size>/version_<N>`` with TensorBoard events, ``config.yaml``
 (the resolved config), ``checkpoints/{last,best-*}.ckpt`` and ``summary.json``. The folder path is
 the last line printed.
+
+Exit status: 0 when the run finished; 2 for a user mistake (one ``error: ...`` line on stderr naming the
+option or file, nothing written that looks like a run); 128 + signal (143 SIGTERM, 138 SIGUSR1) when a
+preemption signal stopped it after saving ``checkpoints/last.ckpt`` (resume with ``--ckpt_path last``).
 """
 from __future__ import annotations
 
