@@ -20,8 +20,11 @@ has not taken that signal, the run stops at the end of the current step and writ
 from the interrupted step with the same data order. On SLURM the requeue terminates the job with
 SIGTERM after SIGUSR1, so both ``hpc_ckpt_<n>.ckpt`` and a newer ``last.ckpt`` exist;
 ``experiments/slurm/train.sbatch`` resumes from the newer.
-The process then exits through Lightning's ``SIGTERMException`` (status 0); no ``summary.json`` is
-written for the interrupted part.
+The process then exits through Lightning's ``SIGTERMException`` with status ``128 + signal``
+(``PREEMPTED_STATUS``: 143 after SIGTERM, 138 after SIGUSR1, the shell's convention for "ended by that
+signal"), never 0, so ``train && evaluate`` stops after a preempted run; SLURM's requeue does not look
+at the status. No ``summary.json`` is written for the interrupted part. Under DDP every rank stops
+after the same step and ``last.ckpt`` is written once (by rank 0, after all ranks reached it).
 """
 from __future__ import annotations
 
@@ -34,6 +37,14 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+
+def preempted_status(signum: int) -> int:
+    """Exit status of a run stopped by ``signum`` after saving its checkpoint."""
+    return 128 + int(signum)
+
+
+PREEMPTED_STATUS = {signal.SIGTERM: preempted_status(signal.SIGTERM), signal.SIGUSR1: preempted_status(signal.SIGUSR1)}
 
 
 class PreemptionCheckpoint(L.Callback):
@@ -54,20 +65,24 @@ class PreemptionCheckpoint(L.Callback):
         self.requested = signum
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        stop = self.requested is not None
+        requested = float(self.requested or 0)
         if trainer.world_size > 1:  # every rank stops at the same step, or the others hang in the next all-reduce
-            flag = torch.tensor(float(stop), device=pl_module.device)
-            stop = bool(trainer.strategy.reduce(flag, reduce_op="max") > 0)
-        if stop:
+            flag = torch.tensor(requested, device=pl_module.device)
+            requested = float(trainer.strategy.reduce(flag, reduce_op="max"))
+        if requested:
+            self.requested = int(requested)  # ranks that did not get the signal exit with the same status
             rank_zero_info(f"preemption: signal {self.requested} received, stopping after step {trainer.global_step}")
             raise SIGTERMException()
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        signum = self.requested or signal.SIGTERM  # None: Lightning's own SIGTERM handler stopped the run
         self._restore()  # Lightning skips the callbacks' teardown after an exception
         if not isinstance(exception, SIGTERMException):
             return
         trainer.save_checkpoint(str(self.path))
-        rank_zero_info(f"preemption: saved {self.path} at step {trainer.global_step}; resume with --ckpt_path last")
+        exception.code = preempted_status(signum)  # a non-zero exit: the run did not finish
+        rank_zero_info(f"preemption: saved {self.path} at step {trainer.global_step}; resume with --ckpt_path last "
+                       f"(exit status {exception.code})")
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._restore()

@@ -112,13 +112,24 @@ class TextFilesCorpus(Corpus):
         self.text_key = text_key
 
     def documents(self) -> Iterator[str]:
+        found = False
         for path in self.paths:
             if path.suffix == ".jsonl":
-                yield from _jsonl_texts(path, self.text_key)
-            else:
-                text = path.read_text(encoding="utf-8")
-                if text.strip():
+                for text in _jsonl_texts(path, self.text_key):
+                    found = True
                     yield text
+            else:
+                text = read_utf8(path)
+                if text.strip():
+                    found = True
+                    yield text
+        if not found:
+            names = ", ".join(str(p) for p in self.paths[:3]) + (" ..." if len(self.paths) > 3 else "")
+            raise DataError(f"data.path: {names} hold no text (empty or whitespace only)")
+
+    def size_bytes(self) -> int:
+        """Bytes of the input files: a byte-level tokenizer makes at most this many tokens."""
+        return sum(p.stat().st_size for p in self.paths)
 
     def fingerprint(self) -> str:
         digest = hashlib.sha256()
@@ -141,10 +152,44 @@ def _expand(paths: Sequence[str]) -> List[str]:
     return out
 
 
+def decode_utf8(data: bytes, where: str, first_line: int = 1, base_offset: int = 0) -> str:
+    """``data`` as text; binary or non-UTF-8 bytes are a DataError naming the line and byte offset."""
+    nul = data.find(b"\0")
+    if nul >= 0:
+        line = first_line + data.count(b"\n", 0, nul)
+        raise DataError(f"{where}:{line}: NUL byte at byte offset {base_offset + nul}: a binary file, not text")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = first_line + data.count(b"\n", 0, err.start)
+        raise DataError(f"{where}:{line}: not UTF-8 text (byte {data[err.start:err.start + 1]!r} at byte offset "
+                        f"{base_offset + err.start}); re-encode the file as UTF-8 (e.g. iconv -t UTF-8)") from None
+
+
+def read_parquet(path: pathlib.Path):
+    """A parquet file as a pyarrow Table; a truncated or foreign file is a DataError naming it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(path)
+    except (pa.ArrowException, OSError) as err:
+        reason = (str(err).strip().splitlines() or ["unreadable"])[0][:160]
+        raise DataError(f"{path}: not a readable parquet file ({reason})") from None
+
+
+def read_utf8(path: pathlib.Path) -> str:
+    """A whole text file, checked: see ``decode_utf8``."""
+    return decode_utf8(pathlib.Path(path).read_bytes(), str(path))
+
+
 def jsonl_rows(path: pathlib.Path) -> Iterator[Tuple[int, dict]]:
     """(line number, object) for each non-blank line; a bad line is a DataError naming file and line."""
-    with path.open(encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, 1):
+    offset = 0
+    with path.open("rb") as handle:
+        for line_no, raw in enumerate(handle, 1):
+            line = decode_utf8(raw, str(path), line_no, offset)
+            offset += len(raw)
             if not line.strip():
                 continue
             try:

@@ -19,6 +19,7 @@ texts (unless ``drop_empty``, which drops and counts them).
 from __future__ import annotations
 
 import csv
+import io
 import pathlib
 import sys
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from datamodules.corpora import DataError, hub_reachable, jsonl_rows
+from datamodules.corpora import DataError, hub_reachable, jsonl_rows, read_parquet, read_utf8
 from datamodules.tokenizer import TextTokenizer
 
 GLUE_HUB_ID = "nyu-mll/glue"
@@ -85,12 +86,14 @@ GLUE_TASKS: Dict[str, GlueTask] = {
 }
 COLA_FIELDS = 4  # source, label, original mark, sentence; no header
 STSB_RANGE = (0.0, 5.0)
-_FILE_STEMS = {
+_FILE_STEMS = {  # the same names as XSUM accepts: validation / dev / val
     "train": ("train",),
-    "validation": ("validation", "dev"),
-    "validation_matched": ("validation_matched", "dev_matched"),
-    "validation_mismatched": ("validation_mismatched", "dev_mismatched"),
+    "validation": ("validation", "dev", "val"),
+    "validation_matched": ("validation_matched", "dev_matched", "val_matched"),
+    "validation_mismatched": ("validation_mismatched", "dev_mismatched", "val_mismatched"),
 }
+# SuperGLUE's RTE (val.jsonl) names the pair premise / hypothesis where GLUE's hub schema has sentence1 / 2
+_COLUMN_ALIASES = {"sentence1": "premise", "sentence2": "hypothesis"}
 
 
 def get_task(name: str) -> GlueTask:
@@ -183,8 +186,12 @@ class _Rows:
 def read_glue_tsv(task: GlueTask, path: pathlib.Path, drop_empty: bool = False) -> GlueSplit:
     csv.field_size_limit(sys.maxsize)
     rows = _Rows(task, str(path), drop_empty)
-    with path.open(encoding="utf-8-sig", newline="") as handle:  # utf-8-sig: MRPC's header has a BOM
-        reader = csv.reader(handle, delimiter="\t", quoting=csv.QUOTE_NONE)
+    text = read_utf8(path).removeprefix("\ufeff")  # MRPC's header has a byte-order mark
+    # A TSV exported from the hub's datasets (pandas: header ends with ``idx``) CSV-quotes fields holding
+    # quotes; the GLUE distribution's files must be read without quoting (their quotes are text).
+    hub_export = task.name != "cola" and "idx" in text.partition("\n")[0].rstrip("\r").split("\t")
+    with io.StringIO(text, newline="") as handle:
+        reader = csv.reader(handle, delimiter="\t", quoting=csv.QUOTE_MINIMAL if hub_export else csv.QUOTE_NONE)
         if task.name == "cola":
             width, text_idx, label_idx, first = COLA_FIELDS, [3], 1, 1
         else:
@@ -210,6 +217,11 @@ def read_glue_tsv(task: GlueTask, path: pathlib.Path, drop_empty: bool = False) 
 # ---------------------------------------------------------------------------- hub schema (parquet / jsonl)
 def read_hub_file(task: GlueTask, path: pathlib.Path, drop_empty: bool = False) -> GlueSplit:
     records, columns = _records(path)
+    aliases = {c: _COLUMN_ALIASES[c] for c in task.columns
+               if c not in columns and _COLUMN_ALIASES.get(c) in columns}
+    if aliases:
+        records = [{**r, **{c: r.get(a) for c, a in aliases.items()}} for r in records]
+        columns = sorted({*columns, *aliases})
     missing = [c for c in (*task.columns, "label") if c not in columns]
     if missing:
         raise DataError(f"{path}: missing column(s) {missing} for {task.slug} (has {sorted(columns)})")
@@ -221,9 +233,7 @@ def read_hub_file(task: GlueTask, path: pathlib.Path, drop_empty: bool = False) 
 
 def _records(path: pathlib.Path) -> Tuple[List[dict], List[str]]:
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        table = pq.read_table(path)
+        table = read_parquet(path)
         return table.to_pylist(), table.column_names
     records = [row for _, row in jsonl_rows(path)]
     if not records:
@@ -260,6 +270,32 @@ def find_split_file(task: GlueTask, root: pathlib.Path, split: str) -> pathlib.P
     expected = ", ".join(f"{s}.tsv" for s in stems) + f", {stems[0]}-*.parquet, {stems[0]}.jsonl"
     searched = ", ".join(str(f) for f in folders if f.is_dir()) or f"{root} (missing)"
     raise DataError(f"data.path: no {task.slug} {split} file in {searched}; expected one of {expected}")
+
+
+def check_files(tasks: Sequence[str], path: Optional[str], splits: Sequence[str] = ("train", "validation")) -> None:
+    """Before any training: every task's files exist (``--data.path``) or the Hub is reachable.
+
+    ``splits``: "train" and/or "validation" (which means each task's own validation splits, MNLI's two).
+    All missing files are named in one DataError."""
+    specs = [get_task(t) for t in tasks]
+    if not path:
+        if not hub_reachable():
+            _hub_split(specs[0], "train", False)  # raises the offline message with the --data.path layout
+        return
+    root = pathlib.Path(path).expanduser()
+    if not root.is_dir():
+        raise DataError(f"data.path: {root} is not a folder (expected a GLUE folder such as glue_data/)")
+    problems = []  # (task and split, the finder's message)
+    for spec in specs:
+        wanted = [s for s in splits if s == "train"] + (list(spec.val_splits) if "validation" in splits else [])
+        for split in wanted:
+            try:
+                find_split_file(spec, root, split)
+            except DataError as err:
+                problems.append((f"{spec.slug} {split}", str(err)))
+    if problems:
+        raise DataError(f"data.path: missing GLUE files for {', '.join(p for p, _ in problems)} (nothing was "
+                        f"trained); first: {problems[0][1]}")
 
 
 def read_split_file(task: GlueTask, path: pathlib.Path, drop_empty: bool = False) -> GlueSplit:
@@ -382,8 +418,10 @@ class GlueDataModule(L.LightningDataModule):
         return GlueDataset(encode_split(data, self.tokenizer, self.max_length, name), data.labels, self.task.regression)
 
     def setup(self, stage: Optional[str] = None) -> None:
-        if self.train_set is None:
+        """Every split; ``validate`` (``--eval_only``) reads only the validation splits."""
+        if self.train_set is None and stage != "validate":
             self.train_set = self._dataset("train", self.max_train_examples)
+        if not self.val_sets:
             self.val_sets = {s: self._dataset(s, self.max_eval_examples) for s in self.task.val_splits}
 
     def _loader(self, dataset: GlueDataset, shuffle: bool) -> DataLoader:

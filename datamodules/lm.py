@@ -72,8 +72,10 @@ class DataConfig:
 class PackedBlocks(Dataset):
     """Blocks of ``block_size + 1`` tokens at stride ``block_size`` from a flat token array."""
 
-    def __init__(self, tokens: np.ndarray, block_size: int, indices: Optional[np.ndarray] = None):
+    def __init__(self, tokens: np.ndarray, block_size: int, indices: Optional[np.ndarray] = None,
+                 verifier: Optional[token_cache.ChunkVerifier] = None):
         self.tokens = tokens
+        self.verifier = verifier  # large caches: each chunk's sha256 is checked when first read
         self.block_size = block_size
         total = (len(tokens) - 1) // block_size
         self.indices = np.arange(total) if indices is None else indices
@@ -83,6 +85,8 @@ class PackedBlocks(Dataset):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         start = int(self.indices[i]) * self.block_size
+        if self.verifier is not None:
+            self.verifier.check_tokens(start, start + self.block_size + 1)
         return torch.from_numpy(self.tokens[start : start + self.block_size + 1].astype(np.int64))
 
 
@@ -138,6 +142,7 @@ class LMDataModule(L.LightningDataModule):
         self.samples_consumed = 0  # per rank, restored from checkpoints
         self.train_set: Optional[PackedBlocks] = None
         self.val_sets: Dict[str, PackedBlocks] = {}
+        self._fingerprints: Optional[Dict[str, str]] = None
 
     # ------------------------------------------------------------------ tokenizer and cache
     @property
@@ -166,7 +171,9 @@ class LMDataModule(L.LightningDataModule):
                 if write_tokens is not None:
                     write_tokens(self.tokenizer, folder, description)
                 else:
-                    token_cache.build_tokens(corpus.documents(), self.tokenizer, folder, description)
+                    size = getattr(corpus, "size_bytes", None)
+                    token_cache.build_tokens(corpus.documents(), self.tokenizer, folder, description,
+                                             input_bytes=size() if size else None)
 
     def _open(self, corpus: Corpus) -> np.ndarray:
         tokens = token_cache.open_tokens(self._folder(corpus))
@@ -177,6 +184,9 @@ class LMDataModule(L.LightningDataModule):
             )
         return tokens
 
+    def _blocks(self, corpus: Corpus, tokens: np.ndarray, indices: Optional[np.ndarray] = None) -> PackedBlocks:
+        return PackedBlocks(tokens, self.block_size, indices, verifier=token_cache.verifier(self._folder(corpus)))
+
     def setup(self, stage: Optional[str] = None) -> None:
         if self.train_set is not None:
             return
@@ -186,17 +196,19 @@ class LMDataModule(L.LightningDataModule):
             raise DataError(f"dataset {self.corpus.name!r} has {len(tokens)} tokens: fewer than two blocks of {self.block_size + 1}")
         named = self.corpus.validation_sets()
         if named:
-            self.train_set = PackedBlocks(tokens, self.block_size)
-            self.val_sets = {name: PackedBlocks(self._open(c), self.block_size) for name, c in named.items()}
+            self.train_set = self._blocks(self.corpus, tokens)
+            self.val_sets = {name: self._blocks(c, self._open(c)) for name, c in named.items()}
         else:
             val = validation_indices(total, self.config.val_fraction)
             train = np.setdiff1d(np.arange(total), val)
-            self.train_set = PackedBlocks(tokens, self.block_size, train)
-            self.val_sets = {"val": PackedBlocks(tokens, self.block_size, val)}
+            self.train_set = self._blocks(self.corpus, tokens, train)
+            self.val_sets = {"val": self._blocks(self.corpus, tokens, val)}
 
     def unigram_entropy(self, max_tokens: int = 50_000_000) -> float:
         """Entropy (nats) of the training tokens' unigram distribution: the loss of a model that
         ignores context. A trained LM's validation loss should sit well below it."""
+        if self.train_set.verifier is not None:
+            self.train_set.verifier.check_tokens(0, min(max_tokens, len(self.train_set.tokens)))
         tokens = np.asarray(self.train_set.tokens[:max_tokens])
         counts = np.bincount(tokens, minlength=self.vocab_size).astype(np.float64)
         p = counts[counts > 0] / counts.sum()
@@ -233,6 +245,18 @@ class LMDataModule(L.LightningDataModule):
             loaders.append(DataLoader(subset, batch_size=self.config.batch_size, shuffle=False, num_workers=0))
         return loaders if len(loaders) > 1 else loaders[0]
 
+    def fingerprints(self) -> Dict[str, str]:
+        """What the token stream depends on besides the model: saved in every checkpoint (``state_dict``)
+        so that ``experiments.run --ckpt_path`` resumes only a run trained on the same data and tokenizer."""
+        if self._fingerprints is None:
+            self._fingerprints = {
+                "data": f"{self.corpus.name}:{self.corpus.fingerprint()}",
+                "tokenizer": f"{self.tokenizer.name}:{self.tokenizer.fingerprint}",
+                "val_fraction": str(self.config.val_fraction),
+                "data_source": " ".join([self.config.name, *self.config.paths]),  # for messages only
+            }
+        return self._fingerprints
+
     def val_names_from_corpus(self) -> List[str]:
         """Names of the validation loaders, known before ``setup`` (the LightningModule needs them)."""
         named = self.corpus.validation_sets()
@@ -244,7 +268,7 @@ class LMDataModule(L.LightningDataModule):
         consumed = self.samples_consumed
         if trainer is not None:
             consumed = trainer.global_step * trainer.accumulate_grad_batches * self.config.batch_size
-        return {"samples_consumed": consumed}
+        return {"samples_consumed": consumed, "fingerprints": self.fingerprints()}
 
     def load_state_dict(self, state: dict) -> None:
         self.samples_consumed = int(state.get("samples_consumed", 0))

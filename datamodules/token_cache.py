@@ -8,20 +8,25 @@ and returns ``None`` for a missing or corrupt cache, which the caller then rebui
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import pathlib
+import shutil
 import tempfile
 from typing import Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 from tqdm.auto import tqdm
 
+from datamodules.corpora import DataError
 from datamodules.tokenizer import TextTokenizer
 
 _ENCODE_BATCH_DOCS = 512
-_FULL_HASH_LIMIT = 1 << 30  # files above 1 GiB are checked on sampled blocks
+CHUNK_BYTES = 64 << 20  # tokens.bin is hashed in chunks of this size at build time (all of it)
+EAGER_VERIFY_BYTES = 1 << 30  # up to this size every chunk is verified when the cache is opened
+_FULL_HASH_LIMIT = 1 << 30  # legacy caches (one "sha256"): above 1 GiB only sampled blocks were hashed
 _SAMPLE_BLOCK = 1 << 20
 
 
@@ -33,8 +38,56 @@ def token_dtype(vocab_size: int):
     return np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
 
 
+def chunk_checksums(path: pathlib.Path, chunk_bytes: int = 0) -> List[str]:
+    """sha256 of each ``chunk_bytes`` piece of the file (the last may be shorter): the whole file is covered."""
+    chunk_bytes = chunk_bytes or CHUNK_BYTES
+    out = []
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(chunk_bytes), b""):
+            out.append(hashlib.sha256(chunk).hexdigest())
+    return out
+
+
+class ChunkVerifier:
+    """Checks each chunk of ``tokens.bin`` against its build-time sha256 the first time it is read.
+
+    Used for caches above ``EAGER_VERIFY_BYTES``, so opening a 100 GiB cache costs nothing and every
+    byte training reads has still been verified. A mismatch removes ``meta.json`` (the next run
+    rebuilds the cache) and raises a DataError naming the file and chunk."""
+
+    def __init__(self, folder: pathlib.Path, meta: dict):
+        self.folder, self.path = folder, folder / "tokens.bin"
+        self.chunk_bytes = int(meta["chunk_bytes"])
+        self.expected = list(meta["chunk_sha256"])
+        self.itemsize = np.dtype(meta["dtype"]).itemsize
+        self.verified = set()
+
+    def check_tokens(self, start: int, stop: int) -> None:
+        """Verify the chunks holding tokens [start, stop)."""
+        if stop <= start:
+            return
+        first, last = start * self.itemsize // self.chunk_bytes, (stop * self.itemsize - 1) // self.chunk_bytes
+        for index in range(first, last + 1):
+            if index not in self.verified:
+                self.check_chunk(index)
+
+    def check_chunk(self, index: int) -> None:
+        with self.path.open("rb") as handle:
+            handle.seek(index * self.chunk_bytes)
+            digest = hashlib.sha256(handle.read(self.chunk_bytes)).hexdigest()
+        if digest != self.expected[index]:
+            invalidate(self.folder)
+            raise DataError(f"token cache {self.path} is corrupt (chunk {index} of {len(self.expected)}, bytes "
+                            f"{index * self.chunk_bytes}+, fails its sha256); it is rebuilt on the next run")
+        self.verified.add(index)
+
+    def __getstate__(self):  # DataLoader workers re-verify what they read (cheap, and no shared state)
+        return {**self.__dict__, "verified": set()}
+
+
 def file_checksum(path: pathlib.Path) -> str:
-    """sha256 of the whole file, or of sampled 1 MiB blocks (first, last, 64 evenly spaced) above 1 GiB."""
+    """Legacy caches: sha256 of the whole file, or of sampled 1 MiB blocks (first, last, 64 evenly spaced)
+    above 1 GiB. New caches record per-chunk hashes of the whole file instead (``chunk_checksums``)."""
     size = path.stat().st_size
     digest = hashlib.sha256()
     with path.open("rb") as handle:
@@ -54,13 +107,17 @@ def build_tokens(
     folder: pathlib.Path,
     description: str = "tokenising",
     max_tokens: Optional[int] = None,
+    input_bytes: Optional[int] = None,
 ) -> pathlib.Path:
     """Tokenise ``documents`` (EOT after each) into ``folder/tokens.bin`` + ``meta.json``, atomically.
 
     ``max_tokens`` stops after that many tokens (streamed corpora larger than the disk).
+    ``input_bytes`` (the corpus size, when known) sizes the estimate a disk-full error gives.
     """
     dtype = token_dtype(tokenizer.vocab_size)
     eot = tokenizer.eot_id
+    # at most one token per input byte (byte-level tokenizers), plus one EOT per document
+    expected_bytes = input_bytes * np.dtype(dtype).itemsize if input_bytes else None
 
     def chunks() -> Iterator[Tuple[np.ndarray, int]]:
         with tqdm(desc=description, unit=" docs", mininterval=1.0) as bar:
@@ -72,7 +129,7 @@ def build_tokens(
                 bar.update(len(batch))
                 yield np.asarray(ids, dtype=dtype), len(batch)
 
-    return _write_chunks(chunks(), tokenizer, folder, description, max_tokens)
+    return _write_chunks(chunks(), tokenizer, folder, description, max_tokens, expected_bytes)
 
 
 def build_tokens_from_dataset(
@@ -96,6 +153,7 @@ def build_tokens_from_dataset(
         return {"ids": [np.asarray(ids + [eot], dtype=dtype) for ids in tokenizer.encode_batch(batch[column])]}
 
     folder.mkdir(parents=True, exist_ok=True)
+    remove_orphans(folder, scratch_dirs=True)  # before this build's own scratch folder exists
     with tempfile.TemporaryDirectory(dir=folder, prefix="map.tmp") as scratch:
         mapped = dataset.map(
             encode, batched=True, batch_size=1000, num_proc=num_proc, remove_columns=dataset.column_names,
@@ -123,24 +181,37 @@ def _write_chunks(
     folder: pathlib.Path,
     description: str,
     max_tokens: Optional[int] = None,
+    expected_bytes: Optional[int] = None,
 ) -> pathlib.Path:
     folder.mkdir(parents=True, exist_ok=True)
+    remove_orphans(folder)
     dtype = token_dtype(tokenizer.vocab_size)
     count = 0
     docs = 0
+    chunk_hashes: List[str] = []
     fd, tmp_name = tempfile.mkstemp(dir=folder, prefix="tokens.bin.tmp")
+    follow_umask(tmp_name)
     try:
         with os.fdopen(fd, "wb") as handle:
             for array, n_docs in chunks:
                 if max_tokens is not None:
                     array = array[: max_tokens - count]
-                handle.write(array.tobytes())
+                try:
+                    handle.write(array.tobytes())
+                except OSError as err:
+                    raise _disk_full(err, folder, count * np.dtype(dtype).itemsize, expected_bytes) from None
                 count += array.size
                 docs += n_docs
                 if max_tokens is not None and count >= max_tokens:
                     break
+            try:
+                handle.flush()
+                os.fsync(handle.fileno())
+            except OSError as err:
+                raise _disk_full(err, folder, count * np.dtype(dtype).itemsize, expected_bytes) from None
         if count < 2:
-            raise ValueError(f"{description}: the corpus produced {count} tokens; nothing to train on")
+            raise DataError(f"{description}: the corpus produced {count} tokens; nothing to train on "
+                            "(empty or whitespace-only input?)")
         tmp = pathlib.Path(tmp_name)
         meta = {
             "num_tokens": count,
@@ -150,20 +221,63 @@ def _write_chunks(
             "eot_id": tokenizer.eot_id,
             "tokenizer": tokenizer.name,
             "tokenizer_fingerprint": tokenizer.fingerprint,
-            "sha256": file_checksum(tmp),
+            "chunk_bytes": CHUNK_BYTES,
+            "chunk_sha256": chunk_checksums(tmp),
         }
         if max_tokens is not None:
             meta["max_tokens"] = max_tokens
         os.replace(tmp, folder / "tokens.bin")
     except BaseException:
         pathlib.Path(tmp_name).unlink(missing_ok=True)
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            close()  # ends the progress bar's line before the error is printed
         raise
     _atomic_json(folder / "meta.json", meta)
     return folder
 
 
+def _disk_full(err: OSError, folder: pathlib.Path, written: int, expected: Optional[int]) -> Exception:
+    if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return err
+    free = shutil.disk_usage(folder).free
+    need = f"up to {_mib(expected)} in all" if expected else f"more than the {_mib(written)} written"
+    return DataError(f"disk full while building the token cache in {folder}: {_mib(written)} written, "
+                     f"{_mib(free)} free, needs {need}; free space there or point DYNCOMP_CACHE / "
+                     "--data.cache_dir at a larger disk")
+
+
+def _mib(n: Optional[int]) -> str:
+    n = n or 0
+    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
+
+
+def remove_orphans(folder: pathlib.Path, scratch_dirs: bool = False) -> None:
+    """Delete what a killed build left behind (``tokens.bin.tmp*``, ``meta.json.tmp*``, ``map.tmp*/``).
+
+    Only one build runs per cache folder at a time (rank 0's ``prepare_data``), so every temporary
+    file found when a build starts is an orphan."""
+    for pattern in ("tokens.bin.tmp*", "meta.json.tmp*"):
+        for orphan in folder.glob(pattern):
+            orphan.unlink(missing_ok=True)
+    for scratch in folder.glob("map.tmp*") if scratch_dirs else ():  # build_tokens_from_dataset's scratch
+        if scratch.is_dir():
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def follow_umask(path) -> None:
+    """``mkstemp`` creates files 0600; cache files get the permissions the user's umask gives new files."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def open_tokens(folder: pathlib.Path) -> Optional[np.memmap]:
-    """The verified token memmap, or ``None`` when the cache is missing, partial or corrupt."""
+    """The verified token memmap, or ``None`` when the cache is missing, partial or corrupt.
+
+    Verified here: ``meta.json`` parses, the file has exactly the recorded size, and (up to
+    ``EAGER_VERIFY_BYTES``) every chunk matches its build-time sha256. Above that, the first and last
+    chunks are checked here and the others by ``verifier(folder)`` when first read."""
     meta_path, data_path = folder / "meta.json", folder / "tokens.bin"
     if not meta_path.is_file() or not data_path.is_file():
         return None
@@ -173,9 +287,30 @@ def open_tokens(folder: pathlib.Path) -> Optional[np.memmap]:
         expected_bytes = meta["num_tokens"] * dtype.itemsize
     except (ValueError, KeyError, TypeError):
         return None
-    if data_path.stat().st_size != expected_bytes or file_checksum(data_path) != meta.get("sha256"):
+    if data_path.stat().st_size != expected_bytes:
+        return None
+    if "chunk_sha256" in meta:
+        try:
+            checker = ChunkVerifier(folder, meta)
+            count = len(checker.expected)
+            if count != -(-expected_bytes // checker.chunk_bytes):
+                return None
+            eager = range(count) if expected_bytes <= EAGER_VERIFY_BYTES else sorted({0, count - 1})
+            for index in eager:
+                checker.check_chunk(index)
+        except (DataError, KeyError, TypeError, ValueError):
+            return None
+    elif file_checksum(data_path) != meta.get("sha256"):
         return None
     return np.memmap(data_path, dtype=dtype, mode="r", shape=(meta["num_tokens"],))
+
+
+def verifier(folder: pathlib.Path) -> Optional[ChunkVerifier]:
+    """The lazy chunk checker for a cache above ``EAGER_VERIFY_BYTES`` (None: verified in full at open)."""
+    meta = read_meta(folder)
+    if "chunk_sha256" not in meta or meta["num_tokens"] * np.dtype(meta["dtype"]).itemsize <= EAGER_VERIFY_BYTES:
+        return None
+    return ChunkVerifier(folder, meta)
 
 
 def read_meta(folder: pathlib.Path) -> dict:
@@ -188,6 +323,7 @@ def invalidate(folder: pathlib.Path) -> None:
 
 def _atomic_json(path: pathlib.Path, data: dict) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp")
+    follow_umask(tmp)
     with os.fdopen(fd, "w") as handle:
         json.dump(data, handle, indent=2)
     os.replace(tmp, path)

@@ -83,13 +83,25 @@ def bytes_tokenizer() -> Tokenizer:
 
 def load_folder(path: pathlib.Path) -> Tokenizer:
     if (path / "tokenizer.json").is_file():
-        return Tokenizer.from_file(str(path / "tokenizer.json"))
+        return _checked(path / "tokenizer.json", lambda: Tokenizer.from_file(str(path / "tokenizer.json")))
     vocab, merges = path / "vocab.json", path / "merges.txt"
     if vocab.is_file() and merges.is_file():
-        tok = byte_level_tokenizer(models.BPE.from_file(str(vocab), str(merges)))
+        tok = byte_level_tokenizer(_checked(vocab, lambda: models.BPE.from_file(str(vocab), str(merges)), merges))
         tok.add_special_tokens([EOT])
         return tok
     raise DataError(f"data.tokenizer: folder {path} has neither tokenizer.json nor vocab.json + merges.txt")
+
+
+def _checked(path: pathlib.Path, load, *others: pathlib.Path):
+    """``load()``, with a corrupt file reported as one DataError line naming it (the tokenizers library
+    raises a bare Exception whose text does not say which file)."""
+    try:
+        return load()
+    except Exception as err:  # noqa: BLE001
+        names = " / ".join(str(p) for p in (path, *others))
+        reason = (str(err).strip().splitlines() or ["unreadable"])[0][:160]
+        raise DataError(f"data.tokenizer: {names} is not a valid tokenizer file ({reason}); "
+                        "replace it, or use --tokenizer bpe / bytes") from None
 
 
 def load_gpt2() -> Tokenizer:
@@ -120,11 +132,12 @@ def get_tokenizer(spec: str, cache_dir: pathlib.Path, corpus=None) -> TextTokeni
         if corpus is None:
             raise DataError("data.tokenizer: 'bpe' is trained on a corpus; none was given")
         path = cache_dir / "tokenizers" / f"bpe{BPE_VOCAB_SIZE}-{corpus.fingerprint()}.json"
-        if not path.is_file():
+        tok = _cached_bpe(path)
+        if tok is None:
             tok = train_bpe(corpus.documents())
             path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(path, tok.to_str())
-        return TextTokenizer(Tokenizer.from_file(str(path)), "bpe")
+        return TextTokenizer(tok, "bpe")
     folder = pathlib.Path(spec).expanduser()
     if folder.is_dir():
         return TextTokenizer(load_folder(folder), str(folder))
@@ -134,8 +147,21 @@ def get_tokenizer(spec: str, cache_dir: pathlib.Path, corpus=None) -> TextTokeni
     )
 
 
+def _cached_bpe(path: pathlib.Path) -> Optional[Tokenizer]:
+    """The trained BPE cached at ``path``; None when absent or unreadable (it is then retrained)."""
+    if not path.is_file():
+        return None
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception:  # noqa: BLE001 - a corrupt cache entry is rebuilt, not reported
+        return None
+
+
 def atomic_write_text(path: pathlib.Path, text: str) -> None:
+    from datamodules.token_cache import follow_umask
+
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp")
+    follow_umask(tmp)
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
         handle.write(text)
     os.replace(tmp, path)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from datamodules.corpora import DataError, hub_reachable, jsonl_rows
+from datamodules.corpora import DataError, hub_reachable, jsonl_rows, read_parquet
 from datamodules.tokenizer import TextTokenizer
 
 XSUM_HUB_ID = "EdinburghNLP/xsum"
@@ -85,9 +85,7 @@ def local_files(paths: Sequence[str]) -> Dict[str, List[pathlib.Path]]:
 
 def read_records(path: pathlib.Path) -> List[dict]:
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        table = pq.read_table(path)
+        table = read_parquet(path)
         missing = [c for c in COLUMNS if c not in table.column_names]
         if missing:
             raise DataError(f"{path}: missing column(s) {missing} (has {table.column_names})")
@@ -281,11 +279,13 @@ class XSumDataModule(L.LightningDataModule):
         return data
 
     def setup(self, stage: Optional[str] = None) -> None:
-        if self.train_set is not None:
-            return
+        """Every split; ``validate`` / ``test`` (``--eval_only``) read only the evaluation split."""
         eot = self.tokenizer.eot_id
-        train = encode(self._split("train", self.max_train_examples), self.tokenizer, self.block_size)
-        self.train_set = SummaryTrainSet(train, self.separator, eot, self.block_size, "xsum/train")
+        if self.train_set is None and stage not in ("validate", "test"):
+            train = encode(self._split("train", self.max_train_examples), self.tokenizer, self.block_size)
+            self.train_set = SummaryTrainSet(train, self.separator, eot, self.block_size, "xsum/train")
+        if self.eval_set is not None:
+            return
         held = encode(self._split(self.eval_split, self.max_eval_examples), self.tokenizer, self.block_size)
         self.val_set = SummaryTrainSet(held, self.separator, eot, self.block_size, f"xsum/{self.eval_split}")
         self.eval_set = SummaryEvalSet(held, self.separator, eot, self.block_size, self.max_new_tokens)

@@ -8,7 +8,9 @@
     --tokenizer T                                default: the checkpoint's run config (config.yaml next to
                                                  checkpoints/), else gpt2
     --data.path PATH                             local files instead of the Hub (see datamodules/glue.py, xsum.py)
-    --epochs N / --max_steps N, --batch_size B, --lr, --weight_decay, --warmup_ratio, --dropout
+    --init_strict false, --init_min_share F      load a checkpoint of another tokenizer / below share F anyway
+    --eval_only true                             evaluate --init_from without training (GLUE: a fine-tuned checkpoint)
+    --epochs N / --max_steps N (overrides epochs), --batch_size B, --lr, --weight_decay, --warmup_ratio, --dropout
     --max_train_examples N, --max_eval_examples N   seeded subsets for quick runs
     XSUM: --num_beams K (1 = greedy), --max_new_tokens N, --length_penalty A, --eval_split validation|test
 
@@ -57,12 +59,15 @@ class FinetuneData:
 
 
 def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(prog="python -m experiments.finetune", default_env=False,
+    parser = ArgumentParser(prog="python -m experiments.finetune", default_env=False, exit_on_error=False,
                             description="Fine-tune a variant on GLUE or XSUM. Aliases: "
                             + ", ".join(f"{k} = {v}" for k, v in ALIASES.items()))
     parser.add_argument("--config", action=ActionConfigFile)
     parser.add_argument("--task", type=str, required=True, help="glue/<task>, glue/all or xsum")
     parser.add_argument("--init_from", type=Optional[str], default=None)
+    parser.add_argument("--init_strict", type=bool, default=True,
+                        help="refuse --init_from when its tokenizer differs or it initialises less than --init_min_share")
+    parser.add_argument("--init_min_share", type=float, default=0.5)
     parser.add_argument("--tokenizer", type=Optional[str], default=None)
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--log_dir", type=str, default="runs/finetune")
@@ -78,6 +83,9 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--eval_split", type=str, default="validation")
     parser.add_argument("--rouge_stemmer", type=bool, default=False)
     parser.add_argument("--save_checkpoint", type=bool, default=False)
+    parser.add_argument("--eval_only", type=bool, default=False,
+                        help="evaluate --init_from without training (GLUE: a checkpoint fine-tuned on the task, "
+                        "written with --save_checkpoint true; XSUM: any checkpoint)")
     parser.add_argument("--trainer.accelerator", type=str, default="auto")
     parser.add_argument("--trainer.devices", type=str, default="auto")
     parser.add_argument("--trainer.precision", type=Optional[str], default=None)
@@ -116,10 +124,29 @@ def validate_up_front(cfg: Namespace) -> None:
         (cfg.eval_split in ("validation", "test"), "eval_split", "must be 'validation' or 'test'"),
         (cfg.data.batch_size > 0, "data.batch_size", "must be a positive integer"),
         (cfg.data.max_length is None or cfg.data.max_length >= 4, "data.max_length", "must be >= 4"),
+        (cfg.data.max_train_examples is None or cfg.data.max_train_examples > 0, "data.max_train_examples",
+         "must be a positive integer (or unset for all)"),
+        (cfg.data.max_eval_examples is None or cfg.data.max_eval_examples > 0, "data.max_eval_examples",
+         "must be a positive integer (or unset for all)"),
+        (cfg.data.eval_batch_size > 0, "data.eval_batch_size", "must be a positive integer"),
+        (0.0 <= cfg.init_min_share <= 1.0, "init_min_share", "must be in [0, 1]"),
     ]
     for ok, name, message in checks:
         if not ok:
             raise ConfigError(f"{name}: {message}, got {cfg[name]!r}")
+    if cfg.eval_only and not cfg.init_from:
+        raise ConfigError("eval_only: needs --init_from (the checkpoint to evaluate)")
+    if cfg.eval_only and len(task_list(cfg.task)) > 1:
+        raise ConfigError("eval_only: evaluates one fine-tuned task checkpoint; pass --task glue/<task>, not glue/all")
+
+
+def check_task_files(cfg: Namespace, tasks: List[str]) -> None:
+    """Every task's files, before anything trains (glue/all used to fail at MNLI after five tasks)."""
+    glue = [t for t in tasks if t.startswith("glue/")]
+    if glue:
+        from datamodules.glue import check_files
+
+        check_files(glue, cfg.data.path, splits=("validation",) if cfg.eval_only else ("train", "validation"))
 
 
 # ---------------------------------------------------------------------------- backbone and tokenizer
@@ -147,10 +174,10 @@ def checkpoint_model_config(source: str) -> ModelConfig:
     path = pathlib.Path(source)
     if not path.is_file():
         raise FileNotFoundError(f"init_from: {source} is neither a checkpoint file, 'hf:<id>' nor a Hugging Face folder")
-    import torch
+    from experiments.weights import read_checkpoint
 
-    blob = torch.load(path, map_location="cpu", weights_only=False)
-    model = blob.get("hyper_parameters", {}).get("model") if isinstance(blob, dict) else None
+    blob = read_checkpoint(path, "init_from")
+    model = (blob.get("hyper_parameters") or {}).get("model")
     if not model:
         raise ConfigError(f"init_from: {path} holds no model configuration (hyper_parameters.model); "
                           "use a checkpoint written by experiments.run")
@@ -176,17 +203,32 @@ def backbone_config(cfg: Namespace, vocab_size: int) -> Tuple[ModelConfig, Optio
     return built, source
 
 
-def load_backbone(model, init_from: str, source: ModelConfig) -> None:
-    from experiments.weights import load_initial_weights, vanilla_state_from
+def load_backbone(model, init_from: str, source: Optional[ModelConfig] = None, strict: bool = False,
+                  min_share: float = 0.5, tokenizer=None) -> None:
+    """``--init_from`` into the backbone, with the table of loaded / mapped / unused / new tensors
+    (a checkpoint of the same variant loads by name; a vanilla one through the variant's mapping)."""
+    from experiments.weights import load_initial_weights
 
-    if source.variant == model.config.variant and not _is_hf(init_from):
-        state = {k: v for k, v in vanilla_state_from(init_from).items() if not k.startswith("head.")}
-        result = model.load_state_dict(state, strict=False)
-        if result.missing_keys or result.unexpected_keys:
-            raise ConfigError(f"init_from: {init_from} does not match the {model.config.variant} backbone "
-                              f"(missing {result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]})")
-        return
-    load_initial_weights(model, init_from)
+    fingerprint = f"{tokenizer.name}:{tokenizer.fingerprint}" if tokenizer is not None else None
+    load_initial_weights(model, init_from, strict=strict, min_share=min_share, tokenizer=fingerprint)
+
+
+def load_task_head(module, init_from: str, spec) -> None:
+    """``--eval_only`` on GLUE: the classification head must come from the checkpoint (a fresh head
+    would measure nothing), so it must be a checkpoint fine-tuned on this task."""
+    from experiments.weights import read_checkpoint
+
+    if _is_hf(init_from):
+        raise ConfigError(f"eval_only: {init_from} has no trained {spec.slug} classification head; fine-tune first "
+                          "(--save_checkpoint true) and evaluate that checkpoint")
+    blob = read_checkpoint(init_from, "init_from")
+    state = blob.get("state_dict", blob)
+    head = {k.removeprefix("head."): v for k, v in state.items() if k.startswith("head.")}
+    task = (blob.get("hyper_parameters") or {}).get("task")
+    if not head or (task and task != spec.name):
+        raise ConfigError(f"eval_only: {init_from} has no trained {spec.slug} classification head (its task: "
+                          f"{task or 'none'}); fine-tune on {spec.slug} with --save_checkpoint true and evaluate that")
+    module.head.load_state_dict(head)
 
 
 def resolve_tokenizer(spec: Optional[str], init_from: Optional[str]):
@@ -241,7 +283,7 @@ def make_trainer(cfg: Namespace, save_dir: pathlib.Path, name: str, version: str
         accelerator=cfg.trainer.accelerator,
         devices=int(devices) if str(devices).isdigit() else devices,
         precision=cfg.trainer.precision or default_precision(),
-        max_epochs=epochs,
+        max_epochs=-1 if cfg.max_steps else epochs,  # --max_steps overrides the epochs (the LR schedule too)
         max_steps=cfg.max_steps or -1,
         gradient_clip_val=1.0,
         logger=TensorBoardLogger(save_dir=str(save_dir), name=name, version=version, default_hp_metric=False),
@@ -264,14 +306,15 @@ def total_steps(cfg: Namespace, train_size: int, epochs: int, world: int) -> int
     return epochs * math.ceil(train_size / (cfg.data.batch_size * world))
 
 
-def build_module(module_cls, cfg: Namespace, vocab_size: int, **kwargs):
+def build_module(module_cls, cfg: Namespace, run_tokenizer, **kwargs):
     import lightning as L
 
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    mcfg, source = backbone_config(cfg, vocab_size)
+    mcfg, _ = backbone_config(cfg, run_tokenizer.vocab_size)
     module = module_cls(model=dataclasses.asdict(mcfg), **kwargs)
     if cfg.init_from:
-        load_backbone(module.model, cfg.init_from, source)
+        load_backbone(module.model, cfg.init_from, strict=cfg.init_strict, min_share=cfg.init_min_share,
+                      tokenizer=run_tokenizer)
     return module, mcfg
 
 
@@ -287,12 +330,15 @@ def run_glue_task(cfg: Namespace, task: str, tokenizer, save_dir: pathlib.Path, 
                           batch_size=cfg.data.batch_size, path=cfg.data.path,
                           drop_empty=cfg.data.drop_empty, max_train_examples=cfg.data.max_train_examples,
                           max_eval_examples=cfg.data.max_eval_examples, seed=cfg.seed, num_workers=cfg.data.num_workers)
-    data.setup("fit")
+    data.setup("validate" if cfg.eval_only else "fit")
     trainer = make_trainer(cfg, save_dir, name, version, epochs)
-    steps = total_steps(cfg, len(data.train_set), epochs, trainer.world_size)
-    module, mcfg = build_module(GlueModule, cfg, tokenizer.vocab_size, task=spec.name, optim=optim_settings(cfg, steps),
+    steps = 1 if cfg.eval_only else total_steps(cfg, len(data.train_set), epochs, trainer.world_size)
+    module, mcfg = build_module(GlueModule, cfg, tokenizer, task=spec.name, optim=optim_settings(cfg, steps),
                                 max_steps=steps, head_dropout=cfg.dropout)
-    trainer.fit(module, datamodule=data)
+    if cfg.eval_only:
+        load_task_head(module, cfg.init_from, spec)
+    else:
+        trainer.fit(module, datamodule=data)
     final = trainer.validate(module, datamodule=data, verbose=False)
     logged = {k: float(v) for k, v in (final[0] if final else {}).items()}
     splits = {}
@@ -302,8 +348,8 @@ def run_glue_task(cfg: Namespace, task: str, tokenizer, save_dir: pathlib.Path, 
     scores = [glue_score(spec, values) for values in splits.values()]
     return {
         "task": spec.slug, "variant": mcfg.variant, "metrics": splits, "score": sum(scores) / len(scores),
-        "train_examples": len(data.train_set), "eval_examples": {s: len(d) for s, d in data.val_sets.items()},
-        "steps": trainer.global_step, "seconds": round(time.time() - start, 1), "init_from": cfg.init_from,
+        "train_examples": len(data.train_set or []), "eval_examples": {s: len(d) for s, d in data.val_sets.items()},
+        "steps": trainer.global_step, "seconds": round(time.time() - start, 1), "init_from": cfg.init_from, "eval_only": cfg.eval_only,
         "log_dir": trainer.logger.log_dir,
     }
 
@@ -319,13 +365,14 @@ def run_xsum(cfg: Namespace, tokenizer, save_dir: pathlib.Path, name: str, versi
                           max_new_tokens=cfg.max_new_tokens, eval_split=cfg.eval_split, drop_empty=cfg.data.drop_empty,
                           max_train_examples=cfg.data.max_train_examples, max_eval_examples=cfg.data.max_eval_examples,
                           eval_batch_size=cfg.data.eval_batch_size, seed=cfg.seed, num_workers=cfg.data.num_workers)
-    data.setup("fit")
+    data.setup("validate" if cfg.eval_only else "fit")
     trainer = make_trainer(cfg, save_dir, name, version, epochs)
-    steps = total_steps(cfg, len(data.train_set), epochs, trainer.world_size)
-    module, mcfg = build_module(XSumModule, cfg, tokenizer.vocab_size, optim=optim_settings(cfg, steps), max_steps=steps,
+    steps = 1 if cfg.eval_only else total_steps(cfg, len(data.train_set), epochs, trainer.world_size)
+    module, mcfg = build_module(XSumModule, cfg, tokenizer, optim=optim_settings(cfg, steps), max_steps=steps,
                                 eot_id=tokenizer.eot_id, num_beams=cfg.num_beams, max_new_tokens=cfg.max_new_tokens,
                                 length_penalty=cfg.length_penalty, rouge_stemmer=cfg.rouge_stemmer, tokenizer=tokenizer)
-    trainer.fit(module, datamodule=data)
+    if not cfg.eval_only:
+        trainer.fit(module, datamodule=data)
     val = trainer.validate(module, datamodule=data, verbose=False)
     test = trainer.test(module, dataloaders=data.test_dataloader(), verbose=False)
     rouge = {k: float(test[0][f"test/{k}"]) for k in ROUGE_KEYS} if test else {}
@@ -339,8 +386,8 @@ def run_xsum(cfg: Namespace, tokenizer, save_dir: pathlib.Path, name: str, versi
         "task": "xsum", "variant": mcfg.variant, "rouge": rouge, "eval_split": cfg.eval_split,
         "val_summary_loss": float(val[0]["val/loss"]) if val and "val/loss" in val[0] else None,
         "decoding": "greedy" if cfg.num_beams == 1 else f"beam{cfg.num_beams}", "max_new_tokens": cfg.max_new_tokens,
-        "train_examples": len(data.train_set), "eval_examples": len(data.eval_set), "steps": trainer.global_step,
-        "seconds": round(time.time() - start, 1), "init_from": cfg.init_from, "log_dir": str(run_dir),
+        "train_examples": len(data.train_set or []), "eval_examples": len(data.eval_set), "steps": trainer.global_step,
+        "seconds": round(time.time() - start, 1), "init_from": cfg.init_from, "eval_only": cfg.eval_only, "log_dir": str(run_dir),
     }
 
 
@@ -369,6 +416,7 @@ def main(argv: Optional[Sequence[str]] = None) -> pathlib.Path:
     cfg = parse_with_presets(parser, expand_aliases(list(sys.argv[1:] if argv is None else argv), ALIASES))
     validate_up_front(cfg)
     tasks = task_list(cfg.task)
+    check_task_files(cfg, tasks)
     tokenizer = resolve_tokenizer(cfg.tokenizer, cfg.init_from)
     label = "glue-all" if len(tasks) > 1 else tasks[0].replace("/", "-")
     root = pathlib.Path(cfg.log_dir) / f"{label}-{cfg.model.variant}"
@@ -405,8 +453,6 @@ def run_tasks(cfg: Namespace, tasks: List[str], tokenizer, root: pathlib.Path, v
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ConfigError, DataError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    from experiments.run import cli
+
+    cli(main)

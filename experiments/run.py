@@ -15,9 +15,14 @@ Trainer is deterministic), on SLURM (``srun python -m experiments.run ...``) and
 Run folder: ``<log_dir>/<variant>-<size>/version_<N>`` with TensorBoard events, ``config.yaml``
 (the resolved config), ``checkpoints/{last,best-*}.ckpt`` and ``summary.json``. The folder path is
 the last line printed.
+
+Exit status: 0 when the run finished; 2 for a user mistake (one ``error: ...`` line on stderr naming the
+option or file, nothing written that looks like a run); 128 + signal (143 SIGTERM, 138 SIGUSR1) when a
+preemption signal stopped it after saving ``checkpoints/last.ckpt`` (resume with ``--ckpt_path last``).
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import pathlib
@@ -74,6 +79,7 @@ def build_parser() -> ArgumentParser:
         description="Train a dynamic-computation Transformer variant. Aliases: "
         + ", ".join(f"{k} = {v}" for k, v in ALIASES.items()),
         default_env=False,
+        exit_on_error=False,  # parse errors reach cli(): one line, exit status 2
     )
     parser.add_argument("--config", action=ActionConfigFile, help="YAML file with any of the options below")
     parser.add_argument("--seed", type=int, default=1337)
@@ -84,6 +90,11 @@ def build_parser() -> ArgumentParser:
                         help="resume: a checkpoint path, or 'last' for the newest last.ckpt of this variant-size")
     parser.add_argument("--init_from", type=Optional[str], default=None,
                         help="initialise weights from a vanilla checkpoint, 'hf:gpt2' or a local HF folder")
+    parser.add_argument("--init_strict", type=bool, default=True,
+                        help="refuse --init_from when its tokenizer differs or it initialises less than "
+                        "--init_min_share of the parameters")
+    parser.add_argument("--init_min_share", type=float, default=0.5,
+                        help="smallest share of the model's parameters --init_from must initialise (strict mode)")
     parser.add_argument("--val_every", type=int, default=100, help="validate every N optimisation steps")
     parser.add_argument("--val_batches", type=int, default=20, help="batches per validation set and rank")
     parser.add_class_arguments(ModelConfig, "model")
@@ -119,6 +130,8 @@ def validate_up_front(cfg: Namespace) -> None:
         raise ConfigError(f"trainer.max_steps: must be a positive integer, got {cfg.trainer.max_steps}")
     if cfg.val_every <= 0:
         raise ConfigError(f"val_every: must be a positive integer, got {cfg.val_every}")
+    if not 0.0 <= cfg.init_min_share <= 1.0:
+        raise ConfigError(f"init_min_share: must be in [0, 1], got {cfg.init_min_share}")
     if cfg.val_batches <= 0:
         raise ConfigError(f"val_batches: must be a positive integer, got {cfg.val_batches}")
     DataConfig(**_as_dict(cfg.data)).validate()
@@ -169,13 +182,91 @@ def run_version(cfg: Namespace, root: pathlib.Path, ckpt_path: Optional[str] = N
     return version
 
 
-def resolve_ckpt(cfg: Namespace, root: pathlib.Path) -> Optional[str]:
+def resolve_ckpt(cfg: Namespace, root: pathlib.Path, expected: Optional[Dict[str, Any]] = None) -> Optional[str]:
+    """The checkpoint to resume, checked against the command (``expected``: ``run_fingerprints``).
+
+    ``last`` takes the newest ``last.ckpt`` under ``root`` among the runs trained with the same model,
+    data and tokenizer (others are skipped, and named); an explicit path must match too."""
+    if cfg.ckpt_path is None:
+        return None
     if cfg.ckpt_path != "last":
+        if expected is not None:
+            differences = checkpoint_differences(cfg.ckpt_path, expected)
+            if differences:
+                raise ConfigError(f"ckpt_path: {cfg.ckpt_path} was trained with a different {'; '.join(differences)}; "
+                                  "resume with the command that trained it, or start a new run without --ckpt_path")
         return cfg.ckpt_path
-    candidates = sorted(root.glob("*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+    candidates = sorted(root.glob("*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True)
     if not candidates:
         raise FileNotFoundError(f"--ckpt_path last: no last.ckpt under {root}")
-    return str(candidates[-1])
+    if expected is None:
+        return str(candidates[0])
+    skipped = []
+    for candidate in candidates:
+        differences = checkpoint_differences(str(candidate), expected)
+        if not differences:
+            for folder, why in skipped:
+                print(f"note: --ckpt_path last: skipped newer {folder} (different {why})", file=sys.stderr)
+            return str(candidate)
+        skipped.append((candidate.parent.parent, "; ".join(differences)))
+    folder, why = skipped[0]
+    raise ConfigError(f"--ckpt_path last: no run under {root} matches this command; the newest, {folder}, "
+                      f"was trained with a different {why}")
+
+
+def run_fingerprints(mcfg: ModelConfig, data) -> Dict[str, Any]:
+    """What a resumed run must share with the command: every resolved model field, data and tokenizer."""
+    return {"model": _flatten(dataclasses.asdict(mcfg.resolve())), **data.fingerprints()}
+
+
+def checkpoint_differences(path: str, expected: Dict[str, Any]) -> List[str]:
+    """Human-readable differences between the checkpoint's fingerprints and ``expected`` (empty: same)."""
+    from experiments.weights import read_checkpoint
+
+    blob = read_checkpoint(path, "ckpt_path")
+    model = (blob.get("hyper_parameters") or {}).get("model")
+    if not model:
+        return ["model (the checkpoint holds no hyper_parameters.model; not written by experiments.run)"]
+    try:
+        saved_model = _flatten(dataclasses.asdict(ModelConfig.from_dict(model).resolve()))
+    except (ConfigError, TypeError, ValueError) as err:
+        return [f"model ({err})"]
+    out = [f"model.{k} ({saved_model.get(k)!r} in the checkpoint, {v!r} now)"
+           for k, v in expected["model"].items() if saved_model.get(k) != v]
+    saved = next((v["fingerprints"] for v in blob.values() if isinstance(v, dict) and "fingerprints" in v), None)
+    if saved is None:  # checkpoints written before fingerprints were saved: the model check is all we have
+        print(f"warning: {path} records no data/tokenizer fingerprints; only the model settings were checked",
+              file=sys.stderr)
+        return out
+    for key in ("data", "tokenizer", "val_fraction"):
+        if key in expected and saved.get(key) != expected[key]:
+            label = "data.val_fraction" if key == "val_fraction" else key
+            was, now = saved.get(key), expected[key]
+            if key == "data" and saved.get("data_source"):  # name the files as well as their fingerprints
+                was, now = f"{was} = {saved['data_source']}", f"{now} = {expected.get('data_source')}"
+            out.append(f"{label} ({was} in the checkpoint, {now} now)")
+    return out
+
+
+def _flatten(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+    flat: Dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
+    return flat
+
+
+def refuse_foreign_run_folder(run_dir: pathlib.Path, ckpt_path: Optional[str]) -> None:
+    """Never write into another run's folder: one that holds checkpoints is only reused to resume it."""
+    checkpoints = run_dir / "checkpoints"
+    if not checkpoints.is_dir() or not any(checkpoints.glob("*.ckpt")):
+        return
+    if ckpt_path and pathlib.Path(ckpt_path).resolve().is_relative_to(run_dir.resolve()):
+        return
+    raise ConfigError(f"version: {run_dir} already holds another run's checkpoints; choose a new --version, "
+                      f"or resume it with --ckpt_path {checkpoints / 'last.ckpt'}")
 
 
 def parse_with_presets(parser: ArgumentParser, argv: Sequence[str], prefix: str = "model") -> Namespace:
@@ -211,18 +302,19 @@ def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
     module = LanguageModelModule(model=dataclasses.asdict(mcfg), optim=_as_dict(cfg.optim),
                                  max_steps=cfg.trainer.max_steps, val_names=data.val_names_from_corpus())
     if cfg.init_from:
-        load_initial_weights(module.model, cfg.init_from)
+        load_initial_weights(module.model, cfg.init_from, strict=cfg.init_strict, min_share=cfg.init_min_share,
+                             tokenizer=data.fingerprints()["tokenizer"])
 
     root = pathlib.Path(cfg.log_dir) / f"{mcfg.variant}-{mcfg.size}"
-    ckpt_path = resolve_ckpt(cfg, root)
+    ckpt_path = resolve_ckpt(cfg, root, run_fingerprints(mcfg, data))
     version = run_version(cfg, root, ckpt_path)
+    refuse_foreign_run_folder(root / version, ckpt_path)
     inherited = os.environ.get("DYNCOMP_RUN_VERSION")
-    trainer, recorder = make_trainer(cfg, root, version, extra_callbacks=[StepRecorder()],
+    writer = config_writer(lambda path: parser.save(resolved_namespace(cfg, mcfg), path, overwrite=True,
+                                                    skip_validation=True))
+    trainer, recorder = make_trainer(cfg, root, version, extra_callbacks=[StepRecorder(), writer],
                                      find_unused=module.model.may_skip_parameters)
     run_dir = pathlib.Path(trainer.logger.log_dir)
-    if trainer.is_global_zero:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        parser.save(resolved_namespace(cfg, mcfg), run_dir / "config.yaml", overwrite=True, skip_validation=True)
 
     try:
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
@@ -256,6 +348,21 @@ def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
         write_summary(run_dir / "summary.json", summary)
         print(run_dir)
     return run_dir
+
+
+def config_writer(save):
+    """A callback that writes the run folder's ``config.yaml`` once the data is prepared (Lightning calls
+    ``setup`` after ``prepare_data``), so a bad corpus or tokenizer leaves no folder that looks like a run."""
+    import lightning as L
+
+    class ConfigWriter(L.Callback):
+        def setup(self, trainer, pl_module, stage: str) -> None:
+            if stage == "fit" and trainer.is_global_zero:
+                run_dir = pathlib.Path(trainer.logger.log_dir)
+                run_dir.mkdir(parents=True, exist_ok=True)
+                save(run_dir / "config.yaml")
+
+    return ConfigWriter()
 
 
 def flops_summary(module) -> Dict[str, Any]:
@@ -327,9 +434,21 @@ def _devices(value):
     return value
 
 
-if __name__ == "__main__":
+# The user mistakes ``cli`` reports as one line (exit status 2) instead of a traceback.
+USER_ERRORS = (ConfigError, DataError, FileNotFoundError, argparse.ArgumentError)
+USER_ERROR_EXIT = 2
+
+
+def cli(entry=None, argv: Optional[Sequence[str]] = None) -> None:
+    """Run ``entry(argv)`` (default: ``main``) as a command: a user mistake prints ``error: <one line>``
+    to stderr and exits with status 2; a preempted run exits with ``callbacks.preemption``'s status."""
     try:
-        main()
-    except (ConfigError, DataError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        (entry or main)(argv)
+    except USER_ERRORS as err:
+        message = " ".join(str(err).split()) or type(err).__name__
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(USER_ERROR_EXIT) from None
+
+
+if __name__ == "__main__":
+    cli()

@@ -135,7 +135,7 @@ def validate(configurations: Sequence[Sequence[str]]) -> List[Any]:
     for argv in configurations:
         try:
             cfg = parser.parse_args(expand_aliases(list(argv)))
-        except SystemExit as exit_:
+        except (SystemExit, argparse.ArgumentError) as exit_:  # run's parser raises, not exits (issue 14)
             raise ConfigError(f"invalid run options: {shlex.join(argv)}") from exit_
         validate_up_front(cfg)
         parsed.append(cfg)

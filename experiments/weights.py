@@ -2,30 +2,69 @@
 
 Sources: a Lightning checkpoint (``.ckpt``) or ``state_dict`` file of this suite's vanilla model,
 ``hf:<hub id>`` (e.g. ``hf:gpt2``), or a local Hugging Face folder (config.json + weights).
-A vanilla target loads the weights directly; a variant that defines ``init_from_vanilla`` (MoM's
-phase 2, for example) maps them itself; any other variant loads the tensors whose names and shapes
-match and reports the rest.
+A checkpoint of the target's own variant loads by name; a vanilla one goes through the variant's
+``vanilla_state_mapping`` (the paper-faithful mapping). Before loading, a table of loaded / mapped /
+unused / newly initialised tensors (counts and share of parameters) goes to stderr; in strict mode (the
+command lines' default) a source trained with another tokenizer, or one that initialises less than
+``--init_min_share`` of the parameters, is refused. ``python -m experiments.weights [SIZE]`` prints, for
+every variant, what a vanilla model of SIZE initialises (the README's table).
 """
 from __future__ import annotations
 
+import dataclasses
 import pathlib
-from typing import Dict
+import sys
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from architectures.config import ConfigError
 
 
+def read_checkpoint(path, option: str = "ckpt_path") -> dict:
+    """The checkpoint at ``path`` as a dict; a missing, truncated or foreign file is one ConfigError line.
+
+    Memory-mapped when the file allows it, so reading the metadata of a large checkpoint is cheap.
+    """
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{option}: {path} does not exist or is not a file")
+    try:
+        try:
+            blob = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        except RuntimeError:  # legacy (non-zip) files cannot be memory-mapped
+            blob = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # noqa: BLE001 - any failure to unpickle means "not a usable checkpoint"
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
+        raise ConfigError(f"{option}: {path} is not a readable PyTorch checkpoint (truncated or another kind of "
+                          f"file: {reason})") from None
+    if not isinstance(blob, dict):
+        raise ConfigError(f"{option}: {path} holds a {type(blob).__name__}, not a checkpoint dict")
+    return blob
+
+
 def vanilla_state_from(source: str) -> Dict[str, torch.Tensor]:
+    return read_source(source)[0]
+
+
+def read_source(source: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Optional[str]]]:
+    """(state dict in this suite's names, {"variant", "tokenizer"} recorded with it; None where unknown)."""
     if source.startswith("hf:") or (pathlib.Path(source).is_dir() and (pathlib.Path(source) / "config.json").is_file()):
-        return _hf_state(source.removeprefix("hf:"))
+        return _hf_state(source.removeprefix("hf:")), {"variant": "vanilla", "tokenizer": None}
     path = pathlib.Path(source)
     if not path.is_file():
         raise FileNotFoundError(f"init_from: {source} is neither a checkpoint file, 'hf:<id>' nor a Hugging Face folder")
-    blob = torch.load(path, map_location="cpu", weights_only=False)
-    state = blob.get("state_dict", blob) if isinstance(blob, dict) else blob
+    blob = read_checkpoint(path, "init_from")
+    state = blob.get("state_dict", blob)
+    model = (blob.get("hyper_parameters") or {}).get("model") or {}
+    saved = next((v["fingerprints"] for v in blob.values() if isinstance(v, dict) and "fingerprints" in v), {})
+    meta = {"variant": model.get("variant") if isinstance(model, dict) else None, "tokenizer": saved.get("tokenizer")}
     # Lightning checkpoints prefix the LanguageModelModule attribute name.
-    return {k.removeprefix("model."): v for k, v in state.items() if not k.startswith(("val_", "tokens_seen"))}
+    state = {k.removeprefix("model."): v for k, v in state.items()
+             if isinstance(v, torch.Tensor) and not k.startswith(("val_", "tokens_seen"))}
+    if not state:
+        raise ConfigError(f"init_from: {path} holds no tensors (not a model checkpoint)")
+    return state, meta
 
 
 def _hf_state(source: str) -> Dict[str, torch.Tensor]:
@@ -47,16 +86,177 @@ def _hf_state(source: str) -> Dict[str, torch.Tensor]:
     return state_dict_from_hf(hf.state_dict())
 
 
-def load_initial_weights(model: torch.nn.Module, source: str) -> None:
-    state = vanilla_state_from(source)
-    if hasattr(model, "init_from_vanilla"):
-        model.init_from_vanilla(state)
-        return
+DEFAULT_MIN_SHARE = 0.5  # refuse (unless --init_strict false) when less of the model than this is initialised
+
+
+@dataclasses.dataclass
+class InitReport:
+    """What ``--init_from`` did, counted in tensors and in parameters (shared tensors counted once)."""
+
+    loaded: List[str]  # same name in source and model
+    mapped: List[Tuple[str, str]]  # (model name, source name): the variant's vanilla mapping
+    unused: List[str]  # source tensors nothing was initialised from
+    new: List[str]  # model tensors left at their fresh initialisation
+    sizes: Dict[str, int]  # numel of every model tensor (shared storage counted once) and source tensor
+    source_sizes: Dict[str, int]
+
+    @property
+    def model_parameters(self) -> int:
+        return sum(self.sizes.values())
+
+    def share(self, names) -> float:
+        return sum(self.sizes.get(n, 0) for n in names) / max(self.model_parameters, 1)
+
+    @property
+    def initialised_share(self) -> float:
+        return self.share([*self.loaded, *(t for t, _ in self.mapped)])
+
+    def table(self, source: str, variant: str) -> str:
+        source_total = max(sum(self.source_sizes.values()), 1)
+        rows = [
+            ("loaded (same name)", len(self.loaded), self.share(self.loaded), "of the model"),
+            ("mapped (renamed)", len(self.mapped), self.share([t for t, _ in self.mapped]), "of the model"),
+            ("newly initialised", len(self.new), self.share(self.new), "of the model"),
+            ("unused in source", len(self.unused), sum(self.source_sizes[n] for n in self.unused) / source_total,
+             "of the source"),
+        ]
+        lines = [f"init_from {source} -> {variant}: {100 * self.initialised_share:.1f}% of "
+                 f"{self.model_parameters:,} parameters initialised from the source",
+                 f"  {'tensors':<20} {'count':>6} {'share':>7}"]
+        lines += [f"  {name:<20} {count:>6} {100 * share:>6.1f}% {what}" for name, count, share, what in rows]
+        for label, names in (("new", self.new), ("unused", self.unused)):
+            if names:
+                lines.append(f"  {label}: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}")
+        return "\n".join(lines)
+
+
+def vanilla_state_mapping(model: torch.nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The variant's paper-faithful mapping of a vanilla state dict onto its parameter names."""
+    mapping = getattr(model, "vanilla_state_mapping", None)
+    if mapping is not None:
+        return mapping(state)
+    # TODO(merge): helper A adds LanguageModel.vanilla_state_mapping; until then reproduce today's behaviour:
+    # MoM's own vanilla_mapping (what init_from_vanilla copies), else identical names and shapes.
+    if hasattr(model, "vanilla_mapping"):
+        return {target: state[source] for target, source in model.vanilla_mapping() if source in state}
     own = model.state_dict()
-    mismatched = [f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}"
-                  for k, v in state.items() if k in own and own[k].shape != v.shape]
+    return {k: v for k, v in state.items() if k in own}
+
+
+def _source_finder(state: Dict[str, torch.Tensor], used: set):
+    """Which source tensor a mapped tensor came from: the same object, a view of its storage (e.g. one
+    expert's slice of an MLP), or an equal copy (e.g. an upcycled expert); "?" when none is found.
+    Equal copies are ambiguous for tensors that are alike (fresh zero biases): a source not yet used,
+    then the one whose name ends most like the target's, wins."""
+    by_identity = {id(v): k for k, v in state.items()}
+    by_storage = {v.untyped_storage().data_ptr(): k for k, v in state.items() if v.numel()}
+    by_value: Dict[tuple, List[str]] = {}
+    for k, v in state.items():
+        by_value.setdefault(_value_key(v), []).append(k)
+
+    def suffix_match(a: str, b: str) -> int:
+        n = 0
+        for x, y in zip(reversed(a.split(".")), reversed(b.split("."))):
+            if x != y:
+                break
+            n += 1
+        return n
+
+    def find(target: str, tensor: torch.Tensor) -> str:
+        if id(tensor) in by_identity:
+            return by_identity[id(tensor)]
+        if tensor.numel() and tensor.untyped_storage().data_ptr() in by_storage:
+            return by_storage[tensor.untyped_storage().data_ptr()]
+        candidates = by_value.get(_value_key(tensor), [])
+        if not candidates:
+            return "?"
+        return max(candidates, key=lambda c: (c not in used, suffix_match(c, target)))
+
+    return find
+
+
+def _value_key(tensor: torch.Tensor):
+    """A cheap content key (shape, sum, first values): equal copies share it; distinct tensors almost never."""
+    flat = tensor.detach().reshape(-1)
+    return tuple(tensor.shape), float(flat.double().sum()) if flat.numel() else 0.0, tuple(flat[:8].tolist())
+
+
+def init_report(model: torch.nn.Module, state: Dict[str, torch.Tensor], mapping: Dict[str, torch.Tensor]) -> InitReport:
+    own = model.state_dict()
+    sizes, seen = {}, set()
+    for name, tensor in own.items():  # tied weights (lm_head = wte) are one set of parameters
+        key = (tensor.data_ptr(), tensor.numel()) if tensor.numel() else (name,)
+        sizes[name] = 0 if key in seen else tensor.numel()
+        seen.add(key)
+    loaded, mapped, used = [], [], set()
+    find_source = _source_finder(state, used)
+    for target, tensor in mapping.items():
+        source = target if target in state and state[target] is tensor else find_source(target, tensor)
+        used.add(source)
+        (loaded.append(target) if source == target else mapped.append((target, source)))
+    initialised = set(mapping)
+    return InitReport(loaded=loaded, mapped=mapped, unused=[k for k in state if k not in used],
+                      new=[k for k in own if k not in initialised and sizes[k]], sizes=sizes,
+                      source_sizes={k: v.numel() for k, v in state.items()})
+
+
+def load_initial_weights(model: torch.nn.Module, source: str, strict: bool = False,
+                         min_share: float = DEFAULT_MIN_SHARE, tokenizer: Optional[str] = None) -> InitReport:
+    """Initialise ``model`` from ``source`` and print what was loaded, mapped, unused and new.
+
+    ``tokenizer`` is this run's tokenizer fingerprint ("name:hash"); with ``strict`` (the command lines'
+    default, ``--init_strict``) a checkpoint trained with another tokenizer, or one that initialises less
+    than ``min_share`` of the parameters, is refused. Shape mismatches are always refused.
+    """
+    state, meta = read_source(source)
+    variant = getattr(getattr(model, "config", None), "variant", type(model).__name__)
+    trained_with = meta["tokenizer"]
+    if strict and tokenizer and trained_with and trained_with.split(":")[-1] != tokenizer.split(":")[-1]:
+        raise ConfigError(f"init_from: {source} was trained with tokenizer {trained_with}, this run uses {tokenizer}; "
+                          "pass the --tokenizer it was trained with (or --init_strict false to load anyway)")
+    own = model.state_dict()
+    same_variant = meta["variant"] == variant and variant != "vanilla"
+    # a checkpoint of this very variant loads by name; a vanilla one goes through the variant's mapping
+    mapping = {k: v for k, v in state.items() if k in own} if same_variant else vanilla_state_mapping(model, state)
+    mismatched = [f"{k}: source {tuple(v.shape)} vs model {tuple(own[k].shape)}"
+                  for k, v in mapping.items() if k in own and own[k].shape != v.shape]
     if mismatched:
         raise ConfigError("init_from: tensor shapes do not fit the model: " + "; ".join(mismatched[:5]))
-    missing = model.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False).missing_keys
-    if missing and type(model).__name__ == "GPT2":
-        raise ConfigError(f"init_from: checkpoint lacks {missing[:5]} for a vanilla model")
+    report = init_report(model, state, mapping)
+    print(report.table(source, variant), file=sys.stderr)
+    if strict and report.initialised_share < min_share:
+        raise ConfigError(f"init_from: only {100 * report.initialised_share:.1f}% of the {variant} model's parameters "
+                          f"come from {source} (threshold {100 * min_share:.0f}%); pass --init_strict false to "
+                          "train the rest from scratch anyway")
+    if variant == "vanilla" and report.new:
+        raise ConfigError(f"init_from: checkpoint lacks {report.new[:5]} for a vanilla model")
+    if not same_variant and hasattr(model, "init_from_vanilla") and not hasattr(model, "vanilla_state_mapping"):
+        model.init_from_vanilla(state)  # TODO(merge): its own checks (layer count) until the base-class mapping
+    else:
+        model.load_state_dict(mapping, strict=False)
+    return report
+
+
+def mapping_table(size: str = "tiny") -> str:
+    """Markdown: for each variant, what ``--init_from`` a vanilla model of ``size`` initialises."""
+    from architectures import ModelConfig, build_model, variant_names
+    from architectures.registry import apply_preset
+
+    state = build_model(ModelConfig(variant="vanilla", size=size).resolve()).state_dict()
+    lines = [f"| variant | share of parameters from vanilla ({size}) | tensors loaded / mapped / new / unused | |",
+             "|---|---|---|---|"]
+    for name in variant_names():
+        model = build_model(apply_preset(ModelConfig(variant=name, size=size)).resolve())
+        own, mapping = model.state_dict(), vanilla_state_mapping(model, state)
+        bad = [k for k, v in mapping.items() if k in own and own[k].shape != v.shape]
+        report = init_report(model, state, mapping)
+        note = f"refused: {len(bad)} shapes differ (e.g. `{bad[0]}`)" if bad else ""
+        share = "-" if bad else f"{100 * report.initialised_share:.1f}%"
+        lines.append(f"| `{name}` | {share} | {len(report.loaded)} / "
+                     f"{len(report.mapped)} / {len(report.new)} / {len(report.unused)} | {note} |")
+        del model
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(mapping_table(sys.argv[1] if len(sys.argv) > 1 else "tiny"))

@@ -166,6 +166,7 @@ def test_sigterm_saves_last_checkpoint_and_the_same_command_resumes_to_max_steps
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=120)
     assert "preemption: saved" in stderr, stderr
+    assert process.returncode == 128 + signal.SIGTERM  # 143, not 0: the run did not finish
     step = _ckpt_step(last)
     assert last.stat().st_mtime >= signalled and periodic <= step < 60
     assert not (last.parent.parent / "summary.json").exists()  # the interrupted run did not finish
@@ -212,8 +213,9 @@ def test_sigusr1_outside_slurm_saves_last_checkpoint_and_resume_reaches_max_step
     monkeypatch.setattr(run, "extra_run_callbacks", lambda cfg: [SignalAtStep(3, signal.SIGUSR1)])
     argv = ["--max_steps", "8", "--val_every", "100", "--log_dir", str(tmp_path), *TINY_RUN]
     before = signal.getsignal(signal.SIGUSR1)
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as stopped:
         run.main(argv)
+    assert stopped.value.code == 128 + signal.SIGUSR1  # documented non-zero status: `train && evaluate` stops
     assert signal.getsignal(signal.SIGUSR1) == before  # the handler is restored after the run
     last = tmp_path / "vanilla-tiny" / "version_0" / "checkpoints" / "last.ckpt"
     stopped_at = _ckpt_step(last)
@@ -222,6 +224,46 @@ def test_sigusr1_outside_slurm_saves_last_checkpoint_and_resume_reaches_max_step
     summary = json.loads((run.main([*argv, "--ckpt_path", "last"]) / "summary.json").read_text())
     assert summary["steps"] == 8 and summary["train_loss_curve"][0][0] == stopped_at + 1
     assert summary["run_dir"] == str(last.parent.parent)  # resumed in the same run folder
+
+
+@pytest.mark.slow
+def test_preemption_under_two_process_ddp_leaves_one_last_ckpt_and_resumes_bit_exact(tmp_path):
+    """gloo DDP with 2 processes (Lightning starts rank 1 as a fresh process, no fork): SIGUSR1 to rank 0
+    stops both ranks after the same step, exits 138, writes one consistent last.ckpt, and the resumed
+    run's losses equal an uninterrupted run's bit for bit."""
+    base = [sys.executable, "-m", "experiments.run", "--max_steps", "30", "--val_every", "2", *TINY_RUN,
+            "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp"]
+    env = clean_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("DYNCOMP_RUN_VERSION", None)
+    straight = subprocess.run([*base, "--log_dir", str(tmp_path / "a")], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=600)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    expected = dict(json.loads((tmp_path / "a" / "vanilla-tiny" / "version_0" / "summary.json").read_text())
+                    ["train_loss_curve"])
+    command = [*base, "--log_dir", str(tmp_path / "b")]
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    checkpoints = tmp_path / "b" / "vanilla-tiny" / "version_0" / "checkpoints"
+    deadline = time.time() + 300
+    while not (checkpoints / "last.ckpt").is_file():  # the first periodic checkpoint: both ranks are training
+        assert process.poll() is None and time.time() < deadline, process.communicate()
+        time.sleep(0.1)
+    process.send_signal(signal.SIGUSR1)
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 128 + signal.SIGUSR1, stderr[-3000:]
+    assert "preemption: saved" in stderr and "Traceback" not in stderr, stderr[-3000:]
+    blob = torch.load(checkpoints / "last.ckpt", map_location="cpu", weights_only=False)
+    step = int(blob["global_step"])
+    assert 2 <= step < 30
+    assert blob["LMDataModule"]["samples_consumed"] == step * 4  # per rank: consistent with the step
+    assert sorted(p.name for p in checkpoints.iterdir() if "last" in p.name) == ["last.ckpt"]  # one, no temp copies
+    resumed = subprocess.run([*command, "--ckpt_path", "last"], cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads((checkpoints.parent / "summary.json").read_text())
+    curve = dict(summary["train_loss_curve"])
+    assert sorted(curve) == list(range(step + 1, 31)) and summary["world_size"] == 2
+    for s in curve:
+        assert curve[s] == expected[s], (s, curve[s], expected[s])  # bit-exact continuation
 
 
 # ---------------------------------------------------------------------------- sweep
@@ -236,6 +278,7 @@ def _no_jobs(monkeypatch):
     (["--grid", "variant="], "has no values"),
     (["--grid", "variant=vanilla,nope"], "valid variants: .*vanilla"),
     (["--grid", "model.mod.capacity=0.5,1.5", "--grid", "variant=mod"], "model.mod.capacity"),
+    (["--grid", "variant=vanilla", "--", "--nope", "1"], "invalid run options: .*--nope 1"),
 ])
 def test_bad_grids_fail_before_any_job(monkeypatch, argv, pattern):
     launched = _no_jobs(monkeypatch)

@@ -160,3 +160,58 @@ def test_datamodule_end_to_end_on_embedded_corpus():
 def test_bad_data_config_names_field(field, value):
     with pytest.raises(DataError, match=f"data.{field}"):
         DataConfig(**{field: value}).validate()
+
+
+# ---------------------------------------------------------------------------- faults (issue 14)
+def test_orphan_temporary_files_of_a_killed_build_are_removed_by_the_next_build(tmp_path):
+    corpus, tok, folder = _build(tmp_path)
+    (folder / "meta.json").unlink()  # as if the build had been killed before meta.json
+    orphans = [folder / "tokens.bin.tmpa1b2c3", folder / "tokens.bin.tmpzz", folder / "meta.json.tmpq"]
+    for orphan in orphans:
+        orphan.write_bytes(b"\0" * 1000)
+    token_cache.build_tokens(corpus.documents(), tok, folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "tokens.bin"]
+
+
+def test_orphan_scratch_folder_of_a_killed_dataset_build_is_removed(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    tok = get_tokenizer("bytes", tmp_path)
+    folder = tmp_path / "cache"
+    (folder / "map.tmpdead" / "ids.arrow").parent.mkdir(parents=True)
+    (folder / "map.tmpdead" / "ids.arrow").write_bytes(b"\0" * 100)
+    (folder / "tokens.bin.tmpdead").write_bytes(b"\0" * 100)
+    token_cache.build_tokens_from_dataset(datasets.Dataset.from_dict({"text": ["abc", "def"] * 10}), "text", tok, folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "tokens.bin"]
+
+
+def test_cache_files_follow_the_users_umask(tmp_path):
+    previous = os.umask(0o027)
+    try:
+        _, _, folder = _build(tmp_path)
+    finally:
+        os.umask(previous)
+    for name in ("tokens.bin", "meta.json"):
+        assert (folder / name).stat().st_mode & 0o777 == 0o640, name  # 0o666 & ~0o027, not mkstemp's 0o600
+
+
+def test_checksum_covers_every_chunk_and_large_caches_verify_each_chunk_when_first_read(tmp_path, monkeypatch):
+    monkeypatch.setattr(token_cache, "CHUNK_BYTES", 256)
+    corpus, tok, folder = _build(tmp_path)  # 9601 tokens x 2 bytes: 76 chunks of 256 bytes (the last short)
+    meta = token_cache.read_meta(folder)
+    assert meta["chunk_bytes"] == 256 and len(meta["chunk_sha256"]) == -(-meta["num_tokens"] * 2 // 256)
+    data = folder / "tokens.bin"
+    raw = bytearray(data.read_bytes())
+    raw[40 * 256 + 7] ^= 0x01  # one bit in the middle of the file
+    data.write_bytes(bytes(raw))
+    assert token_cache.open_tokens(folder) is None  # small cache: every chunk checked when opened
+    token_cache.build_tokens(corpus.documents(), tok, folder)
+    data.write_bytes(bytes(raw))
+    monkeypatch.setattr(token_cache, "EAGER_VERIFY_BYTES", 1024)  # "large": only first and last chunk at open
+    tokens = token_cache.open_tokens(folder)
+    assert tokens is not None
+    blocks = PackedBlocks(tokens, 16, verifier=token_cache.verifier(folder))
+    blocks[0], blocks[len(blocks) - 1]  # clean chunks read fine
+    corrupt_block = 40 * 256 // 2 // 16
+    with pytest.raises(DataError, match=r"tokens\.bin is corrupt \(chunk 40 of 76.*rebuilt on the next run"):
+        blocks[corrupt_block]
+    assert not (folder / "meta.json").exists()  # the next prepare_data rebuilds it

@@ -1,0 +1,229 @@
+"""Issue 14: every user mistake is one clear line, exit status 2, no traceback, within seconds, and
+leaves nothing behind that a later run could take for a valid run, checkpoint or token cache.
+
+The table runs the command-line entry in-process (``experiments.run.cli``: what ``python -m`` calls),
+catching its SystemExit and reading stderr; a few rows also run as real subprocesses to prove the exit
+status and the absence of a traceback end to end."""
+from __future__ import annotations
+
+import errno
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+
+from experiments import finetune, run
+from tests.conftest import REPO, TINY_RUN
+
+SECONDS = 30  # generous for a loaded 2-core CI machine; the failures themselves take well under 5 s
+TINY_FINETUNE = ["--model.d_model", "32", "--model.n_layer", "1", "--model.n_head", "2", "--model.block_size", "48",
+                 "--batch_size", "4", "--trainer.enable_progress_bar", "false", "--tokenizer", "bytes"]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> pathlib.Path:
+    """Bad (and a few good) input files, and one real checkpoint, shared by every row."""
+    root = tmp_path_factory.mktemp("inputs")
+    (root / "good.txt").write_text("It was the best of times, it was the worst of times. " * 80)
+    (root / "latin1.txt").write_bytes("first line\nsecond line caf\xe9\n".encode("latin-1"))
+    (root / "binary.txt").write_bytes(bytes(range(256)) * 8)
+    (root / "empty.txt").write_bytes(b"")
+    (root / "blank.txt").write_text("  \n\n\t \n")
+    (root / "latin1.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    (root / "broken.jsonl").write_text('{"text": "ok"}\n{"text": \n')
+    (root / "nokey.jsonl").write_text('{"body": "ok"}\n')
+    (root / "notes.ckpt").write_text("this is not a checkpoint\n")
+    bad_vocab = root / "tok_vocab"
+    bad_vocab.mkdir()
+    (bad_vocab / "vocab.json").write_text('{"a": 0, "b": ')
+    (bad_vocab / "merges.txt").write_text("#version: 0.2\n")
+    bad_json = root / "tok_json"
+    bad_json.mkdir()
+    (bad_json / "tokenizer.json").write_bytes(b"\x00\x01garbage")
+    # GLUE: SST-2 with a latin-1 byte in train.tsv; RTE without its dev file
+    (root / "glue" / "SST-2").mkdir(parents=True)
+    (root / "glue" / "SST-2" / "train.tsv").write_bytes(b"sentence\tlabel\ngood\t1\ncaf\xe9 bad\t0\n")
+    (root / "glue" / "SST-2" / "dev.tsv").write_text("sentence\tlabel\ngood\t1\nbad\t0\n")
+    (root / "glue" / "RTE").mkdir()
+    (root / "glue" / "RTE" / "train.tsv").write_text("index\tsentence1\tsentence2\tlabel\n0\ta\tb\tentailment\n")
+    (root / "xsum").mkdir()
+    (root / "xsum" / "train.jsonl").write_bytes(b'{"document": "caf\xe9", "summary": "s", "id": "1"}\n')
+    (root / "xsum" / "validation.jsonl").write_text('{"document": "d", "summary": "s", "id": "2"}\n')
+    (root / "xsum_parquet").mkdir()
+    (root / "xsum_parquet" / "train.parquet").write_bytes(b"PAR1 truncated")
+    (root / "xsum_parquet" / "validation.jsonl").write_text('{"document": "d", "summary": "s", "id": "2"}\n')
+    (root / "glue_parquet" / "sst2").mkdir(parents=True)
+    (root / "glue_parquet" / "sst2" / "train-00000.parquet").write_bytes(b"not parquet at all")
+    (root / "glue_parquet" / "sst2" / "validation.jsonl").write_text('{"sentence": "ok", "label": 1}\n')
+    # one real checkpoint (block_size 64) to resume with the wrong settings, and a truncated copy
+    ckpt_run = run.main(["--data", "text", "--data.path", str(root / "good.txt"), "--tokenizer", "bytes",
+                         "--max_steps", "1", "--val_every", "1", "--log_dir", str(root / "ckpt_runs"),
+                         "--data.cache_dir", str(root / "ckpt_cache"), *TINY_RUN])
+    ckpt = ckpt_run / "checkpoints" / "last.ckpt"
+    (root / "last.ckpt").write_bytes(ckpt.read_bytes())
+    (root / "truncated.ckpt").write_bytes(ckpt.read_bytes()[: ckpt.stat().st_size // 2])
+    return root
+
+
+def _text(name: str):
+    return lambda d: ["--data", "text", "--data.path", str(d / name), "--tokenizer", "bytes"]
+
+
+def _good(*extra):
+    return lambda d: ["--data", "text", "--data.path", str(d / "good.txt"), "--tokenizer", "bytes",
+                      *[a.format(d=d) for a in extra]]
+
+
+def _ft(*extra):
+    return lambda d: [*[a.format(d=d) for a in extra]]
+
+
+# (id, command, argv from the inputs folder, what the one line must say)
+CASES = [
+    ("unknown-variant", "run", lambda d: ["--variant", "nope"], r"model\.variant: unknown variant 'nope'"),
+    ("unknown-size", "run", lambda d: ["--size", "huge"], r"model\.size: unknown size"),
+    ("unknown-dataset", "run", lambda d: ["--data", "nope"], r"data\.name: unknown dataset"),
+    ("bad-d_model", "run", lambda d: ["--model.d_model", "33"], r"model\.d_model"),
+    ("max_steps-0", "run", lambda d: ["--max_steps", "0"], r"trainer\.max_steps"),
+    ("max_steps-not-int", "run", lambda d: ["--max_steps", "abc"], r"trainer\.max_steps.*abc"),
+    ("unknown-option", "run", lambda d: ["--nope", "1"], r"unrecognized arguments: --nope"),
+    ("negative-lr", "run", lambda d: ["--optim.lr", "-1"], r"optim\.lr"),
+    ("batch_size-0", "run", lambda d: ["--data.batch_size", "0"], r"data\.batch_size"),
+    ("val_every-0", "run", lambda d: ["--val_every", "0"], r"val_every"),
+    ("val_fraction", "run", lambda d: ["--data.val_fraction", "0.7"], r"data\.val_fraction"),
+    ("init_min_share", "run", lambda d: ["--init_min_share", "2"], r"init_min_share"),
+    ("missing-config-file", "run", lambda d: ["--config", str(d / "nope.yaml")], r"nope\.yaml"),
+    ("text-without-path", "run", lambda d: ["--data", "text", "--tokenizer", "bytes"], r"data\.path: no files"),
+    ("text-missing-file", "run", _text("missing.txt"), r"data\.path: .*missing\.txt does not exist"),
+    ("text-not-utf8", "run", _text("latin1.txt"), r"latin1\.txt:2: not UTF-8 text .*byte offset 26"),
+    ("text-binary", "run", _text("binary.txt"), r"binary\.txt:1: NUL byte at byte offset 0"),
+    ("text-empty", "run", _text("empty.txt"), r"empty\.txt hold no text"),
+    ("text-whitespace", "run", _text("blank.txt"), r"blank\.txt hold no text"),
+    ("text-empty-bpe", "run", lambda d: ["--data", "text", "--data.path", str(d / "blank.txt"), "--tokenizer", "bpe"],
+     r"blank\.txt hold no text"),
+    ("jsonl-not-utf8", "run", _text("latin1.jsonl"), r"latin1\.jsonl:3: not UTF-8 text .*byte offset 43"),
+    ("jsonl-broken", "run", _text("broken.jsonl"), r"broken\.jsonl:2: not valid JSON"),
+    ("jsonl-missing-key", "run", _text("nokey.jsonl"), r"nokey\.jsonl:1: missing column 'text'"),
+    ("corrupt-vocab.json", "run", lambda d: ["--data", "text", "--data.path", str(d / "good.txt"),
+                                             "--tokenizer", str(d / "tok_vocab")], r"tok_vocab/vocab\.json .*not a valid tokenizer"),
+    ("corrupt-tokenizer.json", "run", lambda d: ["--data", "text", "--data.path", str(d / "good.txt"),
+                                                 "--tokenizer", str(d / "tok_json")], r"tokenizer\.json is not a valid tokenizer"),
+    ("unknown-tokenizer", "run", lambda d: ["--tokenizer", "nope"], r"data\.tokenizer: 'nope' is not a known tokenizer"),
+    ("ckpt-missing", "run", _good("--ckpt_path", "{d}/none.ckpt"), r"none\.ckpt does not exist"),
+    ("ckpt-truncated", "run", _good("--ckpt_path", "{d}/truncated.ckpt"), r"truncated\.ckpt is not a readable PyTorch checkpoint"),
+    ("ckpt-not-a-checkpoint", "run", _good("--ckpt_path", "{d}/notes.ckpt"), r"notes\.ckpt is not a readable PyTorch checkpoint"),
+    ("ckpt-last-nothing", "run", _good("--ckpt_path", "last"), r"no last\.ckpt under"),
+    ("ckpt-other-block_size", "run", _good("--ckpt_path", "{d}/last.ckpt", "--model.block_size", "32"),
+     r"model\.block_size \(64 in the checkpoint, 32 now\)"),
+    ("ckpt-other-variant", "run", _good("--ckpt_path", "{d}/last.ckpt", "--variant", "mod"), r"model\.variant \('vanilla'"),
+    ("ckpt-other-size", "run", _good("--ckpt_path", "{d}/last.ckpt", "--size", "small"), r"model\.size \('tiny'"),
+    ("ckpt-other-data", "run", lambda d: [*_text("latin1.jsonl")(d)[:-4], "--data.path", str(d / "nokey.jsonl"),
+                                          "--tokenizer", "bytes", "--ckpt_path", str(d / "last.ckpt")], r"different data \(text:text-"),
+    ("init_from-missing", "run", _good("--init_from", "{d}/none.ckpt"), r"init_from: .*none\.ckpt is neither"),
+    ("init_from-truncated", "run", _good("--init_from", "{d}/truncated.ckpt"), r"init_from: .*truncated\.ckpt is not a readable"),
+    ("init_from-not-a-checkpoint", "run", _good("--init_from", "{d}/notes.ckpt"), r"init_from: .*notes\.ckpt is not a readable"),
+    ("ft-unknown-task", "finetune", _ft("--task", "summarise"), r"task: unknown task 'summarise'"),
+    ("ft-max_train_examples-0", "finetune", _ft("--task", "glue/sst2", "--data.max_train_examples", "0"),
+     r"data\.max_train_examples: must be a positive integer"),
+    ("ft-max_eval_examples-0", "finetune", _ft("--task", "xsum", "--data.max_eval_examples", "0"),
+     r"data\.max_eval_examples: must be a positive integer"),
+    ("ft-num_beams-0", "finetune", _ft("--task", "xsum", "--num_beams", "0"), r"num_beams"),
+    ("ft-glue-tsv-not-utf8", "finetune", _ft("--task", "glue/sst2", "--data.path", "{d}/glue"),
+     r"SST-2/train\.tsv:3: not UTF-8 text"),
+    ("ft-glue-missing-dev", "finetune", _ft("--task", "glue/rte", "--data.path", "{d}/glue"), r"RTE"),
+    ("ft-xsum-jsonl-not-utf8", "finetune", _ft("--task", "xsum", "--data.path", "{d}/xsum"),
+     r"train\.jsonl:1: not UTF-8 text"),
+    ("ft-xsum-parquet-truncated", "finetune", _ft("--task", "xsum", "--data.path", "{d}/xsum_parquet"),
+     r"train\.parquet: not a readable parquet file"),
+    ("ft-glue-parquet-foreign", "finetune", _ft("--task", "glue/sst2", "--data.path", "{d}/glue_parquet"),
+     r"train-00000\.parquet: not a readable parquet file"),
+    ("ft-init_from-truncated", "finetune", _ft("--task", "glue/sst2", "--data.path", "{d}/glue", "--init_from",
+                                               "{d}/truncated.ckpt"), r"truncated\.ckpt is not a readable"),
+]
+SUBPROCESS_CASES = {"text-not-utf8", "ckpt-truncated", "ft-max_train_examples-0"}
+
+
+def _argv(command: str, build, inputs: pathlib.Path, out: pathlib.Path):
+    if command == "run":
+        return [*TINY_RUN, "--max_steps", "2", "--log_dir", str(out / "logs"), "--data.cache_dir", str(out / "cache"),
+                *build(inputs)]
+    return [*TINY_FINETUNE, "--max_steps", "1", "--log_dir", str(out / "logs"), *build(inputs)]
+
+
+def _left_behind(out: pathlib.Path):
+    """Files a later run could take for a valid run, checkpoint or token cache."""
+    valid_looking = {"config.yaml", "summary.json", "results.json", "glue_results.json", "meta.json"}
+    return [p for p in out.rglob("*") if p.is_file() and (p.name in valid_looking or p.suffix == ".ckpt"
+                                                          or p.name.startswith("tokens.bin"))]
+
+
+def _assert_one_line(stderr: str, pattern: str):
+    assert "Traceback" not in stderr, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, stderr
+    import re
+
+    assert re.search(pattern, errors[0]), errors[0]
+
+
+@pytest.mark.parametrize("name,command,build,pattern", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_exit_2_and_leaves_nothing(name, command, build, pattern, inputs, tmp_path, capsys,
+                                                         monkeypatch):
+    monkeypatch.setenv("DYNCOMP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    entry = run.main if command == "run" else finetune.main
+    start = time.time()
+    with pytest.raises(SystemExit) as exit_info:
+        run.cli(entry, _argv(command, build, inputs, tmp_path))
+    assert time.time() - start < SECONDS
+    assert exit_info.value.code == 2
+    _assert_one_line(capsys.readouterr().err, pattern)
+    assert _left_behind(tmp_path) == []
+
+
+@pytest.mark.parametrize("name,command,build,pattern", [c for c in CASES if c[0] in SUBPROCESS_CASES],
+                         ids=sorted(SUBPROCESS_CASES, key=[c[0] for c in CASES].index))
+def test_bad_input_end_to_end_in_a_subprocess(name, command, build, pattern, inputs, tmp_path):
+    env = dict(os.environ, DYNCOMP_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    env.pop("DYNCOMP_RUN_VERSION", None)
+    proc = subprocess.run([sys.executable, "-m", f"experiments.{command}", *_argv(command, build, inputs, tmp_path)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    _assert_one_line(proc.stderr, pattern)
+    assert _left_behind(tmp_path) == []
+
+
+def test_disk_full_while_building_the_cache_says_where_and_how_much(inputs, tmp_path, capsys, monkeypatch):
+    from datamodules import token_cache
+
+    real_fdopen = os.fdopen
+
+    class FullDisk:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.handle, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+    monkeypatch.setattr(token_cache.os, "fdopen", lambda fd, mode="r", **kw: FullDisk(real_fdopen(fd, mode, **kw))
+                        if "b" in mode else real_fdopen(fd, mode, **kw))
+    with pytest.raises(SystemExit) as exit_info:
+        run.cli(run.main, _argv("run", _good(), inputs, tmp_path))
+    assert exit_info.value.code == 2
+    size = (inputs / "good.txt").stat().st_size * 2 / 2**10  # uint16 tokens, at most one per byte
+    _assert_one_line(capsys.readouterr().err,
+                     rf"disk full while building the token cache in {tmp_path}/cache/tokens/.*: 0\.0 KiB written, "
+                     rf"[\d,.]+ [MKG]iB free, needs up to {size:.1f} KiB in all")
+    assert _left_behind(tmp_path) == []
