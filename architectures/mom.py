@@ -441,12 +441,7 @@ class MixtureOfModules(LanguageModel):
         return pairs
 
     def vanilla_state_mapping(self, vanilla_state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """The paper's mapping (``vanilla_mapping``) applied: {MoM parameter name: vanilla tensor}; routers absent."""
-        state = _strip_prefix(vanilla_state)
-        return {target: state[source] for target, source in self.vanilla_mapping() if source in state}
-
-    def init_from_vanilla(self, vanilla_state: Dict[str, torch.Tensor]) -> None:
-        """Phase 2: copy a vanilla GPT-2 state dict (this suite's names) into the pools; routers stay fresh.
+        """The paper's mapping (``vanilla_mapping``) applied: {MoM parameter name: vanilla tensor}; routers absent.
 
         Raises ``ConfigError`` naming the tensor when the checkpoint does not fit this MoM.
         """
@@ -459,7 +454,7 @@ class MixtureOfModules(LanguageModel):
                 "with the checkpoint's size"
             )
         own = self.state_dict()
-        copies = []
+        mapping = {}
         for target, source in self.vanilla_mapping():
             if source not in state:
                 raise ConfigError(f"init_from: the vanilla checkpoint lacks {source} (needed for {target})")
@@ -468,11 +463,12 @@ class MixtureOfModules(LanguageModel):
                     f"init_from: vanilla tensor {source} has shape {tuple(state[source].shape)} but {target} needs "
                     f"{tuple(own[target].shape)}: {_shape_hint(state, self.config)}"
                 )
-            copies.append((target, state[source]))
-        params = dict(self.named_parameters())
-        with torch.no_grad():
-            for target, value in copies:
-                params[target].copy_(value.to(params[target].dtype))
+            mapping[target] = state[source]
+        return mapping
+
+    def init_from_vanilla(self, vanilla_state: Dict[str, torch.Tensor]) -> None:
+        """Phase 2: copy a vanilla GPT-2 state dict (this suite's names) into the pools; routers stay fresh."""
+        self.load_state_dict(self.vanilla_state_mapping(vanilla_state), strict=False)
 
 
 def _strip_prefix(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

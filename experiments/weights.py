@@ -130,19 +130,6 @@ class InitReport:
         return "\n".join(lines)
 
 
-def vanilla_state_mapping(model: torch.nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """The variant's paper-faithful mapping of a vanilla state dict onto its parameter names."""
-    mapping = getattr(model, "vanilla_state_mapping", None)
-    if mapping is not None:
-        return mapping(state)
-    # TODO(merge): helper A adds LanguageModel.vanilla_state_mapping; until then reproduce today's behaviour:
-    # MoM's own vanilla_mapping (what init_from_vanilla copies), else identical names and shapes.
-    if hasattr(model, "vanilla_mapping"):
-        return {target: state[source] for target, source in model.vanilla_mapping() if source in state}
-    own = model.state_dict()
-    return {k: v for k, v in state.items() if k in own}
-
-
 def _source_finder(state: Dict[str, torch.Tensor], used: set):
     """Which source tensor a mapped tensor came from: the same object, a view of its storage (e.g. one
     expert's slice of an MLP), or an equal copy (e.g. an upcycled expert); "?" when none is found.
@@ -217,7 +204,7 @@ def load_initial_weights(model: torch.nn.Module, source: str, strict: bool = Fal
     own = model.state_dict()
     same_variant = meta["variant"] == variant and variant != "vanilla"
     # a checkpoint of this very variant loads by name; a vanilla one goes through the variant's mapping
-    mapping = {k: v for k, v in state.items() if k in own} if same_variant else vanilla_state_mapping(model, state)
+    mapping = {k: v for k, v in state.items() if k in own} if same_variant else model.vanilla_state_mapping(state)
     mismatched = [f"{k}: source {tuple(v.shape)} vs model {tuple(own[k].shape)}"
                   for k, v in mapping.items() if k in own and own[k].shape != v.shape]
     if mismatched:
@@ -230,10 +217,7 @@ def load_initial_weights(model: torch.nn.Module, source: str, strict: bool = Fal
                           "train the rest from scratch anyway")
     if variant == "vanilla" and report.new:
         raise ConfigError(f"init_from: checkpoint lacks {report.new[:5]} for a vanilla model")
-    if not same_variant and hasattr(model, "init_from_vanilla") and not hasattr(model, "vanilla_state_mapping"):
-        model.init_from_vanilla(state)  # TODO(merge): its own checks (layer count) until the base-class mapping
-    else:
-        model.load_state_dict(mapping, strict=False)
+    model.load_state_dict(mapping, strict=False)
     return report
 
 
@@ -247,7 +231,7 @@ def mapping_table(size: str = "tiny") -> str:
              "|---|---|---|---|"]
     for name in variant_names():
         model = build_model(apply_preset(ModelConfig(variant=name, size=size)).resolve())
-        own, mapping = model.state_dict(), vanilla_state_mapping(model, state)
+        own, mapping = model.state_dict(), model.vanilla_state_mapping(state)
         bad = [k for k, v in mapping.items() if k in own and own[k].shape != v.shape]
         report = init_report(model, state, mapping)
         note = f"refused: {len(bad)} shapes differ (e.g. `{bad[0]}`)" if bad else ""
