@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Iterator, List, Optional
 
@@ -230,15 +231,27 @@ class LanguageModel(nn.Module):
         finally:
             self._causal = previous
 
+    #: (regex over this model's parameter names, source template) pairs for sparse upcycling from a
+    #: vanilla checkpoint, e.g. (r"(blocks\.\d+)\.moe\.experts\.\d+\.(.*)", r"\1.mlp.\2")
+    upcycle_rules: tuple = ()
+
     def vanilla_state_mapping(self, vanilla_state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """A vanilla GPT-2 state dict (this suite's names) mapped to this variant's parameter names.
 
         Default: identical names (every variant whose blocks keep GPT-2's names: tensors that do not
-        exist here, or whose shapes differ, are left to the caller to report). MoM overrides it with the
-        paper's layer -> module mapping.
+        exist here, or whose shapes differ, are left to the caller to report), plus sparse upcycling
+        (Komatsuzaki et al. 2023) by ``upcycle_rules``: every expert copy of a dense sub-layer starts as
+        that sub-layer. MoM overrides it with the paper's layer -> module mapping.
         """
         own = self.state_dict()
-        return {name: value for name, value in vanilla_state.items() if name in own}
+        mapping = {name: value for name, value in vanilla_state.items() if name in own}
+        for name, tensor in own.items():
+            for pattern, source in self.upcycle_rules:
+                match = re.fullmatch(pattern, name)
+                value = vanilla_state.get(match.expand(source)) if match else None
+                if value is not None and value.shape == tensor.shape:
+                    mapping[name] = value
+        return mapping
 
     # ------------------------------------------------------------------ generation
     def prepare_generation(self) -> None:

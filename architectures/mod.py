@@ -40,7 +40,7 @@ from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ConfigError, ModelConfig, layer_selection
 from architectures.contract import RoutingSite
 from architectures.gpt2 import MLP, Block, CausalSelfAttention
-from architectures.moe import MoEBlock, MoELayer, expert_hidden, validate_moe_config
+from architectures.moe import MoEBlock, MoEGPT, MoELayer, expert_hidden, validate_moe_config
 from architectures.routing import expert_choice_topk, fp32_linear
 
 SAMPLING_CHOICES = ("aux_loss", "predictor", "none")
@@ -404,6 +404,8 @@ class MoDEStaged(MoD):
     """
 
     may_skip_parameters = True  # an expert may get no token
+    # routed blocks keep their MoE under the name "mlp", the other MoE layers under "moe"
+    upcycle_rules = MoEGPT.upcycle_rules + ((r"(blocks\.\d+)\.mlp\.experts\.\d+\.(.*)", r"\1.mlp.\2"),)
 
     def _moe_chain(self, config: ModelConfig, routed: List[int]) -> Dict[int, Tuple[str, int]]:
         order = sorted(set(layer_selection(config.moe.layers, config.n_layer, "model.moe.layers")) | set(routed))
@@ -430,6 +432,7 @@ class MoDEIntegrated(MoD):
 
     uses_mod_router = False
     may_skip_parameters = True
+    upcycle_rules = MoEGPT.upcycle_rules
     routing_sees_future = False  # token choice; the no-op budget counts earlier positions only
 
     def _moe_chain(self, config: ModelConfig, routed: List[int]) -> Dict[int, Tuple[str, int]]:

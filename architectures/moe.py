@@ -214,6 +214,9 @@ class MoEGPT(LanguageModel):
     ``step`` = rank among MoE layers, so the routing callback can chain expert(l) -> expert(l+1).
     """
 
+    # --init_from a vanilla model: every expert starts as the layer's dense MLP (sparse upcycling)
+    upcycle_rules = ((r"(blocks\.\d+)\.moe\.experts\.\d+\.(.*)", r"\1.mlp.\2"),)
+
     def __init__(self, config: ModelConfig):
         super().__init__(config)
         self.moe_layers = layer_selection(config.moe.layers, config.n_layer, "model.moe.layers")

@@ -211,6 +211,9 @@ class MoTLayer(nn.Module):
 class MoT(LanguageModel):
     """GPT-2 whose mixture layers are top-k mixtures of whole blocks (see the module docstring)."""
 
+    # --init_from a vanilla model: every expert block starts as the vanilla block of its layer
+    upcycle_rules = ((r"(blocks\.\d+)\.experts\.\d+\.(.*)", r"\1.\2"),)
+
     def __init__(self, config: ModelConfig):
         super().__init__(config)
         self.mot_layers = layer_selection(config.mot.layers, config.n_layer, "model.mot.layers")

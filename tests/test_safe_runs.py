@@ -6,8 +6,11 @@ import json
 import pytest
 import torch
 
+from architectures import ModelConfig, build_model
 from architectures.config import ConfigError
+from architectures.registry import apply_preset
 from experiments.run import main
+from experiments.weights import init_report
 from tests.conftest import TINY_RUN
 
 
@@ -89,15 +92,16 @@ def test_init_from_prints_the_table_and_refuses_a_small_share_unless_not_strict(
     vanilla = main(_text_run(tmp_path, a, "--max_steps", "2", "--val_every", "2"))
     ckpt = str(vanilla / "checkpoints" / "last.ckpt")
     capsys.readouterr()
-    moe = ["--variant", "moe", "--model.moe.num_experts", "8", "--init_from", ckpt]
-    with pytest.raises(ConfigError, match=r"only \d+\.\d% of the moe model's parameters .*--init_strict false"):
-        main(_text_run(tmp_path, a, "--max_steps", "1", *moe))
+    # cea keeps attention and embeddings by name (about two thirds at tiny); its Inner-FFN is new
+    cea = ["--variant", "cea", "--init_from", ckpt, "--init_min_share", "0.9"]
+    with pytest.raises(ConfigError, match=r"only \d+\.\d% of the cea model's parameters .*--init_strict false"):
+        main(_text_run(tmp_path, a, "--max_steps", "1", *cea))
     table = capsys.readouterr().err
     for row in ("loaded (same name)", "mapped (renamed)", "newly initialised", "unused in source"):
         assert row in table
-    assert "experts" in table  # the new tensors are named
-    assert not (tmp_path / "runs" / "moe-tiny").exists()
-    run = main(_text_run(tmp_path, a, "--max_steps", "1", "--val_every", "1", *moe, "--init_strict", "false"))
+    assert "inner" in table  # the new tensors are named
+    assert not (tmp_path / "runs" / "cea-tiny").exists()
+    run = main(_text_run(tmp_path, a, "--max_steps", "1", "--val_every", "1", *cea, "--init_strict", "false"))
     assert (run / "summary.json").is_file()
 
 
@@ -262,10 +266,6 @@ def test_real_hub_layout_rte_dev_matches_the_superglue_copy(shared_data):
 def test_init_report_recognises_copied_and_sliced_source_tensors():
     """A variant's vanilla_state_mapping may return the source tensors themselves, copies (an upcycled
     expert) or views (a slice of the MLP): all count as mapped from their source, none as unused."""
-    from architectures import ModelConfig, build_model
-    from architectures.registry import apply_preset
-    from experiments.weights import init_report
-
     tiny = dict(size="tiny", d_model=32, n_layer=2, n_head=2, block_size=32, vocab_size=97)
     state = build_model(ModelConfig(variant="vanilla", **tiny).resolve()).state_dict()
     moe = build_model(apply_preset(ModelConfig(variant="moe", **tiny)).resolve())
@@ -281,3 +281,19 @@ def test_init_report_recognises_copied_and_sliced_source_tensors():
     assert ("blocks.1.moe.experts.3.c_fc.weight", "blocks.1.mlp.c_fc.weight") in report.mapped
     view = {"blocks.0.moe.experts.0.c_fc.weight": state["blocks.0.mlp.c_fc.weight"][16:]}  # shares storage
     assert init_report(moe, state, view).mapped == [("blocks.0.moe.experts.0.c_fc.weight", "blocks.0.mlp.c_fc.weight")]
+
+
+@pytest.mark.parametrize("variant", ["moe", "mode_staged", "mode_integrated", "mot"])
+def test_init_from_vanilla_upcycles_every_expert_from_its_layers_dense_weights(variant):
+    """Sparse upcycling: the vanilla MLP (moe, MoDE) or block (mot) of layer i initialises every expert of
+    layer i, so the upcycled model starts from all of the vanilla weights; only routers are new."""
+    tiny = dict(size="tiny", vocab_size=64, d_model=32, n_head=2, n_layer=2, block_size=16)
+    state = build_model(ModelConfig(variant="vanilla", **tiny)).state_dict()
+    model = build_model(apply_preset(ModelConfig(variant=variant, **tiny)).resolve())
+    mapping = model.vanilla_state_mapping(state)
+    report = init_report(model, state, mapping)
+    assert not report.unused and report.initialised_share > 0.95
+    assert all(any(part in name for part in ("router", "gate", "predictor")) for name in report.new), report.new
+    expert = next(n for n in mapping if ".experts.3." in n and n.endswith("c_fc.weight"))
+    source = expert.replace(".moe.experts.3.", ".mlp.").replace(".mlp.experts.3.", ".mlp.").replace(".experts.3.", ".")
+    assert mapping[expert] is state[source]
