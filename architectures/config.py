@@ -113,6 +113,10 @@ class MoEConfig:
     # Which layers get an MoE FFN: "all", "odd", "even", or an explicit list.
     layers: Union[str, List[int]] = "all"
     expert_ffn_ratio: Optional[float] = None  # None: the model's ffn_ratio
+    # "replace": the MoE layer is the block's FFN (Switch; our default). "before_ffn": the MoE layer gets
+    # its own LayerNorm and residual update BEFORE the dense FFN, which is kept (the CEA-MoE paper's
+    # baseline: a 64-expert top-1 MoE in front of each FFN). Preset ``moe_dense_ffn`` matches ``cea_moe``.
+    placement: str = "replace"
 
 
 @tracks_explicit

@@ -67,6 +67,10 @@ VARIANTS: Dict[str, Variant] = {
                        overrides={"combo": {"total_ffn_ratio": 8.0}}),
     "moe": Variant("architectures.moe:MoEGPT", "GPT-2 with token-choice top-k MoE FFNs (Switch when k=1)",
                    test_settings={"moe": {"num_experts": 4}}),
+    "moe_dense_ffn": Variant("architectures.moe:MoEGPT",
+                             "the CEA-MoE paper's baseline: dense FFN kept, a top-1 MoE layer (own residual) before it; "
+                             "experts sized as cea_moe's (4 x 4d) so the two compare at equal expert capacity",
+                             overrides={"moe": {"placement": "before_ffn", "num_experts": 4, "top_k": 1}}),
     "mot": Variant("architectures.mot:MoT", "Mixture of Transformers: whole blocks as top-k experts"),
     "depth_gate": Variant("architectures.depth_gate:DepthGate",
                           "gate-weighted sum of layer outputs (blog-post 'MoD'; saves no compute)"),
