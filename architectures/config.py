@@ -138,6 +138,11 @@ class DepthGateConfig:
 
     mode: str = "soft"  # "soft" or "hard"
     top_k: int = 2
+    # Hard mode only. False (default): every layer still runs on every token (a cheap baseline; the gate
+    # picks which layer outputs are mixed). True: the blog's "tokens only pass through" their top-k
+    # layers: a layer runs only on the tokens that chose it (attention among those tokens), the others
+    # pass it unchanged, and FLOPs drop accordingly. Preset ``depth_gate_skip``.
+    skip_compute: bool = False
 
 
 @tracks_explicit

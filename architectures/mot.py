@@ -123,6 +123,30 @@ def expert_update(block: Block, x: torch.Tensor, seg: ExpertSegment, batch: int,
     return a, a + block.mlp(block.ln_2(x + a))
 
 
+def score_pairs(seg: ExpertSegment, batch: int, cache: Optional[KVCache], name: str) -> int:
+    """Query-key pairs the padded subset attention just computed: B * M queries against the M new keys
+    plus, when decoding, every key this subset cached before (what the math kernel and the FLOP counter see)."""
+    keys = cache.length(name) if cache is not None else seg.width
+    return batch * seg.width * keys
+
+
+def run_on_subset(block: Block, x: torch.Tensor, chosen: torch.Tensor, cache: Optional[KVCache], name: str):
+    """Run ``block`` only on the tokens ``chosen`` (B, T) bool; the others pass unchanged.
+
+    Attention runs among the chosen tokens of each sequence (MoT's subset semantics, KV cache included).
+    Returns (x after the attention update, x after the whole block, tokens run, score pairs).
+    """
+    B, T, d = x.shape
+    seg = plan_segments(torch.zeros(B, T, 1, dtype=torch.long, device=x.device), chosen, 1)[0]
+    if seg is None:
+        return x, x, 0, 0
+    flat = x.reshape(B * T, d)
+    a, f = expert_update(block, flat.index_select(0, seg.tokens), seg, B, cache, name)
+    after_attn = flat.index_add(0, seg.tokens, a.to(x.dtype)).view(B, T, d)  # autocast: the update may be bf16
+    after = flat.index_add(0, seg.tokens, f.to(x.dtype)).view(B, T, d)
+    return after_attn, after, seg.tokens.numel(), score_pairs(seg, B, cache, name)
+
+
 class MoTLayer(nn.Module):
     """E expert blocks behind a top-k token-choice gate."""
 

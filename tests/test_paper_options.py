@@ -67,3 +67,45 @@ def test_moe_before_ffn_keeps_the_dense_ffn():
                 expert.c_proj.weight.zero_()
                 expert.c_proj.bias.zero_()
         torch.testing.assert_close(model(idx).logits, vanilla(idx).logits, atol=1e-6, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------- 2. depth gating that skips
+def _perturb(block):
+    with torch.no_grad():
+        for p in block.parameters():
+            p.add_(torch.randn_like(p))
+
+
+def test_depth_gate_skip_mode_runs_a_token_through_its_top_k_layers_only():
+    """One token alone (nothing else to attend to): perturbing a layer it did not choose leaves its output
+    unchanged in skip mode; in the default hard mode (every layer runs) the same perturbation shows."""
+    skip = build("depth_gate_skip").eval()
+    runs_all = build("depth_gate_skip", depth_gate={"skip_compute": False}).eval()
+    runs_all.load_state_dict(skip.state_dict())
+    for token in range(V):
+        idx = torch.tensor([[token]])
+        with torch.no_grad():
+            chosen = set(skip(idx).trace[0].selected.flatten().tolist())
+        below = [layer for layer in range(max(chosen)) if layer not in chosen]
+        if below:
+            break
+    else:
+        pytest.fail("no token left a layer below its top choice unchosen")
+    with torch.no_grad():
+        before_skip, before_all = skip(idx).logits, runs_all(idx).logits
+        _perturb(skip.blocks[below[0]])
+        _perturb(runs_all.blocks[below[0]])
+        torch.testing.assert_close(skip(idx).logits, before_skip, atol=0, rtol=0)
+        assert not torch.allclose(runs_all(idx).logits, before_all, atol=1e-4)
+
+
+def test_depth_gate_skip_mode_counts_k_of_L_layers_per_token():
+    model = build("depth_gate_skip").eval()
+    cfg = model.config
+    with torch.no_grad():
+        out = model(tokens())
+    site = out.trace[0]
+    assert int(site.extras["layer_tokens"].sum()) == 2 * T * cfg.depth_gate.top_k
+    dense = build("depth_gate_skip", depth_gate={"skip_compute": False}).flops_per_token(out.trace)
+    ffn = model.flops_per_token(out.trace).ffn
+    assert ffn == pytest.approx(dense.ffn * cfg.depth_gate.top_k / cfg.n_layer)
