@@ -129,6 +129,15 @@ class MoTConfig:
     layers: Union[str, List[int]] = "all"
     balance_coef: float = 1e-2
     renormalize: bool = True  # gate weights renormalised over the chosen k (k > 1 only, as for MoE)
+    # Paper-form options (seed 002; preset ``mot_seq``). Defaults keep our per-token form.
+    # "token": each token picks its k blocks. "sequence": the gate reads the mean of the sequence's real
+    # tokens and the whole sequence goes through the same k blocks (sees the future: under
+    # causal_routing() / decoding each token is routed by the mean of its prefix instead).
+    routing: str = "token"
+    weights: str = "gate"  # "gate": gate probabilities; "uniform": 1/k forward (seed), gradient to the gate kept
+    gate_hidden: int = 0  # 0: linear gate; > 0: gate MLP d -> gate_hidden -> E (GELU)
+    aggregation: str = "sum"  # "sum": x + sum_j w_j (Block_j(x) - x); "concat": x + W_c [w_1 u_1; ..; w_k u_k]
+    random_activation: float = 0.0  # training only: probability that a routed unit's last slot goes to a random other block
 
 
 @tracks_explicit

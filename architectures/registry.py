@@ -72,6 +72,14 @@ VARIANTS: Dict[str, Variant] = {
                              "experts sized as cea_moe's (4 x 4d) so the two compare at equal expert capacity",
                              overrides={"moe": {"placement": "before_ffn", "num_experts": 4, "top_k": 1}}),
     "mot": Variant("architectures.mot:MoT", "Mixture of Transformers: whole blocks as top-k experts"),
+    "mot_seq": Variant("architectures.mot:MoT",
+                       "MoT as in seed 002: sequence-level routing, uniform 1/k weights, gate with a hidden layer, "
+                       "forced random activation (10%) next to the balance loss",
+                       overrides={"mot": {"routing": "sequence", "weights": "uniform", "gate_hidden": 128,
+                                          "random_activation": 0.1}},
+                       # the suite compares training-mode forwards, so the random slot is off there;
+                       # tests/test_paper_options.py tests it
+                       test_settings={"mot": {"gate_hidden": 16, "random_activation": 0.0}}),
     "depth_gate": Variant("architectures.depth_gate:DepthGate",
                           "gate-weighted sum of layer outputs (blog-post 'MoD'; saves no compute)"),
     "depth_gate_skip": Variant("architectures.depth_gate:DepthGate",

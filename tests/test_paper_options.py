@@ -109,3 +109,77 @@ def test_depth_gate_skip_mode_counts_k_of_L_layers_per_token():
     dense = build("depth_gate_skip", depth_gate={"skip_compute": False}).flops_per_token(out.trace)
     ffn = model.flops_per_token(out.trace).ffn
     assert ffn == pytest.approx(dense.ffn * cfg.depth_gate.top_k / cfg.n_layer)
+
+
+# ---------------------------------------------------------------------------- 3. MoT, seed 002 options
+def test_mot_sequence_routing_sends_the_whole_sequence_to_the_same_blocks():
+    model = build("mot_seq").eval()
+    idx = tokens()
+    with torch.no_grad():
+        out = model(idx)
+    for site in out.trace:
+        assert torch.equal(site.selected, site.selected[:, :1].expand_as(site.selected)), site.name
+    # causally (generation), token t is routed by the mean of its prefix: as the prefix alone would be
+    with torch.no_grad(), model.causal_routing():
+        causal = model(idx).trace
+    for t in (0, 5, T - 1):
+        with torch.no_grad():
+            alone = model(idx[:, : t + 1]).trace
+        for site, ref in zip(causal, alone):
+            assert torch.equal(site.selected[:, t], ref.selected[:, t]), (site.name, t)
+
+
+def test_mot_uniform_weights_are_exactly_one_over_k_and_the_gate_still_learns():
+    model = build("mot_seq")
+    idx = tokens()
+    out = model(idx)
+    k = model.config.mot.top_k
+    for site in out.trace:
+        assert torch.equal(site.weights.detach(), torch.full_like(site.weights, 1.0 / k))
+    out.logits.logsumexp(-1).mean().backward()
+    assert all(p.grad is not None and p.grad.abs().max() > 0 for n, p in model.named_parameters() if ".gate." in n)
+
+
+def test_mot_gate_with_a_hidden_layer():
+    model = build("mot_seq", mot={"gate_hidden": 24})
+    gate = model.blocks[0].gate
+    d, E = model.config.d_model, model.config.mot.num_experts
+    assert (gate.fc.in_features, gate.fc.out_features, gate.out.out_features) == (d, 24, E)
+    assert n_params(model) - n_params(build("mot")) == model.config.n_layer * (d * 24 + 24 + 24 * E - d * E)
+
+
+def test_mot_concat_aggregation_starts_as_the_weighted_sum_then_mixes_the_slots():
+    summed = build("mot").eval()
+    concat = build("mot", mot={"aggregation": "concat"}).eval()
+    missing = concat.load_state_dict(summed.state_dict(), strict=False).missing_keys
+    assert missing and all(".combine." in n for n in missing)
+    idx = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(concat(idx).logits, summed(idx).logits, atol=1e-5, rtol=1e-5)
+        concat.blocks[0].combine.weight.add_(0.1 * torch.randn_like(concat.blocks[0].combine.weight))
+        assert not torch.allclose(concat(idx).logits, summed(idx).logits, atol=1e-4)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter, torch.no_grad():
+        out = concat(idx)
+    assert concat.flops_per_token(out.trace).forward * idx.numel() == pytest.approx(counter.get_total_flops(), rel=1e-6)
+
+
+def test_mot_forced_random_activation_reaches_every_block_in_training_only():
+    model = build("mot", mot={"top_k": 1, "random_activation": 1.0})
+    idx = tokens(B=4)
+    with torch.no_grad():
+        out = model.train()(idx)
+    E = model.config.mot.num_experts
+    for site in out.trace:
+        assert set(site.selected.flatten().tolist()) == set(range(E)), site.name
+        assert not torch.equal(site.selected[..., 0], site.probs.argmax(-1)), "the slot is forced, not the gate's pick"
+    with torch.no_grad():
+        evaluated = model.eval()(idx)
+    for site in evaluated.trace:
+        assert torch.equal(site.selected[..., 0], site.probs.argmax(-1)), "no random slot at evaluation"
+    two = build("mot", mot={"top_k": 2, "random_activation": 1.0}).train()
+    with torch.no_grad():
+        for site in two(idx).trace:
+            assert (site.selected[..., 0] != site.selected[..., 1]).all(), "the random block is a new one"
