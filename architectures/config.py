@@ -203,6 +203,12 @@ class CombinationConfig:
     outer_ratio: float = 0.5  # r: Outer-FFN width = r * W, Inner-FFN = (1 - r) * W; r * W must be whole
     inner_experts: int = 4  # cea_moe: experts of the Inner MoE, each (1 - r) * W wide
     inner_top_k: int = 1
+    # How the Inner-FFN enters MHA (architectures/combination.py). "additive" (default): full MHA on
+    # untransformed values + an additive Inner path with its own V_inner / O'. "paper" (seed 004): one
+    # MHA whose keys/values of OTHER positions come from u = h + InnerFFN(h) through the shared W_k / W_v,
+    # the own position's from h (the direct pathway); no extra parameters. "paper_masked": the paper's
+    # FlashAttention simplification at 14B: every key/value through the Inner-FFN, own position masked.
+    inner_wiring: str = "additive"
 
 
 @dataclass

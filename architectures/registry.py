@@ -65,6 +65,13 @@ VARIANTS: Dict[str, Variant] = {
     "cea_moe": Variant("architectures.combination:CombinationMoELM",
                        "cea with an MoE Inner-FFN (combo.inner_experts, top combo.inner_top_k), dense 4d Outer-FFN",
                        overrides={"combo": {"total_ffn_ratio": 8.0}}),
+    "cea_paper": Variant("architectures.combination:CombinationLM",
+                         "cea with the paper's wiring: other positions' keys/values through the Inner-FFN, "
+                         "own position direct, one MHA (no V_inner / O')",
+                         overrides={"combo": {"outer_ratio": 0.125, "inner_wiring": "paper"}}),
+    "cea_moe_paper": Variant("architectures.combination:CombinationMoELM",
+                             "cea_moe with the paper's wiring (Inner MoE on the keys/values of other positions)",
+                             overrides={"combo": {"total_ffn_ratio": 8.0, "inner_wiring": "paper"}}),
     "moe": Variant("architectures.moe:MoEGPT", "GPT-2 with token-choice top-k MoE FFNs (Switch when k=1)",
                    test_settings={"moe": {"num_experts": 4}}),
     "moe_dense_ffn": Variant("architectures.moe:MoEGPT",

@@ -183,3 +183,67 @@ def test_mot_forced_random_activation_reaches_every_block_in_training_only():
     with torch.no_grad():
         for site in two(idx).trace:
             assert (site.selected[..., 0] != site.selected[..., 1]).all(), "the random block is a new one"
+
+
+# ---------------------------------------------------------------------------- 4. CAA / CEA paper wiring
+def test_paper_wiring_adds_no_parameters_over_ffn_wider():
+    """Same W: the paper's CEA is ffn_wider's parameters plus the split FFN's second output bias (d per
+    layer); the additive default adds V_inner and O' on top."""
+    paper, additive = build("cea_paper"), build("cea")
+    wider = build("ffn_wider", combo={"wide_ffn_ratio": paper.config.combo.total_ffn_ratio})
+    d, L = paper.config.d_model, paper.config.n_layer
+    assert n_params(paper) == n_params(wider) + L * d == paper.num_parameters_formula()
+    assert n_params(additive) - n_params(paper) == L * 2 * (d * d + d)
+    moe_paper, moe_additive = build("cea_moe_paper"), build("cea_moe")
+    assert n_params(moe_additive) - n_params(moe_paper) == L * 2 * (d * d + d) == \
+        moe_additive.num_parameters_formula() - moe_paper.num_parameters_formula()
+
+
+@pytest.mark.parametrize("wiring", ["paper", "paper_masked"])
+@pytest.mark.parametrize("name", ["cea_paper", "cea_moe_paper"])
+def test_paper_wiring_other_positions_see_the_inner_ffn_a_token_never_its_own(name, wiring):
+    model = build(name, combo={"inner_wiring": wiring}).eval()
+    attn = model.blocks[1].attn
+    captured = {}
+
+    def keep(module, args, out):  # returns None: the output is left as it is
+        captured["out"] = out.output if hasattr(out, "output") else out
+
+    handle = attn.inner.ffn.register_forward_hook(keep)
+    h = torch.randn(1, T, model.config.d_model, requires_grad=False)
+    try:
+        update, _ = attn(h)
+    finally:
+        handle.remove()
+    inner = captured["out"]
+    i = T // 2
+    grad = torch.autograd.grad(update[0, i].square().sum(), inner)[0][0]
+    assert grad[i].abs().max() == 0, "a token must not receive its own Inner-FFN output"
+    assert grad[:i].abs().amax(-1).gt(0).all(), "every earlier position reaches it through the Inner-FFN"
+    assert grad[i + 1:].abs().max() == 0, "causal"
+
+
+def test_paper_wiring_with_a_silent_inner_ffn_is_vanilla_attention():
+    from architectures.gpt2 import CausalSelfAttention
+
+    model = build("cea_paper").eval()
+    attn = model.blocks[0].attn
+    with torch.no_grad():
+        attn.inner.ffn.c_proj.weight.zero_()
+        attn.inner.ffn.c_proj.bias.zero_()
+        vanilla = CausalSelfAttention(model.config.d_model, model.config.n_head)
+        vanilla.load_state_dict({k: v for k, v in attn.state_dict().items() if not k.startswith("inner.")})
+        h = torch.randn(2, T, model.config.d_model)
+        torch.testing.assert_close(attn(h)[0], vanilla(h), atol=1e-5, rtol=1e-5)
+
+
+def test_paper_masked_wiring_flops_match_the_flop_counter():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    for name in ("cea_paper", "cea_moe_paper"):
+        model = build(name, combo={"inner_wiring": "paper_masked"}).eval()
+        idx = tokens()
+        with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter, torch.no_grad():
+            out = model(idx)
+        assert model.flops_per_token(out.trace).forward * idx.numel() == pytest.approx(counter.get_total_flops(), rel=1e-6)
