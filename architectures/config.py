@@ -185,6 +185,18 @@ class MoMConfig:
     routing: str = "learned"
     weighted_qkv: bool = False  # official-code option: scale each module's QKV by its router weight
     straight_through: bool = True  # K=1: weight p / stopgrad(p) (= 1) so the router gets a gradient
+    # Official-code options (gzhch/Mixture-of-Modules; preset ``mom_official``). Defaults: our forms.
+    router_bias: bool = False  # the official W_o (nn.Linear) has a bias; ours is bias-free
+    # "own": each router scores its own pool (+ SKIP). "max_pool": both routers score max(N_A, N_F) + 1
+    # classes as in the official code; classes beyond a router's own pool act as extra SKIPs.
+    router_width: str = "own"
+    # "site_mean": Switch loss per learned site over its K choices, mean over sites (ours). "official":
+    # one loss per router kind over all steps concatenated, f from the top-1 of softmax(probs) (the
+    # official double softmax), C = router width; attention + FFN losses summed.
+    balance_form: str = "site_mean"
+    # routing_all_possible_path: every module runs on every token, weighted by the full router
+    # distribution (a dense mixture; saves nothing). SKIP's probability contributes nothing.
+    all_paths: bool = False
 
 
 @tracks_explicit

@@ -101,6 +101,13 @@ VARIANTS: Dict[str, Variant] = {
                      overrides={"mom": {"top_k": 3, "steps": 1, "layout": "chunked"}}, test_settings=_SMALL_GRU),
     "mom_i": Variant("architectures.mom:MixtureOfModules", "MoM-I interpolated: K=3, H=2, chunked layout",
                      overrides={"mom": {"top_k": 3, "steps": 2, "layout": "chunked"}}, test_settings=_SMALL_GRU),
+    "mom_official": Variant("architectures.mom:MixtureOfModules",
+                            "MoM with the official code's router and loss: W_o with bias, both routers sized "
+                            "max(N_A, N_F) + 1, the official balance-loss form, chunked layout",
+                            overrides={"mom": {"layout": "chunked", "router_bias": True, "router_width": "max_pool",
+                                               "balance_form": "official"}},
+                            # unequal pools at test size, so the surplus classes of max_pool exist
+                            test_settings={"mom": {"router_hidden": 32, "n_ffn": 2}}),
     "layer_skip": Variant("architectures.mom:MixtureOfModules",
                           "layer skipping as MoM: step h runs layer h or SKIP (learned, K=1)",
                           overrides={"mom": {"routing": "layer_skip"}}, test_settings=_SMALL_GRU),

@@ -247,3 +247,113 @@ def test_paper_masked_wiring_flops_match_the_flop_counter():
         with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter, torch.no_grad():
             out = model(idx)
         assert model.flops_per_token(out.trace).forward * idx.numel() == pytest.approx(counter.get_total_flops(), rel=1e-6)
+
+
+# ---------------------------------------------------------------------------- 5. MoM, official-code options
+def _assembly(weighted_qkv: bool, seed=0):
+    """A chunk of two attention modules (no SKIP) and a hand-made route: module 0 weight 1, module 1 weight 0."""
+    from architectures.mom import _Route
+
+    model = build("mom", seed=seed, mom={"n_attn": 2, "n_ffn": 2, "steps": 2, "top_k": 2, "allow_skip": False,
+                                         "weighted_qkv": weighted_qkv}, n_layer=2)
+    chunk = model.chunks[0]
+    B = 2
+    selected = torch.tensor([[0, 1]]).repeat(B * T, 1)
+    weights = torch.tensor([[1.0, 0.0]]).repeat(B * T, 1).requires_grad_(True)
+    return chunk, _Route(selected, weights), torch.randn(B, T, model.config.d_model)
+
+
+@pytest.mark.parametrize("weighted_qkv", [False, True])
+def test_mom_weighted_qkv_decides_whether_a_weight_zero_module_changes_qkv(weighted_qkv):
+    chunk, route, x = _assembly(weighted_qkv)
+    before = chunk.assemble_attention(x, route, None, "")
+    with torch.no_grad():
+        chunk.attn_modules[1].attn.c_attn.weight.add_(torch.randn_like(chunk.attn_modules[1].attn.c_attn.weight))
+    after = chunk.assemble_attention(x, route, None, "")
+    if weighted_qkv:
+        torch.testing.assert_close(after, before, atol=1e-6, rtol=1e-6)  # weight 0: no say in Q/K/V
+    else:
+        assert (after - before).abs().max() > 1e-3  # summed unweighted: module 1 reshapes Q/K/V
+
+
+@pytest.mark.parametrize("weighted_qkv", [False, True])
+def test_mom_weighted_qkv_decides_whether_the_router_learns_through_qkv(weighted_qkv):
+    """Gradient of the update wrt the router weights: through the output projections only (False), or
+    also through the weighted Q/K/V (True)."""
+    chunk, route, x = _assembly(weighted_qkv)
+    out = chunk.assemble_attention(x, route, None, "")
+    target = torch.randn_like(out)
+    (grad,) = torch.autograd.grad((out * target).sum(), route.weights)
+    # the output-projection path alone: d/dw_k of sum_k w_k c_proj_k(attn) with attn held fixed
+    with torch.no_grad():
+        B, T_, d = x.shape
+        flat = x.reshape(B * T_, d)
+        qkv_w = route.weights if weighted_qkv else torch.ones_like(route.weights)
+        from architectures.dispatch import sorted_dispatch
+
+        qkv = sorted_dispatch(flat, route.selected, qkv_w, [m.project for m in chunk.attn_modules])
+        y = chunk.attn_modules[0].attn.attend(qkv.view(B, T_, 3 * d)).reshape(B * T_, d)
+        direct = torch.stack([(m.attn.c_proj(y) * target.reshape(B * T_, d)).sum(-1) for m in chunk.attn_modules], -1)
+    if weighted_qkv:
+        assert not torch.allclose(grad, direct, atol=1e-4)
+    else:
+        torch.testing.assert_close(grad, direct, atol=1e-5, rtol=1e-4)
+
+
+def test_mom_official_router_bias_and_width():
+    model = build("mom_official")
+    chunk = model.chunks[0]
+    n_attn, n_ffn = chunk.n_attn, chunk.n_ffn
+    assert n_attn != n_ffn
+    width = max(n_attn, n_ffn) + 1
+    for router in (chunk.attn_router, chunk.ffn_router):
+        assert router.out.out_features == width and router.out.bias is not None
+        assert torch.count_nonzero(router.out.bias) == 0  # zero init, as every bias
+    assert chunk.ffn_names == [f"ffn{i}" for i in range(n_ffn)] + ["skip"] * (width - n_ffn)
+    out = model(tokens())
+    out.logits.logsumexp(-1).mean().backward()
+    assert chunk.ffn_router.out.bias.grad.abs().max() > 0
+    for site in out.trace:  # a surplus class runs nothing: FLOPs count only real modules
+        assert site.num_choices == width
+    own = build("mom", mom={"n_ffn": 2})
+    assert own.chunks[0].ffn_router.out.out_features == 3 and own.chunks[0].ffn_router.out.bias is None
+
+
+def test_mom_official_balance_loss_form():
+    model = build("mom_official")
+    out = model(tokens())
+    assert set(out.aux_losses) == {"mom.attn/balance", "mom.ffn/balance"}
+    for kind in ("attn", "ffn"):
+        probs = torch.cat([s.probs.reshape(-1, s.num_choices) for s in out.trace if f".{kind}." in s.name])
+        scores = probs.softmax(-1)  # the official second softmax
+        C = scores.shape[-1]
+        f = torch.bincount(scores.argmax(-1), minlength=C).float() / scores.shape[0]
+        expected = model.config.mom.balance_coef * C * (f * scores.mean(0)).sum()
+        torch.testing.assert_close(out.aux_losses[f"mom.{kind}/balance"].detach(), expected)
+
+
+def test_mom_all_paths_is_the_dense_mixture_of_every_module():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = build("mom", mom={"all_paths": True}).eval()
+    idx = tokens()
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter, torch.no_grad():
+        out = model(idx)
+    for site in out.trace:
+        assert site.selected.shape[-1] == site.num_choices  # every class, every token
+        torch.testing.assert_close(site.weights, site.probs)
+    assert model.flops_per_token(out.trace).forward * idx.numel() == pytest.approx(counter.get_total_flops(), rel=1e-6)
+    pool = model.chunks[0].n_ffn
+    sparse = build("mom").eval()
+    with torch.no_grad():
+        k1 = sparse(idx)
+    assert model.flops_per_token(out.trace).ffn == pytest.approx(pool * model.layout.steps
+                                                                  * F_.ffn(32, model.config.ffn_hidden))
+    assert sparse.flops_per_token(k1.trace).ffn < model.flops_per_token(out.trace).ffn
+    # every token depends on every FFN module (module 2, say), even one it would not pick at K = 1
+    with torch.no_grad():
+        before = model(idx).logits
+        for p in model.chunks[0].ffn_modules[2].parameters():
+            p.add_(torch.randn_like(p))
+        assert (model(idx).logits - before).abs().amax(-1).gt(1e-6).all()
