@@ -357,3 +357,20 @@ def test_mom_all_paths_is_the_dense_mixture_of_every_module():
         for p in model.chunks[0].ffn_modules[2].parameters():
             p.add_(torch.randn_like(p))
         assert (model(idx).logits - before).abs().amax(-1).gt(1e-6).all()
+
+
+def test_two_phase_official_recipe_sets_adam_eps_1e5_for_phase2_only(tmp_path, monkeypatch):
+    import experiments.run
+    from experiments import two_phase
+    from tests.test_two_phase import fake_run
+
+    calls = []
+    monkeypatch.setattr(experiments.run, "main", fake_run(calls, tmp_path))
+    two_phase.main(["--variant", "mom_e", "--phase1_steps", "3", "--phase2_steps", "4", "--log_dir", str(tmp_path),
+                    "--phase2_recipe", "official"])
+    phase1, phase2 = calls
+    assert "--optim.eps" not in phase1
+    assert phase2[phase2.index("--optim.eps") + 1] == "1e-5"
+    calls.clear()
+    two_phase.main(["--variant", "mom_e", "--phase1_steps", "3", "--phase2_steps", "4", "--log_dir", str(tmp_path)])
+    assert "--optim.eps" not in calls[1]  # our recipe by default
