@@ -374,3 +374,12 @@ def test_two_phase_official_recipe_sets_adam_eps_1e5_for_phase2_only(tmp_path, m
     calls.clear()
     two_phase.main(["--variant", "mom_e", "--phase1_steps", "3", "--phase2_steps", "4", "--log_dir", str(tmp_path)])
     assert "--optim.eps" not in calls[1]  # our recipe by default
+
+
+def test_paper_options_command_reports_parameters_flops_and_mom_depth(capsys):
+    from experiments import paper_options
+
+    rows = {r["variant"]: r for r in paper_options.main(["--size", "tiny", "--variants", "mom_e", "depth_gate_skip"])}
+    assert rows["mom_e"]["depth"] == 2 and rows["mom_e"]["layout"] == "0+1x(1+A)+0"  # 4 layers: 3 slots + anchor
+    assert rows["depth_gate_skip"]["flops_ratio"] < 1.0 and "depth" not in rows["depth_gate_skip"]
+    assert "mom_e" in capsys.readouterr().out
