@@ -5,6 +5,10 @@ it (MoM's ``routing: moe`` is its own GRU-routed configuration, not this layer).
 caller adds the residual), so a token that gets no expert (dropped by the capacity limit, routed to a
 no-op expert, or padding) is left unchanged by the residual.
 
+Placement (``moe.placement``): "replace" (default, Switch) puts the layer where the block's MLP was;
+"before_ffn" (the CEA-MoE paper's baseline, preset ``moe_dense_ffn``) keeps the dense MLP and runs the MoE
+layer in front of it with its own LayerNorm and residual.
+
 Routing: the router is a bias-free linear map evaluated in fp32 (``x.float()``, autocast off),
 softmax over the ``E + noop_experts`` choices, top-k per token; the k weights are optionally
 renormalised to sum to 1. A no-op expert ("skip") costs nothing and adds nothing (MoDE-integrated).

@@ -42,6 +42,15 @@ code's ``use_ste`` option.
 Balance loss: Switch-style over all classes including SKIP, ``C * sum_i f_i P_i`` per learned site,
 ``balance_coef`` times the mean over sites (the official code concatenates all depths into one loss).
 
+Official-code options (preset ``mom_official``; README "Paper / official code vs our default"):
+``router_bias`` (W_o with a bias), ``router_width="max_pool"`` (both routers score max(N_A, N_F) + SKIP;
+classes past a router's own pool are no-ops named "skip"), ``balance_form="official"`` (one loss per
+router kind over all steps, the official double softmax and top-1 f, ``official_balance_loss``),
+``all_paths`` (``routing_all_possible_path``: every module on every token, weighted by the full
+distribution). ``weighted_qkv=False`` (default) lets a module picked with a small or zero weight fully
+change the summed Q/K/V and gives the router a gradient only through the output projections;
+``True`` scales each module's Q/K/V by its weight (no say at weight 0, a gradient through Q/K/V).
+
 Contract: one ``RoutingSite`` per router and step (``mom.chunk{c}.{attn|ffn}.step{h}``, group
 ``mom.chunk{c}.{attn|ffn}``, choices ``attn0..``/``ffn0..`` + ``skip``), so the routing callback builds
 P(module at h+1 | module at h) per router. Residuals: ``"mha"`` after each attention assembly and

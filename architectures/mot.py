@@ -23,6 +23,15 @@ padded per call; which cached positions are real is kept in ``cache.key_valid[na
 masked in attention.
 
 Anti-collapse: the Switch balance loss of ``architectures.moe`` on the gate (``balance_coef``).
+
+Seed 002's forms, as options (preset ``mot_seq``; README "Paper / official code vs our default"):
+``routing="sequence"`` (the gate reads the mean of the sequence's real tokens and the whole sequence goes
+through the same k blocks; under ``causal_routing()`` or with a cache each token is routed by its prefix
+mean instead, the running sum carried on the cache), ``weights="uniform"`` (exactly 1/k forward, the
+gate probability's gradient kept), ``gate_hidden`` (gate MLP), ``aggregation="concat"`` (the k slot updates
+concatenated and mixed by ``combine``, initialised to the sum), ``random_activation`` (training only: a
+unit's last slot goes to a random other block). Attention FLOPs come from the query-key pairs recorded in
+the site (``extras["score_pairs"]``), so cached decode steps are counted as run.
 Padding tokens (``attention_mask`` 0) are not routed: their stream passes the layer unchanged.
 """
 from __future__ import annotations
