@@ -246,13 +246,14 @@ class MoTLayer(nn.Module):
         a uniformly random block not already among the unit's other choices (anti-collapse, seed 002)."""
         B, T, k = selected.shape
         E = self.cfg.num_experts
+        # one draw per sequence under sequence routing (its tokens share their choices, so they share the
+        # random block too), one per token otherwise
         rows = (B, 1) if self.cfg.routing == "sequence" else (B, T)
-        flip = torch.rand(rows, device=selected.device) < self.cfg.random_activation
-        scores = torch.rand(*rows, E, device=selected.device)
-        if k > 1:
-            scores = scores.scatter(-1, selected[:, : rows[1], : k - 1], -1.0)
-        pick = scores.argmax(-1)
-        last = torch.where(flip, pick, selected[:, : rows[1], -1]).expand(B, T)
+        flip = (torch.rand(rows, device=selected.device) < self.cfg.random_activation).expand(B, T)
+        scores = torch.rand(*rows, E, device=selected.device).expand(B, T, E)
+        if k > 1:  # never one of the token's other choices
+            scores = scores.scatter(-1, selected[..., : k - 1], -1.0)
+        last = torch.where(flip, scores.argmax(-1), selected[..., -1])
         return torch.cat([selected[..., :-1], last.unsqueeze(-1)], dim=-1)
 
     # ------------------------------------------------------------------ mixing

@@ -183,6 +183,11 @@ def test_mot_forced_random_activation_reaches_every_block_in_training_only():
     with torch.no_grad():
         for site in two(idx).trace:
             assert (site.selected[..., 0] != site.selected[..., 1]).all(), "the random block is a new one"
+    seq = build("mot_seq", mot={"random_activation": 1.0}).train()
+    with torch.no_grad():
+        for site in seq(idx).trace:  # sequence routing: one random block per sequence, not per token
+            assert torch.equal(site.selected, site.selected[:, :1].expand_as(site.selected)), site.name
+            assert (site.selected[..., 0] != site.selected[..., 1]).all()
 
 
 # ---------------------------------------------------------------------------- 4. CAA / CEA paper wiring
