@@ -388,3 +388,37 @@ def test_paper_options_command_reports_parameters_flops_and_mom_depth(capsys):
     assert rows["mom_e"]["depth"] == 2 and rows["mom_e"]["layout"] == "0+1x(1+A)+0"  # 4 layers: 3 slots + anchor
     assert rows["depth_gate_skip"]["flops_ratio"] < 1.0 and "depth" not in rows["depth_gate_skip"]
     assert "mom_e" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------- the invariant suite on the options
+# Options that are not a registry entry of their own still get every invariant of tests/test_contract.py.
+from tests import test_contract as suite  # noqa: E402
+
+OPTION_CASES = [
+    ("mot", {"mot": {"aggregation": "concat"}}),
+    ("mot", {"mot": {"routing": "sequence", "aggregation": "concat", "top_k": 1}}),
+    ("mot", {"mot": {"weights": "uniform", "gate_hidden": 8}}),
+    ("depth_gate_skip", {"depth_gate": {"top_k": 1}}),
+    ("moe_dense_ffn", {"moe": {"top_k": 2}}),
+    ("cea_paper", {"combo": {"inner_wiring": "paper_masked"}}),
+    ("cea_moe_paper", {"combo": {"inner_wiring": "paper_masked"}}),
+    ("mom", {"mom": {"all_paths": True}}),
+    ("mom", {"mom": {"weighted_qkv": True, "top_k": 2}}),
+    ("mom_official", {"mom": {"all_paths": True, "weighted_qkv": True}}),
+]
+OPTION_IDS = [name + "".join(f"-{g}.{k}={v}" for g, d in extra.items() for k, v in d.items()) for name, extra in OPTION_CASES]
+# the strictly-causal Inner call's decode-step FLOPs are the known gap of the additive Inner path too
+DECODE_GAP = {"paper_masked"}
+
+
+@pytest.mark.parametrize("name,extra", OPTION_CASES, ids=OPTION_IDS)
+def test_options_keep_every_invariant(name, extra):
+    for mode in ("causal_routing", "default_eval"):
+        suite.test_positions_up_to_t_ignore_later_tokens(name, extra, mode)
+    suite.test_every_router_parameter_gets_a_gradient_from_the_lm_loss_alone(name, extra)
+    suite.test_router_logits_and_weights_are_fp32_under_bf16_autocast(name, extra)
+    suite.test_an_example_ignores_batch_mates_and_right_padding_and_short_sequences_run(name, extra)
+    suite.test_kv_cache_decoding_equals_the_full_causal_forward(name, extra)
+    suite.test_aux_loss_is_the_sum_of_its_parts_and_residuals_are_ordered(name, extra)
+    if not DECODE_GAP & {str(v) for group in extra.values() for v in group.values()}:
+        suite.test_analytic_flops_match_the_flop_counter_for_a_full_forward_and_cached_decode_steps(name, extra)
