@@ -422,3 +422,23 @@ def test_options_keep_every_invariant(name, extra):
     suite.test_aux_loss_is_the_sum_of_its_parts_and_residuals_are_ordered(name, extra)
     if not DECODE_GAP & {str(v) for group in extra.values() for v in group.values()}:
         suite.test_analytic_flops_match_the_flop_counter_for_a_full_forward_and_cached_decode_steps(name, extra)
+
+
+@pytest.mark.parametrize("name,extra,field", [
+    ("moe", {"moe": {"placement": "after"}}, "model.moe.placement"),
+    ("depth_gate", {"depth_gate": {"skip_compute": True}}, "model.depth_gate.skip_compute"),
+    ("mot", {"mot": {"routing": "batch"}}, "model.mot.routing"),
+    ("mot", {"mot": {"weights": "equal"}}, "model.mot.weights"),
+    ("mot", {"mot": {"aggregation": "mean"}}, "model.mot.aggregation"),
+    ("mot", {"mot": {"gate_hidden": -1}}, "model.mot.gate_hidden"),
+    ("mot", {"mot": {"random_activation": 1.5}}, "model.mot.random_activation"),
+    ("cea", {"combo": {"inner_wiring": "paper2"}}, "model.combo.inner_wiring"),
+    ("cea_moe", {"combo": {"inner_wiring": "paper2"}}, "model.combo.inner_wiring"),
+    ("mom", {"mom": {"router_width": "max"}}, "model.mom.router_width"),
+    ("mom", {"mom": {"balance_form": "switch"}}, "model.mom.balance_form"),
+])
+def test_a_bad_option_value_names_its_field(name, extra, field):
+    from architectures.config import ConfigError
+
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        build(name, **extra)
