@@ -41,6 +41,25 @@ balance / z-loss / capacity settings from the ``moe`` group). Each expert has th
 i.e. a dense 4d Outer-FFN and 4d experts inside MHA, as the paper's 14B model (dense FFN outside,
 top-1 MoE inside). Its routing sites are ``block{i}.inner_moe`` (group "inner_moe", step i).
 
+Paper wiring (``combo.inner_wiring``; presets ``cea_paper``, ``cea_moe_paper``). The default above is our
+additive reading of SPEC; the paper (seed 004) routes the OTHER positions' keys and values through the
+Inner-FFN and keeps the own position's from before it, inside ONE attention:
+
+    q, k, v   = c_attn(h)                                   # the own position's key/value: direct pathway
+    u         = h + InnerFFN(h)                             # the Inner-FFN with its residual (our reading)
+    k', v'    = W_k u, W_v u                                # the same W_k, W_v (no new parameters)
+    scores_ij = q_i k'_j (j < i),  q_i k_i (j = i)         # one softmax over both
+    x         = x + O(sum_{j<i} a_ij v'_j + a_ii v_i)
+
+* ``"paper"``: as above. With the Inner-FFN's output zero it is exactly vanilla MHA; a token never sees
+  its own Inner-FFN output; parameters are exactly ffn_wider's at the same W (no V_inner / O'). The
+  attention is computed explicitly (scores over all cached keys, the own-key term added), so it does
+  not use a fused kernel. KV cache: the Inner keys/values k', v' under ``block{i}``.
+* ``"paper_masked"``: the simplification the authors used at 14B for FlashAttention-2: every key and
+  value through the Inner-FFN, the own position masked (strictly causal; position 0 gets 0).
+  Why ``additive`` stays the default: it keeps the fused causal kernel for the direct path and was the
+  form this suite's measurements used; the paper forms are one switch away.
+
 FLOPs (``flops.py`` conventions): ``V_inner`` and ``O'`` count as ``attn_proj``; the Inner path's
 scores count what the math kernel computes, ``(T-1)^2`` query-key pairs per sequence; the Inner-FFN
 (dense or the experts actually run) counts as ``ffn``, its router as ``router``.
@@ -52,6 +71,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from architectures import flops as F_
 from architectures.base import ForwardState, LanguageModel, require
@@ -79,14 +99,47 @@ def strictly_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return torch.cat([zeros, out], dim=2) if empty else out
 
 
-class InnerPath(nn.Module):
-    """The Inner-FFN (dense MLP or MoE) and the Inner path's own value and output projections."""
+def attention_with_direct_self(q, k, v, k_self, v_self, dropout_p: float = 0.0) -> torch.Tensor:
+    """The paper's CAA attention: query i sees the keys/values (k, v) of positions j < i and its OWN
+    direct key/value (k_self, v_self) instead of its k_i, v_i, under one softmax.
 
-    def __init__(self, d_model: int, ffn: nn.Module, bias: bool):
+    Queries are the last ``q.shape[2]`` positions of the key sequence (cached decoding as in
+    ``causal_attention``). Explicit math (no fused kernel): Q K^T and A V over every key, the own-key
+    term elementwise.
+    """
+    t_q, t_k = q.shape[2], k.shape[2]
+    scale = q.shape[-1] ** -0.5
+    scores = (q @ k.transpose(-1, -2)) * scale
+    earlier = torch.arange(t_k, device=q.device)[None, :] < torch.arange(t_k - t_q, t_k, device=q.device)[:, None]
+    scores = scores.masked_fill(~earlier, float("-inf"))
+    own = (q * k_self).sum(-1, keepdim=True) * scale
+    probs = torch.cat([scores, own], dim=-1).float().softmax(dim=-1).to(q.dtype)
+    if dropout_p:
+        probs = F.dropout(probs, dropout_p)
+    return probs[..., :-1] @ v + probs[..., -1:] * v_self
+
+
+WIRINGS = ("additive", "paper", "paper_masked")
+
+
+class InnerPath(nn.Module):
+    """The Inner-FFN (dense MLP or MoE) and, in the additive wiring, the Inner path's own value and output
+    projections (the paper wiring reuses the attention's W_k, W_v and O)."""
+
+    def __init__(self, d_model: int, ffn: nn.Module, bias: bool, wiring: str = "additive"):
         super().__init__()
         self.ffn = ffn
-        self.v_proj = nn.Linear(d_model, d_model, bias=bias)
-        self.c_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.wiring = wiring
+        if wiring == "additive":
+            self.v_proj = nn.Linear(d_model, d_model, bias=bias)
+            self.c_proj = nn.Linear(d_model, d_model, bias=bias)
+
+    def transform(self, h: torch.Tensor, valid, site_name: str, step: int) -> Tuple[torch.Tensor, Optional[MoEResult]]:
+        """InnerFFN(h): the dense MLP's output or the MoE's update (tokens with no expert get 0)."""
+        if isinstance(self.ffn, MoELayer):
+            result = self.ffn(h, valid, site_name, INNER_SITE, step)
+            return result.output, result
+        return self.ffn(h), None
 
     def values(self, h: torch.Tensor, valid, site_name: str, step: int) -> Tuple[torch.Tensor, Optional[MoEResult]]:
         if isinstance(self.ffn, MoELayer):
@@ -111,6 +164,8 @@ class CombinationAttention(CausalSelfAttention):
         site_name: str = "",
         step: int = 0,
     ) -> Tuple[torch.Tensor, Optional[MoEResult]]:
+        if self.inner is not None and self.inner.wiring != "additive":
+            return self.paper_forward(h, cache, cache_key, valid, site_name, step)
         q, k, v = (self.split_heads(t) for t in self.c_attn(h).chunk(3, dim=-1))
         if cache is not None:
             k, v = cache.append(cache_key, k, v)
@@ -126,6 +181,22 @@ class CombinationAttention(CausalSelfAttention):
             out = out + self.inner.c_proj(self.merge_heads(strictly_causal_attention(q, k, v_inner, p)))
         return self.resid_drop(out), moe
 
+    def paper_forward(self, h, cache, cache_key, valid, site_name, step):
+        """The paper's wiring (module docstring): other positions' K/V from h + InnerFFN(h), own from h."""
+        d = h.shape[-1]
+        q, k_self, v_self = (self.split_heads(t) for t in self.c_attn(h).chunk(3, dim=-1))
+        inner, moe = self.inner.transform(h, valid, site_name, step)
+        bias = self.c_attn.bias[d:] if self.c_attn.bias is not None else None
+        k, v = (self.split_heads(t) for t in F.linear(h + inner.to(h.dtype), self.c_attn.weight[d:], bias).chunk(2, dim=-1))
+        if cache is not None:
+            k, v = cache.append(cache_key, k, v)
+        p = self.dropout if self.training else 0.0
+        if self.inner.wiring == "paper_masked":
+            y = strictly_causal_attention(q, k, v, p)
+        else:
+            y = attention_with_direct_self(q, k, v, k_self, v_self, p)
+        return self.resid_drop(self.c_proj(self.merge_heads(y))), moe
+
 
 class CombinationBlock(nn.Module):
     """Pre-LN block: x + MHA(+Inner-FFN)(ln_1 x), then + OuterFFN(ln_2 x) when the Outer width > 0.
@@ -139,7 +210,7 @@ class CombinationBlock(nn.Module):
         d = config.d_model
         self.index, self.d_model, self.inner_width = index, d, inner_width
         self.ln_1 = nn.LayerNorm(d, eps=config.layer_norm_eps)
-        path = InnerPath(d, inner, config.bias) if inner is not None else None
+        path = InnerPath(d, inner, config.bias, config.combo.inner_wiring) if inner is not None else None
         self.attn = CombinationAttention(d, config.n_head, path, config.bias, config.dropout)
         self.outer = outer
         if outer > 0:
@@ -170,13 +241,27 @@ class CombinationBlock(nn.Module):
         # strictly causal = causal over the keys shifted by one: the call's Q queries (minus one at
         # absolute position 0, which has no earlier key) x (T - 1) keys, averaged over the Q new tokens
         Q = T if queries is None else queries
-        scored = Q - max(0, Q - (T - 1))
-        path = F_.Flops(attn_proj=2 * F_.linear(d, d), attn_scores=F_.attention_scores(d, scored * (T - 1) / Q))
+        strictly_causal = F_.attention_scores(d, (Q - max(0, Q - (T - 1))) * (T - 1) / Q)
+        if inner.wiring != "additive":
+            # one attention: W_k, W_v once more on u; scores as vanilla ("paper": every key and the own one)
+            # or over the strictly earlier keys ("paper_masked", the shifted causal call)
+            path = F_.Flops(attn_proj=F_.linear(d, 2 * d))
+            if inner.wiring == "paper_masked":
+                path = path + F_.Flops(attn_scores=strictly_causal - F_.attention_scores(d, T))
+            return flops + path + self.inner_ffn_flops(sites)
+        path = F_.Flops(attn_proj=2 * F_.linear(d, d), attn_scores=strictly_causal)
+        return flops + path + self.inner_ffn_flops(sites)
+
+    def inner_ffn_flops(self, sites: Dict[str, RoutingSite]) -> F_.Flops:
+        inner, d = self.attn.inner, self.d_model
         if isinstance(inner.ffn, MoELayer):
-            path = path + inner.ffn.flops_per_token(sites.get(f"block{self.index}.{INNER_SITE}"), d)
-        else:
-            path = path + F_.Flops(ffn=F_.ffn(d, self.inner_width))
-        return flops + path
+            return inner.ffn.flops_per_token(sites.get(f"block{self.index}.{INNER_SITE}"), d)
+        return F_.Flops(ffn=F_.ffn(d, self.inner_width))
+
+
+def validate_wiring(config: ModelConfig) -> None:
+    wiring = config.combo.inner_wiring
+    require(wiring in WIRINGS, "model.combo.inner_wiring", f"unknown wiring {wiring!r}; use one of {', '.join(WIRINGS)}")
 
 
 def _whole(value: float, field: str, what: str) -> int:
@@ -220,6 +305,7 @@ class CombinationLM(LanguageModel):
     @classmethod
     def validate_config(cls, config: ModelConfig) -> None:
         cls.widths(config)
+        validate_wiring(config)
 
     def make_inner(self, config: ModelConfig, width: int) -> nn.Module:
         return MLP(config.d_model, width, config.bias, config.dropout)
@@ -240,7 +326,8 @@ class CombinationLM(LanguageModel):
         linear = d * d + b * d
         block = 2 * d + 4 * d * d + b * 4 * d  # ln_1, c_attn, c_proj
         if self.inner_width:
-            block += self.inner_ffn_parameters(mlp(self.inner_width)) + 2 * linear
+            additive = self.config.combo.inner_wiring == "additive"
+            block += self.inner_ffn_parameters(mlp(self.inner_width)) + (2 * linear if additive else 0)
         if self.outer_width:
             block += 2 * d + mlp(self.outer_width)
         return cfg.vocab_size * d + cfg.block_size * d + cfg.n_layer * block + 2 * d
@@ -270,6 +357,7 @@ class CombinationMoELM(CombinationLM):
         require(isinstance(c.inner_top_k, int) and 1 <= c.inner_top_k <= c.inner_experts, "model.combo.inner_top_k",
                 f"must be in [1, inner_experts={c.inner_experts}], got {c.inner_top_k!r}")
         validate_moe_config(cls.inner_moe_config(config), prefix="model.moe")
+        validate_wiring(config)
 
     def make_inner(self, config: ModelConfig, width: int) -> nn.Module:
         return MoELayer(config.d_model, width, self.inner_moe_config(config), config.bias, config.dropout)

@@ -114,6 +114,10 @@ class MoEConfig:
     # Which layers get an MoE FFN: "all", "odd", "even", or an explicit list.
     layers: Union[str, List[int]] = "all"
     expert_ffn_ratio: Optional[float] = None  # None: the model's ffn_ratio
+    # "replace": the MoE layer is the block's FFN (Switch; our default). "before_ffn": the MoE layer gets
+    # its own LayerNorm and residual update BEFORE the dense FFN, which is kept (the CEA-MoE paper's
+    # baseline: a 64-expert top-1 MoE in front of each FFN). Preset ``moe_dense_ffn`` matches ``cea_moe``.
+    placement: str = "replace"
 
 
 @tracks_explicit
@@ -126,6 +130,15 @@ class MoTConfig:
     layers: Union[str, List[int]] = "all"
     balance_coef: float = 1e-2
     renormalize: bool = True  # gate weights renormalised over the chosen k (k > 1 only, as for MoE)
+    # Paper-form options (seed 002; preset ``mot_seq``). Defaults keep our per-token form.
+    # "token": each token picks its k blocks. "sequence": the gate reads the mean of the sequence's real
+    # tokens and the whole sequence goes through the same k blocks (sees the future: under
+    # causal_routing() / decoding each token is routed by the mean of its prefix instead).
+    routing: str = "token"
+    weights: str = "gate"  # "gate": gate probabilities; "uniform": 1/k forward (seed), gradient to the gate kept
+    gate_hidden: int = 0  # 0: linear gate; > 0: gate MLP d -> gate_hidden -> E (GELU)
+    aggregation: str = "sum"  # "sum": x + sum_j w_j (Block_j(x) - x); "concat": x + W_c [w_1 u_1; ..; w_k u_k]
+    random_activation: float = 0.0  # training only: probability that a routed unit's last slot goes to a random other block
 
 
 @tracks_explicit
@@ -135,6 +148,11 @@ class DepthGateConfig:
 
     mode: str = "soft"  # "soft" or "hard"
     top_k: int = 2
+    # Hard mode only. False (default): every layer still runs on every token (a cheap baseline; the gate
+    # picks which layer outputs are mixed). True: the blog's "tokens only pass through" their top-k
+    # layers: a layer runs only on the tokens that chose it (attention among those tokens), the others
+    # pass it unchanged, and FLOPs drop accordingly. Preset ``depth_gate_skip``.
+    skip_compute: bool = False
 
 
 @tracks_explicit
@@ -168,6 +186,18 @@ class MoMConfig:
     routing: str = "learned"
     weighted_qkv: bool = False  # official-code option: scale each module's QKV by its router weight
     straight_through: bool = True  # K=1: weight p / stopgrad(p) (= 1) so the router gets a gradient
+    # Official-code options (gzhch/Mixture-of-Modules; preset ``mom_official``). Defaults: our forms.
+    router_bias: bool = False  # the official W_o (nn.Linear) has a bias; ours is bias-free
+    # "own": each router scores its own pool (+ SKIP). "max_pool": both routers score max(N_A, N_F) + 1
+    # classes as in the official code; classes beyond a router's own pool act as extra SKIPs.
+    router_width: str = "own"
+    # "site_mean": Switch loss per learned site over its K choices, mean over sites (ours). "official":
+    # one loss per router kind over all steps concatenated, f from the top-1 of softmax(probs) (the
+    # official double softmax), C = router width; attention + FFN losses summed.
+    balance_form: str = "site_mean"
+    # routing_all_possible_path: every module runs on every token, weighted by the full router
+    # distribution (a dense mixture; saves nothing). SKIP's probability contributes nothing.
+    all_paths: bool = False
 
 
 @tracks_explicit
@@ -186,6 +216,12 @@ class CombinationConfig:
     outer_ratio: float = 0.5  # r: Outer-FFN width = r * W, Inner-FFN = (1 - r) * W; r * W must be whole
     inner_experts: int = 4  # cea_moe: experts of the Inner MoE, each (1 - r) * W wide
     inner_top_k: int = 1
+    # How the Inner-FFN enters MHA (architectures/combination.py). "additive" (default): full MHA on
+    # untransformed values + an additive Inner path with its own V_inner / O'. "paper" (seed 004): one
+    # MHA whose keys/values of OTHER positions come from u = h + InnerFFN(h) through the shared W_k / W_v,
+    # the own position's from h (the direct pathway); no extra parameters. "paper_masked": the paper's
+    # FlashAttention simplification at 14B: every key/value through the Inner-FFN, own position masked.
+    inner_wiring: str = "additive"
 
 
 @dataclass

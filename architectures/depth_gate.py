@@ -10,9 +10,15 @@ gating does to quality and routing statistics, not an efficiency method (for tha
 * Hard mode: only the top-k layers by g take part, with g renormalised over those k (k=1: the
   straight-through weight g / stopgrad(g), 1 forward, so the gate still learns). The other
   layers still run (later layers and attention need them), so hard mode saves nothing either.
+* Skip mode (``skip_compute``, hard mode only; preset ``depth_gate_skip``): the blog's tokens "only
+  pass through" their top-k layers. Layer l runs only on the tokens that chose it: their attention
+  sees only the other tokens of their sequence that chose layer l (MoT's subset semantics and cache,
+  ``mot.run_on_subset``), and a token that did not choose l passes it unchanged. h_l is then the
+  token's stream after layer l as it ran (unchanged when skipped) and h = sum over its k layers of
+  w * h_l. FLOPs count the layers actually run: k layers per token instead of L.
 * ``ln_f`` and the tied head read the mixed stream h.
 
-Trace: one site "depth_gate" of kind "soft_gate" with choices ``layer0 .. layer{L-1}``: in soft
+Trace: one site "depth_gate" of kind "soft_gate" ("token_choice" in skip mode, which really skips) with choices ``layer0 .. layer{L-1}``: in soft
 mode ``selected`` lists every layer (k = L) with ``weights`` = g; in hard mode the top-k layers and
 their renormalised weights. ``residuals`` report the layer chain as it ran (vanilla sub-updates);
 the final mix is not a sub-layer update and is not reported.
@@ -28,6 +34,7 @@ from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ModelConfig
 from architectures.contract import RoutingSite
 from architectures.gpt2 import Block
+from architectures.mot import run_on_subset
 from architectures.routing import fp32_linear, token_topk
 
 
@@ -47,6 +54,12 @@ class DepthGate(LanguageModel):
         if cfg.mode == "hard":
             require(isinstance(cfg.top_k, int) and 1 <= cfg.top_k <= config.n_layer, "model.depth_gate.top_k",
                     f"must be in [1, n_layer={config.n_layer}] in hard mode, got {cfg.top_k!r}")
+        require(not cfg.skip_compute or cfg.mode == "hard", "model.depth_gate.skip_compute",
+                "skipping layers needs mode 'hard' (soft mode mixes every layer)")
+
+    @property
+    def skips(self) -> bool:
+        return self.config.depth_gate.skip_compute
 
     def gate_weights(self, x0: torch.Tensor):
         """(logits, probs, selected, weights) from the embedded tokens x0 (B, T, d)."""
@@ -67,17 +80,48 @@ class DepthGate(LanguageModel):
         logits, probs, selected, weights = self.gate_weights(x)
         # dense per-layer weight (B, T, L): zeros for layers outside the hard top-k
         dense = torch.zeros_like(probs).scatter(-1, selected, weights).to(x.dtype)
+        runs = torch.zeros(probs.shape, dtype=torch.bool, device=x.device).scatter(-1, selected, True)
+        if state.valid is not None:
+            runs &= state.valid.unsqueeze(-1)
         mixed = torch.zeros_like(x)
+        ran, pairs = [], []
         for i, block in enumerate(self.blocks):
-            x = block(x, state)
+            if self.skips:  # only the tokens that chose layer i go through it
+                after_attn, x, n, p = run_on_subset(block, x, runs[..., i], state.cache, f"block{i}")
+                state.record("mha", i, after_attn)
+                state.record("ffn", i, x)
+                ran.append(n)
+                pairs.append(p)
+            else:
+                x = block(x, state)
             mixed = mixed + dense[..., i : i + 1] * x
+        extras = {"layer_tokens": torch.tensor(ran), "score_pairs": torch.tensor(pairs)} if self.skips else {}
         state.report(RoutingSite(
-            name="depth_gate", kind="soft_gate", choice_names=[f"layer{i}" for i in range(len(self.blocks))],
-            selected=selected, weights=weights, group="depth_gate", probs=probs, logits=logits, valid=state.valid,
+            name="depth_gate", kind="token_choice" if self.skips else "soft_gate",
+            choice_names=[f"layer{i}" for i in range(len(self.blocks))], selected=selected, weights=weights,
+            group="depth_gate", probs=probs, logits=logits, valid=state.valid, extras=extras,
         ))
         state.hidden = mixed  # the head reads the gated mix, not the last layer
         return x
 
+    def flop_blocks(self):
+        return [] if self.skips else self.blocks  # skip mode: counted from what ran (extra_flops)
+
     def extra_flops(self, sites, T: int) -> F_.Flops:
-        """Every layer runs (the blocks' dense figures) plus the gate; the weighted sum is elementwise."""
-        return F_.Flops(router=F_.linear(self.config.d_model, self.config.n_layer))
+        """The gate, plus in skip mode the layers that ran: projections and FFN per token run, scores per
+        query-key pair computed (without a trace: k layers per token, balanced over the L layers).
+        Otherwise every layer runs (the blocks' dense figures); the weighted sum is elementwise."""
+        cfg = self.config
+        d, L = cfg.d_model, cfg.n_layer
+        gate = F_.Flops(router=F_.linear(d, L))
+        if not self.skips:
+            return gate
+        per_token = F_.Flops(attn_proj=F_.attention_projections(d), ffn=F_.ffn(d, cfg.ffn_hidden))
+        site = sites.get("depth_gate")
+        if site is None or "layer_tokens" not in site.extras:
+            k = cfg.depth_gate.top_k
+            return per_token.scale(k) + F_.Flops(attn_scores=k * F_.attention_scores(d, T * k / L)) + gate
+        tokens = site.selected.shape[0] * site.selected.shape[1]
+        ran = float(site.extras["layer_tokens"].sum()) / max(1, tokens)
+        scores = F_.attention_scores(d, 1) * float(site.extras["score_pairs"].sum()) / max(1, tokens)
+        return per_token.scale(ran) + F_.Flops(attn_scores=scores) + gate

@@ -5,6 +5,10 @@ it (MoM's ``routing: moe`` is its own GRU-routed configuration, not this layer).
 caller adds the residual), so a token that gets no expert (dropped by the capacity limit, routed to a
 no-op expert, or padding) is left unchanged by the residual.
 
+Placement (``moe.placement``): "replace" (default, Switch) puts the layer where the block's MLP was;
+"before_ffn" (the CEA-MoE paper's baseline, preset ``moe_dense_ffn``) keeps the dense MLP and runs the MoE
+layer in front of it with its own LayerNorm and residual.
+
 Routing: the router is a bias-free linear map evaluated in fp32 (``x.float()``, autocast off),
 softmax over the ``E + noop_experts`` choices, top-k per token; the k weights are optionally
 renormalised to sum to 1. A no-op expert ("skip") costs nothing and adds nothing (MoDE-integrated).
@@ -39,6 +43,9 @@ from architectures.routing import (  # noqa: F401  (re-exported: the MoE layer's
 from architectures.gpt2 import MLP, Block, CausalSelfAttention
 
 
+PLACEMENTS = ("replace", "before_ffn")
+
+
 def validate_moe_config(cfg: MoEConfig, prefix: str = "model.moe", noop_experts: int = 0) -> None:
     """Checks shared by every user of ``MoELayer``; errors name ``prefix.<field>``."""
     require(isinstance(cfg.num_experts, int) and cfg.num_experts >= 1, f"{prefix}.num_experts",
@@ -49,6 +56,8 @@ def validate_moe_config(cfg: MoEConfig, prefix: str = "model.moe", noop_experts:
     require(cfg.capacity_factor > 0, f"{prefix}.capacity_factor", f"must be > 0, got {cfg.capacity_factor}")
     require(cfg.balance_coef >= 0, f"{prefix}.balance_coef", f"must be >= 0, got {cfg.balance_coef}")
     require(cfg.z_loss_coef >= 0, f"{prefix}.z_loss_coef", f"must be >= 0, got {cfg.z_loss_coef}")
+    require(cfg.placement in PLACEMENTS, f"{prefix}.placement",
+            f"unknown placement {cfg.placement!r}; use one of {', '.join(PLACEMENTS)}")
     if cfg.expert_ffn_ratio is not None:
         require(cfg.expert_ffn_ratio > 0, f"{prefix}.expert_ffn_ratio", f"must be > 0, got {cfg.expert_ffn_ratio}")
 
@@ -172,6 +181,11 @@ def active_assignments(site: RoutingSite, num_experts: int) -> float:
 class MoEBlock(nn.Module):
     """Pre-LN block whose MLP is an ``MoELayer``: x + attn(ln_1 x), then + moe(ln_2 x).
 
+    With ``moe.placement = "before_ffn"`` (the CEA-MoE paper's baseline) the dense FFN is kept and the
+    MoE layer runs in front of it with its own LayerNorm and residual: x + attn(ln_1 x), then
+    + moe(ln_moe x), then + mlp(ln_2 x). The "ffn" residual snapshot is taken after both (the FFN
+    sub-layer is MoE + dense FFN), so the contract's mha / ffn alternation holds.
+
     Reports one ``token_choice`` site ``site_name`` (group ``group``, chain position ``step``).
     """
 
@@ -185,20 +199,29 @@ class MoEBlock(nn.Module):
         self.attn = CausalSelfAttention(d, config.n_head, config.bias, config.dropout)
         self.ln_2 = nn.LayerNorm(d, eps=config.layer_norm_eps)
         self.moe = MoELayer(d, hidden, config.moe, config.bias, config.dropout, noop_experts, noop_share)
+        self.dense_hidden = 0
+        if config.moe.placement == "before_ffn":
+            self.ln_moe = nn.LayerNorm(d, eps=config.layer_norm_eps)
+            self.mlp = MLP(d, config.ffn_hidden, config.bias, config.dropout)
+            self.dense_hidden = config.ffn_hidden
 
     def forward(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), state.cache, self.cache_key)
         state.record("mha", self.index, x)
-        result = self.moe(self.ln_2(x), state.valid, site_name=self.site_name, group=self.group, step=self.step,
+        moe_in = self.ln_moe(x) if self.dense_hidden else self.ln_2(x)
+        result = self.moe(moe_in, state.valid, site_name=self.site_name, group=self.group, step=self.step,
                           cache=state.cache)
         state.report(result.site, result.aux_losses)
         x = x + result.output
+        if self.dense_hidden:
+            x = x + self.mlp(self.ln_2(x))
         state.record("ffn", self.index, x)
         return x
 
     def flops(self, sites: Dict[str, RoutingSite], T: int, queries: Optional[int] = None) -> F_.Flops:
         d = self.ln_1.normalized_shape[0]
-        attention = F_.Flops(attn_proj=F_.attention_projections(d), attn_scores=F_.attention_scores(d, T))
+        attention = F_.Flops(attn_proj=F_.attention_projections(d), attn_scores=F_.attention_scores(d, T),
+                             ffn=F_.ffn(d, self.dense_hidden) if self.dense_hidden else 0.0)
         return attention + self.moe.flops_per_token(sites.get(self.site_name), d)
 
 

@@ -43,6 +43,15 @@ code's ``use_ste`` option.
 Balance loss: Switch-style over all classes including SKIP, ``C * sum_i f_i P_i`` per learned site,
 ``balance_coef`` times the mean over sites (the official code concatenates all depths into one loss).
 
+Official-code options (preset ``mom_official``; README "Paper / official code vs our default"):
+``router_bias`` (W_o with a bias), ``router_width="max_pool"`` (both routers score max(N_A, N_F) + SKIP;
+classes past a router's own pool are no-ops named "skip"), ``balance_form="official"`` (one loss per
+router kind over all steps, the official double softmax and top-1 f, ``official_balance_loss``),
+``all_paths`` (``routing_all_possible_path``: every module on every token, weighted by the full
+distribution). ``weighted_qkv=False`` (default) lets a module picked with a small or zero weight fully
+change the summed Q/K/V and gives the router a gradient only through the output projections;
+``True`` scales each module's Q/K/V by its weight (no say at weight 0, a gradient through Q/K/V).
+
 Contract: one ``RoutingSite`` per router and step (``mom.chunk{c}.{attn|ffn}.step{h}``, group
 ``mom.chunk{c}.{attn|ffn}``, choices ``attn0..``/``ffn0..`` + ``skip``), so the routing callback builds
 P(module at h+1 | module at h) per router. Residuals: ``"mha"`` after each attention assembly and
@@ -78,6 +87,8 @@ _LEARNED = {
     "layer_skip": {"attn": True, "ffn": True},
 }
 _CHUNK_POOL = 4  # official num_attn = num_ffn = 4
+ROUTER_WIDTHS = ("own", "max_pool")
+BALANCE_FORMS = ("site_mean", "official")
 
 
 @dataclass(frozen=True)
@@ -134,15 +145,26 @@ def resolve_layout(config: ModelConfig) -> MoMLayout:
     return MoMLayout(bottom, chunks, top, anchor, slots, n_attn, n_ffn, steps)
 
 
+def router_width(m, layout: "MoMLayout", kind: str) -> int:
+    """Classes a router scores: its pool (+ SKIP), or max(N_A, N_F) (+ SKIP) as the official routers."""
+    pool = layout.n_attn if kind == "attn" else layout.n_ffn
+    base = max(layout.n_attn, layout.n_ffn) if m.router_width == "max_pool" else pool
+    return base + (1 if m.allow_skip else 0)
+
+
 def validate_mom_config(config: ModelConfig) -> MoMLayout:
     m = config.mom
     require(m.routing in ROUTINGS, "model.mom.routing", f"unknown routing {m.routing!r}; use one of {', '.join(ROUTINGS)}")
     layout = resolve_layout(config)
     require(isinstance(m.top_k, int) and m.top_k >= 1, "model.mom.top_k", f"K must be an integer >= 1, got {m.top_k!r}")
+    require(m.router_width in ROUTER_WIDTHS, "model.mom.router_width",
+            f"unknown width {m.router_width!r}; use one of {', '.join(ROUTER_WIDTHS)}")
+    require(m.balance_form in BALANCE_FORMS, "model.mom.balance_form",
+            f"unknown form {m.balance_form!r}; use one of {', '.join(BALANCE_FORMS)}")
     skip = 1 if m.allow_skip else 0
     for kind, pool in (("attn", layout.n_attn), ("ffn", layout.n_ffn)):
         if _LEARNED[m.routing][kind]:
-            require(m.top_k <= pool + skip, "model.mom.top_k",
+            require(m.top_k <= router_width(m, layout, kind), "model.mom.top_k",
                     f"K={m.top_k} exceeds the {pool} {kind} modules{' + SKIP' if skip else ''} of the pool "
                     f"(lower K or enlarge the pool with model.mom.n_{kind})")
     require(m.router_hidden >= 1, "model.mom.router_hidden", f"must be >= 1, got {m.router_hidden}")
@@ -202,10 +224,10 @@ class FFNModule(nn.Module):
 class GRURouter(nn.Module):
     """``h = GRUCell(x, h_prev)``, ``logits = W_o h``; run in fp32 outside autocast."""
 
-    def __init__(self, d_model: int, hidden: int, n_choices: int):
+    def __init__(self, d_model: int, hidden: int, n_choices: int, bias: bool = False):
         super().__init__()
         self.cell = nn.GRUCell(d_model, hidden)
-        self.out = nn.Linear(hidden, n_choices, bias=False)
+        self.out = nn.Linear(hidden, n_choices, bias=bias)
 
     def forward(self, x: torch.Tensor, state: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
         dtype = self.cell.weight_ih.dtype
@@ -213,6 +235,25 @@ class GRURouter(nn.Module):
             state = self.cell(x.to(dtype), state)
             logits = self.out(state).float()
         return logits, state
+
+
+def official_balance_loss(parts: List[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The official code's ``load_balancing_loss_func`` over one router kind (coefficient not applied).
+
+    ``parts``: (probs (N, C), valid (N,)) of every learned step, concatenated as the official code
+    concatenates all depths. Its routers already output softmax(logits / tau), and the loss applies a
+    second softmax to them: P_i = mean of softmax(probs)_i, f_i = share of tokens whose top-1 is i (top-1
+    whatever K), loss = C * sum_i f_i P_i over all C classes (SKIP included).
+    """
+    probs = torch.cat([p for p, _ in parts])
+    valid = torch.cat([v for _, v in parts]).to(probs.dtype)
+    scores = probs.softmax(dim=-1)
+    C = scores.shape[-1]
+    top1 = torch.nn.functional.one_hot(scores.argmax(dim=-1), C).to(probs.dtype)
+    n = valid.sum().clamp(min=1)
+    f = (top1 * valid.unsqueeze(-1)).sum(0) / n
+    P = (scores * valid.unsqueeze(-1)).sum(0) / n
+    return C * (f * P).sum()
 
 
 def router_flops(d_model: int, hidden: int, n_choices: int) -> float:
@@ -240,14 +281,18 @@ class MoMChunk(nn.Module):
         self.cfg = m
         self.steps = layout.steps
         self.n_attn, self.n_ffn = layout.n_attn, layout.n_ffn
-        skip = ["skip"] if m.allow_skip else []
-        self.attn_names = [f"attn{i}" for i in range(self.n_attn)] + skip
-        self.ffn_names = [f"ffn{i}" for i in range(self.n_ffn)] + skip
+        # classes past a router's own pool (SKIP, and with router_width "max_pool" the surplus) are all no-ops
+        self.attn_names = [f"attn{i}" for i in range(self.n_attn)]
+        self.attn_names += ["skip"] * (router_width(m, layout, "attn") - self.n_attn)
+        self.ffn_names = [f"ffn{i}" for i in range(self.n_ffn)]
+        self.ffn_names += ["skip"] * (router_width(m, layout, "ffn") - self.n_ffn)
         self.attn_modules = nn.ModuleList([AttentionModule(config) for _ in range(self.n_attn)])
         self.ffn_modules = nn.ModuleList([FFNModule(config) for _ in range(self.n_ffn)])
         learned = _LEARNED[m.routing]
-        self.attn_router = GRURouter(config.d_model, m.router_hidden, len(self.attn_names)) if learned["attn"] else None
-        self.ffn_router = GRURouter(config.d_model, m.router_hidden, len(self.ffn_names)) if learned["ffn"] else None
+        self.attn_router = (GRURouter(config.d_model, m.router_hidden, len(self.attn_names), m.router_bias)
+                            if learned["attn"] else None)
+        self.ffn_router = (GRURouter(config.d_model, m.router_hidden, len(self.ffn_names), m.router_bias)
+                           if learned["ffn"] else None)
         self.anchor = (Block(config, first_layer + layout.steps, f"chunk{index}.anchor") if layout.anchor
                        else None)
         self.resid_drop = nn.Dropout(config.dropout)
@@ -297,8 +342,14 @@ class MoMChunk(nn.Module):
         probs, weights, selected = token_topk(logits, self.cfg.top_k, self.cfg.temperature, renormalize=True,
                                               straight_through=self.cfg.straight_through, allowed=allowed)
         valid = run.valid.reshape(-1) if run.valid is not None else torch.ones(B * T, dtype=torch.bool, device=x.device)
-        if self.cfg.balance_coef > 0:
-            loss = balance_loss(probs, selected, len(names), valid)
+        picked = selected
+        if self.cfg.all_paths:  # every class, weighted by the full distribution (SKIP's share adds nothing)
+            selected = torch.arange(len(names), device=x.device).expand(B * T, len(names))
+            weights = probs
+        if self.cfg.balance_coef > 0 and self.cfg.balance_form == "official":
+            run.options.setdefault("mom_balance", {}).setdefault(kind, []).append((probs, valid))
+        elif self.cfg.balance_coef > 0:
+            loss = balance_loss(probs, picked, len(names), valid)
             run.aux[f"{site['name']}/balance"] = loss * (self.cfg.balance_coef * self.balance_scale)
         run.trace.append(RoutingSite(
             selected=selected.view(B, T, -1), weights=weights.detach().view(B, T, -1),
@@ -362,6 +413,8 @@ class MoMChunk(nn.Module):
             own = [sites.get(f"mom.chunk{self.index}.{kind}.step{h}") for h in range(self.steps)]
             if all(site is not None for site in own):
                 per_step = [float((s.selected < pool).sum()) / (s.selected.shape[0] * s.selected.shape[1]) for s in own]
+            elif cfg.mom.all_paths and learned[kind]:
+                k = pool
             else:
                 choices = pool // self.steps if (cfg.mom.routing == "moe" and kind == "ffn") else pool
                 k = 1 if (not learned[kind] or cfg.mom.routing == "layer_skip") else min(cfg.mom.top_k, choices)
@@ -402,6 +455,8 @@ class MixtureOfModules(LanguageModel):
     def body(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
         for module in self.flop_blocks():
             x = module(x, state)
+        for kind, parts in state.options.pop("mom_balance", {}).items():  # balance_form "official"
+            state.aux[f"mom.{kind}/balance"] = self.config.mom.balance_coef * official_balance_loss(parts)
         return x
 
     def flop_blocks(self):

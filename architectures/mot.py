@@ -23,6 +23,15 @@ padded per call; which cached positions are real is kept in ``cache.key_valid[na
 masked in attention.
 
 Anti-collapse: the Switch balance loss of ``architectures.moe`` on the gate (``balance_coef``).
+
+Seed 002's forms, as options (preset ``mot_seq``; README "Paper / official code vs our default"):
+``routing="sequence"`` (the gate reads the mean of the sequence's real tokens and the whole sequence goes
+through the same k blocks; under ``causal_routing()`` or with a cache each token is routed by its prefix
+mean instead, the running sum carried on the cache), ``weights="uniform"`` (exactly 1/k forward, the
+gate probability's gradient kept), ``gate_hidden`` (gate MLP), ``aggregation="concat"`` (the k slot updates
+concatenated and mixed by ``combine``, initialised to the sum), ``random_activation`` (training only: a
+unit's last slot goes to a random other block). Attention FLOPs come from the query-key pairs recorded in
+the site (``extras["score_pairs"]``), so cached decode steps are counted as run.
 Padding tokens (``attention_mask`` 0) are not routed: their stream passes the layer unchanged.
 """
 from __future__ import annotations
@@ -123,8 +132,46 @@ def expert_update(block: Block, x: torch.Tensor, seg: ExpertSegment, batch: int,
     return a, a + block.mlp(block.ln_2(x + a))
 
 
+def score_pairs(seg: ExpertSegment, batch: int, cache: Optional[KVCache], name: str) -> int:
+    """Query-key pairs the padded subset attention just computed: B * M queries against the M new keys
+    plus, when decoding, every key this subset cached before (what the math kernel and the FLOP counter see)."""
+    keys = cache.length(name) if cache is not None else seg.width
+    return batch * seg.width * keys
+
+
+def run_on_subset(block: Block, x: torch.Tensor, chosen: torch.Tensor, cache: Optional[KVCache], name: str):
+    """Run ``block`` only on the tokens ``chosen`` (B, T) bool; the others pass unchanged.
+
+    Attention runs among the chosen tokens of each sequence (MoT's subset semantics, KV cache included).
+    Returns (x after the attention update, x after the whole block, tokens run, score pairs).
+    """
+    B, T, d = x.shape
+    seg = plan_segments(torch.zeros(B, T, 1, dtype=torch.long, device=x.device), chosen, 1)[0]
+    if seg is None:
+        return x, x, 0, 0
+    flat = x.reshape(B * T, d)
+    a, f = expert_update(block, flat.index_select(0, seg.tokens), seg, B, cache, name)
+    after_attn = flat.index_add(0, seg.tokens, a.to(x.dtype)).view(B, T, d)  # autocast: the update may be bf16
+    after = flat.index_add(0, seg.tokens, f.to(x.dtype)).view(B, T, d)
+    return after_attn, after, seg.tokens.numel(), score_pairs(seg, B, cache, name)
+
+
+class GateMLP(nn.Module):
+    """The seed's gate with a hidden layer: d -> hidden (GELU) -> E, in fp32 with autocast off."""
+
+    def __init__(self, d_model: int, hidden: int, num_experts: int):
+        super().__init__()
+        self.fc = nn.Linear(d_model, hidden)
+        self.out = nn.Linear(hidden, num_experts, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            h = F.gelu(F.linear(x.float(), self.fc.weight.float(), self.fc.bias.float()))
+            return F.linear(h, self.out.weight.float())
+
+
 class MoTLayer(nn.Module):
-    """E expert blocks behind a top-k token-choice gate."""
+    """E expert blocks behind a top-k gate (per token, or per sequence with ``mot.routing = "sequence"``)."""
 
     def __init__(self, config: ModelConfig, index: int = 0, step: int = 0):
         super().__init__()
@@ -132,13 +179,23 @@ class MoTLayer(nn.Module):
         self.cfg = cfg
         self.config = config
         self.index, self.step, self.site_name = index, step, f"layer{index}.mot"
-        self.gate = nn.Linear(config.d_model, cfg.num_experts, bias=False)
+        d, E = config.d_model, cfg.num_experts
+        self.gate = GateMLP(d, cfg.gate_hidden, E) if cfg.gate_hidden else nn.Linear(d, E, bias=False)
         self.experts = nn.ModuleList([Block(config) for _ in range(cfg.num_experts)])
+        if cfg.aggregation == "concat":
+            self.combine = nn.Linear(cfg.top_k * d, d, bias=False)
+            self.reset_combine()
+
+    def reset_combine(self) -> None:
+        """W_c = [I .. I]: concatenation starts out as the weighted sum, then learns to mix the k slots."""
+        d = self.config.d_model
+        with torch.no_grad():
+            self.combine.weight.copy_(torch.eye(d).repeat(1, self.cfg.top_k))
 
     def forward(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
         """The block protocol: mix, report the site and losses, snapshot mha / ffn."""
         x, after_attn, site, losses = self.mix(x, state.valid, state.cache, f"block{self.index}",
-                                               state.residuals is not None, self.site_name, self.step)
+                                               state.residuals is not None, self.site_name, self.step, state.causal)
         state.report(site, losses)
         if state.residuals is not None:
             state.record("mha", self.index, after_attn)
@@ -148,34 +205,78 @@ class MoTLayer(nn.Module):
     def flops(self, sites: Dict[str, RoutingSite], T: int, queries: Optional[int] = None) -> F_.Flops:
         return self.flops_per_token(sites.get(self.site_name), self.config, T)
 
-    def route(self, x: torch.Tensor):
-        logits = fp32_linear(x, self.gate.weight)
-        # renormalised over k only for k > 1: at k = 1 the raw probability keeps the gate learning
-        probs, weights, selected = token_topk(logits, self.cfg.top_k,
-                                              renormalize=self.cfg.renormalize and self.cfg.top_k > 1)
+    # ------------------------------------------------------------------ routing
+    def gate_input(self, x: torch.Tensor, valid, cache: Optional[KVCache], causal: bool, name: str) -> torch.Tensor:
+        """What the gate reads: the token itself, or (sequence routing) the mean of the sequence's real
+        tokens; causally (decoding, causal_routing()) the mean of the prefix up to each token, carried
+        on the cache across calls."""
+        if self.cfg.routing == "token":
+            return x
+        B, T, d = x.shape
+        w = torch.ones(B, T, 1, dtype=torch.float32, device=x.device) if valid is None else valid.float().unsqueeze(-1)
+        xs = x.float() * w
+        if not causal:
+            return (xs.sum(1, keepdim=True) / w.sum(1, keepdim=True).clamp(min=1)).expand(B, T, d)
+        carried = None if cache is None else vars(cache).setdefault("mot_prefix", {}).get(name)
+        total, count = xs.cumsum(1), w.cumsum(1)
+        if carried is not None:
+            total, count = total + carried[0].unsqueeze(1), count + carried[1].unsqueeze(1)
+        if cache is not None:
+            cache.mot_prefix[name] = (total[:, -1], count[:, -1])
+        return total / count.clamp(min=1)
+
+    def route(self, x: torch.Tensor, valid=None, cache: Optional[KVCache] = None, causal: bool = False, name: str = ""):
+        logits = self.gate(self.gate_input(x, valid, cache, causal, name)) if self.cfg.gate_hidden else \
+            fp32_linear(self.gate_input(x, valid, cache, causal, name), self.gate.weight)
+        k = self.cfg.top_k
+        renormalize = self.cfg.renormalize and k > 1  # at k = 1 the raw probability keeps the gate learning
+        probs, weights, selected = token_topk(logits, k, renormalize=renormalize)
+        if self.training and self.cfg.random_activation > 0:
+            selected = self.force_random(selected)
+            weights = probs.gather(-1, selected)
+            weights = weights / weights.sum(-1, keepdim=True) if renormalize else weights
+        if self.cfg.weights == "uniform":
+            # the seed's 1/k exactly, forward; the probability's gradient still reaches the gate
+            chosen = probs.gather(-1, selected)
+            weights = 1.0 / k + (chosen - chosen.detach())  # exactly 1/k: p - p is 0
         return logits, probs, weights, selected
 
-    def mix(self, x, valid=None, cache=None, cache_prefix="", want_attn=False, site_name="mot", step=0):
+    def force_random(self, selected: torch.Tensor) -> torch.Tensor:
+        """With probability ``random_activation`` per routed unit (token, or sequence), the last slot goes to
+        a uniformly random block not already among the unit's other choices (anti-collapse, seed 002)."""
+        B, T, k = selected.shape
+        E = self.cfg.num_experts
+        # one draw per sequence under sequence routing (its tokens share their choices, so they share the
+        # random block too), one per token otherwise
+        rows = (B, 1) if self.cfg.routing == "sequence" else (B, T)
+        flip = (torch.rand(rows, device=selected.device) < self.cfg.random_activation).expand(B, T)
+        scores = torch.rand(*rows, E, device=selected.device).expand(B, T, E)
+        if k > 1:  # never one of the token's other choices
+            scores = scores.scatter(-1, selected[..., : k - 1], -1.0)
+        last = torch.where(flip, scores.argmax(-1), selected[..., -1])
+        return torch.cat([selected[..., :-1], last.unsqueeze(-1)], dim=-1)
+
+    # ------------------------------------------------------------------ mixing
+    def mix(self, x, valid=None, cache=None, cache_prefix="", want_attn=False, site_name="mot", step=0, causal=None):
         """Returns (new x, x after the attention updates only or None, RoutingSite, aux losses)."""
         B, T, d = x.shape
         N, k = B * T, self.cfg.top_k
-        logits, probs, weights, selected = self.route(x)
+        causal = cache is not None if causal is None else causal
+        logits, probs, weights, selected = self.route(x, valid, cache, causal, cache_prefix)
         x_flat, w_flat = x.reshape(N, d), weights.reshape(N * k)
-        full, attn, tokens = [], [], []
-        pairs = 0.0  # with a cache: (query, key) pairs the experts' attention scored, for the FLOPs
+        full, attn, slots = [], [], []
+        pairs = 0
         for e, seg in enumerate(plan_segments(selected, valid, self.cfg.num_experts)):
             if seg is None:
                 continue
-            a, f = expert_update(self.experts[e], x_flat.index_select(0, seg.tokens), seg, B, cache,
-                                 f"{cache_prefix}.expert{e}")
-            if cache is not None:
-                pairs += B * seg.width * cache.length(f"{cache_prefix}.expert{e}")
+            name = f"{cache_prefix}.expert{e}"
+            a, f = expert_update(self.experts[e], x_flat.index_select(0, seg.tokens), seg, B, cache, name)
+            pairs += score_pairs(seg, B, cache, name)
             w = w_flat.index_select(0, seg.slots).to(x.dtype).unsqueeze(-1)
             full.append(f * w)
             attn.append(a * w)
-            tokens.append(seg.tokens)
-        index = torch.cat(tokens) if tokens else None
-        combine = lambda parts: x if index is None else x_flat.index_add(0, index, torch.cat(parts)).view(B, T, d)
+            slots.append(seg.slots)
+        combine = lambda parts: self.aggregate(x, torch.cat(slots) if slots else None, parts)
         valid_flat = (torch.ones(N, dtype=torch.bool, device=x.device) if valid is None
                       else valid.reshape(N).to(torch.bool))
         aux = {}
@@ -186,14 +287,31 @@ class MoTLayer(nn.Module):
                            choice_names=[f"expert{i}" for i in range(self.cfg.num_experts)],
                            selected=selected, weights=weights, group="mot", step=step, probs=probs,
                            valid=None if valid is None else valid.to(torch.bool), logits=logits,
-                           extras={"attn_pairs": torch.tensor(pairs)} if cache is not None else {})
+                           extras={"score_pairs": torch.tensor(float(pairs))})
         return combine(full), (combine(attn) if want_attn else None), site, aux
 
+    def aggregate(self, x: torch.Tensor, slots: Optional[torch.Tensor], parts) -> torch.Tensor:
+        """x plus the weighted updates: summed per token, or (``concat``) laid out by slot and mixed by W_c."""
+        B, T, d = x.shape
+        k = self.cfg.top_k
+        if self.cfg.aggregation == "concat":
+            by_slot = x.new_zeros(B * T * k, d)
+            if slots is not None:
+                by_slot = by_slot.index_add(0, slots, torch.cat(parts).to(x.dtype))
+            return x + self.combine(by_slot.view(B, T, k * d))
+        if slots is None:
+            return x
+        return x.reshape(B * T, d).index_add(0, slots // k, torch.cat(parts).to(x.dtype)).view(B, T, d)
+
     def flops_per_token(self, site: Optional[RoutingSite], config: ModelConfig, seq_len: int) -> F_.Flops:
-        """Gate + each expert block on its own tokens (padded attention layout included)."""
+        """Gate + each expert block on its own tokens (padded attention layout included; score pairs as
+        recorded, cached keys included) + the concatenation's W_c for every token."""
         d, E, k = config.d_model, self.cfg.num_experts, self.cfg.top_k
         per_token = F_.Flops(attn_proj=F_.attention_projections(d), ffn=F_.ffn(d, config.ffn_hidden))
-        gate = F_.Flops(router=F_.linear(d, E))
+        h = self.cfg.gate_hidden
+        gate = F_.Flops(router=F_.linear(d, h) + F_.linear(h, E) if h else F_.linear(d, E))
+        if self.cfg.aggregation == "concat":
+            gate = gate + F_.Flops(ffn=F_.linear(k * d, d))
         if site is None:  # balanced routing: every sequence sends T*k/E tokens to each expert
             scores = F_.attention_scores(d, seq_len * k / E) * k
             return per_token.scale(k) + F_.Flops(attn_scores=scores) + gate
@@ -203,8 +321,8 @@ class MoTLayer(nn.Module):
             if seg is not None:
                 n_tokens += seg.tokens.numel()
                 scores += B * seg.width * F_.attention_scores(d, seg.width)
-        if "attn_pairs" in site.extras:  # cached call: each new token also scored its expert's cached keys
-            scores = F_.attention_scores(d, float(site.extras["attn_pairs"]))
+        if "score_pairs" in site.extras:
+            scores = F_.attention_scores(d, 1) * float(site.extras["score_pairs"])
         return per_token.scale(n_tokens / (B * T)) + F_.Flops(attn_scores=scores / (B * T)) + gate
 
 
@@ -213,6 +331,16 @@ class MoT(LanguageModel):
 
     # --init_from a vanilla model: every expert block starts as the vanilla block of its layer
     upcycle_rules = ((r"(blocks\.\d+)\.experts\.\d+\.(.*)", r"\1.\2"),)
+
+    @property
+    def routing_sees_future(self) -> bool:  # sequence routing reads the whole sequence's mean
+        return self.config.mot.routing == "sequence"
+
+    def init_weights(self) -> None:
+        super().init_weights()
+        for block in self.blocks:
+            if hasattr(block, "combine"):
+                block.reset_combine()
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
@@ -232,3 +360,10 @@ class MoT(LanguageModel):
                 f"must be in [1, num_experts={cfg.num_experts}], got {cfg.top_k!r}")
         require(cfg.balance_coef >= 0, "model.mot.balance_coef", f"must be >= 0, got {cfg.balance_coef}")
         layer_selection(cfg.layers, config.n_layer, "model.mot.layers")
+        for field, value, allowed in (("routing", cfg.routing, ("token", "sequence")), ("weights", cfg.weights, ("gate", "uniform")),
+                                      ("aggregation", cfg.aggregation, ("sum", "concat"))):
+            require(value in allowed, f"model.mot.{field}", f"unknown value {value!r}; use one of {', '.join(allowed)}")
+        require(isinstance(cfg.gate_hidden, int) and cfg.gate_hidden >= 0, "model.mot.gate_hidden",
+                f"must be an integer >= 0 (0: linear gate), got {cfg.gate_hidden!r}")
+        require(0.0 <= cfg.random_activation <= 1.0, "model.mot.random_activation",
+                f"must be a probability in [0, 1], got {cfg.random_activation}")

@@ -65,11 +65,33 @@ VARIANTS: Dict[str, Variant] = {
     "cea_moe": Variant("architectures.combination:CombinationMoELM",
                        "cea with an MoE Inner-FFN (combo.inner_experts, top combo.inner_top_k), dense 4d Outer-FFN",
                        overrides={"combo": {"total_ffn_ratio": 8.0}}),
+    "cea_paper": Variant("architectures.combination:CombinationLM",
+                         "cea with the paper's wiring: other positions' keys/values through the Inner-FFN, "
+                         "own position direct, one MHA (no V_inner / O')",
+                         overrides={"combo": {"outer_ratio": 0.125, "inner_wiring": "paper"}}),
+    "cea_moe_paper": Variant("architectures.combination:CombinationMoELM",
+                             "cea_moe with the paper's wiring (Inner MoE on the keys/values of other positions)",
+                             overrides={"combo": {"total_ffn_ratio": 8.0, "inner_wiring": "paper"}}),
     "moe": Variant("architectures.moe:MoEGPT", "GPT-2 with token-choice top-k MoE FFNs (Switch when k=1)",
                    test_settings={"moe": {"num_experts": 4}}),
+    "moe_dense_ffn": Variant("architectures.moe:MoEGPT",
+                             "the CEA-MoE paper's baseline: dense FFN kept, a top-1 MoE layer (own residual) before it; "
+                             "experts sized as cea_moe's (4 x 4d) so the two compare at equal expert capacity",
+                             overrides={"moe": {"placement": "before_ffn", "num_experts": 4, "top_k": 1}}),
     "mot": Variant("architectures.mot:MoT", "Mixture of Transformers: whole blocks as top-k experts"),
+    "mot_seq": Variant("architectures.mot:MoT",
+                       "MoT as in seed 002: sequence-level routing, uniform 1/k weights, gate with a hidden layer, "
+                       "forced random activation (10%) next to the balance loss",
+                       overrides={"mot": {"routing": "sequence", "weights": "uniform", "gate_hidden": 128,
+                                          "random_activation": 0.1}},
+                       # the suite compares training-mode forwards, so the random slot is off there;
+                       # tests/test_paper_options.py tests it
+                       test_settings={"mot": {"gate_hidden": 16, "random_activation": 0.0}}),
     "depth_gate": Variant("architectures.depth_gate:DepthGate",
                           "gate-weighted sum of layer outputs (blog-post 'MoD'; saves no compute)"),
+    "depth_gate_skip": Variant("architectures.depth_gate:DepthGate",
+                               "hard depth gating that really skips: each token runs only its top-k layers (the blog's form)",
+                               overrides={"depth_gate": {"mode": "hard", "top_k": 2, "skip_compute": True}}),
     "mom": Variant("architectures.mom:MixtureOfModules",
                    "Mixture-of-Modules: GRU routers assemble pooled attention/FFN modules (plain form, K=1, H=L)",
                    test_settings=_SMALL_GRU),
@@ -79,6 +101,13 @@ VARIANTS: Dict[str, Variant] = {
                      overrides={"mom": {"top_k": 3, "steps": 1, "layout": "chunked"}}, test_settings=_SMALL_GRU),
     "mom_i": Variant("architectures.mom:MixtureOfModules", "MoM-I interpolated: K=3, H=2, chunked layout",
                      overrides={"mom": {"top_k": 3, "steps": 2, "layout": "chunked"}}, test_settings=_SMALL_GRU),
+    "mom_official": Variant("architectures.mom:MixtureOfModules",
+                            "MoM with the official code's router and loss: W_o with bias, both routers sized "
+                            "max(N_A, N_F) + 1, the official balance-loss form, chunked layout",
+                            overrides={"mom": {"layout": "chunked", "router_bias": True, "router_width": "max_pool",
+                                               "balance_form": "official"}},
+                            # unequal pools at test size, so the surplus classes of max_pool exist
+                            test_settings={"mom": {"router_hidden": 32, "n_ffn": 2}}),
     "layer_skip": Variant("architectures.mom:MixtureOfModules",
                           "layer skipping as MoM: step h runs layer h or SKIP (learned, K=1)",
                           overrides={"mom": {"routing": "layer_skip"}}, test_settings=_SMALL_GRU),

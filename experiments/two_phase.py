@@ -14,7 +14,9 @@ own ``--val_every`` schedule; its ``last.ckpt`` is written at the final step wha
 is, so phase 2 always starts from the final vanilla model. Phase 2 warms up over
 min(500, M / 10) steps unless ``--phase2.optim.warmup_steps`` says otherwise (the official recipe:
 AdamW (0.9, 0.95), wd 0.1, lr 1e-3 cosine, 500 warmup steps of 5k). Single process: for DDP, run the
-two phases with ``experiments.run`` yourself. Prints phase 2's run folder last and writes
+two phases with ``experiments.run`` yourself. ``--phase2_recipe official`` adds the official code's
+phase-2 optimiser settings that differ from ours (``OFFICIAL_PHASE2``: Adam eps 1e-5 instead of 1e-8; the
+betas, weight decay and lr above are our defaults already); explicit ``--phase2.optim.*`` still win. Prints phase 2's run folder last and writes
 ``two_phase.json`` (both run folders and the checkpoint used) into it.
 """
 from __future__ import annotations
@@ -37,6 +39,8 @@ def parse(argv: Sequence[str]) -> Tuple[argparse.Namespace, List[str], List[str]
     parser.add_argument("--phase1_steps", type=int, default=300)
     parser.add_argument("--phase2_steps", type=int, default=300)
     parser.add_argument("--log_dir", default="runs/two_phase")
+    parser.add_argument("--phase2_recipe", choices=("ours", "official"), default="ours",
+                        help="official: the official code's phase-2 optimiser (Adam eps 1e-5)")
     args, rest = parser.parse_known_args(list(argv))
     for name in ("phase1_steps", "phase2_steps"):
         if getattr(args, name) <= 0:
@@ -55,6 +59,11 @@ def parse(argv: Sequence[str]) -> Tuple[argparse.Namespace, List[str], List[str]
             i += 1
         i += 1
     return args, common + only["phase1"], common + only["phase2"]
+
+
+# The official phase-2 recipe's settings that differ from OptimConfig's defaults (lr 1e-3, betas (0.9, 0.95)
+# and weight decay 0.1 are the same already).
+OFFICIAL_PHASE2 = ["--optim.eps", "1e-5"]
 
 
 def check_variant(variant: str) -> None:
@@ -87,6 +96,8 @@ def main(argv: Optional[Sequence[str]] = None) -> pathlib.Path:
     if not checkpoint.is_file():
         raise FileNotFoundError(f"phase 1 wrote no {checkpoint}")
     warmup = ["--optim.warmup_steps", str(min(500, args.phase2_steps // 10))]
+    if args.phase2_recipe == "official":
+        warmup += OFFICIAL_PHASE2  # before phase2_extra: an explicit --phase2.optim.eps wins
     phase2 = run.main(["--variant", args.variant, *base, "--max_steps", str(args.phase2_steps), *warmup,
                        "--init_from", str(checkpoint), *phase2_extra])
     record = {"variant": args.variant, "size": args.size, "phase1": str(phase1), "phase1_checkpoint": str(checkpoint),
