@@ -94,7 +94,7 @@ def test_removing_too_many_or_from_fixed_routing_is_refused():
         with removed_modules(tiny_mom(), ffn=[7]):
             pass
     with pytest.raises(ConfigError, match="learned routing"):
-        with removed_modules(tiny_mom(routing="moe", top_k=1), attn=[1]):
+        with removed_modules(tiny_mom(routing="moe", top_k=1, steps=4), attn=[1]):
             pass
 
 
