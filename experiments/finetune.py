@@ -78,6 +78,7 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--eval_split", type=str, default="validation")
     parser.add_argument("--rouge_stemmer", type=bool, default=False)
     parser.add_argument("--save_checkpoint", type=bool, default=False)
+    parser.add_argument("--compile", type=bool, default=False, help="torch.compile the backbone in place")
     parser.add_argument("--trainer.accelerator", type=str, default="auto")
     parser.add_argument("--trainer.devices", type=str, default="auto")
     parser.add_argument("--trainer.precision", type=Optional[str], default=None)
@@ -272,6 +273,9 @@ def build_module(module_cls, cfg: Namespace, vocab_size: int, **kwargs):
     module = module_cls(model=dataclasses.asdict(mcfg), **kwargs)
     if cfg.init_from:
         load_backbone(module.model, cfg.init_from, source)
+    from experiments.compiling import compile_model
+
+    compile_model(module.model, cfg.compile)
     return module, mcfg
 
 

@@ -86,6 +86,8 @@ def build_parser() -> ArgumentParser:
                         help="initialise weights from a vanilla checkpoint, 'hf:gpt2' or a local HF folder")
     parser.add_argument("--val_every", type=int, default=100, help="validate every N optimisation steps")
     parser.add_argument("--val_batches", type=int, default=20, help="batches per validation set and rank")
+    parser.add_argument("--compile", type=bool, default=False,
+                        help="torch.compile the model in place (names and checkpoints unchanged)")
     parser.add_class_arguments(ModelConfig, "model")
     parser.add_class_arguments(DataConfig, "data")
     parser.add_class_arguments(OptimConfig, "optim")
@@ -201,6 +203,7 @@ def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
 
     from callbacks.run_summary import StepRecorder, routing_summary, write_summary
     from datamodules.lm import LMDataModule
+    from experiments.compiling import compile_model
     from experiments.weights import load_initial_weights
     from lightning_modules.lm import LanguageModelModule
 
@@ -212,6 +215,7 @@ def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
                                  max_steps=cfg.trainer.max_steps, val_names=data.val_names_from_corpus())
     if cfg.init_from:
         load_initial_weights(module.model, cfg.init_from)
+    compile_model(module.model, cfg.compile)
 
     root = pathlib.Path(cfg.log_dir) / f"{mcfg.variant}-{mcfg.size}"
     ckpt_path = resolve_ckpt(cfg, root)

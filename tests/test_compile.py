@@ -1,0 +1,94 @@
+"""--compile: compiled training steps give the eager losses, for one variant of each family.
+
+The family test traces with dynamo + AOT autograd ("aot_eager": the graphs, breaks and autograd of
+inductor without its C++ code generation, which costs ~30 s per model on a CI core); one slow test
+runs the real inductor backend on vanilla.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from architectures import ModelConfig, build_model
+from experiments import compiling
+from tests.conftest import TINY_RUN
+
+# one variant per family; data-dependent dispatch compiles to many small graphs (~10-20 s each here)
+FAMILIES = ["vanilla", "caa", "mod", "depth_gate",
+            *(pytest.param(v, marks=pytest.mark.slow) for v in ("moe", "mot", "mom_e"))]
+TINY = dict(size="tiny", vocab_size=64, d_model=32, n_layer=2, n_head=2, block_size=16, dropout=0.0)
+SHAPE = {"mom_e": {"n_layer": 4}}  # K=3 needs a chunk of 3 modules + anchor
+
+
+def train_losses(variant: str, compiled: bool, steps: int = 2, backend: str = "aot_eager"):
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(variant=variant, **{**TINY, **SHAPE.get(variant, {})})).train()
+    compiling.compile_model(model, compiled, backend=backend)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        batch = torch.randint(0, 64, (2, 17), generator=gen)  # a new batch each step: routing varies
+        out = model(batch[:, :-1])
+        loss = F.cross_entropy(out.logits.reshape(-1, 64), batch[:, 1:].reshape(-1)) + out.aux_loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, model
+
+
+@pytest.mark.parametrize("variant", FAMILIES)
+def test_compiled_training_losses_equal_eager(variant, one_thread):
+    torch._dynamo.reset()
+    eager, _ = train_losses(variant, compiled=False)
+    compiled, model = train_losses(variant, compiled=True)
+    assert compiled == pytest.approx(eager, rel=1e-4, abs=1e-5)
+    assert not any(name.startswith("_orig_mod") for name in model.state_dict())  # checkpoints unchanged
+
+
+@pytest.mark.slow
+def test_inductor_compiled_vanilla_matches_eager(one_thread):
+    torch._dynamo.reset()
+    eager, _ = train_losses("vanilla", compiled=False, steps=2)
+    compiled, _ = train_losses("vanilla", compiled=True, steps=2, backend="inductor")
+    assert compiled == pytest.approx(eager, rel=1e-4, abs=1e-5)
+
+
+def test_graph_report_counts_breaks(one_thread):
+    def dense(x):
+        return (x * 2).sum()
+
+    def broken(x):
+        y = x * 2
+        if y.sum().item() > 0:  # data-dependent Python branch: a graph break
+            return y + 1
+        return y - 1
+
+    assert compiling.graph_report(dense, torch.ones(3)).graph_breaks == 0
+    report = compiling.graph_report(broken, torch.ones(3))
+    assert report.graph_breaks == 1 and report.graphs == 2 and report.reasons
+
+
+@pytest.mark.parametrize("variant", ["vanilla", "mod"])
+def test_vanilla_and_mod_compile_to_one_graph(variant, one_thread):
+    model = build_model(ModelConfig(variant=variant, **TINY))
+    report = compiling.graph_report(lambda idx: model(idx).logits, torch.randint(0, 64, (2, 16)))
+    assert (report.graphs, report.graph_breaks) == (1, 0), report.reasons
+
+
+def test_run_with_compile_gives_the_eager_loss_curve(tmp_path, monkeypatch, one_thread):
+    from experiments.run import main
+
+    monkeypatch.setattr(compiling, "DEFAULT_BACKEND", "aot_eager")
+    common = ["--max_steps", "3", "--val_every", "3", *TINY_RUN]
+    eager = main(["--log_dir", str(tmp_path / "eager"), *common])
+    torch._dynamo.reset()
+    compiled = main(["--log_dir", str(tmp_path / "compiled"), "--compile", "true", *common])
+    curve = lambda run: [loss for _, loss in json.loads((run / "summary.json").read_text())["train_loss_curve"]]
+    assert curve(compiled) == pytest.approx(curve(eager), rel=1e-4)
+    state = torch.load(compiled / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    assert "model.wte.weight" in state  # in-place compile: the eager names
