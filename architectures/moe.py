@@ -33,7 +33,7 @@ from architectures import flops as F_
 from architectures.base import LanguageModel, require
 from architectures.config import ModelConfig, MoEConfig, layer_selection
 from architectures.contract import KVCache, ModelOutput, RoutingSite, SubLayerState, sum_aux
-from architectures.dispatch import sorted_dispatch
+from architectures.grouped_gemm import expert_dispatch
 from architectures.gpt2 import MLP, Block, CausalSelfAttention
 
 
@@ -160,7 +160,7 @@ class MoELayer(nn.Module):
             fits = capacity_keep(sel_flat, self.num_experts, self.capacity(int(valid_flat.sum())), valid_flat)
             dropped = ~fits
             keep = fits if keep is None else keep & fits
-        out = sorted_dispatch(x.reshape(N, d), sel_flat, w_flat.to(x.dtype), self.experts, keep)
+        out = expert_dispatch(x.reshape(N, d), sel_flat, w_flat.to(x.dtype), self.experts, keep)
         aux: Dict[str, torch.Tensor] = {}
         probs_flat = probs.reshape(N, probs.shape[-1])  # explicit width: N may be 0
         if self.cfg.balance_coef > 0:
