@@ -98,8 +98,11 @@ def balance_loss(probs: torch.Tensor, selected: torch.Tensor, num_experts: int, 
     """
     n_valid = valid.sum().clamp(min=1)
     k = selected.shape[1]
-    chosen = selected[valid].reshape(-1)
-    f = torch.bincount(chosen, minlength=probs.shape[1])[:num_experts].to(probs.dtype) / (n_valid * k)
+    # counts by scatter_add, not bincount(selected[valid]): no data-dependent shape, so torch.compile
+    # keeps the loss in the graph
+    valid_slots = valid.to(probs.dtype).unsqueeze(-1).expand(-1, k).reshape(-1)
+    counts = probs.new_zeros(probs.shape[1]).scatter_add_(0, selected.reshape(-1), valid_slots)
+    f = counts[:num_experts] / (n_valid * k)
     P = (probs * valid.unsqueeze(-1).to(probs.dtype)).sum(0)[:num_experts] / n_valid
     return num_experts * (f * P).sum()
 

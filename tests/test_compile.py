@@ -92,3 +92,18 @@ def test_run_with_compile_gives_the_eager_loss_curve(tmp_path, monkeypatch, one_
     assert curve(compiled) == pytest.approx(curve(eager), rel=1e-4)
     state = torch.load(compiled / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
     assert "model.wte.weight" in state  # in-place compile: the eager names
+
+
+@pytest.mark.parametrize("variant", ["moe", "mode_integrated"])
+def test_moe_family_traces_to_one_graph_on_the_grouped_path(variant, monkeypatch, one_thread):
+    """The static-shape path that CUDA bf16 selects by itself (forced here on CPU)."""
+    monkeypatch.setenv("DYNCOMP_GROUPED_MM", "1")
+    model = build_model(ModelConfig(variant=variant, **TINY))
+
+    def loss(idx):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(idx)
+            return F.cross_entropy(out.logits.float().reshape(-1, 64), idx.reshape(-1)) + out.aux_loss
+
+    report = compiling.graph_report(loss, torch.randint(0, 64, (2, 16)))
+    assert (report.graphs, report.graph_breaks) == (1, 0), report.reasons
