@@ -100,3 +100,32 @@ def test_init_from_hugging_face_folder_and_own_checkpoint(tmp_path):
     wrong = build_model(ModelConfig(vocab_size=97, d_model=64, n_layer=2, n_head=2, block_size=32))
     with pytest.raises(ConfigError, match="wte.weight"):
         load_initial_weights(wrong, str(tmp_path / "x.ckpt"))
+
+
+def test_vanilla_training_step_dispatches_the_minimal_models_ops():
+    """CPU speed parity with min_gpt2 by construction: the same aten ops per forward + backward (the one
+    extra is the zero auxiliary loss), so any step-time gap could only be Python overhead."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    args = bench.parse_args(["--variants", "vanilla", "--no_hf", "--vocab_size", "256", "--batch_size", "2",
+                             "--seq_len", "32", "--set", "d_model=32", "--set", "n_layer=2"])
+    batch = torch.randint(0, 256, (2, 33))
+    counts = {}
+    for name in args.variant_list:
+        contender = bench.Contender(name, args)
+        with CountOps() as mode:
+            contender.forward_loss(batch).backward()
+        counts[name] = mode.ops
+    extra = counts["vanilla"] - counts["min_gpt2"]
+    assert sum(extra.values()) <= 1 and set(extra) <= {"new_zeros"}, extra
