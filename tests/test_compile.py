@@ -107,3 +107,20 @@ def test_moe_family_traces_to_one_graph_on_the_grouped_path(variant, monkeypatch
 
     report = compiling.graph_report(loss, torch.randint(0, 64, (2, 16)))
     assert (report.graphs, report.graph_breaks) == (1, 0), report.reasons
+
+
+def test_finetune_compile_option_compiles_the_backbone_in_place(monkeypatch, one_thread):
+    from experiments.finetune import build_module, build_parser
+    from lightning_modules.glue import GlueModule
+
+    monkeypatch.setattr(compiling, "DEFAULT_BACKEND", "aot_eager")
+    shape = ["--model.d_model", "32", "--model.n_layer", "1", "--model.n_head", "2", "--model.block_size", "48"]
+    modules = {}
+    for flag in ("false", "true"):
+        cfg = build_parser().parse_args(["--task", "glue/rte", "--compile", flag, *shape])
+        modules[flag], _ = build_module(GlueModule, cfg, 257, task="rte")
+    eager, compiled = modules["false"].model.eval(), modules["true"].model.eval()
+    assert compiled._compiled_call_impl is not None and eager._compiled_call_impl is None
+    idx = torch.randint(0, 257, (2, 48))
+    torch.testing.assert_close(compiled(idx).logits, eager(idx).logits)  # same seed, same weights
+    torch._dynamo.reset()
