@@ -15,7 +15,8 @@ report adds MFU: training FLOPs/s (analytic, 3x forward) over the GPU's dense bf
 (``PEAK_BF16_TFLOPS``, keyed by device name; ``--peak_tflops`` overrides).
 
 Memory: on CUDA the peak allocated bytes of the step; on CPU the bytes of parameters, gradients,
-AdamW state and the activations saved for backward (measured with saved-tensor hooks).
+AdamW state and the activations saved for backward (measured with saved-tensor hooks; not with
+``--compile``, where the hooks would change the graph: then weights, gradients and AdamW state only).
 Optionally (``--generate N``) it also times ``generate()`` with a KV cache, in new tokens/s.
 """
 from __future__ import annotations
