@@ -37,6 +37,11 @@ def grouped_mm_op() -> Optional[Callable]:
     return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
+@torch.compiler.assume_constant_result  # a constant of the machine: no trace, no graph break under compile
+def _cuda_grouped_mm_capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 0)
+
+
 def _bf16_compute(x: torch.Tensor) -> bool:
     if x.dtype == torch.bfloat16:
         return True
@@ -52,7 +57,7 @@ def use_grouped_mm(x: torch.Tensor, experts: Sequence) -> bool:
     override = os.environ.get("DYNCOMP_GROUPED_MM")
     if override is not None:
         return override == "1"
-    return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 0) and _bf16_compute(x)
+    return x.is_cuda and _cuda_grouped_mm_capable(x.device.index or 0) and _bf16_compute(x)
 
 
 def expert_dispatch(
