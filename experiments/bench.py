@@ -88,6 +88,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--recompile_steps", type=int, default=20,
                         help="with --compile: extra steps on fresh batches, counting recompilations")
     parser.add_argument("--peak_tflops", type=float, default=None, help="peak for MFU (default: by GPU name)")
+    parser.add_argument("--clock", default="wall", choices=["wall", "process"],
+                        help="process: CPU seconds of this process (all threads) per step instead of wall time; "
+                             "on a CPU shared with other jobs it does not count the time they take")
     parser.add_argument("--generate", type=int, default=0, help="also time generate() of N new tokens")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
@@ -165,6 +168,7 @@ class Contender:
         self.graphs: Optional[GraphReport] = None
         self.recompiles = 0
         self.warm = False  # set after the warm-up steps (which compile)
+        self.clock = time.process_time if args.clock == "process" else time.perf_counter
         # the same optimizer as training (lightning_modules.lm), so step times are what a run sees
         self.optimizer = make_adamw(parameter_groups(self.model, 0.1), lr=1e-4)
         self.times: List[float] = []
@@ -192,7 +196,7 @@ class Contender:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         graphs_before = compiled_graphs() if self.compiled else 0
-        start = time.perf_counter()
+        start = self.clock()
         if measure_memory and self.device.type == "cpu" and not self.compiled:
             saved = []
             with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.untyped_storage()) or t, lambda t: t):
@@ -204,7 +208,7 @@ class Contender:
         loss.backward()
         self.optimizer.step()
         sync(self.device)
-        elapsed = time.perf_counter() - start
+        elapsed = self.clock() - start
         if self.compiled and self.warm:  # a graph compiled after warm-up is a recompilation
             self.recompiles += compiled_graphs() - graphs_before
         if measure_memory:
@@ -318,7 +322,7 @@ def mfu(result: Dict[str, float], tokens_per_s: float, args) -> Optional[float]:
 def print_table(results: Dict[str, Dict[str, float]], args, seq_len: int) -> None:
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu threads={torch.get_num_threads()}"
     print(f"size={args.size} batch={args.batch_size} seq={seq_len} steps={args.steps} precision={args.precision} "
-          f"compile={args.compile} device={device}")
+          f"compile={args.compile} clock={args.clock} device={device}")
     header = f"{'variant':<16}{'step ms':>10}{'tok/s':>10}{'mem MB':>9}{'GFLOP/tok':>11}{'time x':>8}{'FLOPs x':>9}{'t/F':>7}"
     print(header)
     for name, r in results.items():

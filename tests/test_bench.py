@@ -33,6 +33,13 @@ def test_bench_reports_every_variant_with_ratios(tmp_path):
     assert saved["variants"] == ["vanilla", "hf_gpt2", "min_gpt2"] and saved["results"]["vanilla"]["params"] == van["params"]
 
 
+def test_process_clock_times_steps_in_cpu_seconds(one_thread):
+    results = bench.main(["--variants", "vanilla", "--no_hf", "--no_minimal", "--steps", "2", "--warmup", "0",
+                          "--batch_size", "2", "--seq_len", "16", "--vocab_size", "64", "--set", "d_model=32",
+                          "--set", "n_layer=1", "--clock", "process"])
+    assert results["vanilla"]["median_step_s"] > 0
+
+
 def test_bench_rejects_unknown_variants():
     with pytest.raises(SystemExit):
         bench.main(["--variants", "vanilla,nope"])
