@@ -73,11 +73,12 @@ def test_graph_report_counts_breaks(one_thread):
     assert report.graph_breaks == 1 and report.graphs == 2 and report.reasons
 
 
-@pytest.mark.parametrize("variant", ["vanilla", "mod"])
-def test_vanilla_and_mod_compile_to_one_graph(variant, one_thread):
-    model = build_model(ModelConfig(variant=variant, **TINY))
-    report = compiling.graph_report(lambda idx: model(idx).logits, torch.randint(0, 64, (2, 16)))
-    assert (report.graphs, report.graph_breaks) == (1, 0), report.reasons
+def test_vanilla_and_mod_compile_to_one_graph_and_moe_breaks_at_dispatch(one_thread, capsys):
+    reports = compiling.main(["--variants", "vanilla,mod,moe", "--batch_size", "2"])
+    for variant in ("vanilla", "mod"):
+        assert (reports[variant].graphs, reports[variant].graph_breaks) == (1, 0), reports[variant].reasons
+    assert reports["moe"].graph_breaks > 0 and any("dispatch.py" in r for r in reports["moe"].reasons)
+    assert "mod" in capsys.readouterr().out
 
 
 def test_run_with_compile_gives_the_eager_loss_curve(tmp_path, monkeypatch, one_thread):
