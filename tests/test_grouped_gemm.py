@@ -107,3 +107,16 @@ def test_expert_dispatch_equals_the_loop_on_cpu():
     experts, x, selected, weights, keep = experts_and_inputs()
     torch.testing.assert_close(expert_dispatch(x, selected, weights, experts, keep),
                                sorted_dispatch(x, selected, weights, experts, keep))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the automatic grouped path's device)")
+def test_cuda_bf16_picks_the_grouped_path_and_matches_the_loop(monkeypatch):
+    monkeypatch.delenv("DYNCOMP_GROUPED_MM", raising=False)
+    experts, x, selected, weights, keep = experts_and_inputs(d=64, hidden=256, N=256)
+    experts, x = experts.cuda(), x.detach().cuda()
+    selected, weights, keep = selected.cuda(), weights.detach().cuda(), keep.cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert use_grouped_mm(x, experts) == (torch.cuda.get_device_capability() >= (8, 0))
+        grouped = expert_dispatch(x, selected, weights, experts, keep)
+        loop = sorted_dispatch(x, selected, weights, experts, keep)
+    torch.testing.assert_close(grouped.float(), loop.float(), atol=3e-2, rtol=3e-2)
