@@ -40,6 +40,7 @@ from architectures.contract import KVCache, RoutingSite
 from architectures.routing import (  # noqa: F401  (re-exported: the MoE layer's routing pieces)
     balance_loss, capacity_keep, fp32_linear, noop_budget_keep, sorted_dispatch, token_topk, z_loss,
 )
+from architectures.grouped_gemm import expert_dispatch
 from architectures.gpt2 import MLP, Block, CausalSelfAttention
 
 
@@ -141,7 +142,7 @@ class MoELayer(nn.Module):
             fits = capacity_keep(sel_flat, self.num_experts, self.capacity(int(valid_flat.sum())), valid_flat, T)
             dropped = ~fits
             keep = fits if keep is None else keep & fits
-        out = sorted_dispatch(x.reshape(N, d), sel_flat, w_flat.to(x.dtype), self.experts, keep)
+        out = expert_dispatch(x.reshape(N, d), sel_flat, w_flat.to(x.dtype), self.experts, keep)
         aux: Dict[str, torch.Tensor] = {}
         probs_flat = probs.reshape(N, probs.shape[-1])  # explicit width: N may be 0
         if self.cfg.balance_coef > 0:

@@ -119,8 +119,10 @@ def balance_loss(probs: torch.Tensor, selected: torch.Tensor, num_experts: int, 
     over E real experts gives exactly 1.
     """
     n_valid = valid.sum().clamp(min=1)
-    chosen = selected[valid].reshape(-1)
-    counts = torch.bincount(chosen, minlength=probs.shape[1])[:num_experts].to(probs.dtype)
+    # counts by scatter_add, not bincount(selected[valid]): no data-dependent shape, so torch.compile
+    # keeps the loss in the graph
+    valid_slots = valid.to(probs.dtype).unsqueeze(-1).expand(-1, selected.shape[1]).reshape(-1)
+    counts = probs.new_zeros(probs.shape[1]).scatter_add_(0, selected.reshape(-1), valid_slots)[:num_experts]
     f = counts / counts.sum().clamp(min=1)
     real = probs[:, :num_experts]
     if probs.shape[1] > num_experts:

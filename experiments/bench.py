@@ -4,10 +4,19 @@ Times full training steps (forward, backward, AdamW step) of each variant in ONE
 interleaving the repetitions (A B C A B C ...) so that machine noise hits every variant alike,
 and reports per variant: median step time, tokens/s, memory, analytic FLOPs per token, and the
 ratios to vanilla. The Hugging Face ``GPT2LMHeadModel`` (attn_implementation="sdpa") built with the
-identical config is timed as the external reference ``hf_gpt2``.
+identical config is timed as the external reference ``hf_gpt2``, and a minimal one-file plain-PyTorch
+GPT-2 (``experiments/minimal_gpt2.py``) as ``min_gpt2``: the speed floor for our vanilla.
+
+GPU / scale options: ``--device cuda``, ``--precision bf16-mixed`` (autocast, as Lightning's), and
+``--compile`` (``torch.compile`` of every model; the report then adds per variant the graph breaks
+of one forward+loss, from ``torch._dynamo.explain``, and the recompilations over
+``--recompile_steps`` extra steps on fresh batches, i.e. with varying routing). On CUDA with bf16 the
+report adds MFU: training FLOPs/s (analytic, 3x forward) over the GPU's dense bf16 peak
+(``PEAK_BF16_TFLOPS``, keyed by device name; ``--peak_tflops`` overrides).
 
 Memory: on CUDA the peak allocated bytes of the step; on CPU the bytes of parameters, gradients,
-AdamW state and the activations saved for backward (measured with saved-tensor hooks).
+AdamW state and the activations saved for backward (measured with saved-tensor hooks; not with
+``--compile``, where the hooks would change the graph: then weights, gradients and AdamW state only).
 Optionally (``--generate N``) it also times ``generate()`` with a KV cache, in new tokens/s.
 """
 from __future__ import annotations
@@ -27,14 +36,42 @@ import yaml
 from architectures import ModelConfig, build_model, variant_names
 from architectures.config import SIZES, ConfigError
 from architectures.gpt2 import vanilla_flops
+from experiments.compiling import GraphReport, compile_model, compiled_graphs, graph_report
+from experiments.minimal_gpt2 import minimal_from_config
 from lightning_modules.lm import make_adamw, parameter_groups
 
 HF_REFERENCE = "hf_gpt2"
+MINIMAL_REFERENCE = "min_gpt2"
+REFERENCES = (HF_REFERENCE, MINIMAL_REFERENCE)
+PRECISIONS = ("32-true", "bf16-mixed")
+
+#: dense (no sparsity) bf16 tensor-core peak, TFLOP/s, by a substring of torch.cuda.get_device_name();
+#: the first match wins, so the specific names (PCIe / NVL boards) come before the generic ones.
+PEAK_BF16_TFLOPS = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.5),
+    ("H200", 989.5),  # H200 SXM: the H100 SXM tensor cores with more HBM
+    ("H100", 989.5),  # H100 SXM ("NVIDIA H100 80GB HBM3")
+    ("GH200", 989.5),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("L40S", 362.0),
+    ("L4", 121.0),
+)
+
+
+def peak_bf16_flops(device_name: str) -> Optional[float]:
+    """Dense bf16 peak FLOP/s of a GPU from its name, or None when the table does not know it."""
+    for key, tflops in PEAK_BF16_TFLOPS:
+        if key.lower() in device_name.lower():
+            return tflops * 1e12
+    return None
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m experiments.bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variants", default="vanilla", help=f"comma-separated; valid: {', '.join(variant_names())}, {HF_REFERENCE}")
+    parser.add_argument("--variants", default="vanilla",
+                        help=f"comma-separated; valid: {', '.join(variant_names())}, {', '.join(REFERENCES)}")
     parser.add_argument("--size", default="tiny", choices=list(SIZES))
     parser.add_argument("--steps", type=int, default=10, help="timed repetitions per variant")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first")
@@ -44,21 +81,38 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--set", action="append", default=[], metavar="GROUP.FIELD=VALUE",
                         help="model config override, e.g. --set mod.capacity=0.25 --set d_model=512")
     parser.add_argument("--no_hf", action="store_true", help=f"do not add the {HF_REFERENCE} reference")
+    parser.add_argument("--no_minimal", action="store_true", help=f"do not add the {MINIMAL_REFERENCE} reference")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda when available")
+    parser.add_argument("--precision", default="32-true", choices=PRECISIONS)
+    parser.add_argument("--compile", action="store_true", help="torch.compile every model; report graph breaks")
+    parser.add_argument("--recompile_steps", type=int, default=20,
+                        help="with --compile: extra steps on fresh batches, counting recompilations")
+    parser.add_argument("--peak_tflops", type=float, default=None, help="peak for MFU (default: by GPU name)")
+    parser.add_argument("--clock", default="wall", choices=["wall", "process"],
+                        help="process: CPU seconds of this process (all threads) per step instead of wall time; "
+                             "on a CPU shared with other jobs it does not count the time they take")
     parser.add_argument("--generate", type=int, default=0, help="also time generate() of N new tokens")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     args.variant_list = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in args.variant_list if v not in variant_names() and v != HF_REFERENCE]
+    unknown = [v for v in args.variant_list if v not in variant_names() and v not in REFERENCES]
     if unknown or not args.variant_list:
-        parser.error(f"--variants: unknown {unknown or 'empty list'}; valid: {', '.join(variant_names())}, {HF_REFERENCE}")
+        parser.error(f"--variants: unknown {unknown or 'empty list'}; valid: {', '.join(variant_names())}, "
+                     f"{', '.join(REFERENCES)}")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available here; use --device cpu")
     if args.steps <= 0 or args.batch_size <= 0:
         parser.error("--steps and --batch_size must be positive")
     if "vanilla" not in args.variant_list:
         args.variant_list.insert(0, "vanilla")  # every ratio is relative to vanilla
     if not args.no_hf and HF_REFERENCE not in args.variant_list:
         args.variant_list.append(HF_REFERENCE)
+    if not args.no_minimal and MINIMAL_REFERENCE not in args.variant_list:
+        args.variant_list.append(MINIMAL_REFERENCE)
     return args
 
 
@@ -101,14 +155,20 @@ class Contender:
     def __init__(self, name: str, args):
         self.name = name
         torch.manual_seed(args.seed)
-        if name == HF_REFERENCE:
+        if name in REFERENCES:
             self.config = build_model(base_config(args, "vanilla")).config
-            self.model = hf_model(self.config)
+            self.model = hf_model(self.config) if name == HF_REFERENCE else minimal_from_config(self.config)
         else:
             self.model = build_model(base_config(args, name))
             self.config = self.model.config
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(args.device)
         self.model.to(self.device).train()
+        self.autocast = args.precision == "bf16-mixed"
+        self.compiled = args.compile
+        self.graphs: Optional[GraphReport] = None
+        self.recompiles = 0
+        self.warm = False  # set after the warm-up steps (which compile)
+        self.clock = time.process_time if args.clock == "process" else time.perf_counter
         # the same optimizer as training (lightning_modules.lm), so step times are what a run sees
         self.optimizer = make_adamw(parameter_groups(self.model, 0.1), lr=1e-4)
         self.times: List[float] = []
@@ -116,9 +176,15 @@ class Contender:
         self.last_trace = None
 
     def forward_loss(self, batch: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            return self._forward_loss(batch)
+
+    def _forward_loss(self, batch: torch.Tensor) -> torch.Tensor:
         idx, targets = batch[:, :-1], batch[:, 1:]
         if self.name == HF_REFERENCE:
             logits, aux = self.model(input_ids=idx).logits, 0.0
+        elif self.name == MINIMAL_REFERENCE:
+            logits, aux = self.model(idx), 0.0
         else:
             out = self.model(idx)
             logits, aux, self.last_trace = out.logits, out.aux_loss, out.trace
@@ -129,8 +195,9 @@ class Contender:
         sync(self.device)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
-        if measure_memory and self.device.type == "cpu":
+        graphs_before = compiled_graphs() if self.compiled else 0
+        start = self.clock()
+        if measure_memory and self.device.type == "cpu" and not self.compiled:
             saved = []
             with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.untyped_storage()) or t, lambda t: t):
                 loss = self.forward_loss(batch)
@@ -141,7 +208,9 @@ class Contender:
         loss.backward()
         self.optimizer.step()
         sync(self.device)
-        elapsed = time.perf_counter() - start
+        elapsed = self.clock() - start
+        if self.compiled and self.warm:  # a graph compiled after warm-up is a recompilation
+            self.recompiles += compiled_graphs() - graphs_before
         if measure_memory:
             if self.device.type == "cuda":
                 self.memory_bytes = torch.cuda.max_memory_allocated()
@@ -151,9 +220,14 @@ class Contender:
         return elapsed
 
     def flops_per_token(self, seq_len: int) -> float:
-        if self.name == HF_REFERENCE:
+        if self.name in REFERENCES:
             return vanilla_flops(self.config, seq_len).forward
         return self.model.flops_per_token(self.last_trace, seq_len).forward
+
+    def report_graphs_then_compile(self, batch: torch.Tensor) -> None:
+        """Graph breaks of one forward + loss (explain resets dynamo, so before compiling), then compile."""
+        self.graphs = graph_report(self.forward_loss, batch)
+        compile_model(self.model)
 
 
 def sync(device: torch.device) -> None:
@@ -162,7 +236,7 @@ def sync(device: torch.device) -> None:
 
 
 def time_generation(contender: Contender, prompt: torch.Tensor, new_tokens: int) -> Optional[float]:
-    if contender.name == HF_REFERENCE:
+    if contender.name in REFERENCES:
         return None
     try:
         contender.model.generate(prompt, 2, greedy=True)  # warm-up
@@ -181,16 +255,28 @@ def run(args) -> Dict[str, Dict[str, float]]:
     seq_len = args.seq_len or contenders[0].config.block_size
     gen = torch.Generator().manual_seed(args.seed)
     device = contenders[0].device
-    batches = [torch.randint(0, args.vocab_size, (args.batch_size, seq_len + 1), generator=gen).to(device)
-               for _ in range(4)]
+
+    def new_batch() -> torch.Tensor:
+        return torch.randint(0, args.vocab_size, (args.batch_size, seq_len + 1), generator=gen).to(device)
+
+    batches = [new_batch() for _ in range(4)]
+    if args.compile:
+        for c in contenders:
+            c.report_graphs_then_compile(batches[0])
     for c in contenders:
-        for i in range(args.warmup):
+        for i in range(max(args.warmup, 1 if args.compile else 0)):  # compiled: the first step compiles
             c.step(batches[i % len(batches)])
         c.step(batches[0], measure_memory=True)
+        c.warm = True
     for rep in range(args.steps):
         order = contenders if rep % 2 == 0 else contenders[::-1]  # alternate order: no position bias
         for c in order:
             c.times.append(c.step(batches[rep % len(batches)]))
+    if args.compile:
+        for _ in range(args.recompile_steps):  # fresh tokens: the routing differs every step
+            batch = new_batch()
+            for c in contenders:
+                c.step(batch)
     results: Dict[str, Dict[str, float]] = {}
     tokens = args.batch_size * seq_len
     for c in contenders:
@@ -202,6 +288,10 @@ def run(args) -> Dict[str, Dict[str, float]]:
             "flops_per_token": c.flops_per_token(seq_len),
             "params": sum(p.numel() for p in c.model.parameters()),
         }
+        results[c.name]["mfu"] = mfu(results[c.name], tokens / median, args)
+        if c.graphs is not None:
+            results[c.name].update(graphs=c.graphs.graphs, graph_breaks=c.graphs.graph_breaks,
+                                    break_reasons=c.graphs.reasons, recompiles=c.recompiles)
         if args.generate:
             prompt = batches[0][:1, : max(1, min(seq_len, c.config.block_size - args.generate) // 2)]
             results[c.name]["generate_tokens_per_s"] = time_generation(c, prompt, args.generate)
@@ -214,20 +304,42 @@ def run(args) -> Dict[str, Dict[str, float]]:
     if HF_REFERENCE in results:
         # >= 1.0 means our vanilla steps at least as fast as the Hugging Face reference
         base["speed_vs_hf"] = results[HF_REFERENCE]["median_step_s"] / base["median_step_s"]
+    if MINIMAL_REFERENCE in results:
+        base["speed_vs_minimal"] = results[MINIMAL_REFERENCE]["median_step_s"] / base["median_step_s"]
     return results
 
 
+def mfu(result: Dict[str, float], tokens_per_s: float, args) -> Optional[float]:
+    """Model FLOPs utilisation: analytic training FLOPs/s over the GPU's dense bf16 peak (CUDA + bf16 only)."""
+    if args.device != "cuda" or args.precision != "bf16-mixed":
+        return None
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_bf16_flops(torch.cuda.get_device_name())
+    if peak is None:
+        return None
+    return 3.0 * result["flops_per_token"] * tokens_per_s / peak
+
+
 def print_table(results: Dict[str, Dict[str, float]], args, seq_len: int) -> None:
-    print(f"size={args.size} batch={args.batch_size} seq={seq_len} steps={args.steps} "
-          f"device={'cuda' if torch.cuda.is_available() else 'cpu'} threads={torch.get_num_threads()}")
+    device = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu threads={torch.get_num_threads()}"
+    print(f"size={args.size} batch={args.batch_size} seq={seq_len} steps={args.steps} precision={args.precision} "
+          f"compile={args.compile} clock={args.clock} device={device}")
     header = f"{'variant':<16}{'step ms':>10}{'tok/s':>10}{'mem MB':>9}{'GFLOP/tok':>11}{'time x':>8}{'FLOPs x':>9}{'t/F':>7}"
     print(header)
     for name, r in results.items():
         print(f"{name:<16}{1000 * r['median_step_s']:>10.1f}{r['tokens_per_s']:>10.0f}{r['memory_mb']:>9.1f}"
               f"{r['flops_per_token'] / 1e9:>11.4f}{r['step_time_ratio']:>8.3f}{r['flops_ratio']:>9.3f}"
               f"{r['time_over_flops_ratio']:>7.3f}")
-    if "speed_vs_hf" in results["vanilla"]:
-        print(f"vanilla speed vs {HF_REFERENCE}: {results['vanilla']['speed_vs_hf']:.3f}x (>= 1 means ours is faster)")
+    if any(r["mfu"] is not None for r in results.values()):
+        print("MFU: " + ", ".join(f"{n} {r['mfu']:.1%}" for n, r in results.items() if r["mfu"] is not None))
+    if args.compile:
+        for name, r in results.items():
+            print(f"{name:<16}graphs {r['graphs']}  graph breaks {r['graph_breaks']}  recompiles over "
+                  f"{args.recompile_steps} steps {r['recompiles']}")
+            for reason in r["break_reasons"][:4]:
+                print(f"{'':<18}{reason}")
+    for key, ref in (("speed_vs_hf", HF_REFERENCE), ("speed_vs_minimal", MINIMAL_REFERENCE)):
+        if key in results["vanilla"]:
+            print(f"vanilla speed vs {ref}: {results['vanilla'][key]:.3f}x (>= 1 means ours is faster)")
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:

@@ -86,6 +86,7 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--eval_only", type=bool, default=False,
                         help="evaluate --init_from without training (GLUE: a checkpoint fine-tuned on the task, "
                         "written with --save_checkpoint true; XSUM: any checkpoint)")
+    parser.add_argument("--compile", type=bool, default=False, help="torch.compile the backbone in place")
     parser.add_argument("--trainer.accelerator", type=str, default="auto")
     parser.add_argument("--trainer.devices", type=str, default="auto")
     parser.add_argument("--trainer.precision", type=Optional[str], default=None)
@@ -315,6 +316,9 @@ def build_module(module_cls, cfg: Namespace, run_tokenizer, **kwargs):
     if cfg.init_from:
         load_backbone(module.model, cfg.init_from, strict=cfg.init_strict, min_share=cfg.init_min_share,
                       tokenizer=run_tokenizer)
+    from experiments.compiling import compile_model
+
+    compile_model(module.model, cfg.compile)
     return module, mcfg
 
 

@@ -97,6 +97,8 @@ def build_parser() -> ArgumentParser:
                         help="smallest share of the model's parameters --init_from must initialise (strict mode)")
     parser.add_argument("--val_every", type=int, default=100, help="validate every N optimisation steps")
     parser.add_argument("--val_batches", type=int, default=20, help="batches per validation set and rank")
+    parser.add_argument("--compile", type=bool, default=False,
+                        help="torch.compile the model in place (names and checkpoints unchanged)")
     parser.add_class_arguments(ModelConfig, "model")
     parser.add_class_arguments(DataConfig, "data")
     parser.add_class_arguments(OptimConfig, "optim")
@@ -292,6 +294,7 @@ def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
 
     from callbacks.run_summary import StepRecorder, routing_summary, write_summary
     from datamodules.lm import LMDataModule
+    from experiments.compiling import compile_model
     from experiments.weights import load_initial_weights
     from lightning_modules.lm import LanguageModelModule
 
@@ -304,6 +307,7 @@ def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
     if cfg.init_from:
         load_initial_weights(module.model, cfg.init_from, strict=cfg.init_strict, min_share=cfg.init_min_share,
                              tokenizer=data.fingerprints()["tokenizer"])
+    compile_model(module.model, cfg.compile)
 
     root = pathlib.Path(cfg.log_dir) / f"{mcfg.variant}-{mcfg.size}"
     ckpt_path = resolve_ckpt(cfg, root, run_fingerprints(mcfg, data))

@@ -21,7 +21,12 @@ Launchers: ``local`` runs the jobs one after another here; ``slurm`` submits eac
 ``sbatch ... experiments/slurm/train.sbatch <run options>``, with ``--nodes`` / ``--ntasks-per-node``
 (and ``--gpus-per-node`` unless ``--trainer.accelerator cpu``) taken from the configuration's
 ``--trainer.num_nodes`` / ``--trainer.devices`` so that the allocation matches the Trainer.
-``--dry_run`` prints one command per configuration and launches nothing.
+``--dry_run`` prints one command per configuration and launches nothing, then (on stderr) a cost estimate per
+configuration: parameters, tokens (max_steps x batch x accumulation x devices x nodes x T), training
+FLOPs (tokens x the model's analytic ``flops_per_token().training``, the model built on the meta
+device, routing at its configured capacity) and GPU-hours at ``--mfu`` of ``--peak_tflops`` (default
+40% of 989.5 TFLOP/s, an H100/H200 SXM in dense bf16): a planning estimate, not a measurement.
+Paper-scale recipes live in ``experiments/configs/paper/`` (see the README).
 
 Every configuration is parsed and validated exactly as ``experiments.run`` does (unknown variants,
 sizes, datasets, options or values) before the first job starts; an empty grid is an error.
@@ -165,6 +170,40 @@ def commands(configurations: Sequence[Sequence[str]], parsed: Sequence[Any], lau
     return out
 
 
+def estimate(cfg) -> Dict[str, Any]:
+    """Parameters, tokens and training FLOPs of one parsed run configuration (analytic, meta device)."""
+    import torch
+
+    from architectures import build_model
+    from experiments.run import model_config
+
+    mcfg = model_config(cfg).resolve()
+    with torch.device("meta"):
+        model = build_model(mcfg)
+    nodes, tasks, _ = geometry(cfg)
+    accumulate = int(cfg.trainer.accumulate_grad_batches or 1)
+    tokens = int(cfg.trainer.max_steps) * int(cfg.data.batch_size) * accumulate * nodes * tasks * mcfg.block_size
+    flops_per_token = model.flops_per_token(None, mcfg.block_size).training
+    return {"variant": mcfg.variant, "parameters": model.num_parameters(), "tokens": tokens,
+            "gpus": nodes * tasks, "flops_per_token": flops_per_token, "flops": tokens * flops_per_token}
+
+
+def gpu_hours(flops: float, peak_tflops: float, mfu: float) -> float:
+    return flops / (peak_tflops * 1e12 * mfu) / 3600.0
+
+
+def print_estimates(rows: Sequence[Dict[str, Any]], peak_tflops: float, mfu: float) -> None:
+    """To stderr: stdout stays one command per line (pipeable to a shell)."""
+    say = lambda line: print(line, file=sys.stderr)
+    say(f"# estimate (analytic FLOPs; GPU-hours at {mfu:.0%} MFU of {peak_tflops} TFLOP/s, not measured)")
+    say(f"# {'#':>3} {'variant':<16}{'params':>9}{'tokens':>11}{'FLOPs':>11}{'GPU-h':>9}{'GPUs':>6}")
+    for i, row in enumerate(rows):
+        say(f"# {i:>3} {row['variant']:<16}{row['parameters'] / 1e6:>8.1f}M{row['tokens'] / 1e9:>10.2f}B"
+              f"{row['flops']:>11.3e}{row['gpu_hours']:>9.1f}{row['gpus']:>6}")
+    total = sum(r["gpu_hours"] for r in rows)
+    say(f"# total: {sum(r['flops'] for r in rows):.3e} FLOPs, {total:.1f} GPU-hours")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> List[List[str]]:
     argv = list(sys.argv[1:] if argv is None else argv)
     common: List[str] = []
@@ -179,6 +218,8 @@ def main(argv: Optional[Sequence[str]] = None) -> List[List[str]]:
     parser.add_argument("--dry_run", action="store_true", help="print one command per configuration, launch nothing")
     parser.add_argument("--sbatch", default=str(SBATCH_TEMPLATE), help="SLURM batch template")
     parser.add_argument("--sbatch_args", default="", help="extra sbatch options for every job, one string")
+    parser.add_argument("--peak_tflops", type=float, default=989.5, help="--dry_run estimate: GPU peak (bf16 dense)")
+    parser.add_argument("--mfu", type=float, default=0.4, help="--dry_run estimate: assumed model FLOPs utilisation")
     args = parser.parse_args(argv)
     grid, file_common, sbatch = load_grid(args.grid_file, args.grid)
     configurations = [[*file_common, *common, *config] for config in grid]
@@ -188,6 +229,10 @@ def main(argv: Optional[Sequence[str]] = None) -> List[List[str]]:
     if args.dry_run:
         for job in jobs:
             print(shlex.join(job))
+        rows = [estimate(cfg) for cfg in parsed]
+        for row in rows:
+            row["gpu_hours"] = gpu_hours(row["flops"], args.peak_tflops, args.mfu)
+        print_estimates(rows, args.peak_tflops, args.mfu)
         return jobs
     failed = []
     for job in jobs:

@@ -17,8 +17,11 @@ def test_bench_reports_every_variant_with_ratios(tmp_path):
     results = bench.main(["--variants", "vanilla", "--size", "tiny", "--steps", "2", "--warmup", "1",
                           "--batch_size", "2", "--seq_len", "32", "--vocab_size", "256",
                           "--set", "d_model=32", "--set", "n_layer=2", "--generate", "4", "--json", str(out)])
-    assert set(results) == {"vanilla", "hf_gpt2"}
-    van, hf = results["vanilla"], results["hf_gpt2"]
+    assert set(results) == {"vanilla", "hf_gpt2", "min_gpt2"}
+    van, hf, minimal = results["vanilla"], results["hf_gpt2"], results["min_gpt2"]
+    assert van["params"] == minimal["params"] and van["flops_per_token"] == minimal["flops_per_token"]
+    assert van["speed_vs_minimal"] == pytest.approx(minimal["median_step_s"] / van["median_step_s"])
+    assert van["mfu"] is None  # CPU: no peak to compare with
     assert van["step_time_ratio"] == 1.0 and van["flops_ratio"] == 1.0
     assert van["params"] == hf["params"]  # the reference is the identical architecture
     assert van["flops_per_token"] == hf["flops_per_token"] > 0
@@ -27,13 +30,53 @@ def test_bench_reports_every_variant_with_ratios(tmp_path):
     assert van["speed_vs_hf"] == pytest.approx(hf["median_step_s"] / van["median_step_s"])
     assert van["generate_tokens_per_s"] > 0
     saved = json.loads(out.read_text())
-    assert saved["variants"] == ["vanilla", "hf_gpt2"] and saved["results"]["vanilla"]["params"] == van["params"]
+    assert saved["variants"] == ["vanilla", "hf_gpt2", "min_gpt2"] and saved["results"]["vanilla"]["params"] == van["params"]
+
+
+def test_process_clock_times_steps_in_cpu_seconds(one_thread):
+    results = bench.main(["--variants", "vanilla", "--no_hf", "--no_minimal", "--steps", "2", "--warmup", "0",
+                          "--batch_size", "2", "--seq_len", "16", "--vocab_size", "64", "--set", "d_model=32",
+                          "--set", "n_layer=1", "--clock", "process"])
+    assert results["vanilla"]["median_step_s"] > 0
 
 
 def test_bench_rejects_unknown_variants():
     with pytest.raises(SystemExit):
         bench.main(["--variants", "vanilla,nope"])
 
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_bench_cuda_without_a_gpu_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--device", "cuda"])
+    assert exit_info.value.code == 2 and "no CUDA device" in capsys.readouterr().err
+
+
+def test_peak_flops_lookup_by_gpu_name():
+    assert bench.peak_bf16_flops("NVIDIA H100 80GB HBM3") == 989.5e12
+    assert bench.peak_bf16_flops("NVIDIA H200") == 989.5e12
+    assert bench.peak_bf16_flops("NVIDIA H100 PCIe") == 756e12
+    assert bench.peak_bf16_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert bench.peak_bf16_flops("NVIDIA GeForce GTX 1080") is None
+
+
+def test_mfu_uses_training_flops_over_the_peak():
+    args = bench.argparse.Namespace(device="cuda", precision="bf16-mixed", peak_tflops=100.0)
+    assert bench.mfu({"flops_per_token": 1e9}, 10_000, args) == pytest.approx(3 * 1e9 * 1e4 / 100e12)
+    args.precision = "32-true"
+    assert bench.mfu({"flops_per_token": 1e9}, 10_000, args) is None
+
+
+def test_bench_compile_reports_breaks_and_recompiles(monkeypatch, one_thread):
+    from experiments import compiling
+
+    monkeypatch.setattr(compiling, "DEFAULT_BACKEND", "aot_eager")  # inductor's C++ build: ~30 s per model
+    results = bench.main(["--variants", "vanilla,mod", "--no_hf", "--no_minimal", "--size", "tiny", "--steps", "2",
+                          "--warmup", "1", "--batch_size", "2", "--seq_len", "32", "--vocab_size", "256",
+                          "--set", "d_model=32", "--set", "n_layer=2", "--compile", "--recompile_steps", "4",
+                          "--precision", "bf16-mixed"])
+    for name in ("vanilla", "mod"):  # static shapes: one graph, and fresh routing recompiles nothing
+        assert (results[name]["graphs"], results[name]["graph_breaks"], results[name]["recompiles"]) == (1, 0, 0)
 
 def test_bench_override_parsing():
     config = bench.apply_overrides(ModelConfig(), ["d_model=64", "mod.capacity=0.25", "mod.routed_blocks=[1, 2]",
@@ -64,3 +107,32 @@ def test_init_from_hugging_face_folder_and_own_checkpoint(tmp_path):
     wrong = build_model(ModelConfig(vocab_size=97, d_model=64, n_layer=2, n_head=2, block_size=32))
     with pytest.raises(ConfigError, match="wte.weight"):
         load_initial_weights(wrong, str(tmp_path / "x.ckpt"))
+
+
+def test_vanilla_training_step_dispatches_the_minimal_models_ops():
+    """CPU speed parity with min_gpt2 by construction: the same aten ops per forward + backward (the one
+    extra is the zero auxiliary loss), so any step-time gap could only be Python overhead."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    args = bench.parse_args(["--variants", "vanilla", "--no_hf", "--vocab_size", "256", "--batch_size", "2",
+                             "--seq_len", "32", "--set", "d_model=32", "--set", "n_layer=2"])
+    batch = torch.randint(0, 256, (2, 33))
+    counts = {}
+    for name in args.variant_list:
+        contender = bench.Contender(name, args)
+        with CountOps() as mode:
+            contender.forward_loss(batch).backward()
+        counts[name] = mode.ops
+    extra = counts["vanilla"] - counts["min_gpt2"]
+    assert sum(extra.values()) <= 1 and set(extra) <= {"new_zeros"}, extra

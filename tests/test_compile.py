@@ -1,0 +1,127 @@
+"""--compile: compiled training steps give the eager losses, for one variant of each family.
+
+The family test traces with dynamo + AOT autograd ("aot_eager": the graphs, breaks and autograd of
+inductor without its C++ code generation, which costs ~30 s per model on a CI core); one slow test
+runs the real inductor backend on vanilla.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from architectures import ModelConfig, build_model
+from experiments import compiling
+from tests.conftest import TINY_RUN
+
+# one variant per family; data-dependent dispatch compiles to many small graphs (~10-20 s each here)
+FAMILIES = ["vanilla", "caa", "mod", "depth_gate",
+            *(pytest.param(v, marks=pytest.mark.slow) for v in ("moe", "mot", "mom_e"))]
+TINY = dict(size="tiny", vocab_size=64, d_model=32, n_layer=2, n_head=2, block_size=16, dropout=0.0)
+SHAPE = {"mom_e": {"n_layer": 4}}  # K=3 needs a chunk of 3 modules + anchor
+
+
+def train_losses(variant: str, compiled: bool, steps: int = 2, backend: str = "aot_eager"):
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(variant=variant, **{**TINY, **SHAPE.get(variant, {})})).train()
+    compiling.compile_model(model, compiled, backend=backend)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        batch = torch.randint(0, 64, (2, 17), generator=gen)  # a new batch each step: routing varies
+        out = model(batch[:, :-1])
+        loss = F.cross_entropy(out.logits.reshape(-1, 64), batch[:, 1:].reshape(-1)) + out.aux_loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, model
+
+
+@pytest.mark.parametrize("variant", FAMILIES)
+def test_compiled_training_losses_equal_eager(variant, one_thread):
+    torch._dynamo.reset()
+    eager, _ = train_losses(variant, compiled=False)
+    compiled, model = train_losses(variant, compiled=True)
+    assert compiled == pytest.approx(eager, rel=1e-4, abs=1e-5)
+    assert not any(name.startswith("_orig_mod") for name in model.state_dict())  # checkpoints unchanged
+
+
+@pytest.mark.slow
+def test_inductor_compiled_vanilla_matches_eager(one_thread):
+    torch._dynamo.reset()
+    eager, _ = train_losses("vanilla", compiled=False, steps=2)
+    compiled, _ = train_losses("vanilla", compiled=True, steps=2, backend="inductor")
+    assert compiled == pytest.approx(eager, rel=1e-4, abs=1e-5)
+
+
+def test_graph_report_counts_breaks(one_thread):
+    def dense(x):
+        return (x * 2).sum()
+
+    def broken(x):
+        y = x * 2
+        if y.sum().item() > 0:  # data-dependent Python branch: a graph break
+            return y + 1
+        return y - 1
+
+    assert compiling.graph_report(dense, torch.ones(3)).graph_breaks == 0
+    report = compiling.graph_report(broken, torch.ones(3))
+    assert report.graph_breaks == 1 and report.graphs == 2 and report.reasons
+
+
+def test_vanilla_and_mod_compile_to_one_graph_and_moe_breaks_at_dispatch(one_thread, capsys):
+    reports = compiling.main(["--variants", "vanilla,mod,moe", "--batch_size", "2"])
+    for variant in ("vanilla", "mod"):
+        assert (reports[variant].graphs, reports[variant].graph_breaks) == (1, 0), reports[variant].reasons
+    assert reports["moe"].graph_breaks > 0 and any("dispatch.py" in r for r in reports["moe"].reasons)
+    assert "mod" in capsys.readouterr().out
+
+
+def test_run_with_compile_gives_the_eager_loss_curve(tmp_path, monkeypatch, one_thread):
+    from experiments.run import main
+
+    monkeypatch.setattr(compiling, "DEFAULT_BACKEND", "aot_eager")
+    common = ["--max_steps", "3", "--val_every", "3", *TINY_RUN]
+    eager = main(["--log_dir", str(tmp_path / "eager"), *common])
+    torch._dynamo.reset()
+    compiled = main(["--log_dir", str(tmp_path / "compiled"), "--compile", "true", *common])
+    curve = lambda run: [loss for _, loss in json.loads((run / "summary.json").read_text())["train_loss_curve"]]
+    assert curve(compiled) == pytest.approx(curve(eager), rel=1e-4)
+    state = torch.load(compiled / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    assert "model.wte.weight" in state  # in-place compile: the eager names
+
+
+@pytest.mark.parametrize("variant", ["moe", "mode_integrated"])
+def test_moe_family_traces_to_one_graph_on_the_grouped_path(variant, monkeypatch, one_thread):
+    """The static-shape path that CUDA bf16 selects by itself (forced here on CPU)."""
+    monkeypatch.setenv("DYNCOMP_GROUPED_MM", "1")
+    model = build_model(ModelConfig(variant=variant, **TINY))
+
+    def loss(idx):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(idx)
+            return F.cross_entropy(out.logits.float().reshape(-1, 64), idx.reshape(-1)) + out.aux_loss
+
+    report = compiling.graph_report(loss, torch.randint(0, 64, (2, 16)))
+    assert (report.graphs, report.graph_breaks) == (1, 0), report.reasons
+
+
+def test_finetune_compile_option_compiles_the_backbone_in_place(monkeypatch, one_thread):
+    from experiments.finetune import build_module, build_parser
+    from lightning_modules.glue import GlueModule
+
+    monkeypatch.setattr(compiling, "DEFAULT_BACKEND", "aot_eager")
+    shape = ["--model.d_model", "32", "--model.n_layer", "1", "--model.n_head", "2", "--model.block_size", "48"]
+    modules = {}
+    for flag in ("false", "true"):
+        cfg = build_parser().parse_args(["--task", "glue/rte", "--compile", flag, *shape])
+        modules[flag], _ = build_module(GlueModule, cfg, 257, task="rte")
+    eager, compiled = modules["false"].model.eval(), modules["true"].model.eval()
+    assert compiled._compiled_call_impl is not None and eager._compiled_call_impl is None
+    idx = torch.randint(0, 257, (2, 48))
+    torch.testing.assert_close(compiled(idx).logits, eager(idx).logits)  # same seed, same weights
+    torch._dynamo.reset()
