@@ -196,7 +196,8 @@ class RoutedBlock(nn.Module):
         _, idx, real = expert_choice_topk(logits.detach(), self.cfg.capacity, ctx.valid)
         k_max = idx.shape[1]
         flat = (idx + torch.arange(B, device=x.device).unsqueeze(1) * T).reshape(-1)
-        chosen = self._run(x, flat, (B, k_max), weight, self.attn.attend, real, ctx, write=real.reshape(-1))
+        write = None if real is None else real.reshape(-1)
+        chosen = self._run(x, flat, (B, k_max), weight, self.attn.attend, real, ctx, write=write)
         pairs = float(B * k_max * k_max)
         extras = {"attn_pairs": torch.tensor(pairs), "processed": torch.tensor(float(B * k_max))}
         extras.update(self._sampling_losses(x, logits, chosen, ctx))

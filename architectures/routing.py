@@ -14,6 +14,7 @@ capacity priority, balance-loss normalisation, SKIP handling) is written once.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -55,19 +56,25 @@ def row_capacity(capacity: float, valid: Optional[torch.Tensor], B: int, T: int,
 
 
 def expert_choice_topk(scores: torch.Tensor, capacity: float, valid: Optional[torch.Tensor]
-                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """MoD's expert choice over each sequence: (chosen (B, T) bool, idx (B, k_max), real (B, k_max) bool).
 
     Row b chooses its k_b = max(1, floor(c * real length)) best real tokens (padding never). ``idx``
     lists them in position order, then fillers (the row's other tokens by position) up to the widest
     row's k_max; ``real`` marks the chosen ones. Fillers come last, so under causal attention among the
-    gathered tokens no chosen token sees one.
+    gathered tokens no chosen token sees one. Without padding (``valid`` None) every row has the same
+    k, a Python int (static shapes: one graph under torch.compile, no host sync), and ``real`` is None.
     """
     B, T = scores.shape
+    if valid is None:
+        k = min(T, max(1, math.floor(capacity * T + 1e-9)))
+        # the same stable tie-break as the padded path below, so padding never changes a row's choice
+        idx = scores.argsort(dim=1, descending=True, stable=True)[:, :k].sort(dim=1).values
+        chosen = torch.zeros_like(scores, dtype=torch.bool).scatter(1, idx, True)
+        return chosen, idx, None
     k_row = row_capacity(capacity, valid, B, T, scores.device)
     k_max = max(1, int(k_row.max()))
-    if valid is not None:
-        scores = scores.masked_fill(~valid, float("-inf"))
+    scores = scores.masked_fill(~valid, float("-inf"))
     rank = scores.argsort(dim=1, descending=True, stable=True).argsort(dim=1)
     chosen = rank < k_row.unsqueeze(1)
     positions = torch.arange(T, device=scores.device).expand(B, T)

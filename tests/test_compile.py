@@ -7,6 +7,7 @@ runs the real inductor backend on vanilla.
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -119,7 +120,7 @@ def test_finetune_compile_option_compiles_the_backbone_in_place(monkeypatch, one
     modules = {}
     for flag in ("false", "true"):
         cfg = build_parser().parse_args(["--task", "glue/rte", "--compile", flag, *shape])
-        modules[flag], _ = build_module(GlueModule, cfg, 257, task="rte")
+        modules[flag], _ = build_module(GlueModule, cfg, SimpleNamespace(vocab_size=257), task="rte")
     eager, compiled = modules["false"].model.eval(), modules["true"].model.eval()
     assert compiled._compiled_call_impl is not None and eager._compiled_call_impl is None
     idx = torch.randint(0, 257, (2, 48))
