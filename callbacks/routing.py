@@ -21,14 +21,18 @@ tokens that used option i at step s, how their slots at step s+1 were spread". I
 ``routing/<group>/transitions`` (heatmaps) and ``routing/map`` (for a fixed sample sequence, which
 option each site gave each token; white = skipped or dropped, MoD paper Figure 5 style).
 
-DDP: every rank adds its steps into one packed float tensor (no synchronisation per step); on a
-logging step every rank makes the same single ``all_reduce`` of that tensor (the layout is fixed by
-the sorted site names, identical on every rank of the same model), then rank 0 alone logs.
+DDP: on a logging step (every ``routing_every`` steps and the last step) every rank packs that step's
+trace into one float tensor and makes the same single ``all_reduce`` of it (the layout is fixed by the
+sorted site names, identical on every rank of the same model), then rank 0 alone logs: the figures are
+those of the global batch. Other steps do no routing work at all (no host synchronisation).
+The numbers are also saved, one JSON line per logging step, in ``<run folder>/routing/stats.jsonl``.
 """
 from __future__ import annotations
 
+import json
+import pathlib
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import lightning as L
 import torch
@@ -37,6 +41,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from architectures.contract import RoutingSite
 from callbacks.tensorboard import figure, log_figure, log_histogram, log_scalars, tag_part
+from lightning_modules.lm import log_step
 
 SKIP = "skip"
 # Per-site scalars after the E counts in the packed tensor.
@@ -292,7 +297,14 @@ class RoutingAccumulator:
 
 
 class RoutingStatistics(L.Callback):
-    """Logs routing statistics every ``every`` steps and heatmaps every ``images_every`` steps."""
+    """Logs routing statistics every ``every`` steps (and at the last step), heatmaps every ``images_every``.
+
+    Only those steps do any work: the trace of that step's batch is packed on every rank and summed
+    across ranks in one all-reduce, so each logged figure is a statistic of the global batch. Between
+    them the callback touches nothing (no host synchronisation, no kernels). Rank 0 also appends the
+    numbers (counts per option and transition counts) to ``<run folder>/routing/stats.jsonl``, which
+    ``python -m experiments.analyze routing RUN_DIR`` reads.
+    """
 
     def __init__(self, every: int = 50, images_every: int = 500, sample: Optional[torch.Tensor] = None):
         if every <= 0:
@@ -301,17 +313,37 @@ class RoutingStatistics(L.Callback):
             raise ValueError(f"callbacks.routing_images_every: must be a positive integer, got {images_every}")
         self.every = every
         self.images_every = images_every
-        self.sample = sample  # (1, T) token ids of the routing-map sequence; default: first training row
+        self.sample = sample  # (1, T) token ids of the routing-map sequence; default: first validation row
         self.accumulator = RoutingAccumulator()
         self.latest: Optional[RoutingStats] = None
+        self.latest_step: Optional[int] = None
         self._disabled = False
         self._last_logged = -1
         self._next_images = 0
         self._latest_trace: Sequence[RoutingSite] = ()
 
     # ------------------------------------------------------------------ hooks
+    def on_fit_start(self, trainer, pl_module) -> None:
+        from callbacks.flops import warn_if_longer_than_run
+
+        warn_if_longer_than_run(trainer, "callbacks.routing_every", self.every, "routing")
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.sample is None and trainer.is_global_zero:
+            from callbacks.contribution import validation_rows
+
+            rows = validation_rows(trainer, 1)  # fixed across resumes: the first validation sequence
+            if rows is not None:
+                self.sample = rows[:1, :-1]
+
+    def due(self, trainer, step: int) -> bool:
+        return step > 0 and step != self._last_logged and (step % self.every == 0 or step == trainer.max_steps)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self._disabled:
+            return
+        step = trainer.global_step
+        if not self.due(trainer, step):
             return
         out = getattr(pl_module, "last_output", None)
         trace = out.trace if out is not None else []
@@ -322,26 +354,24 @@ class RoutingStatistics(L.Callback):
             rank_zero_warn(f"routing statistics: variant {variant!r} has no routing sites; nothing is logged "
                            "for routing")
             return
-        self.accumulator.add(trace)
-        self._latest_trace = trace
         if self.sample is None and isinstance(batch, torch.Tensor) and batch.dim() == 2:
             self.sample = batch[:1, :-1].detach().clone()
-        step = trainer.global_step
-        if step == 0 or step % self.every != 0 or step == self._last_logged:
-            return
+        self.accumulator.add(trace)
+        self._latest_trace = trace
         self._last_logged = step
         stats = self.accumulator.reduce()  # collective: every rank, same step
-        self.latest = stats
+        self.latest, self.latest_step = stats, log_step(trainer)
         if stats is None or not trainer.is_global_zero:
             return
-        self._log(trainer, pl_module, stats, step)
+        self._log(trainer, pl_module, stats, self.latest_step)
 
     def _log(self, trainer, pl_module, stats: RoutingStats, step: int) -> None:
         log_scalars(trainer, stats.scalars(), step)
+        save_stats(trainer, stats, step)
         for site in self._latest_trace:
             log_histogram(trainer, f"routing/{tag_part(site.name)}/weights", kept_weights(site), step)
-        if step >= self._next_images:
-            self._next_images = (step // self.images_every + 1) * self.images_every
+        if trainer.global_step >= self._next_images or trainer.global_step == trainer.max_steps:
+            self._next_images = (trainer.global_step // self.images_every + 1) * self.images_every
             for group, fig in transition_figures(stats.transitions, stats.sites).items():
                 log_figure(trainer, f"routing/{tag_part(group)}/transitions", fig, step)
             fig = self.routing_map(pl_module)
@@ -363,8 +393,14 @@ class RoutingStatistics(L.Callback):
             model.train(was_training)
         return routing_map_figure(trace)
 
+    def summary(self) -> Optional[Dict[str, Dict[str, float]]]:
+        """``summary.json``'s ``routing``: option fractions per site of the global batch at the last logged step."""
+        if self.latest is None:
+            return None
+        return {name: dict(zip(s.layout.choices, s.fractions.tolist())) for name, s in self.latest.sites.items()}
+
     def final_metrics(self) -> Dict[str, float]:
-        """Site averages of the latest interval (the per-site series are in the scalars)."""
+        """Site averages of the latest logged step (the per-site series are in the scalars)."""
         if self.latest is None:
             return {}
         out = {}
@@ -373,6 +409,52 @@ class RoutingStatistics(L.Callback):
             if values:
                 out[f"routing/mean_{key}"] = float(sum(values) / len(values))
         return out
+
+
+STATS_FILE = pathlib.Path("routing") / "stats.jsonl"
+
+
+def stats_record(stats: RoutingStats, step: int) -> Dict[str, Any]:
+    """One JSON line: counts per option of every site, and the transition counts of every chain link."""
+    return {
+        "step": step,
+        "sites": {name: {"choices": list(s.layout.choices), "counts": s.counts.tolist(), "tokens": s.tokens,
+                         "processed": s.processed, "dropped": s.dropped, "slots": s.slots}
+                  for name, s in stats.sites.items()},
+        "transitions": [{"group": t.group, "source": t.source, "target": t.target, "counts": t.counts.tolist()}
+                        for t in stats.transitions],
+    }
+
+
+def save_stats(trainer, stats: RoutingStats, step: int) -> Optional[pathlib.Path]:
+    # the logger's folder (the run folder): ``trainer.log_dir`` is a broadcast under DDP, and rank 0 is alone here
+    folder = getattr(trainer.logger, "log_dir", None) if getattr(trainer, "logger", None) is not None else None
+    if not folder:
+        return None
+    path = pathlib.Path(folder) / STATS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        handle.write(json.dumps(stats_record(stats, step)) + "\n")
+    return path
+
+
+def load_stats(run_dir) -> List[Tuple[int, RoutingStats]]:
+    """The records of ``routing/stats.jsonl`` as ``RoutingStats`` (the last record wins for a repeated step)."""
+    path = pathlib.Path(run_dir) / STATS_FILE
+    by_step: Dict[int, RoutingStats] = {}
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        sites = {}
+        for name, site in record["sites"].items():
+            layout = SiteLayout(name, "", tuple(site["choices"]), "", 0, False, False)
+            sites[name] = SiteStats(layout, torch.tensor(site["counts"], dtype=torch.float64), site["tokens"],
+                                    site["slots"], site["dropped"], site["processed"], None)
+        transitions = [Transition(t["group"], t["source"], t["target"], torch.tensor(t["counts"], dtype=torch.float64))
+                       for t in record["transitions"]]
+        by_step[int(record["step"])] = RoutingStats(sites, transitions)
+    return sorted(by_step.items())
 
 
 def kept_weights(site: RoutingSite) -> torch.Tensor:
