@@ -176,3 +176,35 @@ def test_contribution_default_probe_is_32_sequences_with_standard_errors():
         assert result.ratio_mha_se is not None and result.ratio_mha_se >= 0
         assert "contribution/ratio_mha_se" in result.scalars()
     assert ratios_from_values(result.tags, result.accuracy)["mha"] == result.ratio_mha
+
+
+# ---------------------------------------------------------------------------- resume
+def test_after_a_resume_summary_and_hparams_cover_the_whole_run(tmp_path, one_thread):
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    from experiments.run import main
+    from tests.conftest import TINY_RUN
+
+    common = ["--variant", "mod", "--val_every", "2", "--log_dir", str(tmp_path), *TINY_RUN,
+              "--trainer.log_every_n_steps", "1", "--callbacks.contribution", "false"]
+    first = main([*common, "--max_steps", "4"])
+    run_dir = main([*common, "--max_steps", "6", "--ckpt_path", "last"])
+    assert run_dir == first
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [s for s, _ in summary["train_loss_curve"]] == [1, 2, 3, 4, 5, 6]
+    # both parts; steps 2, 4, 6 hold a validation and a checkpoint save: not step times
+    assert {s for s, _ in summary["step_times_s"]} == {1, 3, 5}
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    sessions = [value.metadata.plugin_data.content
+                for path in sorted(run_dir.glob("events.out.tfevents.*"))
+                for event in EventFileLoader(str(path)).Load()
+                for value in event.summary.value if value.tag == "_hparams_/session_start_info"]
+    assert len(sessions) == 2  # one per part, written after its final validation
+    hparams = plugin_data_pb2.HParamsPluginData.FromString(sessions[-1]).session_start_info.hparams
+    assert hparams["trainer/max_steps"].number_value == 6 and hparams["trainer/global_step"].number_value == 6
+    assert events.Scalars("hparams/val/loss")[-1].value == pytest.approx(summary["final_val_loss"])
