@@ -134,6 +134,7 @@ class Contribution:
     ratio_mha_se: Optional[float] = None  # bootstrap over the probe's sequences
     ratio_ffn_se: Optional[float] = None
     sequences: int = 0
+    correct: Optional[torch.Tensor] = None  # (states, sequences) logit-lens hits, for pooled bootstraps
 
     def scalars(self) -> Dict[str, float]:
         out: Dict[str, float] = {"contribution/acc_embed": self.accuracy[0], "contribution/acc_final": self.accuracy[-1]}
@@ -192,7 +193,7 @@ def measure_contribution(model, probe: torch.Tensor, seq_len: Optional[int] = No
     ratios = ratios_from_values(tags, accuracy)
     se = bootstrap_ratio_se(tags, correct) if ratios["mha"] is not None else {"mha": None, "ffn": None}
     return Contribution(state_labels(states), tags, accuracy, dla[:-1], dla[-1], ratios["mha"], ratios["ffn"],
-                        se["mha"], se["ffn"], int(idx.shape[0]))
+                        se["mha"], se["ffn"], int(idx.shape[0]), correct)
 
 
 def contribution_figure(result: Contribution):

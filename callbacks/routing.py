@@ -467,6 +467,33 @@ def kept_weights(site: RoutingSite) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- images
+def draw_transition(ax, t: "Transition", source_choices: Sequence[str], target_choices: Sequence[str], fig=None,
+                    title: Optional[str] = None):
+    """One row-normalised heatmap: colour bar, from/to labels, rows never visited hatched with their counts."""
+    import numpy as np
+
+    rows = t.counts.sum(1).numpy()
+    matrix = np.ma.masked_array(t.matrix.numpy(), mask=np.repeat((rows <= 0)[:, None], t.counts.shape[1], 1))
+    ax.set_facecolor("lightgrey")  # masked (unvisited) rows show the hatched grey background
+    ax.patch.set_hatch("///")
+    image = ax.imshow(matrix, vmin=0.0, vmax=1.0, cmap="viridis", interpolation="nearest")
+    ax.set_title(title or f"{t.source} -> {t.target}", fontsize=8)
+    ax.set_yticks(range(len(source_choices)), [f"{c} (n={int(n)})" for c, n in zip(source_choices, rows)], fontsize=6)
+    ax.set_xticks(range(len(target_choices)), list(target_choices), fontsize=6, rotation=90)
+    ax.set_ylabel(f"from: {t.source}", fontsize=7)
+    ax.set_xlabel(f"to: {t.target}", fontsize=7)
+    if matrix.size <= 100:
+        for (i, j), value in _cells(t.matrix.numpy()):
+            if rows[i] > 0:
+                ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=6,
+                        color="white" if value < 0.6 else "black")
+    if fig is not None:
+        bar = fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
+        bar.set_label("P(to | from)", fontsize=6)
+        bar.ax.tick_params(labelsize=6)
+    return image
+
+
 def transition_figures(transitions: Sequence[Transition], sites: Dict[str, SiteStats]):
     """One figure per group: a row-normalised heatmap per consecutive pair of sites."""
     by_group: Dict[str, List[Transition]] = {}
@@ -474,22 +501,14 @@ def transition_figures(transitions: Sequence[Transition], sites: Dict[str, SiteS
         by_group.setdefault(t.group, []).append(t)
     figures = {}
     for group, items in by_group.items():
-        cols = min(len(items), 4)
+        cols = min(len(items), 3)
         rows = (len(items) + cols - 1) // cols
-        fig, axes = figure(rows, cols)
+        fig, axes = figure(rows, cols, width=4.5, height=4.0)
         for ax in axes.flat[len(items):]:
             ax.axis("off")
         for ax, t in zip(axes.flat, items):
-            matrix = t.matrix.numpy()
-            ax.imshow(matrix, vmin=0.0, vmax=1.0, cmap="viridis")
-            ax.set_title(f"{t.source} -> {t.target}", fontsize=8)
-            ax.set_yticks(range(matrix.shape[0]), sites[t.source].layout.choices, fontsize=6)
-            ax.set_xticks(range(matrix.shape[1]), sites[t.target].layout.choices, fontsize=6, rotation=90)
-            if matrix.size <= 100:
-                for (i, j), value in _cells(matrix):
-                    ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=6,
-                            color="white" if value < 0.6 else "black")
-        fig.suptitle(f"{group}: P(next option | option)", fontsize=9)
+            draw_transition(ax, t, sites[t.source].layout.choices, sites[t.target].layout.choices, fig)
+        fig.suptitle(f"{group}: P(option at the next site | option here); hatched: row never visited", fontsize=8)
         fig.tight_layout()
         figures[group] = fig
     return figures
@@ -521,18 +540,63 @@ def routing_map_codes(trace: Sequence[RoutingSite]) -> torch.Tensor:
     return torch.stack(rows) if rows else torch.zeros(0, 0, dtype=torch.long)
 
 
+def option_colours(trace: Sequence[RoutingSite]) -> Dict[str, int]:
+    """A colour index per option *name* (same name, same colour on every row), in order of appearance."""
+    colours: Dict[str, int] = {}
+    for site in trace:
+        for name in site.choice_names:
+            if name != SKIP and name not in colours:
+                colours[name] = len(colours)
+    return colours
+
+
 def routing_map_figure(trace: Sequence[RoutingSite]):
+    """Which option each site gave each token of the sample; the legend names the options (colour = option name)."""
     import numpy as np
+    from matplotlib.patches import Patch
 
     codes = routing_map_codes(trace)
     if codes.numel() == 0:
         return None
-    fig, axes = figure(1, 1, width=max(4.0, codes.shape[1] / 12), height=max(2.0, 0.3 * codes.shape[0] + 1))
+    colours = option_colours(trace)
+    named = np.full(codes.shape, -1)
+    for row, site in enumerate(trace):
+        for option, name in enumerate(site.choice_names):
+            if name in colours:
+                named[row][codes[row].numpy() == option] = colours[name]
+    cmap = "tab10" if len(colours) <= 10 else "tab20"
+    size = 10 if len(colours) <= 10 else 20
+    fig, axes = figure(1, 1, width=max(5.0, codes.shape[1] / 12 + 2.5), height=max(2.2, 0.3 * codes.shape[0] + 1.2))
     ax = axes[0, 0]
-    masked = np.ma.masked_less(codes.numpy(), 0)
-    ax.imshow(masked, aspect="auto", interpolation="nearest", cmap="tab20", vmin=0, vmax=19)
+    ax.imshow(np.ma.masked_less(named, 0) % size, aspect="auto", interpolation="nearest", cmap=cmap, vmin=0,
+              vmax=size - 1)
     ax.set_yticks(range(len(trace)), [s.name for s in trace], fontsize=6)
-    ax.set_xlabel("token position")
-    ax.set_title("routing map (colour: option with the largest weight; white: skipped / dropped)", fontsize=8)
+    ax.set_xlabel("token position (fixed validation sequence)", fontsize=7)
+    ax.set_title("routing map: option with the largest weight; white: skipped / dropped", fontsize=8)
+    import matplotlib.pyplot as plt
+
+    palette = plt.get_cmap(cmap)
+    handles = [Patch(color=palette((i % size) / (size - 1)), label=name) for name, i in colours.items()]
+    handles.append(Patch(facecolor="white", edgecolor="black", label="skip / dropped"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=6, frameon=False,
+              ncol=1 if len(handles) <= 16 else 2)
+    fig.tight_layout()
+    return fig
+
+
+def first_last_figure(records: Sequence[Tuple[int, "RoutingStats"]]):
+    """Transition matrices of the first and the last logged step side by side, one row per chain link."""
+    (first_step, first), (last_step, last) = records[0], records[-1]
+    if not last.transitions:
+        return None
+    fig, axes = figure(len(last.transitions), 2, width=4.5, height=4.0)
+    for row, t_last in enumerate(last.transitions):
+        t_first = next((t for t in first.transitions if (t.source, t.target) == (t_last.source, t_last.target)), None)
+        source, target = last.sites[t_last.source].layout.choices, last.sites[t_last.target].layout.choices
+        for col, (step, t) in enumerate(((first_step, t_first), (last_step, t_last))):
+            if t is None:
+                axes[row, col].axis("off")
+                continue
+            draw_transition(axes[row, col], t, source, target, fig, title=f"step {step}: {t.source} -> {t.target}")
     fig.tight_layout()
     return fig
