@@ -40,6 +40,7 @@ class StepRecorder(L.Callback):
         self._unresolved: List[Tuple[int, Any, Any]] = []
         self._interrupted = False
         self._measured_here = 0
+        self.starts: List[int] = []  # global step at which each process (first run, each resume) began training
 
     # ------------------------------------------------------------------ timing
     @staticmethod
@@ -70,6 +71,10 @@ class StepRecorder(L.Callback):
             self._measured_here += 1
         self._unresolved = []
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.starts.append(trainer.global_step)
+        self._trainer, self._module = trainer, pl_module
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._close(trainer)
         self._interrupted = False
@@ -83,11 +88,15 @@ class StepRecorder(L.Callback):
 
     # ------------------------------------------------------------------ losses
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        loss = getattr(pl_module, "last_lm_loss", None)
-        if loss is not None:
-            self._pending_losses.append((trainer.global_step, loss.detach().float().reshape(())))
+        self._record_loss(trainer, pl_module)
         if is_logging_step(trainer, trainer.global_step):
             self._flush(trainer)
+
+    def _record_loss(self, trainer, pl_module) -> None:
+        loss = getattr(pl_module, "last_lm_loss", None)
+        last = self._pending_losses[-1][0] if self._pending_losses else (self.steps[-1] if self.steps else -1)
+        if loss is not None and last < trainer.global_step:
+            self._pending_losses.append((trainer.global_step, loss.detach().float().reshape(())))
 
     def _flush(self, trainer) -> None:
         """Global means of the pending losses (one all-reduce, on every rank at the same step) and timings."""
@@ -122,15 +131,19 @@ class StepRecorder(L.Callback):
 
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> Dict[str, Any]:
+        # a preemption checkpoint is saved before this callback's hook saw the last step: take its loss now
+        if getattr(self, "_module", None) is not None:
+            self._record_loss(self._trainer, self._module)
         self._resolve()
         return {"steps": self.loss_steps, "losses": self.losses, "step_times": list(self.step_times),
-                "timed_steps": list(self.timed_steps), "warm": list(self.warm)}
+                "timed_steps": list(self.timed_steps), "warm": list(self.warm), "starts": list(self.starts)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.steps, self._global_losses = list(state.get("steps", [])), list(state.get("losses", []))
         self._pending_losses = []
         self.step_times, self.timed_steps = list(state.get("step_times", [])), list(state.get("timed_steps", []))
         self.warm = list(state.get("warm", [True] * len(self.step_times)))
+        self.starts = list(state.get("starts", []))
 
 
 def routing_summary(trace) -> Dict[str, Dict[str, float]]:
@@ -179,6 +192,7 @@ def measured_summary(trainer, module, recorder: StepRecorder) -> Dict[str, Any]:
         "routing_scope": "global batch, last step" if routing is not None else "rank 0, last batch",
         "flops_per_token": flops if flops is not None else flops_of_last_batch(module),
         "train_loss_curve": list(zip(recorder.loss_steps, losses)),
+        "train_started_at_steps": list(recorder.starts),  # [0] for one run; [0, s] after a resume from step s
     }
 
 
