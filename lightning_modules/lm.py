@@ -381,7 +381,9 @@ class LanguageModelModule(L.LightningModule):
         )
 
     def _dump_nonfinite(self, step: int, batch: torch.Tensor, site: Optional[str]) -> pathlib.Path:
-        folder = pathlib.Path(self.trainer.log_dir or ".")
+        # the logger's folder: trainer.log_dir is a broadcast under DDP, and only the ranks that saw a bad loss are here
+        logger = self.trainer.logger
+        folder = pathlib.Path(getattr(logger, "log_dir", None) or self.trainer.default_root_dir or ".")
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"nonfinite-step{step}-rank{self.global_rank}.pt"
         torch.save({"step": step, "checked_at": self.global_step, "site": site, "batch": batch.cpu(),

@@ -208,3 +208,14 @@ def test_after_a_resume_summary_and_hparams_cover_the_whole_run(tmp_path, one_th
     hparams = plugin_data_pb2.HParamsPluginData.FromString(sessions[-1]).session_start_info.hparams
     assert hparams["trainer/max_steps"].number_value == 6 and hparams["trainer/global_step"].number_value == 6
     assert events.Scalars("hparams/val/loss")[-1].value == pytest.approx(summary["final_val_loss"])
+
+
+def test_routing_map_sample_is_the_first_validation_sequence():
+    import types
+
+    val = torch.arange(3 * (T + 1)).view(3, T + 1)
+    datamodule = types.SimpleNamespace(val_dataloader=lambda: [torch.utils.data.DataLoader(val, batch_size=2)])
+    trainer = types.SimpleNamespace(is_global_zero=True, datamodule=datamodule)
+    routing = RoutingStatistics()
+    routing.on_train_start(trainer, None)
+    assert torch.equal(routing.sample, val[:1, :-1])  # the same after any resume, unlike a training batch
