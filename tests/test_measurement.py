@@ -219,3 +219,12 @@ def test_routing_map_sample_is_the_first_validation_sequence():
     routing = RoutingStatistics()
     routing.on_train_start(trainer, None)
     assert torch.equal(routing.sample, val[:1, :-1])  # the same after any resume, unlike a training batch
+
+
+def test_the_module_keeps_the_trace_and_aux_parts_for_callbacks_not_the_logits(one_thread):
+    trainer, module = _fit([], max_steps=2, log_every=1)
+    out = module.last_output
+    assert out.logits is None and module.last_batch_shape == (4, T)
+    assert out.trace and all(not t.requires_grad for site in out.trace
+                             for t in (site.weights, site.logits) if t is not None)
+    assert set(out.aux_losses) and all(not v.requires_grad for v in out.aux_losses.values())
