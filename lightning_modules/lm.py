@@ -133,8 +133,9 @@ def routing_sees_future(model) -> bool:
     value = getattr(type(model), "routing_sees_future", None)
     if value is not None:
         return bool(value)
-    # TODO(merge): helper A adds the class attribute; until then the families known to use top-k over T.
-    return getattr(model.config, "variant", "") in ("mod", "mode_staged", "mode_integrated")
+    # TODO(merge): helper A adds the class attribute; until then the MoD family's sequence top-k router
+    # (MoD, MoDE staged; MoDE integrated skips by token choice, which is causal).
+    return bool(getattr(type(model), "uses_mod_router", False))
 
 
 class NonFiniteGuard:
