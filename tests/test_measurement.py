@@ -228,3 +228,10 @@ def test_the_module_keeps_the_trace_and_aux_parts_for_callbacks_not_the_logits(o
     assert out.trace and all(not t.requires_grad for site in out.trace
                              for t in (site.weights, site.logits) if t is not None)
     assert set(out.aux_losses) and all(not v.requires_grad for v in out.aux_losses.values())
+
+
+@pytest.mark.parametrize("variant,sees_future", [("vanilla", False), ("mod", True), ("mode_staged", True),
+                                                 ("mode_integrated", False), ("moe", False)])
+def test_causal_evaluation_is_added_exactly_where_routing_sees_the_future(variant, sees_future):
+    module = LanguageModelModule(model=dict(MOD, variant=variant))
+    assert module.causal_eval is sees_future and (module.val_loss_causal is not None) is sees_future
