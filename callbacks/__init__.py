@@ -29,7 +29,7 @@ class CallbacksConfig:
         throughput_window: batches in the monitor's rolling average (its first figures come after this many).
         contribution: logit-lens MHA vs FFN contribution on a fixed probe batch.
         contribution_every: steps between contribution measurements (also measured at the end).
-        contribution_batch_size: sequences in the fixed probe batch.
+        contribution_batch_size: sequences in the fixed probe batch (ratios get a bootstrap standard error over them).
         contribution_seq_len: tokens per probe sequence (default: the model's context).
         tensorboard: custom-scalars layout and hparams with the final metrics.
     """
@@ -43,7 +43,7 @@ class CallbacksConfig:
     throughput_window: int = 50
     contribution: bool = True
     contribution_every: int = 250
-    contribution_batch_size: int = 4
+    contribution_batch_size: int = 32
     contribution_seq_len: Optional[int] = None
     tensorboard: bool = True
 
@@ -101,5 +101,6 @@ def default_callbacks(cfg: Any) -> List[Any]:
     if config.tensorboard:
         from callbacks.tensorboard import TensorBoardExtras
 
-        out.append(TensorBoardExtras())
+        # experiments.run validates once more after fit: the hparams carry those final numbers
+        out.append(TensorBoardExtras(after_final_validation=True))
     return out

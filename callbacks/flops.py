@@ -1,6 +1,6 @@
 """Routing-aware FLOPs per token from the latest trace, and Lightning's ThroughputMonitor fed with them.
 
-Every ``every`` steps ``FlopsCallback`` asks the model for ``flops_per_token(trace, seq_len)`` of the
+Every ``every`` steps and at the last step ``FlopsCallback`` asks the model for ``flops_per_token(trace, seq_len)`` of the
 batch it just trained on (the contract; see ``architectures/flops.py`` for the conventions), averages
 it across DDP ranks (one all-reduce of the 5 components; routed models differ slightly per rank) and
 logs on rank 0:
@@ -16,17 +16,22 @@ them in (a device named plainly "NVIDIA H200": 989.5e12 dense bf16).
 """
 from __future__ import annotations
 
+import math
+import time
 import warnings
 from typing import Any, Dict, Optional, Sequence, Union
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 
 from architectures.contract import RoutingSite
 from architectures.flops import COMPONENTS, Flops
 from callbacks.routing import all_reduce_sum
 from callbacks.tensorboard import log_scalars
+from lightning_modules.lm import is_logging_step, log_step
 
 # Dense (no sparsity) peak FLOP/s per device name (lower case, exact), for names Lightning's table misses.
 PEAK_FLOPS: Dict[str, Dict[Union[torch.dtype, str], float]] = {
@@ -65,7 +70,11 @@ def mean_across_ranks(flops: Flops, device: torch.device) -> Flops:
 
 
 class FlopsCallback(L.Callback):
-    """Logs routing-aware FLOPs every ``every`` steps and keeps ``pl_module.flops_per_batch`` current."""
+    """Logs routing-aware FLOPs every ``every`` steps and at the last step, and sets ``pl_module.flops_per_batch``.
+
+    All the work (the FLOPs count reads the trace on the host, the cross-rank mean is a collective) happens
+    on those steps only; ``flops_per_batch`` holds the latest figure in between.
+    """
 
     def __init__(self, every: int = 50, log: bool = True):
         if every <= 0:
@@ -73,33 +82,61 @@ class FlopsCallback(L.Callback):
         self.every = every
         self.log = log
         self.latest: Dict[str, float] = {}
+        self.latest_flops: Optional[Flops] = None  # mean over ranks at the latest measured step
+        self.latest_ratio: Optional[float] = None
         self._last = -1
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if self.log:
+            warn_if_longer_than_run(trainer, "callbacks.flops_every", self.every, "FLOPs")
+
+    def due(self, trainer, step: int) -> bool:
+        return step > 0 and step != self._last and (step % self.every == 0 or step == trainer.max_steps)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         out = getattr(pl_module, "last_output", None)
-        if out is None:
+        shape = getattr(pl_module, "last_batch_shape", None)
+        if out is None or shape is None:
             return
         step = trainer.global_step
-        due = step > 0 and step % self.every == 0 and step != self._last
-        if not due and hasattr(pl_module, "flops_per_batch"):
+        if not (self.due(trainer, step) or is_logging_step(trainer, step)):  # the monitor reads it on these
             return
         from architectures.gpt2 import vanilla_flops
 
         model = pl_module.model
-        B, T = out.logits.shape[:2]
+        B, T = shape
         flops = measured_flops(model, out.trace, T)
         pl_module.flops_per_batch = int(flops.training * B * T)
-        if not (due and self.log):
+        if not (self.due(trainer, step) and self.log):
             return
         self._last = step
-        flops = mean_across_ranks(flops, out.logits.device)
-        self.latest = flops_scalars(flops, vanilla_flops(model.config, T))
+        flops = mean_across_ranks(flops, pl_module.device)
+        vanilla = vanilla_flops(model.config, T)
+        self.latest_flops = flops
+        self.latest_ratio = flops.forward / vanilla.forward if vanilla.forward else None
+        self.latest = flops_scalars(flops, vanilla)
         if trainer.is_global_zero:
-            log_scalars(trainer, self.latest, step)
+            log_scalars(trainer, self.latest, log_step(trainer))
+
+    def summary(self) -> Optional[Dict[str, Any]]:
+        """``summary.json``'s ``flops_per_token``: the mean over ranks at the last measured step (the last step)."""
+        if self.latest_flops is None:
+            return None
+        return {"forward": self.latest_flops.forward, "training": self.latest_flops.training,
+                "components": self.latest_flops.as_dict(), "ratio_to_vanilla": self.latest_ratio,
+                "step": self._last}
 
     def final_metrics(self) -> Dict[str, float]:
         keep = ("flops/forward", "flops/training", "flops/ratio_to_vanilla")
         return {k: v for k, v in self.latest.items() if k in keep}
+
+
+def warn_if_longer_than_run(trainer, field: str, every: int, what: str) -> None:
+    """Before training: an interval longer than the run would log only once, at the last step."""
+    max_steps = getattr(trainer, "max_steps", -1)
+    if max_steps is not None and 0 < max_steps < every:
+        rank_zero_warn(f"{field}={every} is longer than trainer.max_steps={max_steps}: {what} is logged only "
+                       f"at the last step; lower {field} for a curve")
 
 
 def peak_flops(device_name: str, dtype: Union[torch.dtype, str]) -> Optional[float]:
@@ -112,7 +149,16 @@ def peak_flops(device_name: str, dtype: Union[torch.dtype, str]) -> Optional[flo
 
 
 class PeakAwareThroughputMonitor(ThroughputMonitor):
-    """``ThroughputMonitor`` whose peak FLOP/s come from ``PEAK_FLOPS`` when Lightning's table lacks the device."""
+    """``ThroughputMonitor`` that measures on logging steps only, at the run's x-axis, with the right peak.
+
+    * Peak FLOP/s come from ``PEAK_FLOPS`` when Lightning's table lacks the device.
+    * Lightning's monitor synchronises with the GPU after every batch; here the clock is read (and the
+      device synchronised) only on logging steps, and each update covers the batches since the previous
+      one (the rolling window of ``window_size`` batches becomes ``window_size / log_every_n_steps``
+      updates, at least 2). The FLOPs of those batches are the latest ``flops_per_batch`` times their count.
+    * Figures are written at the step of the batch (``log_step``), like every other scalar; a separate
+      ``trainer.validate()`` is not measured (its per-batch numbers had an x-axis of their own).
+    """
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         device = trainer.strategy.root_device
@@ -121,6 +167,10 @@ class PeakAwareThroughputMonitor(ThroughputMonitor):
             from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
 
             ours = peak_flops(torch.cuda.get_device_name(device), _plugin_to_compute_dtype(trainer.precision_plugin))
+        self.batches_window = getattr(self, "batches_window", self.kwargs.get("window_size", 100))
+        every = max(1, getattr(trainer, "log_every_n_steps", 1) or 1)
+        self.kwargs["window_size"] = max(2, math.ceil(self.batches_window / every))
+        self._unmeasured = 0
         with warnings.catch_warnings():
             if ours is not None:
                 warnings.filterwarnings("ignore", message=".*FLOPs not found.*")
@@ -129,6 +179,34 @@ class PeakAwareThroughputMonitor(ThroughputMonitor):
             self.available_flops = int(ours)
             for throughput in self._throughputs.values():
                 throughput.available_flops = int(ours)
+
+    @rank_zero_only
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, *_: Any) -> None:
+        stage = trainer.state.stage
+        self._lengths[stage] += self.length_fn(batch)  # shapes only: no device work
+        self._samples[stage] += self.batch_size_fn(batch)
+        self._batches[stage] += 1
+        self._unmeasured += 1
+        if trainer.fit_loop._should_accumulate() or not is_logging_step(trainer, trainer.global_step):
+            return
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize()  # a logging step: the clock must see the queued work
+        per_batch = getattr(pl_module, "flops_per_batch", None)
+        throughput = self._throughputs[stage]
+        throughput.update(time=time.perf_counter() - self._t0s[stage], batches=self._batches[stage],
+                          samples=self._samples[stage], lengths=self._lengths[stage],
+                          flops=None if per_batch is None else per_batch * self._unmeasured)
+        self._unmeasured = 0
+        metrics = {f"{stage.value}{throughput.separator}{k}": v for k, v in throughput.compute().items()}
+        if metrics:
+            trainer._logger_connector.log_metrics(metrics, step=log_step(trainer))
+
+    @rank_zero_only
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, *_: Any, **__: Any) -> None:
+        if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
+            return
+        # time the validation (to take it out of the training throughput), but log nothing for it
+        self._update(trainer, pl_module, batch, trainer._evaluation_loop.batch_progress.total.ready)
 
 
 def _batch_size(batch: Any) -> int:

@@ -21,14 +21,18 @@ tokens that used option i at step s, how their slots at step s+1 were spread". I
 ``routing/<group>/transitions`` (heatmaps) and ``routing/map`` (for a fixed sample sequence, which
 option each site gave each token; white = skipped or dropped, MoD paper Figure 5 style).
 
-DDP: every rank adds its steps into one packed float tensor (no synchronisation per step); on a
-logging step every rank makes the same single ``all_reduce`` of that tensor (the layout is fixed by
-the sorted site names, identical on every rank of the same model), then rank 0 alone logs.
+DDP: on a logging step (every ``routing_every`` steps and the last step) every rank packs that step's
+trace into one float tensor and makes the same single ``all_reduce`` of it (the layout is fixed by the
+sorted site names, identical on every rank of the same model), then rank 0 alone logs: the figures are
+those of the global batch. Other steps do no routing work at all (no host synchronisation).
+The numbers are also saved, one JSON line per logging step, in ``<run folder>/routing/stats.jsonl``.
 """
 from __future__ import annotations
 
+import json
+import pathlib
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import lightning as L
 import torch
@@ -37,6 +41,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from architectures.contract import RoutingSite
 from callbacks.tensorboard import figure, log_figure, log_histogram, log_scalars, tag_part
+from lightning_modules.lm import log_step
 
 SKIP = "skip"
 # Per-site scalars after the E counts in the packed tensor.
@@ -292,7 +297,14 @@ class RoutingAccumulator:
 
 
 class RoutingStatistics(L.Callback):
-    """Logs routing statistics every ``every`` steps and heatmaps every ``images_every`` steps."""
+    """Logs routing statistics every ``every`` steps (and at the last step), heatmaps every ``images_every``.
+
+    Only those steps do any work: the trace of that step's batch is packed on every rank and summed
+    across ranks in one all-reduce, so each logged figure is a statistic of the global batch. Between
+    them the callback touches nothing (no host synchronisation, no kernels). Rank 0 also appends the
+    numbers (counts per option and transition counts) to ``<run folder>/routing/stats.jsonl``, which
+    ``python -m experiments.analyze routing RUN_DIR`` reads.
+    """
 
     def __init__(self, every: int = 50, images_every: int = 500, sample: Optional[torch.Tensor] = None):
         if every <= 0:
@@ -301,17 +313,37 @@ class RoutingStatistics(L.Callback):
             raise ValueError(f"callbacks.routing_images_every: must be a positive integer, got {images_every}")
         self.every = every
         self.images_every = images_every
-        self.sample = sample  # (1, T) token ids of the routing-map sequence; default: first training row
+        self.sample = sample  # (1, T) token ids of the routing-map sequence; default: first validation row
         self.accumulator = RoutingAccumulator()
         self.latest: Optional[RoutingStats] = None
+        self.latest_step: Optional[int] = None
         self._disabled = False
         self._last_logged = -1
         self._next_images = 0
         self._latest_trace: Sequence[RoutingSite] = ()
 
     # ------------------------------------------------------------------ hooks
+    def on_fit_start(self, trainer, pl_module) -> None:
+        from callbacks.flops import warn_if_longer_than_run
+
+        warn_if_longer_than_run(trainer, "callbacks.routing_every", self.every, "routing")
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.sample is None and trainer.is_global_zero:
+            from callbacks.contribution import validation_rows
+
+            rows = validation_rows(trainer, 1)  # fixed across resumes: the first validation sequence
+            if rows is not None:
+                self.sample = rows[:1, :-1]
+
+    def due(self, trainer, step: int) -> bool:
+        return step > 0 and step != self._last_logged and (step % self.every == 0 or step == trainer.max_steps)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self._disabled:
+            return
+        step = trainer.global_step
+        if not self.due(trainer, step):
             return
         out = getattr(pl_module, "last_output", None)
         trace = out.trace if out is not None else []
@@ -322,26 +354,24 @@ class RoutingStatistics(L.Callback):
             rank_zero_warn(f"routing statistics: variant {variant!r} has no routing sites; nothing is logged "
                            "for routing")
             return
-        self.accumulator.add(trace)
-        self._latest_trace = trace
         if self.sample is None and isinstance(batch, torch.Tensor) and batch.dim() == 2:
             self.sample = batch[:1, :-1].detach().clone()
-        step = trainer.global_step
-        if step == 0 or step % self.every != 0 or step == self._last_logged:
-            return
+        self.accumulator.add(trace)
+        self._latest_trace = trace
         self._last_logged = step
         stats = self.accumulator.reduce()  # collective: every rank, same step
-        self.latest = stats
+        self.latest, self.latest_step = stats, log_step(trainer)
         if stats is None or not trainer.is_global_zero:
             return
-        self._log(trainer, pl_module, stats, step)
+        self._log(trainer, pl_module, stats, self.latest_step)
 
     def _log(self, trainer, pl_module, stats: RoutingStats, step: int) -> None:
         log_scalars(trainer, stats.scalars(), step)
+        save_stats(trainer, stats, step)
         for site in self._latest_trace:
             log_histogram(trainer, f"routing/{tag_part(site.name)}/weights", kept_weights(site), step)
-        if step >= self._next_images:
-            self._next_images = (step // self.images_every + 1) * self.images_every
+        if trainer.global_step >= self._next_images or trainer.global_step == trainer.max_steps:
+            self._next_images = (trainer.global_step // self.images_every + 1) * self.images_every
             for group, fig in transition_figures(stats.transitions, stats.sites).items():
                 log_figure(trainer, f"routing/{tag_part(group)}/transitions", fig, step)
             fig = self.routing_map(pl_module)
@@ -363,8 +393,14 @@ class RoutingStatistics(L.Callback):
             model.train(was_training)
         return routing_map_figure(trace)
 
+    def summary(self) -> Optional[Dict[str, Dict[str, float]]]:
+        """``summary.json``'s ``routing``: option fractions per site of the global batch at the last logged step."""
+        if self.latest is None:
+            return None
+        return {name: dict(zip(s.layout.choices, s.fractions.tolist())) for name, s in self.latest.sites.items()}
+
     def final_metrics(self) -> Dict[str, float]:
-        """Site averages of the latest interval (the per-site series are in the scalars)."""
+        """Site averages of the latest logged step (the per-site series are in the scalars)."""
         if self.latest is None:
             return {}
         out = {}
@@ -373,6 +409,52 @@ class RoutingStatistics(L.Callback):
             if values:
                 out[f"routing/mean_{key}"] = float(sum(values) / len(values))
         return out
+
+
+STATS_FILE = pathlib.Path("routing") / "stats.jsonl"
+
+
+def stats_record(stats: RoutingStats, step: int) -> Dict[str, Any]:
+    """One JSON line: counts per option of every site, and the transition counts of every chain link."""
+    return {
+        "step": step,
+        "sites": {name: {"choices": list(s.layout.choices), "counts": s.counts.tolist(), "tokens": s.tokens,
+                         "processed": s.processed, "dropped": s.dropped, "slots": s.slots}
+                  for name, s in stats.sites.items()},
+        "transitions": [{"group": t.group, "source": t.source, "target": t.target, "counts": t.counts.tolist()}
+                        for t in stats.transitions],
+    }
+
+
+def save_stats(trainer, stats: RoutingStats, step: int) -> Optional[pathlib.Path]:
+    # the logger's folder (the run folder): ``trainer.log_dir`` is a broadcast under DDP, and rank 0 is alone here
+    folder = getattr(trainer.logger, "log_dir", None) if getattr(trainer, "logger", None) is not None else None
+    if not folder:
+        return None
+    path = pathlib.Path(folder) / STATS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        handle.write(json.dumps(stats_record(stats, step)) + "\n")
+    return path
+
+
+def load_stats(run_dir) -> List[Tuple[int, RoutingStats]]:
+    """The records of ``routing/stats.jsonl`` as ``RoutingStats`` (the last record wins for a repeated step)."""
+    path = pathlib.Path(run_dir) / STATS_FILE
+    by_step: Dict[int, RoutingStats] = {}
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        sites = {}
+        for name, site in record["sites"].items():
+            layout = SiteLayout(name, "", tuple(site["choices"]), "", 0, False, False)
+            sites[name] = SiteStats(layout, torch.tensor(site["counts"], dtype=torch.float64), site["tokens"],
+                                    site["slots"], site["dropped"], site["processed"], None)
+        transitions = [Transition(t["group"], t["source"], t["target"], torch.tensor(t["counts"], dtype=torch.float64))
+                       for t in record["transitions"]]
+        by_step[int(record["step"])] = RoutingStats(sites, transitions)
+    return sorted(by_step.items())
 
 
 def kept_weights(site: RoutingSite) -> torch.Tensor:
@@ -385,6 +467,33 @@ def kept_weights(site: RoutingSite) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- images
+def draw_transition(ax, t: "Transition", source_choices: Sequence[str], target_choices: Sequence[str], fig=None,
+                    title: Optional[str] = None):
+    """One row-normalised heatmap: colour bar, from/to labels, rows never visited hatched with their counts."""
+    import numpy as np
+
+    rows = t.counts.sum(1).numpy()
+    matrix = np.ma.masked_array(t.matrix.numpy(), mask=np.repeat((rows <= 0)[:, None], t.counts.shape[1], 1))
+    ax.set_facecolor("lightgrey")  # masked (unvisited) rows show the hatched grey background
+    ax.patch.set_hatch("///")
+    image = ax.imshow(matrix, vmin=0.0, vmax=1.0, cmap="viridis", interpolation="nearest")
+    ax.set_title(title or f"{t.source} -> {t.target}", fontsize=8)
+    ax.set_yticks(range(len(source_choices)), [f"{c} (n={int(n)})" for c, n in zip(source_choices, rows)], fontsize=6)
+    ax.set_xticks(range(len(target_choices)), list(target_choices), fontsize=6, rotation=90)
+    ax.set_ylabel(f"from: {t.source}", fontsize=7)
+    ax.set_xlabel(f"to: {t.target}", fontsize=7)
+    if matrix.size <= 100:
+        for (i, j), value in _cells(t.matrix.numpy()):
+            if rows[i] > 0:
+                ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=6,
+                        color="white" if value < 0.6 else "black")
+    if fig is not None:
+        bar = fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
+        bar.set_label("P(to | from)", fontsize=6)
+        bar.ax.tick_params(labelsize=6)
+    return image
+
+
 def transition_figures(transitions: Sequence[Transition], sites: Dict[str, SiteStats]):
     """One figure per group: a row-normalised heatmap per consecutive pair of sites."""
     by_group: Dict[str, List[Transition]] = {}
@@ -392,22 +501,14 @@ def transition_figures(transitions: Sequence[Transition], sites: Dict[str, SiteS
         by_group.setdefault(t.group, []).append(t)
     figures = {}
     for group, items in by_group.items():
-        cols = min(len(items), 4)
+        cols = min(len(items), 3)
         rows = (len(items) + cols - 1) // cols
-        fig, axes = figure(rows, cols)
+        fig, axes = figure(rows, cols, width=4.5, height=4.0)
         for ax in axes.flat[len(items):]:
             ax.axis("off")
         for ax, t in zip(axes.flat, items):
-            matrix = t.matrix.numpy()
-            ax.imshow(matrix, vmin=0.0, vmax=1.0, cmap="viridis")
-            ax.set_title(f"{t.source} -> {t.target}", fontsize=8)
-            ax.set_yticks(range(matrix.shape[0]), sites[t.source].layout.choices, fontsize=6)
-            ax.set_xticks(range(matrix.shape[1]), sites[t.target].layout.choices, fontsize=6, rotation=90)
-            if matrix.size <= 100:
-                for (i, j), value in _cells(matrix):
-                    ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=6,
-                            color="white" if value < 0.6 else "black")
-        fig.suptitle(f"{group}: P(next option | option)", fontsize=9)
+            draw_transition(ax, t, sites[t.source].layout.choices, sites[t.target].layout.choices, fig)
+        fig.suptitle(f"{group}: P(option at the next site | option here); hatched: row never visited", fontsize=8)
         fig.tight_layout()
         figures[group] = fig
     return figures
@@ -439,18 +540,63 @@ def routing_map_codes(trace: Sequence[RoutingSite]) -> torch.Tensor:
     return torch.stack(rows) if rows else torch.zeros(0, 0, dtype=torch.long)
 
 
+def option_colours(trace: Sequence[RoutingSite]) -> Dict[str, int]:
+    """A colour index per option *name* (same name, same colour on every row), in order of appearance."""
+    colours: Dict[str, int] = {}
+    for site in trace:
+        for name in site.choice_names:
+            if name != SKIP and name not in colours:
+                colours[name] = len(colours)
+    return colours
+
+
 def routing_map_figure(trace: Sequence[RoutingSite]):
+    """Which option each site gave each token of the sample; the legend names the options (colour = option name)."""
     import numpy as np
+    from matplotlib.patches import Patch
 
     codes = routing_map_codes(trace)
     if codes.numel() == 0:
         return None
-    fig, axes = figure(1, 1, width=max(4.0, codes.shape[1] / 12), height=max(2.0, 0.3 * codes.shape[0] + 1))
+    colours = option_colours(trace)
+    named = np.full(codes.shape, -1)
+    for row, site in enumerate(trace):
+        for option, name in enumerate(site.choice_names):
+            if name in colours:
+                named[row][codes[row].numpy() == option] = colours[name]
+    cmap = "tab10" if len(colours) <= 10 else "tab20"
+    size = 10 if len(colours) <= 10 else 20
+    fig, axes = figure(1, 1, width=max(5.0, codes.shape[1] / 12 + 2.5), height=max(2.2, 0.3 * codes.shape[0] + 1.2))
     ax = axes[0, 0]
-    masked = np.ma.masked_less(codes.numpy(), 0)
-    ax.imshow(masked, aspect="auto", interpolation="nearest", cmap="tab20", vmin=0, vmax=19)
+    ax.imshow(np.ma.masked_less(named, 0) % size, aspect="auto", interpolation="nearest", cmap=cmap, vmin=0,
+              vmax=size - 1)
     ax.set_yticks(range(len(trace)), [s.name for s in trace], fontsize=6)
-    ax.set_xlabel("token position")
-    ax.set_title("routing map (colour: option with the largest weight; white: skipped / dropped)", fontsize=8)
+    ax.set_xlabel("token position (fixed validation sequence)", fontsize=7)
+    ax.set_title("routing map: option with the largest weight; white: skipped / dropped", fontsize=8)
+    import matplotlib.pyplot as plt
+
+    palette = plt.get_cmap(cmap)
+    handles = [Patch(color=palette((i % size) / (size - 1)), label=name) for name, i in colours.items()]
+    handles.append(Patch(facecolor="white", edgecolor="black", label="skip / dropped"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=6, frameon=False,
+              ncol=1 if len(handles) <= 16 else 2)
+    fig.tight_layout()
+    return fig
+
+
+def first_last_figure(records: Sequence[Tuple[int, "RoutingStats"]]):
+    """Transition matrices of the first and the last logged step side by side, one row per chain link."""
+    (first_step, first), (last_step, last) = records[0], records[-1]
+    if not last.transitions:
+        return None
+    fig, axes = figure(len(last.transitions), 2, width=4.5, height=4.0)
+    for row, t_last in enumerate(last.transitions):
+        t_first = next((t for t in first.transitions if (t.source, t.target) == (t_last.source, t_last.target)), None)
+        source, target = last.sites[t_last.source].layout.choices, last.sites[t_last.target].layout.choices
+        for col, (step, t) in enumerate(((first_step, t_first), (last_step, t_last))):
+            if t is None:
+                axes[row, col].axis("off")
+                continue
+            draw_transition(axes[row, col], t, source, target, fig, title=f"step {step}: {t.source} -> {t.target}")
     fig.tight_layout()
     return fig

@@ -1,52 +1,149 @@
-"""Per-step timing and loss trajectory, and the end-of-run ``summary.json``."""
+"""Per-step timing and the global loss curve, and the end-of-run ``summary.json``.
+
+``StepRecorder`` keeps no host synchronisation on the training path: step boundaries are CUDA events
+on a GPU (``perf_counter`` on CPU), read back in batches on logging steps; the per-step LM losses stay
+on the device and are averaged over DDP ranks (one all-reduce) on logging steps. Its record is part
+of the checkpoint (callback state), so after a resume ``summary.json`` holds the whole run.
+"""
 from __future__ import annotations
 
 import json
 import pathlib
 import statistics
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import lightning as L
 import torch
 
+from lightning_modules.lm import is_logging_step
+
 
 class StepRecorder(L.Callback):
-    """Wall time of every optimisation step and the LM loss it produced (kept on device until the end).
+    """Wall time of every optimisation step and the global LM loss it produced.
 
-    The first ``skip_first`` steps are excluded from the median (they include warm-up allocations).
+    A step's time is the interval between two consecutive batch starts, so it covers the whole step:
+    data, forward, backward, optimiser, every callback's hooks and the logging. Intervals that contain
+    a validation or a checkpoint save are left out, and so are the first ``skip_first`` steps of each
+    process (warm-up allocations) from the median.
     """
 
     def __init__(self, skip_first: int = 2):
         self.skip_first = skip_first
-        self.step_times: List[float] = []
-        self._losses: List[torch.Tensor] = []
+        self.step_times: List[float] = []  # seconds, in step order (this run and the resumed ones)
+        self.timed_steps: List[int] = []
+        self.warm: List[bool] = []
         self.steps: List[int] = []
-        self._t0: Optional[float] = None
+        self._global_losses: List[float] = []
+        self._pending_losses: List[Tuple[int, torch.Tensor]] = []
+        self._open: Optional[Tuple[int, Any]] = None  # (step, start mark) of the running step
+        self._unresolved: List[Tuple[int, Any, Any]] = []
+        self._interrupted = False
+        self._measured_here = 0
+        self.starts: List[int] = []  # global step at which each process (first run, each resume) began training
+
+    # ------------------------------------------------------------------ timing
+    @staticmethod
+    def _mark(trainer) -> Any:
+        if trainer.strategy.root_device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _close(self, trainer) -> None:
+        if self._open is not None and not self._interrupted:
+            step, start = self._open
+            self._unresolved.append((step, start, self._mark(trainer)))
+        self._open = None
+
+    def _resolve(self) -> None:
+        """Turn the recorded marks into seconds (waits for the GPU to reach the last mark)."""
+        for step, start, end in self._unresolved:
+            if isinstance(start, float):
+                seconds = end - start
+            else:
+                end.synchronize()
+                seconds = start.elapsed_time(end) / 1000.0
+            self.step_times.append(seconds)
+            self.timed_steps.append(step)
+            self.warm.append(self._measured_here >= self.skip_first)
+            self._measured_here += 1
+        self._unresolved = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.starts.append(trainer.global_step)
+        self._trainer, self._module = trainer, pl_module
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.strategy.root_device.type == "cuda":
-            torch.cuda.synchronize()
-        self._t0 = time.perf_counter()
+        self._close(trainer)
+        self._interrupted = False
+        self._open = (trainer.global_step + 1, self._mark(trainer))
 
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._interrupted = True
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self._interrupted = True
+
+    # ------------------------------------------------------------------ losses
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.strategy.root_device.type == "cuda":
-            torch.cuda.synchronize()
-        if self._t0 is not None:
-            self.step_times.append(time.perf_counter() - self._t0)
+        self._record_loss(trainer, pl_module)
+        if is_logging_step(trainer, trainer.global_step):
+            self._flush(trainer)
+
+    def _record_loss(self, trainer, pl_module) -> None:
         loss = getattr(pl_module, "last_lm_loss", None)
-        if loss is not None:
-            self._losses.append(loss.detach())
-            self.steps.append(trainer.global_step)
+        last = self._pending_losses[-1][0] if self._pending_losses else (self.steps[-1] if self.steps else -1)
+        if loss is not None and last < trainer.global_step:
+            self._pending_losses.append((trainer.global_step, loss.detach().float().reshape(())))
+
+    def _flush(self, trainer) -> None:
+        """Global means of the pending losses (one all-reduce, on every rank at the same step) and timings."""
+        self._resolve()
+        if not self._pending_losses:
+            return
+        losses = torch.stack([loss for _, loss in self._pending_losses])
+        if trainer.world_size > 1:
+            losses = trainer.strategy.reduce(losses, reduce_op="mean")
+        self.steps.extend(step for step, _ in self._pending_losses)
+        self._global_losses.extend(losses.double().cpu().tolist())
+        self._pending_losses = []
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._close(trainer)
+        self._flush(trainer)
 
     @property
     def losses(self) -> List[float]:
-        return [float(x) for x in self._losses]
+        """Global (all-rank mean) LM loss per step; steps not yet flushed: this rank's value."""
+        return self._global_losses + [float(loss) for _, loss in self._pending_losses]
+
+    @property
+    def loss_steps(self) -> List[int]:
+        return self.steps + [step for step, _ in self._pending_losses]
 
     @property
     def median_step_time(self) -> Optional[float]:
-        times = self.step_times[self.skip_first:] or self.step_times
+        self._resolve()
+        times = [t for t, warm in zip(self.step_times, self.warm) if warm] or self.step_times
         return statistics.median(times) if times else None
+
+    # ------------------------------------------------------------------ resume
+    def state_dict(self) -> Dict[str, Any]:
+        # a preemption checkpoint is saved before this callback's hook saw the last step: take its loss now
+        if getattr(self, "_module", None) is not None:
+            self._record_loss(self._trainer, self._module)
+        self._resolve()
+        return {"steps": self.loss_steps, "losses": self.losses, "step_times": list(self.step_times),
+                "timed_steps": list(self.timed_steps), "warm": list(self.warm), "starts": list(self.starts)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.steps, self._global_losses = list(state.get("steps", [])), list(state.get("losses", []))
+        self._pending_losses = []
+        self.step_times, self.timed_steps = list(state.get("step_times", [])), list(state.get("timed_steps", []))
+        self.warm = list(state.get("warm", [True] * len(self.step_times)))
+        self.starts = list(state.get("starts", []))
 
 
 def routing_summary(trace) -> Dict[str, Dict[str, float]]:
@@ -58,6 +155,45 @@ def routing_summary(trace) -> Dict[str, Dict[str, float]]:
         if total > 0:
             out[site.name] = {name: float(c) / total for name, c in zip(site.choice_names, counts.tolist())}
     return out
+
+
+def _callback(trainer, name: str):
+    return next((c for c in trainer.callbacks if type(c).__name__ == name), None)
+
+
+def flops_of_last_batch(module) -> Optional[Dict[str, Any]]:
+    """Fallback without the FLOPs callback: this rank's last batch."""
+    from architectures.gpt2 import vanilla_flops
+
+    out, shape = getattr(module, "last_output", None), getattr(module, "last_batch_shape", None)
+    seq = shape[1] if shape else None
+    measured = module.model.flops_per_token(out.trace if out else None, seq)
+    vanilla = vanilla_flops(module.model.config, seq)
+    return {"forward": measured.forward, "training": measured.training, "components": measured.as_dict(),
+            "ratio_to_vanilla": measured.forward / vanilla.forward, "scope": "rank 0, last batch"}
+
+
+def measured_summary(trainer, module, recorder: StepRecorder) -> Dict[str, Any]:
+    """The measured part of ``summary.json``: global loss curve, step times, routing and FLOPs of the global batch.
+
+    Routing fractions and FLOPs come from the callbacks' last logged step (the last step: they flush
+    there), reduced over every rank; without those callbacks, from rank 0's last batch (``scope`` says so).
+    """
+    routing_cb, flops_cb = _callback(trainer, "RoutingStatistics"), _callback(trainer, "FlopsCallback")
+    routing = routing_cb.summary() if routing_cb is not None else None
+    flops = flops_cb.summary() if flops_cb is not None else None
+    out_trace = module.last_output.trace if getattr(module, "last_output", None) else []
+    losses = recorder.losses
+    return {
+        "final_train_loss": losses[-1] if losses else None,
+        "median_step_time_s": recorder.median_step_time,
+        "step_times_s": [[s, t] for s, t in zip(recorder.timed_steps, recorder.step_times)],
+        "routing": routing if routing is not None else routing_summary(out_trace),
+        "routing_scope": "global batch, last step" if routing is not None else "rank 0, last batch",
+        "flops_per_token": flops if flops is not None else flops_of_last_batch(module),
+        "train_loss_curve": list(zip(recorder.loss_steps, losses)),
+        "train_started_at_steps": list(recorder.starts),  # [0] for one run; [0, s] after a resume from step s
+    }
 
 
 def write_summary(path: pathlib.Path, summary: Dict[str, Any]) -> None:

@@ -71,7 +71,7 @@ def tag_part(name: str) -> str:
 def custom_scalars_layout(site_names: Iterable[str]) -> Dict[str, Dict[str, List[Any]]]:
     """Custom-scalars layout: one category per routing site, then FLOPs, throughput, contribution."""
     layout: Dict[str, Dict[str, List[Any]]] = {
-        "loss": {"train / val loss": ["Multiline", [r"train/loss$", r"val/loss$"]]},
+        "loss": {"train / val loss": ["Multiline", [r"train/loss$", r"val/loss$", r"val/loss_causal$"]]},
     }
     for name in sorted(site_names):
         site = re.escape(f"routing/{tag_part(name)}/")
@@ -114,9 +114,16 @@ def hparams_of(pl_module) -> Dict[str, Any]:
 
 
 class TensorBoardExtras(L.Callback):
-    """Custom-scalars layout (after the first step, when the routing sites are known) and final hparams."""
+    """Custom-scalars layout (after the first step, when the routing sites are known) and final hparams.
 
-    def __init__(self) -> None:
+    ``after_final_validation=True`` (what ``experiments.run`` uses: it validates once more after fit)
+    writes the hparams when that ``trainer.validate()`` ends, so ``hparams/val/*`` are the final
+    numbers; otherwise they are written at the end of fit. They include the trainer's current
+    ``max_steps`` and the step reached (after a resume: this run's, not the first run's).
+    """
+
+    def __init__(self, after_final_validation: bool = False) -> None:
+        self.after_final_validation = after_final_validation
         self._layout_written = False
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -129,6 +136,14 @@ class TensorBoardExtras(L.Callback):
             writer.add_custom_scalars(custom_scalars_layout(site.name for site in (out.trace if out else [])))
 
     def on_fit_end(self, trainer, pl_module) -> None:
+        if not self.after_final_validation:
+            self.write_hparams(trainer, pl_module)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self.after_final_validation and trainer.state.fn == "validate":
+            self.write_hparams(trainer, pl_module)
+
+    def write_hparams(self, trainer, pl_module) -> None:
         if not trainer.is_global_zero:
             return
         writer = tb_writer(trainer)
@@ -140,12 +155,15 @@ class TensorBoardExtras(L.Callback):
         from torch.utils.tensorboard.summary import hparams
 
         tagged = {f"hparams/{k}": v for k, v in metrics.items()}
-        exp, ssi, sei = hparams(hparams_of(pl_module), tagged)
+        params = {**hparams_of(pl_module), "trainer/max_steps": int(trainer.max_steps),
+                  "trainer/global_step": int(trainer.global_step)}
+        exp, ssi, sei = hparams(params, tagged)
         file_writer = writer._get_file_writer()
+        step = max(0, trainer.global_step - 1)  # the last batch's x value, like every other scalar
         for summary in (exp, ssi, sei):
-            file_writer.add_summary(summary, trainer.global_step)
+            file_writer.add_summary(summary, step)
         for tag, value in tagged.items():
-            writer.add_scalar(tag, value, trainer.global_step)
+            writer.add_scalar(tag, value, step)
         writer.flush()
 
 

@@ -2,6 +2,11 @@
 
     python -m experiments.analyze contribution --ckpt runs/vanilla-tiny/version_0/checkpoints/last.ckpt \
         [--method logit_lens|probe|mi] [--sequences 64] [--clusters 64] [--json OUT]
+    python -m experiments.analyze routing runs/mod-tiny/version_0 [--png OUT]
+
+``routing`` reads ``routing/stats.jsonl`` (counts saved by the training run at every routing logging
+step), prints each site's option fractions and each transition matrix at the first and the last
+logged step, and plots the matrices side by side (``routing/first-vs-last.png``).
 
 MHA-vs-FFN contribution ratios (the FFN-Wider paper) at every sub-layer boundary that
 ``model(idx, return_residuals=True)`` reports (embeddings, then each MHA / FFN update as it happened):
@@ -17,7 +22,8 @@ MHA-vs-FFN contribution ratios (the FFN-Wider paper) at every sub-layer boundary
   (about (K-1)(V-1) / (2 N ln 2)) is the same at every site and cancels in the gains.
 
 Ratios come from the gains between consecutive states (``callbacks.contribution.ratios_from_values``):
-ratio_MHA = sum of MHA gains / total gain, likewise FFN; they sum to 1.
+ratio_MHA = sum of MHA gains / total gain, likewise FFN; they sum to 1. With ``logit_lens`` each ratio
+has a standard error (``ratio_mha_se``), by bootstrap over the probe sequences.
 
 The probe data are the first sequences of the run's validation set, rebuilt from the ``data`` group
 of ``config.yaml`` in the run folder (the folder above ``checkpoints/``), so the embedded corpus
@@ -116,15 +122,17 @@ def normalised(hidden: torch.Tensor, eps: float) -> torch.Tensor:
 # ---------------------------------------------------------------------------- methods
 @torch.no_grad()
 def logit_lens(model, sequences: torch.Tensor, batch_size: int) -> Dict[str, Any]:
-    from callbacks.contribution import measure_contribution
+    from callbacks.contribution import BOOTSTRAP_SAMPLES, bootstrap_ratio_se, measure_contribution
 
     results = [measure_contribution(model, sequences[s : s + batch_size]) for s in range(0, len(sequences), batch_size)]
     weights = np.array([min(batch_size, len(sequences) - s) for s in range(0, len(sequences), batch_size)], float)
     weights /= weights.sum()
     accuracy = np.average([r.accuracy for r in results], axis=0, weights=weights).tolist()
     dla = np.average([r.dla for r in results], axis=0, weights=weights).tolist()
+    se = bootstrap_ratio_se(results[0].tags, torch.cat([r.correct for r in results], dim=1))
     return {"labels": results[0].labels, "tags": results[0].tags, "values": accuracy, "value_name": "top1_accuracy",
-            "dla": dict(zip(results[0].labels, dla))}
+            "dla": dict(zip(results[0].labels, dla)), "ratio_mha_se": se["mha"], "ratio_ffn_se": se["ffn"],
+            "se_method": f"bootstrap over sequences ({BOOTSTRAP_SAMPLES} resamples)"}
 
 
 def linear_probe_accuracy(model, features: torch.Tensor, targets: torch.Tensor, train: torch.Tensor,
@@ -233,18 +241,78 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     c.add_argument("--json", default=None, help="output file (default: <run folder>/contribution-<method>.json)")
+    r = commands.add_parser("routing", help="transition matrices and option fractions saved by a run, first vs last step")
+    r.add_argument("run_dir", help="a run folder of experiments.run (holds routing/stats.jsonl)")
+    r.add_argument("--png", default=None, help="output image (default: <run_dir>/routing/first-vs-last.png)")
     return parser
+
+
+def routing(run_dir: str, png: Optional[str] = None) -> Dict[str, Any]:
+    """Option fractions per site and transition matrices of the first and last logged step (printed and plotted)."""
+    from callbacks.routing import STATS_FILE, first_last_figure, load_stats
+
+    folder = pathlib.Path(run_dir)
+    if not (folder / STATS_FILE).is_file():
+        raise FileNotFoundError(f"run_dir: no {STATS_FILE} in {folder} (routing statistics are saved by runs of "
+                                "a routed variant with --callbacks.routing true)")
+    records = load_stats(folder)
+    if not records:
+        raise FileNotFoundError(f"run_dir: {folder / STATS_FILE} holds no records")
+    (first_step, first), (last_step, last) = records[0], records[-1]
+    result: Dict[str, Any] = {"run_dir": str(folder), "steps": [s for s, _ in records], "sites": {}, "transitions": []}
+    for name, site in last.sites.items():
+        before = first.sites.get(name)
+        result["sites"][name] = {
+            "choices": list(site.layout.choices),
+            "first": before.fractions.tolist() if before is not None else None,
+            "last": site.fractions.tolist(),
+        }
+    for t in last.transitions:
+        before = next((x for x in first.transitions if (x.source, x.target) == (t.source, t.target)), None)
+        result["transitions"].append({"group": t.group, "source": t.source, "target": t.target,
+                                      "first": before.matrix.tolist() if before is not None else None,
+                                      "last": t.matrix.tolist(), "last_row_counts": t.counts.sum(1).tolist()})
+    fig = first_last_figure(records)
+    if fig is not None:
+        import matplotlib.pyplot as plt
+
+        out = pathlib.Path(png) if png else folder / "routing" / "first-vs-last.png"
+        fig.savefig(out, dpi=120)
+        plt.close(fig)
+        result["png"] = str(out)
+    return result
+
+
+def print_routing(result: Dict[str, Any], stream=None) -> None:
+    stream = stream or sys.stderr
+    steps = result["steps"]
+    print(f"logged steps: {steps[0]} .. {steps[-1]} ({len(steps)} records)", file=stream)
+    for name, site in result["sites"].items():
+        print(f"{name}:", file=stream)
+        for i, choice in enumerate(site["choices"]):
+            first = f"{site['first'][i]:.3f}" if site["first"] is not None else "  -  "
+            print(f"  {choice:>12}  first {first}  last {site['last'][i]:.3f}", file=stream)
+    for t in result["transitions"]:
+        print(f"{t['source']} -> {t['target']} (rows: from, columns: to; last step):", file=stream)
+        for row, count in zip(t["last"], t["last_row_counts"]):
+            print("  " + " ".join(f"{v:.2f}" for v in row) + f"   (n={int(count)})", file=stream)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     args = build_parser().parse_args(argv)
+    if args.command == "routing":
+        result = routing(args.run_dir, args.png)
+        print_routing(result)
+        print(json.dumps(result))
+        return result
     result = contribution(args.ckpt, args.method, args.sequences, args.batch_size, args.clusters,
                           args.probe_steps, args.probe_lr, args.seed, args.device)
     out = pathlib.Path(args.json) if args.json else run_folder(pathlib.Path(args.ckpt)) / f"contribution-{args.method}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     for label, value in zip(result["labels"], result["values"]):
         print(f"{label:>12}  {value:.4f}", file=sys.stderr)
-    print(f"ratio_mha={result['ratio_mha']}  ratio_ffn={result['ratio_ffn']}  ({out})", file=sys.stderr)
+    se = f" +- {result['ratio_mha_se']:.3f} (SE, bootstrap over sequences)" if result.get("ratio_mha_se") is not None else ""
+    print(f"ratio_mha={result['ratio_mha']}{se}  ratio_ffn={result['ratio_ffn']}  ({out})", file=sys.stderr)
     print(json.dumps(result))
     return result
 

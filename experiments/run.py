@@ -292,7 +292,7 @@ def main(argv: Optional[Sequence[str]] = None) -> pathlib.Path:
 def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
     import lightning as L
 
-    from callbacks.run_summary import StepRecorder, routing_summary, write_summary
+    from callbacks.run_summary import StepRecorder, measured_summary, write_summary
     from datamodules.lm import LMDataModule
     from experiments.compiling import compile_model
     from experiments.weights import load_initial_weights
@@ -335,17 +335,13 @@ def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
             "variant": mcfg.variant,
             "size": mcfg.size,
             "steps": trainer.global_step,
-            "final_train_loss": recorder.losses[-1] if recorder.losses else None,
             "final_val_loss": metrics.get("val/loss"),
             "final_val_ppl": metrics.get("val/ppl"),
             "val_metrics": metrics,
             "tokens_seen": module.tokens_seen,
             "unigram_entropy_nats": data.unigram_entropy(),
             "parameters": module.model.num_parameters(),
-            "flops_per_token": flops_summary(module),
-            "median_step_time_s": recorder.median_step_time,
-            "routing": routing_summary(module.last_output.trace if module.last_output else []),
-            "train_loss_curve": list(zip(recorder.steps, recorder.losses)),
+            **measured_summary(trainer, module, recorder),  # global loss curve, routing, FLOPs, step times
             "world_size": trainer.world_size,
             "run_dir": str(run_dir),
         }
@@ -367,21 +363,6 @@ def config_writer(save):
                 save(run_dir / "config.yaml")
 
     return ConfigWriter()
-
-
-def flops_summary(module) -> Dict[str, Any]:
-    from architectures.gpt2 import vanilla_flops
-
-    trace = module.last_output.trace if module.last_output else None
-    seq = module.last_output.logits.shape[1] if module.last_output else None
-    measured = module.model.flops_per_token(trace, seq)
-    vanilla = vanilla_flops(module.model.config, seq)
-    return {
-        "forward": measured.forward,
-        "training": measured.training,
-        "components": measured.as_dict(),
-        "ratio_to_vanilla": measured.forward / vanilla.forward,
-    }
 
 
 def make_trainer(cfg: Namespace, root: pathlib.Path, version: str, extra_callbacks=(), find_unused: bool = False):

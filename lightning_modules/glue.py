@@ -7,11 +7,15 @@ attention: the last token has seen the whole input). Loss: cross-entropy (STS-B:
 on the score) plus the backbone's auxiliary routing loss, so routers stay balanced while fine-tuning.
 
 Metrics (torchmetrics, per validation split): CoLA Matthews correlation (+ accuracy), STS-B Pearson
-and Spearman, MRPC/QQP accuracy and F1 (positive class 1), the others accuracy. ``glue_score`` is the
+and Spearman, MRPC/QQP accuracy and F1 (positive class 1), the others accuracy. Correlations that are
+undefined (constant predictions or labels) are 0, as sklearn / the GLUE scorer report them. ``glue_score`` is the
 GLUE-leaderboard number of a task: the mean of its two metrics where it has two (CoLA: Matthews).
 """
 from __future__ import annotations
 
+import inspect
+import json
+import pathlib
 from typing import Any, Dict, List, Optional
 
 import lightning as L
@@ -27,11 +31,34 @@ from datamodules.glue import GlueTask, get_task
 from lightning_modules.lm import OptimConfig, parameter_groups, warmup_cosine
 
 
+class MatthewsCorrCoef(BinaryMatthewsCorrCoef):
+    """Matthews correlation that is 0 when it is undefined (a row or column of the confusion matrix is empty).
+
+    That is what sklearn, scipy and the GLUE scorer report for constant predictions (or constant labels);
+    torchmetrics' own fallback returns values such as +-1 or 0.80 there.
+    """
+
+    def compute(self) -> torch.Tensor:
+        (tn, fp), (fn, tp) = self.confmat.double().tolist()
+        denominator = (tp + fp) * (tp + fn) * (tn + fp) * (tn + fn)
+        if denominator == 0:
+            return torch.tensor(0.0)
+        return torch.tensor((tp * tn - fp * fn) / denominator ** 0.5)
+
+
+class PearsonOrZero(PearsonCorrCoef):
+    """Pearson correlation, 0 when undefined (constant predictions or labels) instead of NaN."""
+
+    def compute(self) -> torch.Tensor:
+        value = super().compute()
+        return torch.nan_to_num(value, nan=0.0)
+
+
 def glue_metrics(task: GlueTask) -> MetricCollection:
     makers = {
-        "matthews": BinaryMatthewsCorrCoef,
+        "matthews": MatthewsCorrCoef,
         "f1": BinaryF1Score,
-        "pearson": PearsonCorrCoef,
+        "pearson": PearsonOrZero,
         "spearman": SpearmanCorrCoef,
         "accuracy": (lambda: BinaryAccuracy()) if task.num_labels == 2 else
                     (lambda: MulticlassAccuracy(num_classes=task.num_labels, average="micro")),
@@ -50,12 +77,37 @@ def split_prefix(split: str) -> str:
     return split.replace("validation", "val")
 
 
+def backbone_hidden(model: nn.Module, idx: torch.Tensor, attention_mask: torch.Tensor):
+    """(B, T, d) stream the LM head reads (before ``ln_f``) and the ModelOutput, without computing the LM head.
+
+    The (T x vocab) logits a classifier discards cost most of a small model's forward (9.6x at tiny).
+    """
+    if "compute_logits" in inspect.signature(model.forward).parameters:
+        out = model(idx, attention_mask=attention_mask, compute_logits=False)
+        if out.hidden is not None:
+            return out.hidden, out
+    # TODO(merge): helper A adds compute_logits=False to every model; until then every variant ends its
+    # forward with self.head(x) (ln_f + LM head), so an instance attribute that returns the stream stands in.
+    captured: Dict[str, torch.Tensor] = {}
+
+    def keep_stream(x: torch.Tensor):
+        captured["hidden"] = x
+        return None
+
+    model.head = keep_stream
+    try:
+        out = model(idx, attention_mask=attention_mask)
+    finally:
+        del model.head
+    return captured["hidden"], out
+
+
 def last_token_features(model: nn.Module, idx: torch.Tensor, attention_mask: torch.Tensor):
     """(B, d) final-LayerNorm features at each row's last real token, and the ModelOutput."""
-    out = model(idx, attention_mask=attention_mask, return_residuals=True)
-    hidden = model.ln_f(out.final_hidden())
+    hidden, out = backbone_hidden(model, idx, attention_mask)
     last = attention_mask.long().sum(dim=1) - 1
-    return hidden[torch.arange(idx.shape[0], device=idx.device), last], out
+    rows = torch.arange(idx.shape[0], device=idx.device)
+    return model.ln_f(hidden[rows, last]), out
 
 
 class GlueModule(L.LightningModule):
@@ -76,6 +128,8 @@ class GlueModule(L.LightningModule):
         self.val_names: List[str] = list(self.task.val_splits)
         self.val_metrics = nn.ModuleList([glue_metrics(self.task) for _ in self.val_names])
         self.val_loss = nn.ModuleList([MeanMetric() for _ in self.val_names])
+        # per split: (example index, label, prediction) of the latest validation, all ranks on rank 0
+        self.predictions_by_split: Dict[str, List[Dict[str, Any]]] = {}
 
     # ------------------------------------------------------------------ core
     def forward(self, idx: torch.Tensor, attention_mask: torch.Tensor):
@@ -103,7 +157,23 @@ class GlueModule(L.LightningModule):
         logits, _ = self(batch["idx"], batch["attention_mask"])
         labels = batch["labels"]
         self.val_loss[dataloader_idx].update(self.task_loss(logits, labels), weight=labels.shape[0])
-        self.val_metrics[dataloader_idx].update(self.predictions(logits), labels)
+        predictions = self.predictions(logits)
+        self.val_metrics[dataloader_idx].update(predictions, labels)
+        self._keep_predictions(dataloader_idx, batch_idx, labels.shape[0], labels, predictions)
+
+    def _keep_predictions(self, split_idx: int, batch_idx: int, size: int, labels, predictions) -> None:
+        """Example index in the split: sequential loader per rank; under DDP Lightning's sampler deals
+        index i to rank i % world_size (padding repeats the first ones, dropped when gathered)."""
+        batch_size = self.trainer.val_dataloaders[split_idx].batch_size if isinstance(
+            self.trainer.val_dataloaders, (list, tuple)) else self.trainer.val_dataloaders.batch_size
+        world, rank = self.trainer.world_size, self.global_rank
+        rows = self.predictions_by_split.setdefault(self.val_names[split_idx], [])
+        for j, (label, prediction) in enumerate(zip(labels.tolist(), predictions.tolist())):
+            local = batch_idx * batch_size + j
+            rows.append({"id": local * world + rank, "label": label, "prediction": prediction})
+
+    def on_validation_epoch_start(self) -> None:
+        self.predictions_by_split = {}
 
     def on_validation_epoch_end(self) -> None:
         for i, split in enumerate(self.val_names):
@@ -117,6 +187,39 @@ class GlueModule(L.LightningModule):
             self.log(f"{prefix}/score", glue_score(self.task, values), add_dataloader_idx=False)
             self.val_metrics[i].reset()
             self.val_loss[i].reset()
+        self._gather_predictions()
+
+    def _gather_predictions(self) -> None:
+        if self.trainer.world_size <= 1:
+            return
+        import torch.distributed as dist
+
+        gathered: List[Any] = [None] * self.trainer.world_size
+        dist.all_gather_object(gathered, self.predictions_by_split)
+        merged: Dict[str, Dict[int, Dict[str, Any]]] = {}
+        for part in gathered:
+            for split, rows in part.items():
+                for row in rows:
+                    merged.setdefault(split, {}).setdefault(row["id"], row)
+        self.predictions_by_split = {split: [rows[i] for i in sorted(rows)] for split, rows in merged.items()}
+
+    def write_predictions(self, folder: pathlib.Path, datasets: Dict[str, Any], decode) -> List[pathlib.Path]:
+        """``predictions.jsonl`` per validation split: id, inputs (the decoded model input), label, prediction."""
+        paths = []
+        names = self.task.labels
+        for split, rows in self.predictions_by_split.items():
+            dataset = datasets[split]
+            path = folder / (f"predictions-{split}.jsonl" if len(self.val_names) > 1 else "predictions.jsonl")
+            with path.open("w", encoding="utf-8") as handle:
+                for row in rows:
+                    if row["id"] >= len(dataset):
+                        continue  # the distributed sampler's padding
+                    out = {"id": row["id"], "inputs": decode(dataset.ids[row["id"]].tolist()),
+                           "label": names[int(row["label"])] if names else row["label"],
+                           "prediction": names[int(row["prediction"])] if names else row["prediction"]}
+                    handle.write(json.dumps(out, ensure_ascii=False) + "\n")
+            paths.append(path)
+        return paths
 
     # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self):

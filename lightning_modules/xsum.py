@@ -186,10 +186,29 @@ class XSumModule(L.LightningModule):
         self.predictions = []
 
     def on_test_epoch_end(self) -> None:
+        self._gather_predictions()
         scores = self.rouge.compute()
         for key in ROUGE_KEYS:
             self.log(f"test/{key}", scores[f"{key}_fmeasure"])
         self.rouge.reset()
+
+    def _gather_predictions(self) -> None:
+        """Under DDP every rank summarised its share: rank 0 writes them all (the sampler's padding repeats
+        some examples; each id is kept once, in id order when ids are sortable)."""
+        if self.trainer.world_size <= 1:
+            return
+        import torch.distributed as dist
+
+        gathered: List[Any] = [None] * self.trainer.world_size
+        dist.all_gather_object(gathered, self.predictions)
+        unique: Dict[Any, Dict[str, str]] = {}
+        for part in gathered:
+            for row in part:
+                unique.setdefault(row["id"], row)
+        try:
+            self.predictions = [unique[k] for k in sorted(unique)]
+        except TypeError:
+            self.predictions = list(unique.values())
 
     # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self):

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import json
+import pathlib
+import subprocess
+import sys
 
 import lightning as L
 import numpy as np
@@ -13,6 +16,7 @@ import yaml
 from datamodules.lm import DataConfig, LMDataModule
 from experiments.analyze import contribution, main, mutual_information
 from lightning_modules.lm import LanguageModelModule
+from tests.conftest import REPO
 
 T = 32
 
@@ -99,3 +103,74 @@ def test_mutual_information_by_hand():
     assert mutual_information(np.zeros(8, dtype=int), x) == pytest.approx(0.0)
     assert mutual_information(np.array([0, 1] * 4), np.array([0, 0, 1, 1] * 2)) == pytest.approx(0.0)
     assert mutual_information(x // 2, x) == pytest.approx(1.0)
+
+
+# ---------------------------------------------------------------------------- routing
+@pytest.fixture(scope="module")
+def routed_run(tmp_path_factory):
+    import lightning as L
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from callbacks.routing import RoutingStatistics
+    from lightning_modules.lm import LanguageModelModule
+
+    L.seed_everything(0, verbose=False)
+    module = LanguageModelModule(model=dict(variant="moe", vocab_size=32, d_model=32, n_layer=3, n_head=2, block_size=16,
+                                            moe={"num_experts": 4, "top_k": 1}), max_steps=4)
+    logger = TensorBoardLogger(str(tmp_path_factory.mktemp("routing")), name="run")
+    trainer = L.Trainer(max_steps=4, accelerator="cpu", logger=logger, callbacks=[RoutingStatistics(every=2)],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        log_every_n_steps=1)
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(torch.randint(0, 32, (32, 17)), batch_size=4))
+    return pathlib.Path(logger.log_dir)
+
+
+def test_routing_numbers_are_saved_per_logging_step_and_analyze_prints_first_vs_last(routed_run, capsys):
+    records = [json.loads(line) for line in (routed_run / "routing" / "stats.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 3]
+    assert [(t["source"], t["target"]) for t in records[0]["transitions"]] == [("layer0.moe", "layer1.moe"),
+                                                                              ("layer1.moe", "layer2.moe")]
+    result = main(["routing", str(routed_run)])
+    err = capsys.readouterr().err
+    assert "layer0.moe -> layer1.moe" in err and "first" in err and "(n=" in err
+    counts = records[-1]["sites"]["layer0.moe"]["counts"]
+    assert result["sites"]["layer0.moe"]["last"] == pytest.approx([c / sum(counts) for c in counts])
+    link = records[0]["transitions"][0]["counts"]
+    expected = [[v / sum(row) if sum(row) else 0.0 for v in row] for row in link]
+    assert np.allclose(result["transitions"][0]["first"], expected)
+    assert pathlib.Path(result["png"]).stat().st_size > 10_000
+
+
+def test_routing_analysis_without_numbers_exits_2_naming_the_file(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "experiments.analyze", "routing", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "routing/stats.jsonl" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_routing_map_legend_names_each_option_and_heatmap_masks_unvisited_rows():
+    from callbacks.routing import RoutingAccumulator, routing_map_figure, transition_figures
+    from architectures.contract import RoutingSite
+
+    def site(name, selected, choices, step):
+        selected = torch.tensor(selected)[None, :, None]
+        return RoutingSite(name=name, kind="token_choice", choice_names=choices, selected=selected,
+                           weights=torch.ones(selected.shape), group="mom", step=step)
+
+    trace = [site("mom.step0", [0, 1, 0, 2], ["attn1", "ffn1", "skip"], 0),
+             site("mom.step1", [1, 1, 0, 0], ["attn1", "ffn2", "skip"], 1)]
+    fig = routing_map_figure(trace)
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert legend == ["attn1", "ffn1", "ffn2", "skip / dropped"]  # one colour per option name, across rows
+    acc = RoutingAccumulator()
+    acc.add(trace)
+    stats = acc.reduce()
+    (heatmap,) = transition_figures(stats.transitions, stats.sites).values()
+    ax = heatmap.axes[0]
+    assert ax.get_xlabel() == "to: mom.step1" and ax.get_ylabel() == "from: mom.step0"
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["attn1 (n=2)", "ffn1 (n=1)", "skip (n=1)"]
+    assert len(heatmap.axes) == 2  # the heatmap and its colour bar
+    assert ax.images[0].get_array().mask[2].all() == False  # noqa: E712 (row skip was visited)
+    empty = site("mom.step0", [0, 0, 0, 0], ["attn1", "ffn1", "skip"], 0)
+    acc.add([empty, trace[1]])
+    (heatmap,) = transition_figures(acc.reduce().transitions, stats.sites).values()
+    assert heatmap.axes[0].images[0].get_array().mask[1].all()  # ffn1 never chosen: masked, shown hatched

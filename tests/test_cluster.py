@@ -175,7 +175,8 @@ def test_sigterm_saves_last_checkpoint_and_the_same_command_resumes_to_max_steps
     assert resumed.returncode == 0, resumed.stderr
     summary = json.loads((pathlib.Path(resumed.stdout.strip().splitlines()[-1]) / "summary.json").read_text())
     assert summary["steps"] == 60
-    assert summary["train_loss_curve"][0][0] == step + 1  # continued from the saved step, not from scratch
+    assert summary["train_started_at_steps"] == [0, step]  # continued from the saved step, not from scratch
+    assert [s for s, _ in summary["train_loss_curve"]] == list(range(1, 61))  # the whole run's curve
     assert summary["tokens_seen"] == 60 * 4 * 64
 
 
@@ -222,7 +223,7 @@ def test_sigusr1_outside_slurm_saves_last_checkpoint_and_resume_reaches_max_step
     assert stopped_at in (3, 4)  # the signal lands during step 3's end; the run stops after that step
     monkeypatch.setattr(run, "extra_run_callbacks", lambda cfg: [])
     summary = json.loads((run.main([*argv, "--ckpt_path", "last"]) / "summary.json").read_text())
-    assert summary["steps"] == 8 and summary["train_loss_curve"][0][0] == stopped_at + 1
+    assert summary["steps"] == 8 and summary["train_started_at_steps"] == [0, stopped_at]
     assert summary["run_dir"] == str(last.parent.parent)  # resumed in the same run folder
 
 

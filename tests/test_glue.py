@@ -323,6 +323,11 @@ def test_one_finetuning_step_per_task_and_the_glue_table(glue_dir, tmp_path, cap
     assert table[0] == "| task | metrics (x100) | score |" and len(table) == 2 + 9 + 1
     assert "matched accuracy" in table[2 + 5] and "mismatched accuracy" in table[2 + 5]
     assert (run_dir / "cola").is_dir() and (run_dir / "wnli").is_dir()
+    rows = [json.loads(line) for line in next((run_dir / "cola").rglob("predictions.jsonl")).read_text().splitlines()]
+    assert [r["id"] for r in rows] == list(range(len(rows))) and rows
+    assert set(rows[0]) == {"id", "inputs", "label", "prediction"} and rows[0]["inputs"]
+    assert {r["label"] for r in rows} <= set(get_task("cola").labels)
+    assert len(list((run_dir / "mnli").rglob("predictions-*.jsonl"))) == 2  # matched and mismatched
 
 
 def test_finetuning_learns_a_task_on_a_routed_variant(tmp_path):
@@ -432,3 +437,77 @@ def test_real_gpt2_tokenizer_on_real_sst2(shared_data, tmp_path):
     assert first[-1] == 50256
     text = load_split(get_task("sst2"), "validation", str(tmp_path / "glue_data")).texts[0][0]
     assert gpt2.decode(first[:-1]) == text
+
+
+# ---------------------------------------------------------------------------- honest downstream numbers
+@pytest.mark.parametrize("task", GLUE_TASKS)
+def test_constant_predictions_score_zero_correlation_for_every_metric(task):
+    spec = get_task(task)
+    labels = torch.tensor([0.5, 1.0, 4.0, 2.5]) if spec.regression else torch.tensor([0, 1, 1, 0]) % spec.num_labels
+    for constant in ((torch.full((4,), 3.0),) if spec.regression else (torch.zeros(4, dtype=torch.long),
+                                                                        torch.ones(4, dtype=torch.long))):
+        values = {k: float(v) for k, v in glue_metrics(spec)(constant, labels).items()}
+        assert all(math.isfinite(v) for v in values.values()), (task, values)
+        for name in ("matthews", "pearson", "spearman"):
+            if name in values:
+                assert values[name] == 0.0, (task, name, values)
+        if "accuracy" in values:
+            assert values["accuracy"] == pytest.approx(float((constant == labels).float().mean()))
+    if "matthews" in spec.metrics:  # constant labels too: sklearn / GLUE give 0 (torchmetrics gave 0.80)
+        metric = glue_metrics(spec)["matthews"]
+        metric.update(torch.tensor([1, 1, 1, 1, 1, 1, 1, 0]), torch.ones(8, dtype=torch.long))
+        assert float(metric.compute()) == 0.0
+
+
+def test_classification_does_not_compute_the_lm_head():
+    torch.manual_seed(0)
+    module = GlueModule(model=dict(variant="mod", **TINY), task="sst2").eval()
+    calls = []
+    module.model.lm_head.register_forward_hook(lambda *args: calls.append(1))
+    idx, mask = torch.randint(0, 256, (2, 10)), torch.ones(2, 10, dtype=torch.long)
+    logits, _ = module(idx, mask)
+    assert logits.shape == (2, 2) and not calls
+    assert "head" not in vars(module.model)  # the stand-in is removed again
+    full = module.model(idx, return_residuals=True)
+    features, _ = last_token_features(module.model, idx, mask)
+    torch.testing.assert_close(features, module.model.ln_f(full.final_hidden()[:, -1]), atol=1e-5, rtol=1e-5)
+
+
+def _gather_worker(rank: int, world: int, port: int, out: str) -> None:
+    import os
+    import types
+
+    import torch.distributed as dist
+
+    from lightning_modules.xsum import XSumModule
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        trainer = types.SimpleNamespace(world_size=world)
+        # 5 examples over 2 ranks: rank 0 has ids 0, 2, 4; rank 1 has 1, 3 and the sampler's padding 0
+        mine = [0, 2, 4] if rank == 0 else [1, 3, 0]
+        xsum = types.SimpleNamespace(trainer=trainer, predictions=[{"id": f"doc{i}", "prediction": f"p{i}"} for i in mine])
+        XSumModule._gather_predictions(xsum)
+        glue = types.SimpleNamespace(trainer=trainer, predictions_by_split={
+            "validation": [{"id": i, "label": i % 2, "prediction": 1} for i in mine]})
+        GlueModule._gather_predictions(glue)
+        if rank == 0:
+            pathlib.Path(out).write_text(json.dumps({"xsum": xsum.predictions, "glue": glue.predictions_by_split}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_predictions_of_every_rank_are_gathered(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "gathered.json"
+    mp.start_processes(_gather_worker, args=(2, port, str(out)), nprocs=2, join=True, start_method="spawn")
+    gathered = json.loads(out.read_text())
+    assert [r["id"] for r in gathered["xsum"]] == [f"doc{i}" for i in range(5)]
+    assert [r["id"] for r in gathered["glue"]["validation"]] == [0, 1, 2, 3, 4]

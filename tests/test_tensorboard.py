@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import socket
@@ -52,9 +53,37 @@ def test_event_files_hold_routing_flops_contribution_layout_and_hparams(mod_run)
     # the logged FLOPs are the summary's (same trace of the last step)
     summary = json.loads((mod_run / "summary.json").read_text())
     logged = {e.step: e.value for e in events.Scalars("flops/forward")}
-    assert logged[4] == pytest.approx(summary["flops_per_token"]["forward"], rel=1e-6)
+    assert logged[3] == pytest.approx(summary["flops_per_token"]["forward"], rel=1e-6)  # batch 3 = the 4th step
     processed = events.Scalars("routing/block1.mod/processed_fraction")[-1].value
     assert processed == pytest.approx(0.125, abs=1 / 64)  # mod.capacity
+
+
+def _steps(events, tag):
+    return sorted({e.step for e in events.Scalars(tag)})
+
+
+def test_one_x_axis_and_final_numbers_at_the_end_of_the_run(mod_run):
+    """Lightning's scalars and the callbacks' share the x value of a batch; hparams hold the final validation."""
+    events = _events(mod_run)
+    assert _steps(events, "train/loss") == [0, 1, 2, 3]  # log_every_n_steps 1; x = index of the batch
+    assert _steps(events, "routing/block1.mod/frac/skip") == [1, 3]  # routing_every 2: steps 2 and 4
+    assert _steps(events, "flops/forward") == [1, 3] and _steps(events, "contribution/acc_final") == [1, 3]
+    assert _steps(events, "lr-AdamW/pg1")[-1] == 3 and _steps(events, "val/loss") == [3]  # in fit and final
+    # MoD's top-k routing sees the future: causal evaluation and predictor quality next to val/loss
+    scalars = set(events.Tags()["scalars"])
+    assert {"val/loss_causal", "val/ppl_causal", "hparams/val/loss_causal"} <= scalars
+    assert {f"val/predictor/block1.mod/{k}" for k in ("precision", "recall", "f1", "accuracy")} <= scalars
+    summary = json.loads((mod_run / "summary.json").read_text())
+    final = events.Scalars("val/loss")[-1].value
+    assert events.Scalars("hparams/val/loss")[-1].value == pytest.approx(final)
+    assert summary["val_metrics"]["val/loss_causal"] == pytest.approx(events.Scalars("val/loss_causal")[-1].value)
+    assert summary["val_metrics"]["val/ppl_causal"] == pytest.approx(math.exp(summary["val_metrics"]["val/loss_causal"]))
+    # routing numbers saved per logging step; summary routing = the global batch of the last step
+    records = [json.loads(line) for line in (mod_run / "routing" / "stats.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 3]
+    counts = records[-1]["sites"]["block1.mod"]["counts"]
+    assert summary["routing"]["block1.mod"]["block"] == pytest.approx(counts[1] / sum(counts))
+    assert [s for s, _ in summary["train_loss_curve"]] == [1, 2, 3, 4] and summary["median_step_time_s"] > 0
 
 
 def _free_port() -> int:

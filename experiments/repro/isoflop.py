@@ -148,14 +148,16 @@ def isoflop_experiment(ctx: Context, budgets: Optional[Sequence[float]] = None, 
                          "parameters": s["parameters"], "steps": c.steps, "train_flops_per_token": c.flops_per_token,
                          "planned_flops": c.total_flops, "planned_deviation": c.deviation, "measured_flops": measured,
                          "measured_deviation": measured / budget - 1.0, "val_loss": s["final_val_loss"],
+                         # routing decided as in generation (MoD); None for variants whose routing is causal
+                         "val_loss_causal": s.get("val_metrics", {}).get("val/loss_causal"),
                          "forward_flops_per_token": s["flops_per_token"]["forward"],
                          "step_time_s": s["median_step_time_s"], "run_dir": s["run_dir"]})
     table = markdown_table(
         ["budget", "variant", "d", "params", "steps", "train FLOPs/token", "planned dev.", "measured dev.", "val loss",
-         "step s"],
+         "val loss causal", "step s"],
         [[r["budget"], r["variant"], r["d_model"], r["parameters"], r["steps"], r["train_flops_per_token"],
           f"{100 * r['planned_deviation']:+.2f}%", f"{100 * r['measured_deviation']:+.2f}%", r["val_loss"],
-          r["step_time_s"]] for r in rows])
+          r["val_loss_causal"] if r["val_loss_causal"] is not None else "-", r["step_time_s"]] for r in rows])
     sections = [f"{tokens} tokens per step; n_layer={n_layer or base.n_layer}; widths {widths}; deviation = training "
                 "FLOPs (steps x tokens x FLOPs/token; measured: the run's routing-aware figure x tokens seen) "
                 "relative to the budget.", "", table, "", "Observations (computed from the numbers above):", "",
