@@ -138,3 +138,95 @@ def test_labelled_blocks_drop_labels_whose_episode_started_before_the_block(tmp_
         targets = np.arange(start + 1, start + 97)
         cut = targets - targets % probe.EPISODE_LEN < start
         assert (levels[row][cut] == probe.NO_LABEL).all()
+
+
+# ---------------------------------------------------------------------------- per-difficulty compute
+def _tiny(variant, **groups):
+    from architectures import ModelConfig, build_model
+
+    config = ModelConfig(variant=variant, d_model=32, n_layer=2, n_head=2, block_size=16, vocab_size=64, **groups)
+    torch.manual_seed(0)
+    return build_model(config).eval()
+
+
+def test_per_difficulty_compute_from_a_hand_made_moe_trace():
+    from architectures import flops as F_
+    from callbacks.probe import stats_tensor, summarize, spearman, token_flops
+
+    model = _tiny("moe")
+    with torch.no_grad():
+        trace = model(torch.zeros(1, 4, dtype=torch.long)).trace
+    E = model.config.moe.num_experts
+    for site in trace:  # hand-made routing: token 0 and 2 run one expert, 1 and 3 have theirs dropped
+        site.selected = torch.tensor([[[0], [1], [E - 1], [2]]])
+        site.dropped = torch.tensor([[[False], [True], [False], [True]]])
+        site.weights = torch.ones(1, 4, 1)
+    per_token = token_flops(model, trace, seq_len=4)
+    d, T = 32, 4
+    moe = [b.moe for b in model.blocks if hasattr(b, "moe")]
+    dense = F_.lm_head(d, 64).forward + 2 * (F_.attention_projections(d) + F_.attention_scores(d, T))
+    dense += sum(F_.linear(d, m.num_choices) for m in moe)
+    dense += (2 - len(moe)) * F_.ffn(d, model.config.ffn_hidden)
+    expert = sum(F_.ffn(d, m.hidden) for m in moe)
+    assert per_token[0].tolist() == pytest.approx([dense + expert, dense, dense + expert, dense])
+    tokens = {"level": np.array([0, 0, 4, 4]), "family": np.zeros(4, int), "loss": np.ones(4),
+              "correct": np.array([1, 0, 1, 0]), "flops": per_token[0].numpy()}
+    summary = summarize(stats_tensor(tokens, 1), spearman(tokens["level"], tokens["flops"]), ["arith"])
+    assert summary["levels"]["0"]["flops"] == pytest.approx(dense + expert / 2)
+    assert summary["levels"]["4"]["acc"] == 0.5 and summary["hard_token_share"] == 0.5
+    assert summary["hard_compute_share"] == pytest.approx(0.5) and summary["spearman"] == pytest.approx(0.0)  # no correlation
+
+
+def test_per_difficulty_compute_from_a_hand_made_mod_trace():
+    from architectures import flops as F_
+    from callbacks.probe import spearman, stats_tensor, summarize, token_flops
+
+    model = _tiny("mod")
+    with torch.no_grad():
+        trace = model(torch.zeros(1, 8, dtype=torch.long)).trace
+    routed = [s for s in trace if s.kind == "expert_choice"]
+    assert routed
+    for site in routed:  # the routed blocks process exactly the last four tokens (the hard ones)
+        site.selected = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]]).unsqueeze(-1)
+    per_token = token_flops(model, trace, seq_len=8)[0]
+    d = 32
+    block = F_.attention_projections(d) + F_.attention_scores(d, 1) + F_.ffn(d, model.config.ffn_hidden)
+    assert (per_token[4:] - per_token[:4]).tolist() == pytest.approx([len(routed) * block] * 4)
+    levels = np.array([0, 0, 1, 1, 3, 3, 4, 4])
+    tokens = {"level": levels, "family": np.zeros(8, int), "loss": np.zeros(8), "correct": np.ones(8),
+              "flops": per_token.numpy()}
+    summary = summarize(stats_tensor(tokens, 1), spearman(levels, tokens["flops"]), ["arith"])
+    assert summary["spearman"] > 0.8 and summary["hard_token_share"] == 0.5
+    assert summary["hard_compute_share"] > 0.5 and summary["hard_compute_ratio"] > 1
+
+
+def test_depth_gate_compute_is_the_depth_its_gate_reads():
+    from callbacks.probe import token_flops
+
+    model = _tiny("depth_gate")
+    with torch.no_grad():
+        trace = model(torch.zeros(1, 2, dtype=torch.long)).trace
+    site = trace[0]
+    site.selected = torch.arange(2).expand(1, 2, 2)
+    site.weights = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])  # token 0 reads layer 0, token 1 the last layer
+    full = model.flops_per_token(trace, 2)
+    per_token = token_flops(model, trace, seq_len=2)[0]
+    layers = full.attn_proj + full.attn_scores + full.ffn
+    assert per_token.tolist() == pytest.approx([full.forward - layers / 2, full.forward])
+
+
+def test_cli_run_on_probe_data_logs_per_difficulty_metrics(tmp_path, one_thread):
+    from experiments.run import main
+    from tests.conftest import TINY_RUN
+
+    run_dir = main(["--data", "probe/arith", "--data.max_tokens", str(SMALL), "--data.cache_dir", str(tmp_path / "c"),
+                    "--max_steps", "3", "--val_every", "3", "--log_dir", str(tmp_path), *TINY_RUN,
+                    "--model.block_size", "128", "--callbacks.probe_blocks", "4", "--variant", "mod"])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    metrics = summary["val_metrics"]
+    assert {f"probe/level{d}/acc" for d in range(probe.MAX_DEPTH + 1)} <= set(metrics)
+    assert all(0 <= metrics[f"probe/level{d}/acc"] <= 1 for d in range(probe.MAX_DEPTH + 1))
+    assert metrics["probe/level4/flops"] > 0 and 0 < metrics["probe/hard_token_share"] < 1
+    detail = json.loads((run_dir / "probe.json").read_text())
+    assert detail["step"] == 3 and set(detail["families"]) == set(probe.FAMILIES)
+    assert detail["families"]["arith"]["4"]["tokens"] == detail["levels"]["4"]["tokens"]
