@@ -230,3 +230,22 @@ def test_cli_run_on_probe_data_logs_per_difficulty_metrics(tmp_path, one_thread)
     detail = json.loads((run_dir / "probe.json").read_text())
     assert detail["step"] == 3 and set(detail["families"]) == set(probe.FAMILIES)
     assert detail["families"]["arith"]["4"]["tokens"] == detail["levels"]["4"]["tokens"]
+
+
+# ---------------------------------------------------------------------------- the experiment
+@pytest.mark.slow
+def test_probe_experiment_quick_writes_tables_plots_and_goals(tmp_path, one_thread):
+    from experiments.repro import main
+
+    results = main(["probe", "--out", str(tmp_path), "--quick", "--steps", "20", "--seeds", "2", "--blocks", "4",
+                    "--variants", "vanilla,mod", "--", "--data.cache_dir", str(tmp_path / "cache")])
+    assert set(results["variants"]) == {"vanilla", "mod"} and len(results["runs"]) == 4
+    mod, vanilla = results["variants"]["mod"], results["variants"]["vanilla"]
+    assert mod["steps"] > vanilla["steps"]  # matched FLOPs: MoD's cheaper steps buy more of them
+    assert abs(mod["planned_deviation"]) < 0.05 and len(mod["spearman_seeds"]) == 2
+    assert vanilla["spearman_seeds"] == [None, None]  # dense compute has no rank correlation
+    assert "mod_spearman_positive_significant" in results["goals"]
+    report = (tmp_path / "results.md").read_text()
+    assert "Accuracy per difficulty level" in report and "| mod |" in report
+    for name in ("probe_accuracy.png", "probe_compute.png", "results.json"):
+        assert (tmp_path / name).stat().st_size > 1000
