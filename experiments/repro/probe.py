@@ -195,14 +195,14 @@ def _series(per_variant, metric: str):
         keys = sorted(a["levels"], key=int)
         means = [a["levels"][k][metric][0] for k in keys]
         stds = [a["levels"][k][metric][1] for k in keys]
-        yield v, [int(k) for k in keys], means, stds, ("-" if i < 10 else "--")
+        yield v, [int(k) for k in keys], means, stds, {"marker": "osD^vP*X"[i % 8], "linestyle": "-" if i < 8 else "--"}
 
 
 def plot_accuracy(ctx: Context, per_variant) -> None:
     fig, axes = figure(1, 1, width=6.4, height=4.4)
     ax = axes[0, 0]
     for v, x, mean, std, style in _series(per_variant, "acc"):
-        ax.errorbar(x, mean, yerr=std, marker="o", linestyle=style, capsize=3, label=v)
+        ax.errorbar(x, mean, yerr=std, capsize=3, label=v, **style)
     ax.axhline(CHANCE, color="grey", linewidth=0.8, linestyle=":", label="chance (digit answers)")
     ax.set_xlabel("difficulty level (sequential operations)")
     ax.set_ylabel("next-token accuracy (mean ± std over seeds)")
@@ -217,10 +217,9 @@ def plot_accuracy(ctx: Context, per_variant) -> None:
 def plot_compute(ctx: Context, per_variant) -> None:
     fig, axes = figure(1, 2, width=5.6, height=4.4)
     for v, x, mean, std, style in _series(per_variant, "relative_flops"):
-        axes[0, 0].errorbar(x, mean, yerr=std, marker="o", linestyle=style, capsize=3, label=v)
+        axes[0, 0].errorbar(x, mean, yerr=std, capsize=3, label=v, **style)
     for v, x, mean, std, style in _series(per_variant, "flops"):
-        axes[0, 1].errorbar(x, [m / 1e6 for m in mean], yerr=[s / 1e6 for s in std], marker="o", linestyle=style,
-                            capsize=3, label=v)
+        axes[0, 1].errorbar(x, [m / 1e6 for m in mean], yerr=[s / 1e6 for s in std], capsize=3, label=v, **style)
     axes[0, 0].axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
     axes[0, 0].set_ylabel("FLOPs per token / variant's mean (1 = no preference)")
     axes[0, 0].set_title("Relative compute vs difficulty")
