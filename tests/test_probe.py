@@ -252,3 +252,11 @@ def test_probe_experiment_quick_writes_tables_plots_and_goals(tmp_path, one_thre
     assert "Accuracy per difficulty level" in report and "| mod |" in report
     for name in ("probe_accuracy.png", "probe_compute.png", "results.json"):
         assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_sweeps_accept_probe_datasets(capsys):
+    from experiments import sweep
+
+    jobs = sweep.main(["--grid", "data=probe,probe/recall", "--grid", "variant=vanilla,mod", "--launcher", "local",
+                       "--dry_run"])
+    assert len(jobs) == 4 and any("probe/recall" in " ".join(job) for job in jobs)
