@@ -113,8 +113,10 @@ def _empty_stats(families: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def probe_batches(model, tokens: np.ndarray, levels: np.ndarray, families: np.ndarray, batch_size: int = 16):
-    """Per labelled token: (level, family, loss, correct, flops) numpy arrays, with causal routing."""
+def probe_batches(model, tokens: np.ndarray, levels: np.ndarray, families: np.ndarray, batch_size: int = 16,
+                  causal: bool = True):
+    """Per labelled token: (level, family, loss, correct, flops) numpy arrays, with causal routing unless
+    ``causal=False`` (then the variant's training-time routing, which may see the future)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -123,7 +125,7 @@ def probe_batches(model, tokens: np.ndarray, levels: np.ndarray, families: np.nd
         for start in range(0, len(tokens), batch_size):
             batch = torch.as_tensor(tokens[start : start + batch_size], device=device)
             idx, targets = batch[:, :-1], batch[:, 1:]
-            with causal_routing(model):
+            with (causal_routing(model) if causal else contextlib.nullcontext()):
                 result = model(idx)
             logits = result.logits.float()
             loss = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none").cpu().double()
@@ -200,12 +202,13 @@ def scalars(summary: Dict[str, Any]) -> Dict[str, float]:
     return out
 
 
-def evaluate_probe(model, datamodule, blocks: int = 64, batch_size: int = 16, rank: int = 0, world: int = 1) -> Dict[str, Any]:
+def evaluate_probe(model, datamodule, blocks: int = 64, batch_size: int = 16, rank: int = 0, world: int = 1,
+                   causal: bool = True) -> Dict[str, Any]:
     """The probe summary of ``model`` on the first ``blocks`` validation blocks (single process)."""
     from datamodules.probe import FAMILIES, labelled_blocks
 
     tokens, levels, families = labelled_blocks(datamodule, blocks, rank, world)
-    per_token = probe_batches(model, tokens, levels, families, batch_size)
+    per_token = probe_batches(model, tokens, levels, families, batch_size, causal=causal)
     stats = stats_tensor(per_token, len(FAMILIES))
     return summarize(stats, spearman(per_token["level"], per_token["flops"]), FAMILIES)
 
