@@ -226,23 +226,28 @@ class ProbeMetrics(L.Callback):
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking:
             return
-        from datamodules.probe import FAMILIES, labelled_blocks
-
-        tokens, levels, families = labelled_blocks(trainer.datamodule, self.blocks, trainer.global_rank,
-                                                   trainer.world_size)
-        per_token = probe_batches(pl_module.model, tokens, levels, families, self.batch_size)
-        stats = stats_tensor(per_token, len(FAMILIES)).to(pl_module.device)
-        from callbacks.routing import all_reduce_sum
-
-        stats = all_reduce_sum(stats).cpu()
-        level, flops = _gather([per_token["level"], per_token["flops"]])
-        self.latest = summarize(stats, spearman(level, flops), FAMILIES)
+        self.latest = distributed_summary(pl_module.model, trainer.datamodule, self.blocks, trainer.global_rank,
+                                          trainer.world_size, self.batch_size)
         self.latest["step"] = trainer.global_step
         for name, value in scalars(self.latest).items():
             pl_module.log(name, value, add_dataloader_idx=False, sync_dist=False)
         if trainer.is_global_zero and trainer.log_dir:
             path = pathlib.Path(trainer.log_dir) / "probe.json"
             path.write_text(json.dumps(self.latest, indent=1) + "\n")
+
+
+def distributed_summary(model, datamodule, blocks: int, rank: int, world: int, batch_size: int = 16) -> Dict[str, Any]:
+    """Every rank evaluates its share of the blocks; sums are all-reduced and the per-token (level, compute)
+    pairs gathered for the rank correlation, so every rank returns the summary of all the blocks."""
+    from callbacks.routing import all_reduce_sum
+    from datamodules.probe import FAMILIES, labelled_blocks
+
+    tokens, levels, families = labelled_blocks(datamodule, blocks, rank, world)
+    per_token = probe_batches(model, tokens, levels, families, batch_size)
+    device = next(model.parameters()).device
+    stats = all_reduce_sum(stats_tensor(per_token, len(FAMILIES)).to(device)).cpu()
+    level, flops = _gather([per_token["level"], per_token["flops"]])
+    return summarize(stats, spearman(level, flops), FAMILIES)
 
 
 def _gather(arrays: List[np.ndarray]) -> List[np.ndarray]:

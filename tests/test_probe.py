@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -144,10 +145,11 @@ def test_labelled_blocks_drop_labels_whose_episode_started_before_the_block(tmp_
 
 
 # ---------------------------------------------------------------------------- per-difficulty compute
-def _tiny(variant, **groups):
+def _tiny(variant, block_size=16, vocab_size=64):
     from architectures import ModelConfig, build_model
 
-    config = ModelConfig(variant=variant, d_model=32, n_layer=2, n_head=2, block_size=16, vocab_size=64, **groups)
+    config = ModelConfig(variant=variant, d_model=32, n_layer=2, n_head=2, block_size=block_size,
+                         vocab_size=257 if block_size > 16 else vocab_size)
     torch.manual_seed(0)
     return build_model(config).eval()
 
@@ -260,3 +262,49 @@ def test_sweeps_accept_probe_datasets(capsys):
     jobs = sweep.main(["--grid", "data=probe,probe/recall", "--grid", "variant=vanilla,mod", "--launcher", "local",
                        "--dry_run"])
     assert len(jobs) == 4 and any("probe/recall" in " ".join(job) for job in jobs)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _probe_ddp_worker(rank: int, world: int, port: int, cache: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from callbacks.probe import distributed_summary
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        dm = LMDataModule(DataConfig(name="probe", max_tokens=SMALL, cache_dir=cache), block_size=128)
+        dm.setup("validate")  # the parent prepared the cache, as Lightning's rank-0 prepare_data does
+        summary = distributed_summary(_tiny("mod", block_size=128), dm, 3, rank, world, batch_size=2)
+        if rank == 0:
+            pathlib.Path(out).write_text(json.dumps(summary))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_process_probe_metrics_equal_one_process_over_all_blocks(tmp_path):
+    import torch.multiprocessing as mp
+
+    from callbacks.probe import evaluate_probe
+
+    _datamodule(tmp_path)  # builds the cache once
+    out = str(tmp_path / "summary.json")
+    mp.start_processes(_probe_ddp_worker, args=(2, _free_port(), str(tmp_path), out), nprocs=2, join=True,
+                       start_method="spawn")
+    distributed = json.loads(pathlib.Path(out).read_text())
+    single = evaluate_probe(_tiny("mod", block_size=128), _datamodule(tmp_path), blocks=3, batch_size=2)
+    assert distributed["levels"].keys() == single["levels"].keys()
+    for level, row in single["levels"].items():
+        assert distributed["levels"][level]["tokens"] == row["tokens"]
+        for key in ("loss", "acc", "flops", "compute_share"):
+            assert distributed["levels"][level][key] == pytest.approx(row[key], rel=1e-5), (level, key)
+    assert distributed["spearman"] == pytest.approx(single["spearman"], rel=1e-6, abs=1e-9)
