@@ -32,6 +32,7 @@ class CallbacksConfig:
         contribution_batch_size: sequences in the fixed probe batch (ratios get a bootstrap standard error over them).
         contribution_seq_len: tokens per probe sequence (default: the model's context).
         tensorboard: custom-scalars layout and hparams with the final metrics.
+        probe_blocks: validation blocks of the per-difficulty probe metrics (only with --data probe*).
     """
 
     routing: bool = True
@@ -46,10 +47,11 @@ class CallbacksConfig:
     contribution_batch_size: int = 32
     contribution_seq_len: Optional[int] = None
     tensorboard: bool = True
+    probe_blocks: int = 64
 
     def validate(self, block_size: Optional[int] = None) -> None:
         for name in ("routing_every", "routing_images_every", "flops_every", "contribution_every",
-                     "contribution_batch_size"):
+                     "contribution_batch_size", "probe_blocks"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"callbacks.{name}: must be a positive integer, got {value!r}")
@@ -98,6 +100,10 @@ def default_callbacks(cfg: Any) -> List[Any]:
 
         out.append(ContributionCallback(every=config.contribution_every, batch_size=config.contribution_batch_size,
                                         seq_len=config.contribution_seq_len))
+    from callbacks.probe import ProbeMetrics, is_probe_data
+
+    if is_probe_data(cfg):
+        out.append(ProbeMetrics(blocks=config.probe_blocks))
     if config.tensorboard:
         from callbacks.tensorboard import TensorBoardExtras
 

@@ -256,3 +256,18 @@ def _hub_corpus(name: str) -> CorpusFactory:
 
 CORPORA["openwebtext"] = _hub_corpus("openwebtext")
 CORPORA["slimpajama"] = _hub_corpus("slimpajama")
+
+
+def _probe_corpus(task: str) -> CorpusFactory:
+    """Generated routing-probe data (datamodules/probe.py), imported on use."""
+
+    def factory(**options) -> Corpus:
+        from datamodules.probe import ProbeCorpus
+
+        return ProbeCorpus(task, options.get("max_tokens"))
+
+    return factory
+
+
+for _task in ("probe", "probe/arith", "probe/recall", "probe/text"):
+    CORPORA[_task] = _probe_corpus(_task)

@@ -20,6 +20,7 @@ cluster with ``--size small|medium|large`` and real data after ``--``.
 | ``mod_isoflop`` | MoD: isoFLOP comparison with vanilla (loss vs parameters per FLOP budget) |
 | ``contribution`` | FFN-Wider: MHA/FFN contribution vs FFN width and vs the CAA Outer-FFN ratio r, OOD loss |
 | ``head_to_head`` | every variant at equal steps: val loss, FLOPs/token, step time, memory |
+| ``probe`` | routing probes: accuracy and compute per difficulty level at matched FLOPs (``--quick``: a smoke run) |
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 EXPERIMENTS = ("mom_kh", "mom_removal", "mom_transitions", "mom_two_phase", "mod_isoflop", "contribution",
-               "head_to_head")
+               "head_to_head", "probe")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("head_to_head", "all variants at equal steps")
     p.add_argument("--variants", default=None, help="comma-separated (default: every registered variant)")
     p.add_argument("--bench_steps", type=int, default=5, help="timed steps per variant in the interleaved benchmark")
+    p = add("probe", "routing probes: compute vs per-token difficulty at matched training FLOPs")
+    p.set_defaults(steps=600)  # --steps: vanilla's steps; the budget every variant spends
+    p.add_argument("--variants", default=None, help="comma-separated (default: vanilla, mod, mode_staged, "
+                   "mode_integrated, moe, mom, mom_e, depth_gate)")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per variant")
+    p.add_argument("--blocks", type=int, default=128, help="validation blocks of the per-difficulty evaluation")
+    p.add_argument("--quick", action="store_true", help="tiny models and data: checks the pipeline in seconds")
     return parser
 
 
@@ -147,6 +155,11 @@ def dispatch(ctx, args) -> Dict[str, Any]:
             ctx, wide_ratio=args.wide_ratio, ratios=parse_list(args.ratios, float, "ratios"),
             methods=parse_list(args.methods, str, "methods"), sequences=args.sequences,
             ood=parse_ood(args.ood), ood_tokens=args.ood_tokens)
+    if name == "probe":
+        from experiments.repro.probe import VARIANTS, probe_experiment
+
+        variants = parse_list(args.variants, str, "variants") if args.variants else VARIANTS
+        return probe_experiment(ctx, variants, seeds=args.seeds, blocks=args.blocks, quick=args.quick)
     from experiments.repro.head_to_head import head_to_head
 
     variants = parse_list(args.variants, str, "variants") if args.variants else None

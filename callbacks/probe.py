@@ -1,0 +1,267 @@
+"""Per-difficulty metrics on the routing probes (``--data probe`` / ``probe/<task>``; datamodules/probe.py).
+
+At every validation ``ProbeMetrics`` evaluates the first ``blocks`` validation blocks (each DDP rank
+its share; sums reduced across ranks) with causal routing where the variant has it, and logs:
+
+* ``probe/level<L>/loss``, ``probe/level<L>/acc``: next-token cross-entropy and top-1 accuracy of the
+  tokens of difficulty level L (unlabelled tokens are left out);
+* ``probe/level<L>/flops``: mean forward FLOPs spent per token of level L, read from the routing trace
+  through the contract only (``token_flops``); ``probe/level<L>/token_share`` and ``compute_share``;
+* ``probe/spearman``: Spearman correlation between difficulty and compute over the labelled tokens
+  (absent when compute does not vary, e.g. vanilla);
+* ``probe/hard_token_share``, ``probe/hard_compute_share`` and their ratio ``probe/hard_compute_ratio``:
+  the share of the labelled tokens, and of the compute spent on them, that falls on the hardest
+  levels (``level >= HARD_FROM``); a ratio above 1 means the router favours hard tokens.
+
+The same numbers, plus a breakdown by task family, go to ``<run>/probe.json``; the logged values are
+also in ``summary.json`` (``val_metrics``). ``evaluate_probe`` is the same evaluation as a function.
+
+Per-token compute (``token_flops``): the model's own ``flops_per_token`` applied to a trace cut down to
+that one token (every site's tensors at [b, t], ``extras`` dropped), at the batch's sequence length.
+So a token pays for exactly the options its routing chose: MoD, the routed blocks that processed it;
+MoDE / MoE, the experts it ran (no-op experts and dropped slots cost nothing); MoM, the modules it
+chose (SKIP costs nothing). Work shared by a whole sequence is attributed as a lone token would pay it:
+a routed block's attention scores count the token's own key only (a processed token also attends to the
+other processed tokens of its row: at capacity c that is ~c*T keys, 4*d FLOPs each, not counted).
+Soft gates (depth gating) skip nothing, so every token costs the same; the figure reported for them is
+the compute the read-out draws on: the non-layer FLOPs plus the layer FLOPs weighted by the depth the
+gate reads, sum_l w_l (l + 1) / L (layers of equal cost), i.e. all the layers when the gate reads the
+last one, a quarter of them when it reads the first of four.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import pathlib
+from typing import Any, Dict, List, Optional, Sequence
+
+import lightning as L
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from architectures.contract import RoutingSite
+
+HARD_FROM = 3  # the hardest levels: arith depth 3-4, recall 3 hops
+LEVELS = 5  # 0..MAX_DEPTH of datamodules/probe.py
+_STATS = ("tokens", "loss", "correct", "flops")
+
+
+def causal_routing(model):
+    """``model.causal_routing()`` where the variant has it, else a no-op."""
+    routing = getattr(model, "causal_routing", None)  # TODO(merge): A's base class gives every model one
+    return routing() if routing is not None else contextlib.nullcontext()
+
+
+# ---------------------------------------------------------------------------- per-token compute
+def _cut(site: RoutingSite, b: int, t: int) -> RoutingSite:
+    def one(x):
+        return None if x is None else x[b : b + 1, t : t + 1]
+
+    return dataclasses.replace(site, selected=one(site.selected), weights=one(site.weights), probs=one(site.probs),
+                               dropped=one(site.dropped), valid=one(site.valid), logits=one(site.logits), extras={})
+
+
+def _pattern(site: RoutingSite) -> torch.Tensor:
+    """(B*T, k) what a token's slots did: the option, -1 when dropped, -2 when the token was not valid."""
+    codes = site.selected.long().clone()
+    if site.dropped is not None:
+        codes[site.dropped] = -1
+    if site.valid is not None:
+        codes[~site.valid.bool()] = -2
+    return codes.reshape(codes.shape[0] * codes.shape[1], -1)
+
+
+def _gate_depth(site: RoutingSite) -> torch.Tensor:
+    """(B*T,) sum_l w_l (l + 1) / L: the depth a soft gate reads, 1 = the last layer."""
+    w = site.weights.detach().float()
+    depth = (site.selected.float() + 1.0) / site.num_choices
+    out = (w * depth).sum(-1) / w.sum(-1).clamp_min(1e-12)
+    return out.reshape(-1)
+
+
+@torch.no_grad()
+def token_flops(model, trace: Sequence[RoutingSite], seq_len: int, batch_shape=None) -> torch.Tensor:
+    """(B, T) forward FLOPs per token from the routing trace (see the module docstring)."""
+    if not trace:
+        B, T = batch_shape
+        return torch.full((B, T), float(model.flops_per_token(None, seq_len).forward), dtype=torch.float64)
+    B, T = trace[0].selected.shape[:2]
+    hard = [s for s in trace if s.kind != "soft_gate"]
+    soft = [s for s in trace if s.kind == "soft_gate"]
+    keys = torch.cat([_pattern(s) for s in hard], dim=1) if hard else torch.zeros(B * T, 1, dtype=torch.long)
+    unique, inverse = torch.unique(keys.cpu(), dim=0, return_inverse=True)
+    first = torch.full((len(unique),), B * T, dtype=torch.long).scatter_reduce(
+        0, inverse, torch.arange(B * T), reduce="amin")
+    total, layers, fixed = [], [], []
+    for n in first.tolist():
+        flops = model.flops_per_token([_cut(s, *divmod(n, T)) for s in trace], seq_len)
+        total.append(flops.forward)
+        fixed.append(flops.head + flops.router)
+        layers.append(flops.attn_proj + flops.attn_scores + flops.ffn)
+    total, fixed, layers = (torch.tensor(v, dtype=torch.float64)[inverse] for v in (total, fixed, layers))
+    if soft:
+        total = fixed + layers * _gate_depth(soft[0]).double().cpu()
+    return total.reshape(B, T)
+
+
+# ---------------------------------------------------------------------------- evaluation
+def _empty_stats(families: int) -> torch.Tensor:
+    return torch.zeros(families + 1, LEVELS, len(_STATS), dtype=torch.float64)  # [all, per family]
+
+
+@torch.no_grad()
+def probe_batches(model, tokens: np.ndarray, levels: np.ndarray, families: np.ndarray, batch_size: int = 16,
+                  causal: bool = True):
+    """Per labelled token: (level, family, loss, correct, flops) numpy arrays, with causal routing unless
+    ``causal=False`` (then the variant's training-time routing, which may see the future)."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    out: Dict[str, List[np.ndarray]] = {k: [] for k in ("level", "family", "loss", "correct", "flops")}
+    try:
+        for start in range(0, len(tokens), batch_size):
+            batch = torch.as_tensor(tokens[start : start + batch_size], device=device)
+            idx, targets = batch[:, :-1], batch[:, 1:]
+            with (causal_routing(model) if causal else contextlib.nullcontext()):
+                result = model(idx)
+            logits = result.logits.float()
+            loss = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none").cpu().double()
+            correct = (logits.argmax(-1) == targets).cpu().double()
+            flops = token_flops(model, result.trace, idx.shape[1], batch_shape=idx.shape)
+            level = torch.as_tensor(levels[start : start + batch_size])
+            keep = level >= 0
+            out["level"].append(level[keep].numpy())
+            out["family"].append(np.asarray(families[start : start + batch_size])[keep.numpy()])
+            out["loss"].append(loss[keep].numpy())
+            out["correct"].append(correct[keep].numpy())
+            out["flops"].append(flops[keep].numpy())
+    finally:
+        model.train(was_training)
+    return {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in out.items()}
+
+
+def stats_tensor(tokens: Dict[str, np.ndarray], n_families: int) -> torch.Tensor:
+    """Sums per (all | family, level): tokens, loss, correct, flops (reduced across ranks by summing)."""
+    stats = _empty_stats(n_families)
+    for row, mask in [(0, np.ones_like(tokens["level"], dtype=bool))] + [
+            (f + 1, tokens["family"] == f) for f in range(n_families)]:
+        for level in range(LEVELS):
+            m = mask & (tokens["level"] == level)
+            stats[row, level] = torch.tensor([m.sum(), tokens["loss"][m].sum(), tokens["correct"][m].sum(),
+                                              tokens["flops"][m].sum()], dtype=torch.float64)
+    return stats
+
+
+def spearman(level: np.ndarray, flops: np.ndarray) -> Dict[str, Optional[float]]:
+    """Spearman rho (ties averaged) and its two-sided p-value; None when either side is constant."""
+    if len(level) < 3 or np.ptp(level) == 0 or np.ptp(flops) <= 1e-9 * max(1.0, float(np.abs(flops).max())):
+        return {"rho": None, "p": None}
+    from scipy.stats import spearmanr
+
+    result = spearmanr(level, flops)
+    return {"rho": float(result.statistic), "p": float(result.pvalue)}
+
+
+def summarize(stats: torch.Tensor, rank_corr: Dict[str, Optional[float]], family_names: Sequence[str]) -> Dict[str, Any]:
+    """Per-level table, hard-level shares and the correlation, from the reduced sums."""
+
+    def table(block: torch.Tensor) -> Dict[str, Dict[str, float]]:
+        out = {}
+        total_tokens, total_flops = float(block[:, 0].sum()), float(block[:, 3].sum())
+        for level in range(LEVELS):
+            n, loss, correct, flops = block[level].tolist()
+            if n > 0:
+                out[str(level)] = {"tokens": int(n), "loss": loss / n, "acc": correct / n, "flops": flops / n,
+                                   "token_share": n / total_tokens, "compute_share": flops / total_flops}
+        return out
+
+    levels = table(stats[0])
+    hard = [v for k, v in levels.items() if int(k) >= HARD_FROM]
+    token_share = sum(v["token_share"] for v in hard)
+    compute_share = sum(v["compute_share"] for v in hard)
+    return {
+        "levels": levels,
+        "families": {name: table(stats[i + 1]) for i, name in enumerate(family_names)},
+        "spearman": rank_corr["rho"], "spearman_p": rank_corr["p"],
+        "hard_from": HARD_FROM, "hard_token_share": token_share, "hard_compute_share": compute_share,
+        "hard_compute_ratio": compute_share / token_share if token_share > 0 else None,
+    }
+
+
+def scalars(summary: Dict[str, Any]) -> Dict[str, float]:
+    out = {}
+    for level, row in summary["levels"].items():
+        for key in ("loss", "acc", "flops", "token_share", "compute_share"):
+            out[f"probe/level{level}/{key}"] = row[key]
+    for key in ("spearman", "hard_token_share", "hard_compute_share", "hard_compute_ratio"):
+        if summary.get(key) is not None and math.isfinite(summary[key]):
+            out[f"probe/{key}"] = summary[key]
+    return out
+
+
+def evaluate_probe(model, datamodule, blocks: int = 64, batch_size: int = 16, rank: int = 0, world: int = 1,
+                   causal: bool = True) -> Dict[str, Any]:
+    """The probe summary of ``model`` on the first ``blocks`` validation blocks (single process)."""
+    from datamodules.probe import FAMILIES, labelled_blocks
+
+    tokens, levels, families = labelled_blocks(datamodule, blocks, rank, world)
+    per_token = probe_batches(model, tokens, levels, families, batch_size, causal=causal)
+    stats = stats_tensor(per_token, len(FAMILIES))
+    return summarize(stats, spearman(per_token["level"], per_token["flops"]), FAMILIES)
+
+
+# ---------------------------------------------------------------------------- the callback
+class ProbeMetrics(L.Callback):
+    """Per-difficulty loss, accuracy and compute at every validation (see the module docstring)."""
+
+    def __init__(self, blocks: int = 64, batch_size: int = 16):
+        if blocks <= 0:
+            raise ValueError(f"callbacks.probe_blocks: must be a positive integer, got {blocks}")
+        self.blocks, self.batch_size = blocks, batch_size
+        self.latest: Dict[str, Any] = {}
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking:
+            return
+        self.latest = distributed_summary(pl_module.model, trainer.datamodule, self.blocks, trainer.global_rank,
+                                          trainer.world_size, self.batch_size)
+        self.latest["step"] = trainer.global_step
+        for name, value in scalars(self.latest).items():
+            pl_module.log(name, value, add_dataloader_idx=False, sync_dist=False)
+        if trainer.is_global_zero and trainer.log_dir:
+            path = pathlib.Path(trainer.log_dir) / "probe.json"
+            path.write_text(json.dumps(self.latest, indent=1) + "\n")
+
+
+def distributed_summary(model, datamodule, blocks: int, rank: int, world: int, batch_size: int = 16) -> Dict[str, Any]:
+    """Every rank evaluates its share of the blocks; sums are all-reduced and the per-token (level, compute)
+    pairs gathered for the rank correlation, so every rank returns the summary of all the blocks."""
+    from callbacks.routing import all_reduce_sum
+    from datamodules.probe import FAMILIES, labelled_blocks
+
+    tokens, levels, families = labelled_blocks(datamodule, blocks, rank, world)
+    per_token = probe_batches(model, tokens, levels, families, batch_size)
+    device = next(model.parameters()).device
+    stats = all_reduce_sum(stats_tensor(per_token, len(FAMILIES)).to(device)).cpu()
+    level, flops = _gather([per_token["level"], per_token["flops"]])
+    return summarize(stats, spearman(level, flops), FAMILIES)
+
+
+def _gather(arrays: List[np.ndarray]) -> List[np.ndarray]:
+    """Concatenate each array across DDP ranks (one all_gather_object; a no-op in one process)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return arrays
+    gathered: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, arrays)
+    return [np.concatenate([g[i] for g in gathered]) for i in range(len(arrays))]
+
+
+def is_probe_data(cfg: Any) -> bool:
+    data = cfg.get("data") if isinstance(cfg, dict) else getattr(cfg, "data", None)
+    name = (data.get("name") if isinstance(data, dict) else getattr(data, "name", "")) or ""
+    return str(name) == "probe" or str(name).startswith("probe/")

@@ -1,0 +1,355 @@
+"""Routing probes: byte sequences whose every token carries a difficulty label known by construction.
+
+``--data probe/<task>`` (``arith``, ``recall``, ``text``) or ``--data probe`` (the three mixed, one
+family per episode) is an ordinary corpus of the registry: ``LMDataModule`` caches, packs, splits,
+shards (DDP) and resumes it exactly like the embedded corpus. The data are generated, never downloaded:
+episode ``i`` comes from ``numpy.random.default_rng([DATA_SEED, i])``, so every process and every DDP
+rank builds the same bytes (only rank 0 writes the cache; the others open it).
+
+Tokens are bytes (the ``bytes`` tokenizer: 256 byte ids + EOT), so a probe model's head is small and a
+sequence is readable. The stream is a run of fixed-length episodes of ``EPISODE_LEN`` tokens, each
+opening with EOT. Beside ``tokens.bin`` the cache folder holds ``levels.npy`` (int8 per token, the
+difficulty level; ``-1`` = no label: random or natural-text tokens nobody can predict exactly) and
+``families.npy`` (int8, the task family of the episode). A label is meaningful for a model only when
+its whole episode is in the model's context: with ``block_size`` a multiple of ``EPISODE_LEN`` every
+block holds whole episodes; otherwise the evaluation drops labels whose episode began before the block
+(``label_usable``).
+
+The difficulty level of a token is the number of sequential operations on earlier tokens the
+generator applied to produce it (0..MAX_DEPTH):
+
+* ``arith`` (variable-depth computation): segments ``x0 x1 .. xd = y ;`` of decimal digits with
+  ``y = (x0 + .. + xd) mod 10`` and d uniform in 0..MAX_DEPTH, mixed in one episode. ``y`` has
+  level d (d = 0: a copy), ``;`` level 0; the operands and ``=`` are unlabelled.
+* ``recall`` (long-range, multi-hop): a table of letter pairs ``k t`` opens the episode (``t`` a letter
+  that is itself a key, or a digit); chains of 1..3 hops end in a digit. After ``|`` come counting
+  runs of capitals ``KLMN..`` (each letter after the first: level 0, locally predictable) and queries
+  ``? k v`` whose answer ``v`` (the digit at the end of k's chain) has level = hops (1..3).
+* ``text`` (spans in natural language): the embedded corpus's bytes with three spans inserted:
+  a memo ``\\x02 abcd \\x03``, a counting run ``\\x07 3456..`` (digits after the first: level 0) and a
+  copy ``\\x05 abcd \\x06`` of the memo (copied letters and the closing byte: level 1). Text bytes are
+  unlabelled.
+
+``solve_episode`` re-derives every label from the tokens alone by brute force; the tests check the
+generator against it.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import pathlib
+import tempfile
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from datamodules.corpora import Corpus, DataError
+
+EPISODE_LEN = 128
+MAX_DEPTH = 4
+MAX_HOPS = 3
+DATA_SEED = 20240615  # the probe content is fixed; --seed changes the training order only
+DEFAULT_EPISODES = 16384  # 2.1M tokens; data.max_tokens sets another size
+NO_LABEL = -1
+FAMILIES = ("arith", "recall", "text")
+TASKS: Dict[str, Tuple[str, ...]] = {"probe": FAMILIES, **{f"probe/{f}": (f,) for f in FAMILIES}}
+VERSION = "v1"
+
+MEMO, MEMO_END, COPY, COPY_END, COUNT = "\x02", "\x03", "\x05", "\x06", "\x07"
+_MARKERS = {ord(c) for c in (MEMO, MEMO_END, COPY, COPY_END, COUNT)}
+_DIGITS = "0123456789"
+_KEYS = "abcdefghijklmnopqrstuvwxyz"
+_CAPS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+Episode = Tuple[bytes, List[int]]  # EPISODE_LEN - 1 bytes after the EOT, and their levels
+
+
+# ---------------------------------------------------------------------------- the three families
+def arith_episode(rng: np.random.Generator, length: int = EPISODE_LEN - 1) -> Episode:
+    text, levels = [], []
+    while True:
+        d = int(rng.integers(0, MAX_DEPTH + 1))
+        operands = rng.integers(0, 10, size=d + 1)
+        segment = "".join(_DIGITS[x] for x in operands) + "=" + _DIGITS[int(operands.sum()) % 10] + ";"
+        if len(text) + len(segment) > length:
+            break
+        text.extend(segment)
+        levels.extend([NO_LABEL] * (d + 2) + [d, 0])
+    pad = length - len(text)
+    return ("".join(text) + "." * pad).encode("ascii"), levels + [NO_LABEL] * pad
+
+
+def recall_episode(rng: np.random.Generator, length: int = EPISODE_LEN - 1) -> Episode:
+    hops_per_chain = [MAX_HOPS] + [int(h) for h in rng.integers(1, MAX_HOPS + 1, size=3)]
+    letters = list(rng.permutation(len(_KEYS))[: sum(hops_per_chain)])
+    pairs, depth_of = [], {}  # depth_of[key] = (hops to the digit, the digit)
+    for hops in hops_per_chain:
+        chain = [_KEYS[letters.pop()] for _ in range(hops)]
+        digit = _DIGITS[int(rng.integers(0, 10))]
+        for j, key in enumerate(chain):
+            pairs.append(key + (chain[j + 1] if j + 1 < hops else digit))
+            depth_of[key] = (hops - j, digit)
+    order = rng.permutation(len(pairs))
+    text = "".join(pairs[i] for i in order) + "|"
+    levels = [NO_LABEL] * len(text)
+    by_level = {h: sorted(k for k, (d, _) in depth_of.items() if d == h) for h in range(1, MAX_HOPS + 1)}
+    last = ""
+    while True:
+        if rng.random() < 0.5:
+            level = int(rng.integers(1, MAX_HOPS + 1))
+            key = by_level[level][int(rng.integers(0, len(by_level[level])))]
+            piece, piece_levels = "?" + key + depth_of[key][1], [NO_LABEL, NO_LABEL, level]
+        else:
+            start, run = int(rng.integers(0, 26)), int(rng.integers(3, 9))
+            if last in _CAPS and start == (_CAPS.index(last) + 1) % 26:
+                start = (start + 1) % 26  # a run never continues the previous one: its first letter is new
+            piece = "".join(_CAPS[(start + j) % 26] for j in range(run))
+            piece_levels = [NO_LABEL] + [0] * (run - 1)
+        if len(text) + len(piece) > length:
+            break
+        text += piece
+        levels += piece_levels
+        last = piece[-1]
+    pad = length - len(text)
+    return (text + "." * pad).encode("ascii"), levels + [NO_LABEL] * pad
+
+
+def text_episode(rng: np.random.Generator, length: int = EPISODE_LEN - 1, source: Optional[bytes] = None) -> Episode:
+    source = embedded_bytes() if source is None else source
+    memo = "".join(_KEYS[int(i)] for i in rng.integers(0, 26, size=int(rng.integers(4, 7))))
+    count_start, count_len = int(rng.integers(0, 10)), int(rng.integers(4, 9))
+    spans = [
+        (MEMO + memo + MEMO_END, [NO_LABEL] * (len(memo) + 2)),
+        (COUNT + "".join(_DIGITS[(count_start + j) % 10] for j in range(count_len)), [NO_LABEL, NO_LABEL] + [0] * (count_len - 1)),
+        (COPY + memo + COPY_END, [NO_LABEL] + [1] * (len(memo) + 1)),
+    ]
+    text_len = length - sum(len(s) for s, _ in spans)
+    cuts = np.sort(rng.integers(0, text_len + 1, size=3))
+    pieces = np.diff(np.concatenate([[0], cuts, [text_len]]))  # four text pieces around the three spans
+    offset = int(rng.integers(0, len(source) - text_len))
+    natural = source[offset : offset + text_len]
+    out, levels, pos = bytearray(), [], 0
+    for i, n in enumerate(pieces):
+        out += natural[pos : pos + n]
+        levels += [NO_LABEL] * int(n)
+        pos += int(n)
+        if i < len(spans):
+            out += spans[i][0].encode("ascii")
+            levels += spans[i][1]
+    count_end = out.index(COUNT.encode()) + 1 + count_len
+    if count_end < len(out) and out[count_end] == ord(_DIGITS[(count_start + count_len) % 10]):
+        out[count_end] = ord(" ")  # text right after the run must not look like its continuation
+    return bytes(out), levels
+
+
+GENERATORS = {"arith": arith_episode, "recall": recall_episode, "text": text_episode}
+
+
+@functools.lru_cache(maxsize=1)
+def embedded_bytes() -> bytes:
+    """The embedded corpus as one byte string, control bytes (the span markers) replaced by spaces."""
+    from datamodules.corpora import EmbeddedCorpus
+
+    raw = "\n\n".join(EmbeddedCorpus().documents()).encode("utf-8")
+    table = bytes(32 if b in _MARKERS else b for b in range(256))
+    return raw.translate(table)
+
+
+def episode(task: str, index: int) -> Tuple[str, Episode]:
+    """(family, episode) number ``index`` of a task: the same bytes in every process."""
+    families = TASKS[task]
+    rng = np.random.default_rng([DATA_SEED, index])
+    family = families[index % len(families)]
+    return family, GENERATORS[family](rng)
+
+
+# ---------------------------------------------------------------------------- brute-force solver
+def solve_episode(family: str, data: bytes) -> Dict[int, Tuple[int, int]]:
+    """{position in ``data``: (expected byte, level)} for every labelled token, from the bytes alone."""
+    text = data.decode("latin-1")
+    if family == "arith":
+        return _solve_arith(text)
+    if family == "recall":
+        return _solve_recall(text)
+    return _solve_text(text)
+
+
+def _solve_arith(text: str) -> Dict[int, Tuple[int, int]]:
+    out, start = {}, 0
+    while True:
+        eq = text.find("=", start)
+        if eq < 0 or eq + 2 >= len(text) or text[eq + 2] != ";":
+            return out
+        operands = [int(c) for c in text[start:eq]]
+        total = 0
+        for x in operands:  # one addition per operand after the first
+            total = (total + x) % 10
+        out[eq + 1] = (ord(_DIGITS[total]), len(operands) - 1)
+        out[eq + 2] = (ord(";"), 0)
+        start = eq + 3
+
+
+def _solve_recall(text: str) -> Dict[int, Tuple[int, int]]:
+    bar = text.index("|")
+    table = {text[i]: text[i + 1] for i in range(0, bar, 2)}
+    out, i = {}, bar + 1
+    while i < len(text) and text[i] != ".":
+        if text[i] == "?":
+            value, hops = text[i + 1], 0
+            while value in table:  # follow the chain, one hop per lookup
+                value, hops = table[value], hops + 1
+            out[i + 2] = (ord(value), hops)
+            i += 3
+            continue
+        j = i + 1
+        while j < len(text) and text[j] in _CAPS and text[j] == _CAPS[(_CAPS.index(text[j - 1]) + 1) % 26]:
+            out[j] = (ord(text[j]), 0)
+            j += 1
+        i = j
+    return out
+
+
+def _solve_text(text: str) -> Dict[int, Tuple[int, int]]:
+    out = {}
+    memo = text[text.index(MEMO) + 1 : text.index(MEMO_END)]
+    copy = text.index(COPY)
+    for j, ch in enumerate(memo + COPY_END):
+        out[copy + 1 + j] = (ord(ch), 1)
+    count = text.index(COUNT) + 1
+    j = count + 1
+    while j < len(text) and text[j] in _DIGITS and int(text[j]) == (int(text[j - 1]) + 1) % 10:
+        out[j] = (ord(text[j]), 0)
+        j += 1
+    return out
+
+
+# ---------------------------------------------------------------------------- the corpus
+def byte_ids(tokenizer) -> np.ndarray:
+    """Token id of each byte value 0..255 under the byte-level tokenizer."""
+    table = _bytes_to_unicode()
+    ids = [tokenizer.tokenizer.token_to_id(table[b]) for b in range(256)]
+    if tokenizer.name != "bytes" or any(i is None for i in ids):
+        raise DataError(f"data.tokenizer: probe data need the byte-level 'bytes' tokenizer, got {tokenizer.name!r}; drop --tokenizer")
+    return np.asarray(ids, dtype=np.int64)
+
+
+def _bytes_to_unicode() -> Dict[int, str]:
+    """GPT-2's byte -> printable character map (the ByteLevel alphabet)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+class ProbeCorpus(Corpus):
+    """``probe`` / ``probe/<family>``: generated episodes; labels are written beside the token cache."""
+
+    default_tokenizer = "bytes"
+
+    def __init__(self, task: str, max_tokens: Optional[int] = None):
+        if task not in TASKS:
+            raise DataError(f"data.name: unknown probe {task!r}; valid probes: {', '.join(sorted(TASKS))}")
+        self.name = task
+        self.task = task
+        episodes = DEFAULT_EPISODES if max_tokens is None else max_tokens // EPISODE_LEN
+        if episodes < 16:
+            raise DataError(f"data.max_tokens: probe data need at least {16 * EPISODE_LEN} tokens, got {max_tokens}")
+        self.episodes = episodes
+
+    def documents(self) -> Iterator[str]:  # the bytes tokenizer needs no training text
+        return iter(())
+
+    def fingerprint(self) -> str:
+        parts = f"{VERSION}-{self.task}-E{EPISODE_LEN}-D{MAX_DEPTH}-H{MAX_HOPS}-s{DATA_SEED}-n{self.episodes}"
+        if "text" in TASKS[self.task]:
+            parts += "-" + hashlib.sha256(embedded_bytes()).hexdigest()[:12]
+        return f"probe-{self.task.replace('/', '-')}-{hashlib.sha256(parts.encode()).hexdigest()[:16]}"
+
+    def generate(self, tokenizer) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(token ids, levels, family index) of the whole stream."""
+        lookup = byte_ids(tokenizer)
+        tokens = np.empty(self.episodes * EPISODE_LEN, dtype=np.int64)
+        levels = np.empty(self.episodes * EPISODE_LEN, dtype=np.int8)
+        families = np.empty(self.episodes * EPISODE_LEN, dtype=np.int8)
+        for i in range(self.episodes):
+            family, (data, labels) = episode(self.task, i)
+            window = slice(i * EPISODE_LEN, (i + 1) * EPISODE_LEN)
+            tokens[window] = np.concatenate([[tokenizer.eot_id], lookup[np.frombuffer(data, dtype=np.uint8)]])
+            levels[window] = [NO_LABEL] + labels
+            families[window] = FAMILIES.index(family)
+        return tokens, levels, families
+
+    def write_tokens(self, tokenizer, folder: pathlib.Path, description: str) -> pathlib.Path:
+        """Labels first, then tokens + meta.json (last): a crash leaves no cache that looks complete."""
+        from datamodules import token_cache
+
+        tokens, levels, families = self.generate(tokenizer)
+        folder.mkdir(parents=True, exist_ok=True)
+        _atomic_npy(folder / "levels.npy", levels)
+        _atomic_npy(folder / "families.npy", families)
+        chunks = iter([(tokens.astype(token_cache.token_dtype(tokenizer.vocab_size)), self.episodes)])
+        return token_cache._write_chunks(chunks, tokenizer, folder, description)
+
+
+def _atomic_npy(path: pathlib.Path, array: np.ndarray) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp", suffix=".npy")
+    os.close(fd)
+    np.save(tmp, array)
+    os.replace(tmp, path)
+
+
+def open_labels(folder: pathlib.Path, num_tokens: int) -> Tuple[np.ndarray, np.ndarray]:
+    """(levels, families) memmaps beside a probe token cache, checked against the token count."""
+    out = []
+    for name in ("levels.npy", "families.npy"):
+        path = pathlib.Path(folder) / name
+        if not path.is_file():
+            raise DataError(f"{path}: probe labels are missing; delete {folder} and run again to regenerate it")
+        array = np.load(path, mmap_mode="r")
+        if array.shape != (num_tokens,):
+            raise DataError(f"{path}: {array.shape[0]} labels for {num_tokens} tokens; delete {folder} to regenerate")
+        out.append(array)
+    return out[0], out[1]
+
+
+def label_usable(positions: np.ndarray, block_start: int) -> np.ndarray:
+    """True where the token's episode began inside the block (the model saw everything the label needs)."""
+    return positions - positions % EPISODE_LEN >= block_start
+
+
+def labelled_blocks(datamodule, count: int, rank: int = 0, world: int = 1):
+    """This rank's share of the first ``count`` validation blocks of a probe ``LMDataModule``:
+    (tokens (N, T+1) int64, levels (N, T) int64, families (N, T) int64) for the targets; unusable -> -1."""
+    corpus = datamodule.corpus
+    if not isinstance(corpus, ProbeCorpus):
+        raise DataError(f"data.name: probe metrics need a probe dataset (probe, probe/<task>), got {corpus.name!r}")
+    dataset = next(iter(datamodule.val_sets.values()))
+    T = dataset.block_size
+    levels_all, families_all = open_labels(datamodule._folder(corpus), len(dataset.tokens))
+    chosen = np.array_split(np.asarray(dataset.indices[:count]), world)[rank]
+    tokens, levels, families = [], [], []
+    for block in chosen.tolist():
+        start = int(block) * T
+        tokens.append(np.asarray(dataset.tokens[start : start + T + 1], dtype=np.int64))
+        targets = np.arange(start + 1, start + T + 1)
+        usable = label_usable(targets, start)
+        levels.append(np.where(usable, np.asarray(levels_all[targets], dtype=np.int64), NO_LABEL))
+        families.append(np.asarray(families_all[targets], dtype=np.int64))
+    shape = (0, T)
+    return (np.stack(tokens) if tokens else np.zeros((0, T + 1), np.int64),
+            np.stack(levels) if levels else np.zeros(shape, np.int64),
+            np.stack(families) if families else np.zeros(shape, np.int64))
+
+
+def probe_factory(task: str):
+    def factory(max_tokens: Optional[int] = None, **_) -> Corpus:
+        return ProbeCorpus(task, max_tokens)
+
+    return factory

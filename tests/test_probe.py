@@ -1,0 +1,310 @@
+"""Routing probes: generated data with exact difficulty labels, per-difficulty metrics, the experiment."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from datamodules import probe
+from datamodules.corpora import DataError, get_corpus
+from datamodules.lm import DataConfig, LMDataModule
+from tests.conftest import REPO
+
+SMALL = 64 * probe.EPISODE_LEN  # 64 episodes: a few milliseconds to generate
+
+
+def _datamodule(tmp_path, task="probe", batch_size=4, block_size=128, seed=0, tokens=SMALL):
+    dm = LMDataModule(DataConfig(name=task, batch_size=batch_size, max_tokens=tokens, cache_dir=str(tmp_path)),
+                      block_size=block_size, seed=seed)
+    dm.prepare_data()
+    dm.setup("fit")
+    return dm
+
+
+def _labels(levels):
+    return {i: v for i, v in enumerate(levels) if v != probe.NO_LABEL}
+
+
+# ---------------------------------------------------------------------------- generator and labels
+@pytest.mark.parametrize("task", sorted(probe.TASKS))
+def test_labels_match_the_brute_force_solver(task):
+    seen_levels = set()
+    for index in range(150):
+        family, (data, levels) = probe.episode(task, index)
+        assert len(data) == len(levels) == probe.EPISODE_LEN - 1
+        solved = probe.solve_episode(family, data)
+        assert {i: (data[i], level) for i, level in _labels(levels).items()} == solved, (task, index)
+        seen_levels |= {level for _, level in solved.values()}
+    if task in ("probe", "probe/arith"):
+        assert seen_levels == set(range(probe.MAX_DEPTH + 1))  # d in 0..D mixed in the sequences
+    if task == "probe/recall":
+        assert seen_levels == set(range(probe.MAX_HOPS + 1))
+
+
+def test_solver_catches_a_wrong_label():
+    family, (data, levels) = probe.episode("probe/arith", 3)
+    answer = next(i for i, level in enumerate(levels) if level > 0)
+    wrong = bytearray(data)
+    wrong[answer] = ord("0") + (data[answer] - ord("0") + 1) % 10
+    assert probe.solve_episode(family, bytes(wrong))[answer][0] != wrong[answer]
+
+
+_INDICES = [i for i in range(60) if i % 3 != 2]  # arith and recall episodes: no corpus to load in the child
+
+
+def _stream_digest(task: str) -> str:
+    script = ("import hashlib, numpy as np; from datamodules.probe import episode; h = hashlib.sha256()\n"
+              f"for i in {_INDICES}: f, (d, l) = episode({task!r}, i); h.update(d); h.update(np.asarray(l, np.int8).tobytes())\n"
+              "print(h.hexdigest())")
+    env = dict(os.environ, PYTHONHASHSEED="123", PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True,
+                          cwd=REPO).stdout.strip()
+
+
+def test_generator_is_identical_across_processes():
+    h = hashlib.sha256()
+    for i in _INDICES:
+        _, (data, levels) = probe.episode("probe", i)
+        h.update(data)
+        h.update(np.asarray(levels, np.int8).tobytes())
+    assert _stream_digest("probe") == h.hexdigest()
+
+
+def test_cache_holds_labels_beside_tokens_and_is_rank_independent(tmp_path):
+    dm = _datamodule(tmp_path / "a")
+    folder = dm._folder(dm.corpus)
+    assert {"tokens.bin", "meta.json", "levels.npy", "families.npy"} <= {p.name for p in folder.iterdir()}
+    assert dm.vocab_size == 257
+    tokens = np.asarray(dm.train_set.tokens)
+    levels, families = probe.open_labels(folder, len(tokens))
+    assert len(tokens) == SMALL and (tokens[:: probe.EPISODE_LEN] == 256).all()  # every episode opens with EOT
+    assert set(np.unique(families)) == {0, 1, 2} and levels.max() == probe.MAX_DEPTH
+    # another process (a DDP rank) building the same corpus writes byte-identical files
+    other = _datamodule(tmp_path / "b")
+    assert other._folder(other.corpus).name == folder.name
+    for name in ("tokens.bin", "levels.npy", "families.npy"):
+        assert (folder / name).read_bytes() == (other._folder(other.corpus) / name).read_bytes()
+
+
+class _Trainer:
+    def __init__(self, rank, world):
+        self.global_rank, self.world_size = rank, world
+
+
+def test_ddp_ranks_read_disjoint_shards_of_the_same_stream(tmp_path):
+    batches = {}
+    for rank in (0, 1):
+        dm = _datamodule(tmp_path)
+        dm.trainer = _Trainer(rank, 2)
+        it = iter(dm.train_dataloader())
+        batches[rank] = [next(it) for _ in range(3)]
+    rows = lambda bs: {tuple(r.tolist()) for b in bs for r in b}  # noqa: E731
+    assert not rows(batches[0]) & rows(batches[1])
+
+
+def test_probe_datamodule_resumes_mid_epoch_exactly(tmp_path):
+    dm = _datamodule(tmp_path, batch_size=4)  # ~60 training blocks: 15 batches per epoch
+    it = iter(dm.train_dataloader())
+    straight = [next(it) for _ in range(20)]  # crosses the epoch boundary
+    resumed_dm = _datamodule(tmp_path, batch_size=4)
+    resumed_dm.load_state_dict({"samples_consumed": 7 * 4})
+    it = iter(resumed_dm.train_dataloader())
+    for expected in straight[7:]:
+        assert torch.equal(next(it), expected)
+
+
+def test_unknown_probe_and_wrong_tokenizer_are_one_line_errors(tmp_path):
+    with pytest.raises(DataError, match="valid datasets"):
+        get_corpus("probe/nope")
+    with pytest.raises(DataError, match="max_tokens"):
+        get_corpus("probe", max_tokens=100)
+    assert get_corpus("probe/arith").default_tokenizer == "bytes"
+    from datamodules.tokenizer import TextTokenizer, train_bpe
+
+    bpe = TextTokenizer(train_bpe(["the cat sat on the mat"] * 50, vocab_size=300), "bpe")
+    with pytest.raises(DataError, match="bytes"):
+        probe.byte_ids(bpe)
+
+
+def test_labelled_blocks_drop_labels_whose_episode_started_before_the_block(tmp_path):
+    dm = _datamodule(tmp_path, block_size=96)  # not a multiple of the episode length
+    tokens, levels, _ = probe.labelled_blocks(dm, 8)
+    assert tokens.shape == (len(levels), 97)
+    starts = np.asarray(dm.val_sets["val"].indices[:8]) * 96
+    for row, start in enumerate(starts):
+        targets = np.arange(start + 1, start + 97)
+        cut = targets - targets % probe.EPISODE_LEN < start
+        assert (levels[row][cut] == probe.NO_LABEL).all()
+
+
+# ---------------------------------------------------------------------------- per-difficulty compute
+def _tiny(variant, block_size=16, vocab_size=64):
+    from architectures import ModelConfig, build_model
+
+    config = ModelConfig(variant=variant, d_model=32, n_layer=2, n_head=2, block_size=block_size,
+                         vocab_size=257 if block_size > 16 else vocab_size)
+    torch.manual_seed(0)
+    return build_model(config).eval()
+
+
+def test_per_difficulty_compute_from_a_hand_made_moe_trace():
+    from architectures import flops as F_
+    from callbacks.probe import stats_tensor, summarize, spearman, token_flops
+
+    model = _tiny("moe")
+    with torch.no_grad():
+        trace = model(torch.zeros(1, 4, dtype=torch.long)).trace
+    E = model.config.moe.num_experts
+    for site in trace:  # hand-made routing: token 0 and 2 run one expert, 1 and 3 have theirs dropped
+        site.selected = torch.tensor([[[0], [1], [E - 1], [2]]])
+        site.dropped = torch.tensor([[[False], [True], [False], [True]]])
+        site.weights = torch.ones(1, 4, 1)
+    per_token = token_flops(model, trace, seq_len=4)
+    d, T = 32, 4
+    moe = [b.moe for b in model.blocks if hasattr(b, "moe")]
+    dense = F_.lm_head(d, 64).forward + 2 * (F_.attention_projections(d) + F_.attention_scores(d, T))
+    dense += sum(F_.linear(d, m.num_choices) for m in moe)
+    dense += (2 - len(moe)) * F_.ffn(d, model.config.ffn_hidden)
+    expert = sum(F_.ffn(d, m.hidden) for m in moe)
+    assert per_token[0].tolist() == pytest.approx([dense + expert, dense, dense + expert, dense])
+    tokens = {"level": np.array([0, 0, 4, 4]), "family": np.zeros(4, int), "loss": np.ones(4),
+              "correct": np.array([1, 0, 1, 0]), "flops": per_token[0].numpy()}
+    summary = summarize(stats_tensor(tokens, 1), spearman(tokens["level"], tokens["flops"]), ["arith"])
+    assert summary["levels"]["0"]["flops"] == pytest.approx(dense + expert / 2)
+    assert summary["levels"]["4"]["acc"] == 0.5 and summary["hard_token_share"] == 0.5
+    assert summary["hard_compute_share"] == pytest.approx(0.5) and summary["spearman"] == pytest.approx(0.0)  # no correlation
+
+
+def test_per_difficulty_compute_from_a_hand_made_mod_trace():
+    from architectures import flops as F_
+    from callbacks.probe import spearman, stats_tensor, summarize, token_flops
+
+    model = _tiny("mod")
+    with torch.no_grad():
+        trace = model(torch.zeros(1, 8, dtype=torch.long)).trace
+    routed = [s for s in trace if s.kind == "expert_choice"]
+    assert routed
+    for site in routed:  # the routed blocks process exactly the last four tokens (the hard ones)
+        site.selected = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]]).unsqueeze(-1)
+    per_token = token_flops(model, trace, seq_len=8)[0]
+    d = 32
+    block = F_.attention_projections(d) + F_.attention_scores(d, 1) + F_.ffn(d, model.config.ffn_hidden)
+    assert (per_token[4:] - per_token[:4]).tolist() == pytest.approx([len(routed) * block] * 4)
+    levels = np.array([0, 0, 1, 1, 3, 3, 4, 4])
+    tokens = {"level": levels, "family": np.zeros(8, int), "loss": np.zeros(8), "correct": np.ones(8),
+              "flops": per_token.numpy()}
+    summary = summarize(stats_tensor(tokens, 1), spearman(levels, tokens["flops"]), ["arith"])
+    assert summary["spearman"] > 0.8 and summary["hard_token_share"] == 0.5
+    assert summary["hard_compute_share"] > 0.5 and summary["hard_compute_ratio"] > 1
+
+
+def test_depth_gate_compute_is_the_depth_its_gate_reads():
+    from callbacks.probe import token_flops
+
+    model = _tiny("depth_gate")
+    with torch.no_grad():
+        trace = model(torch.zeros(1, 2, dtype=torch.long)).trace
+    site = trace[0]
+    site.selected = torch.arange(2).expand(1, 2, 2)
+    site.weights = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])  # token 0 reads layer 0, token 1 the last layer
+    full = model.flops_per_token(trace, 2)
+    per_token = token_flops(model, trace, seq_len=2)[0]
+    layers = full.attn_proj + full.attn_scores + full.ffn
+    assert per_token.tolist() == pytest.approx([full.forward - layers / 2, full.forward])
+
+
+def test_cli_run_on_probe_data_logs_per_difficulty_metrics(tmp_path, one_thread):
+    from experiments.run import main
+    from tests.conftest import TINY_RUN
+
+    run_dir = main(["--data", "probe/arith", "--data.max_tokens", str(SMALL), "--data.cache_dir", str(tmp_path / "c"),
+                    "--max_steps", "3", "--val_every", "3", "--log_dir", str(tmp_path), *TINY_RUN,
+                    "--model.block_size", "128", "--callbacks.probe_blocks", "4", "--variant", "mod"])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    metrics = summary["val_metrics"]
+    assert {f"probe/level{d}/acc" for d in range(probe.MAX_DEPTH + 1)} <= set(metrics)
+    assert all(0 <= metrics[f"probe/level{d}/acc"] <= 1 for d in range(probe.MAX_DEPTH + 1))
+    assert metrics["probe/level4/flops"] > 0 and 0 < metrics["probe/hard_token_share"] < 1
+    detail = json.loads((run_dir / "probe.json").read_text())
+    assert detail["step"] == 3 and set(detail["families"]) == set(probe.FAMILIES)
+    assert detail["families"]["arith"]["4"]["tokens"] == detail["levels"]["4"]["tokens"]
+
+
+# ---------------------------------------------------------------------------- the experiment
+@pytest.mark.slow
+def test_probe_experiment_quick_writes_tables_plots_and_goals(tmp_path, one_thread):
+    from experiments.repro import main
+
+    results = main(["probe", "--out", str(tmp_path), "--quick", "--steps", "20", "--seeds", "2", "--blocks", "4",
+                    "--variants", "vanilla,mod", "--", "--data.cache_dir", str(tmp_path / "cache")])
+    assert set(results["variants"]) == {"vanilla", "mod"} and len(results["runs"]) == 4
+    mod, vanilla = results["variants"]["mod"], results["variants"]["vanilla"]
+    assert mod["steps"] > vanilla["steps"]  # matched FLOPs: MoD's cheaper steps buy more of them
+    assert abs(mod["planned_deviation"]) < 0.05 and len(mod["spearman_seeds"]) == 2
+    assert vanilla["spearman_seeds"] == [None, None]  # dense compute has no rank correlation
+    assert "mod_spearman_positive_significant" in results["goals"]
+    report = (tmp_path / "results.md").read_text()
+    assert "Accuracy per difficulty level" in report and "| mod |" in report
+    for name in ("probe_accuracy.png", "probe_compute.png", "results.json"):
+        assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_sweeps_accept_probe_datasets(capsys):
+    from experiments import sweep
+
+    jobs = sweep.main(["--grid", "data=probe,probe/recall", "--grid", "variant=vanilla,mod", "--launcher", "local",
+                       "--dry_run"])
+    assert len(jobs) == 4 and any("probe/recall" in " ".join(job) for job in jobs)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _probe_ddp_worker(rank: int, world: int, port: int, cache: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from callbacks.probe import distributed_summary
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        dm = LMDataModule(DataConfig(name="probe", max_tokens=SMALL, cache_dir=cache), block_size=128)
+        dm.setup("validate")  # the parent prepared the cache, as Lightning's rank-0 prepare_data does
+        summary = distributed_summary(_tiny("mod", block_size=128), dm, 3, rank, world, batch_size=2)
+        if rank == 0:
+            pathlib.Path(out).write_text(json.dumps(summary))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_process_probe_metrics_equal_one_process_over_all_blocks(tmp_path):
+    import torch.multiprocessing as mp
+
+    from callbacks.probe import evaluate_probe
+
+    _datamodule(tmp_path)  # builds the cache once
+    out = str(tmp_path / "summary.json")
+    mp.start_processes(_probe_ddp_worker, args=(2, _free_port(), str(tmp_path), out), nprocs=2, join=True,
+                       start_method="spawn")
+    distributed = json.loads(pathlib.Path(out).read_text())
+    single = evaluate_probe(_tiny("mod", block_size=128), _datamodule(tmp_path), blocks=3, batch_size=2)
+    assert distributed["levels"].keys() == single["levels"].keys()
+    for level, row in single["levels"].items():
+        assert distributed["levels"][level]["tokens"] == row["tokens"]
+        for key in ("loss", "acc", "flops", "compute_share"):
+            assert distributed["levels"][level][key] == pytest.approx(row[key], rel=1e-5), (level, key)
+    assert distributed["spearman"] == pytest.approx(single["spearman"], rel=1e-6, abs=1e-9)
