@@ -49,12 +49,6 @@ LEVELS = 5  # 0..MAX_DEPTH of datamodules/probe.py
 _STATS = ("tokens", "loss", "correct", "flops")
 
 
-def causal_routing(model):
-    """``model.causal_routing()`` where the variant has it, else a no-op."""
-    routing = getattr(model, "causal_routing", None)  # TODO(merge): A's base class gives every model one
-    return routing() if routing is not None else contextlib.nullcontext()
-
-
 # ---------------------------------------------------------------------------- per-token compute
 def _cut(site: RoutingSite, b: int, t: int) -> RoutingSite:
     def one(x):
@@ -125,7 +119,7 @@ def probe_batches(model, tokens: np.ndarray, levels: np.ndarray, families: np.nd
         for start in range(0, len(tokens), batch_size):
             batch = torch.as_tensor(tokens[start : start + batch_size], device=device)
             idx, targets = batch[:, :-1], batch[:, 1:]
-            with (causal_routing(model) if causal else contextlib.nullcontext()):
+            with (model.causal_routing() if causal else contextlib.nullcontext()):
                 result = model(idx)
             logits = result.logits.float()
             loss = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none").cpu().double()

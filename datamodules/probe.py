@@ -37,11 +37,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import os
 import pathlib
 import tempfile
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 

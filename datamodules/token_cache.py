@@ -188,7 +188,6 @@ def _write_chunks(
     dtype = token_dtype(tokenizer.vocab_size)
     count = 0
     docs = 0
-    chunk_hashes: List[str] = []
     fd, tmp_name = tempfile.mkstemp(dir=folder, prefix="tokens.bin.tmp")
     follow_umask(tmp_name)
     try:

@@ -258,7 +258,7 @@ def routing(run_dir: str, png: Optional[str] = None) -> Dict[str, Any]:
     records = load_stats(folder)
     if not records:
         raise FileNotFoundError(f"run_dir: {folder / STATS_FILE} holds no records")
-    (first_step, first), (last_step, last) = records[0], records[-1]
+    (_, first), (_, last) = records[0], records[-1]
     result: Dict[str, Any] = {"run_dir": str(folder), "steps": [s for s, _ in records], "sites": {}, "transitions": []}
     for name, site in last.sites.items():
         before = first.sites.get(name)

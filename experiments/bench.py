@@ -22,12 +22,11 @@ Optionally (``--generate N``) it also times ``generate()`` with a KV cache, in n
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn.functional as F

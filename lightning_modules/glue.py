@@ -13,7 +13,6 @@ GLUE-leaderboard number of a task: the mean of its two metrics where it has two 
 """
 from __future__ import annotations
 
-import inspect
 import json
 import pathlib
 from typing import Any, Dict, List, Optional
@@ -82,24 +81,8 @@ def backbone_hidden(model: nn.Module, idx: torch.Tensor, attention_mask: torch.T
 
     The (T x vocab) logits a classifier discards cost most of a small model's forward (9.6x at tiny).
     """
-    if "compute_logits" in inspect.signature(model.forward).parameters:
-        out = model(idx, attention_mask=attention_mask, compute_logits=False)
-        if out.hidden is not None:
-            return out.hidden, out
-    # TODO(merge): helper A adds compute_logits=False to every model; until then every variant ends its
-    # forward with self.head(x) (ln_f + LM head), so an instance attribute that returns the stream stands in.
-    captured: Dict[str, torch.Tensor] = {}
-
-    def keep_stream(x: torch.Tensor):
-        captured["hidden"] = x
-        return None
-
-    model.head = keep_stream
-    try:
-        out = model(idx, attention_mask=attention_mask)
-    finally:
-        del model.head
-    return captured["hidden"], out
+    out = model(idx, attention_mask=attention_mask, compute_logits=False)
+    return out.hidden, out
 
 
 def last_token_features(model: nn.Module, idx: torch.Tensor, attention_mask: torch.Tensor):

@@ -5,7 +5,6 @@ its named parts; the latest routing trace (no logits) is kept on ``self.last_out
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import pathlib
 from dataclasses import asdict, dataclass, replace
@@ -121,23 +120,6 @@ def detached_trace(trace):
     return out
 
 
-def causal_routing_context(model):
-    """``model.causal_routing()``: routing decided as in generation (a no-op for models without one)."""
-    # TODO(merge): helper A adds causal_routing() to every LanguageModel; drop the fallback then.
-    method = getattr(model, "causal_routing", None)
-    return method() if callable(method) else contextlib.nullcontext()
-
-
-def routing_sees_future(model) -> bool:
-    """True when the model's default routing reads later tokens (MoD / MoDE top-k over the sequence)."""
-    value = getattr(type(model), "routing_sees_future", None)
-    if value is not None:
-        return bool(value)
-    # TODO(merge): helper A adds the class attribute; until then the MoD family's sequence top-k router
-    # (MoD, MoDE staged; MoDE integrated skips by token choice, which is causal).
-    return bool(getattr(type(model), "uses_mod_router", False))
-
-
 class NonFiniteGuard:
     """Checks the training losses for NaN/Inf every ``every`` steps, not on every step (a host sync).
 
@@ -199,7 +181,7 @@ class LanguageModelModule(L.LightningModule):
         self.max_steps = self.optim.schedule_steps or max_steps
         self.val_names = val_names or ["val"]
         self.val_loss = torch.nn.ModuleList([MeanMetric() for _ in self.val_names])
-        self.causal_eval = routing_sees_future(self.model)
+        self.causal_eval = self.model.routing_sees_future
         self.val_loss_causal = torch.nn.ModuleList([MeanMetric() for _ in self.val_names]) if self.causal_eval else None
         self.predictor_counts: Dict[str, torch.Tensor] = {}  # site -> [tp, fp, fn, tn] of causal vs top-k
         self.tokens_seen = 0  # global (all ranks): every rank sees the same batch shape
@@ -266,7 +248,7 @@ class LanguageModelModule(L.LightningModule):
         if decisions:
             self._count_predictor(decisions, out.trace)
         if self.causal_eval:
-            with causal_routing_context(self.model):
+            with self.model.causal_routing():
                 causal = self.model(idx)
             self.val_loss_causal[dataloader_idx].update(self.lm_loss(causal.logits, targets), weight=targets.numel())
 

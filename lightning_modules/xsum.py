@@ -9,7 +9,6 @@ surviving beams), cut at EOT, and scored with torchmetrics' ROUGE-1/2/L F-measur
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Dict, List, Optional
 
 import lightning as L
@@ -25,12 +24,6 @@ from datamodules.xsum import IGNORE
 from lightning_modules.lm import OptimConfig, parameter_groups, warmup_cosine
 
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL")
-
-
-def _causal(model):
-    """MoD routes by its causal decision while generating; a no-op for every other variant."""
-    routing = getattr(model, "causal_routing", None)
-    return routing() if routing is not None else contextlib.nullcontext()
 
 
 @torch.no_grad()
@@ -51,7 +44,7 @@ def beam_search(model, prompt: torch.Tensor, num_beams: int, max_new_tokens: int
     was_training = model.training
     model.eval()
     try:
-        with _causal(model):
+        with model.causal_routing():
             return _beam_search(model, prompt.view(1, -1), num_beams, max_new_tokens, eos_token_id, length_penalty,
                                 use_cache and model.supports_kv_cache)
     finally:

@@ -86,7 +86,7 @@ def evaluate_default_routing(run_dir: pathlib.Path, blocks: int) -> Optional[Dic
     from experiments.repro.common import load_model
 
     model = load_model(run_dir)
-    if getattr(model, "causal_routing", None) is None:  # TODO(merge): every model has one after A's restructure
+    if not model.routing_sees_future:
         return None
     config = run_config(run_dir)
     fields = {f.name for f in dataclasses.fields(DataConfig)}
