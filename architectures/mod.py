@@ -41,21 +41,12 @@ from architectures.config import ConfigError, ModelConfig, layer_selection
 from architectures.contract import RoutingSite
 from architectures.gpt2 import MLP, Block, CausalSelfAttention
 from architectures.moe import MoEBlock, MoEGPT, MoELayer, expert_hidden, validate_moe_config
-from architectures.routing import expert_choice_topk, fp32_linear
+from architectures.routing import capacity_tokens, expert_choice_topk, fp32_linear
 
 SAMPLING_CHOICES = ("aux_loss", "predictor", "none")
 
 
 # ---------------------------------------------------------------------------- configuration
-def capacity_tokens(capacity: float, seq_len: int) -> int:
-    """k = max(1, floor(c * T)): tokens each routed block processes per sequence of ``seq_len`` real tokens.
-
-    A sequence shorter than 1/c still gets one token (as every reference implementation does); an
-    empty one gets none.
-    """
-    return min(seq_len, max(1, math.floor(capacity * seq_len)))
-
-
 def routed_block_indices(config: ModelConfig) -> List[int]:
     indices = layer_selection(config.mod.routed_blocks, config.n_layer, "model.mod.routed_blocks")
     require(bool(indices), "model.mod.routed_blocks",

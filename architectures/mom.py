@@ -414,7 +414,7 @@ class MoMChunk(nn.Module):
             if all(site is not None for site in own):
                 per_step = [float((s.selected < pool).sum()) / (s.selected.shape[0] * s.selected.shape[1]) for s in own]
             elif cfg.mom.all_paths and learned[kind]:
-                k = pool
+                per_step = [float(pool)] * self.steps  # the dense mixture runs every module
             else:
                 choices = pool // self.steps if (cfg.mom.routing == "moe" and kind == "ffn") else pool
                 k = 1 if (not learned[kind] or cfg.mom.routing == "layer_skip") else min(cfg.mom.top_k, choices)

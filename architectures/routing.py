@@ -48,6 +48,16 @@ def token_topk(logits: torch.Tensor, k: int, temperature: float = 1.0, renormali
     return probs, top, selected
 
 
+def capacity_tokens(capacity: float, seq_len: int) -> int:
+    """k = max(1, floor(c * T)): tokens each routed block processes per sequence of ``seq_len`` real tokens.
+
+    A sequence shorter than 1/c still gets one token (as every reference implementation does); an
+    empty one gets none. The 1e-9 keeps c * T that lands on a whole number in floating point
+    (0.29 * 100 = 28.999...) on it; ``row_capacity`` is the same rule per row.
+    """
+    return min(seq_len, max(1, math.floor(capacity * seq_len + 1e-9)))
+
+
 def row_capacity(capacity: float, valid: Optional[torch.Tensor], B: int, T: int, device) -> torch.Tensor:
     """(B,) k = max(1, floor(c * length)) per row from each example's own real length (0 for an empty row)."""
     lengths = torch.full((B,), T, device=device) if valid is None else valid.sum(dim=1)
@@ -67,7 +77,7 @@ def expert_choice_topk(scores: torch.Tensor, capacity: float, valid: Optional[to
     """
     B, T = scores.shape
     if valid is None:
-        k = min(T, max(1, math.floor(capacity * T + 1e-9)))
+        k = capacity_tokens(capacity, T)
         # the same stable tie-break as the padded path below, so padding never changes a row's choice
         idx = scores.argsort(dim=1, descending=True, stable=True)[:, :k].sort(dim=1).values
         chosen = torch.zeros_like(scores, dtype=torch.bool).scatter(1, idx, True)

@@ -7,6 +7,7 @@ modes, hard depth gating). A new variant is covered as soon as it has a registry
 from __future__ import annotations
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -160,6 +161,16 @@ def test_analytic_flops_match_the_flop_counter_for_a_full_forward_and_cached_dec
             # from the trace alone (it carries the key length); a variant without routing sites is told it
             analytic = model.flops_per_token(out.trace, seq_len=None if out.trace else t + 1, queries=1)
             assert analytic.forward * 2 == pytest.approx(flops, rel=1e-6), f"decode step at {t}"
+
+
+@pytest.mark.parametrize("name,extra", CASES, ids=IDS)
+def test_planned_flops_without_a_trace_are_defined(name, extra):
+    """isoFLOP sizing, sweep estimates and the FLOPs callback before the first step ask for the FLOPs of a
+    forward with no trace (the planned figure): every variant and option must give one."""
+    model = build(name, extra)
+    for seq_len in (None, 7):
+        flops = model.flops_per_token(None, seq_len=seq_len)
+        assert math.isfinite(flops.forward) and flops.forward > 0
 
 
 # ---------------------------------------------------------------------------- f. decoding

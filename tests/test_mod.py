@@ -443,3 +443,18 @@ def test_cli_run_reports_the_processed_token_fraction(tmp_path):
     assert summary["routing"]["block1.mod"]["skip"] == pytest.approx(0.75)
     assert summary["flops_per_token"]["ratio_to_vanilla"] < 1.0
     assert math.isfinite(summary["final_val_loss"])
+
+
+@pytest.mark.parametrize("capacity", [0.125, 0.29, 0.57])
+def test_planned_k_is_the_k_the_router_takes(capacity):
+    """The FLOPs plan (no trace) and the router use one capacity rule (c * T on a whole number counts as it)."""
+    from architectures.routing import capacity_tokens, expert_choice_topk, row_capacity
+
+    T = 100
+    _, idx, real = expert_choice_topk(torch.randn(2, T), capacity, None)
+    padded = row_capacity(capacity, torch.ones(2, T, dtype=torch.bool), 2, T, "cpu")
+    assert real is None and idx.shape[1] == capacity_tokens(capacity, T) == int(padded[0]) == math.floor(capacity * T + 1e-9)
+    model = build_model(ModelConfig(variant="mod", size="tiny", vocab_size=64, d_model=32, n_layer=2, n_head=2,
+                                    block_size=T, mod=MoDConfig(capacity=capacity, routed_blocks="all", sampling="none")))
+    out = model(torch.randint(0, 64, (2, T)))
+    assert model.flops_per_token(None).forward == pytest.approx(model.flops_per_token(out.trace).forward, rel=1e-9)
