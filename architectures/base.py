@@ -93,6 +93,13 @@ class LanguageModel(nn.Module):
     #: later tokens (MoD's sequence top-k). Causal evaluation then needs ``causal_routing()``.
     routing_sees_future: bool = False
 
+    @property
+    def has_causal_routing(self) -> bool:
+        """False when no causal routing decision was trained (MoD with ``mod.sampling none``): then
+        ``prepare_generation`` refuses, and causal evaluation is not computed (it would measure an
+        untrained rule)."""
+        return True
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config

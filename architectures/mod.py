@@ -380,8 +380,12 @@ class MoD(LanguageModel):
         state.options["fixed_router_weight"] = self.fixed_router_weight
         return super().body(x, state)
 
+    @property
+    def has_causal_routing(self) -> bool:
+        return not (self.uses_mod_router and self.config.mod.sampling == "none")
+
     def prepare_generation(self) -> None:
-        if self.uses_mod_router and self.config.mod.sampling == "none":
+        if not self.has_causal_routing:
             raise ConfigError(
                 "model.mod.sampling: 'none' trains no causal routing decision, so the top-k router cannot be "
                 "used to sample token by token; train with 'predictor' or 'aux_loss' to use generate()"

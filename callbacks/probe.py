@@ -110,7 +110,9 @@ def _empty_stats(families: int) -> torch.Tensor:
 def probe_batches(model, tokens: np.ndarray, levels: np.ndarray, families: np.ndarray, batch_size: int = 16,
                   causal: bool = True):
     """Per labelled token: (level, family, loss, correct, flops) numpy arrays, with causal routing unless
-    ``causal=False`` (then the variant's training-time routing, which may see the future)."""
+    ``causal=False`` or the model trained no causal decision (then the variant's training-time routing,
+    which may see the future)."""
+    causal = causal and model.has_causal_routing
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()

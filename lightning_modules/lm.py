@@ -181,7 +181,8 @@ class LanguageModelModule(L.LightningModule):
         self.max_steps = self.optim.schedule_steps or max_steps
         self.val_names = val_names or ["val"]
         self.val_loss = torch.nn.ModuleList([MeanMetric() for _ in self.val_names])
-        self.causal_eval = self.model.routing_sees_future
+        # a model without a trained causal decision has no causal loss to report (only an untrained rule's)
+        self.causal_eval = self.model.routing_sees_future and self.model.has_causal_routing
         self.val_loss_causal = torch.nn.ModuleList([MeanMetric() for _ in self.val_names]) if self.causal_eval else None
         self.predictor_counts: Dict[str, torch.Tensor] = {}  # site -> [tp, fp, fn, tn] of causal vs top-k
         self.tokens_seen = 0  # global (all ranks): every rank sees the same batch shape

@@ -235,3 +235,10 @@ def test_the_module_keeps_the_trace_and_aux_parts_for_callbacks_not_the_logits(o
 def test_causal_evaluation_is_added_exactly_where_routing_sees_the_future(variant, sees_future):
     module = LanguageModelModule(model=dict(MOD, variant=variant))
     assert module.causal_eval is sees_future and (module.val_loss_causal is not None) is sees_future
+
+
+def test_no_causal_evaluation_without_a_trained_causal_decision():
+    """MoD with mod.sampling 'none' trains no causal decision: a 'causal' loss would measure an untrained rule."""
+    module = LanguageModelModule(model=dict(MOD, variant="mod", mod={"sampling": "none"}))
+    assert module.model.routing_sees_future and not module.model.has_causal_routing
+    assert not module.causal_eval and module.val_loss_causal is None
