@@ -31,7 +31,7 @@ from architectures.contract import RoutingSite
 from architectures.flops import COMPONENTS, Flops
 from callbacks.routing import all_reduce_sum
 from callbacks.tensorboard import log_scalars
-from lightning_modules.lm import is_logging_step, log_step
+from lightning_modules.lm import batch_step, completes_step, is_logging_step, log_step
 
 # Dense (no sparsity) peak FLOP/s per device name (lower case, exact), for names Lightning's table misses.
 PEAK_FLOPS: Dict[str, Dict[Union[torch.dtype, str], float]] = {
@@ -43,6 +43,29 @@ PEAK_FLOPS: Dict[str, Dict[Union[torch.dtype, str], float]] = {
         torch.float64: 33.5e12,
     },
 }
+
+
+#: dense (no sparsity) bf16 tensor-core peak, TFLOP/s, by a substring of torch.cuda.get_device_name();
+#: the first match wins, so the specific names (PCIe / NVL boards) come before the generic ones.
+PEAK_BF16_TFLOPS = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.5),
+    ("H200", 989.5),  # H200 SXM: the H100 SXM tensor cores with more HBM
+    ("H100", 989.5),  # H100 SXM ("NVIDIA H100 80GB HBM3")
+    ("GH200", 989.5),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("L40S", 362.0),
+    ("L4", 121.0),
+)
+
+
+def peak_bf16_flops(device_name: str) -> Optional[float]:
+    """Dense bf16 peak FLOP/s of a GPU from its name, or None when the table does not know it."""
+    for key, tflops in PEAK_BF16_TFLOPS:
+        if key.lower() in device_name.lower():
+            return tflops * 1e12
+    return None
 
 
 def measured_flops(model, trace: Optional[Sequence[RoutingSite]], seq_len: Optional[int]) -> Flops:
@@ -85,6 +108,7 @@ class FlopsCallback(L.Callback):
         self.latest_flops: Optional[Flops] = None  # mean over ranks at the latest measured step
         self.latest_ratio: Optional[float] = None
         self._last = -1
+        self._micro: list = []  # the measured step's micro-batch FLOPs (gradient accumulation)
 
     def on_fit_start(self, trainer, pl_module) -> None:
         if self.log:
@@ -98,14 +122,18 @@ class FlopsCallback(L.Callback):
         shape = getattr(pl_module, "last_batch_shape", None)
         if out is None or shape is None:
             return
-        step = trainer.global_step
+        step = batch_step(trainer)  # with gradient accumulation: every micro-batch of the step counts
         if not (self.due(trainer, step) or is_logging_step(trainer, step)):  # the monitor reads it on these
             return
         from architectures.gpt2 import vanilla_flops
 
         model = pl_module.model
         B, T = shape
-        flops = measured_flops(model, out.trace, T)
+        self._micro.append(measured_flops(model, out.trace, T))
+        if not completes_step(trainer):
+            return
+        flops = sum(self._micro[1:], self._micro[0]).scale(1.0 / len(self._micro))  # equal-size micro-batches
+        self._micro = []
         pl_module.flops_per_batch = int(flops.training * B * T)
         if not (self.due(trainer, step) and self.log):
             return
@@ -141,8 +169,8 @@ def warn_if_longer_than_run(trainer, field: str, every: int, what: str) -> None:
 
 def peak_flops(device_name: str, dtype: Union[torch.dtype, str]) -> Optional[float]:
     table = PEAK_FLOPS.get(device_name.strip().lower())
-    if table is None:
-        return None
+    if table is None:  # the bench's bf16 table covers more boards (H100 NVL/PCIe, GH200, L40S, ...)
+        return peak_bf16_flops(device_name) if dtype in (torch.bfloat16, torch.float16) else None
     if dtype is torch.float32 and torch.get_float32_matmul_precision() != "highest":
         dtype = "tfloat32"  # as Lightning does: fp32 matmuls run on TF32 tensor cores then
     return table.get(dtype)

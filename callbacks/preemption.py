@@ -65,10 +65,12 @@ class PreemptionCheckpoint(L.Callback):
         self.requested = signum
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        from lightning_modules.lm import completes_step, is_logging_step
+
+        if not completes_step(trainer):
+            return  # never stop inside a gradient-accumulation step
         requested = float(self.requested or 0)
         if trainer.world_size > 1:  # every rank stops at the same step, or the others hang in the next all-reduce
-            from lightning_modules.lm import is_logging_step
-
             if not is_logging_step(trainer, trainer.global_step):  # the flag's all-reduce is a host sync: logging steps only
                 return
             flag = torch.tensor(requested, device=pl_module.device)

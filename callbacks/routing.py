@@ -41,7 +41,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from architectures.contract import RoutingSite
 from callbacks.tensorboard import figure, log_figure, log_histogram, log_scalars, tag_part
-from lightning_modules.lm import log_step
+from lightning_modules.lm import batch_step, completes_step, log_step
 
 SKIP = "skip"
 # Per-site scalars after the E counts in the packed tensor.
@@ -342,7 +342,7 @@ class RoutingStatistics(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self._disabled:
             return
-        step = trainer.global_step
+        step = batch_step(trainer)  # with gradient accumulation: every micro-batch of the step counts
         if not self.due(trainer, step):
             return
         out = getattr(pl_module, "last_output", None)
@@ -358,6 +358,8 @@ class RoutingStatistics(L.Callback):
             self.sample = batch[:1, :-1].detach().clone()
         self.accumulator.add(trace)
         self._latest_trace = trace
+        if not completes_step(trainer):
+            return
         self._last_logged = step
         stats = self.accumulator.reduce()  # collective: every rank, same step
         self.latest, self.latest_step = stats, log_step(trainer)

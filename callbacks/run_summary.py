@@ -16,14 +16,15 @@ from typing import Any, Dict, List, Optional, Tuple
 import lightning as L
 import torch
 
-from lightning_modules.lm import is_logging_step
+from lightning_modules.lm import completes_step, is_logging_step
 
 
 class StepRecorder(L.Callback):
     """Wall time of every optimisation step and the global LM loss it produced.
 
-    A step's time is the interval between two consecutive batch starts, so it covers the whole step:
-    data, forward, backward, optimiser, every callback's hooks and the logging. Intervals that contain
+    A step's time is the interval between the starts of two consecutive optimisation steps (with gradient
+    accumulation: their first micro-batches), so it covers the whole step: data, forward, backward of
+    every micro-batch, optimiser, every callback's hooks and the logging. Intervals that contain
     a validation or a checkpoint save are left out, and so are the first ``skip_first`` steps of each
     process (warm-up allocations) from the median.
     """
@@ -40,6 +41,7 @@ class StepRecorder(L.Callback):
         self._unresolved: List[Tuple[int, Any, Any]] = []
         self._interrupted = False
         self._measured_here = 0
+        self._step_starts = True  # the next batch is the first micro-batch of an optimisation step
         self.starts: List[int] = []  # global step at which each process (first run, each resume) began training
 
     # ------------------------------------------------------------------ timing
@@ -76,6 +78,8 @@ class StepRecorder(L.Callback):
         self._trainer, self._module = trainer, pl_module
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if not self._step_starts:
+            return  # a later micro-batch of the running step
         self._close(trainer)
         self._interrupted = False
         self._open = (trainer.global_step + 1, self._mark(trainer))
@@ -88,6 +92,9 @@ class StepRecorder(L.Callback):
 
     # ------------------------------------------------------------------ losses
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._step_starts = completes_step(trainer)
+        if not self._step_starts:
+            return  # the step's mean loss is known at its last micro-batch
         self._record_loss(trainer, pl_module)
         if is_logging_step(trainer, trainer.global_step):
             self._flush(trainer)

@@ -12,7 +12,7 @@ GPU / scale options: ``--device cuda``, ``--precision bf16-mixed`` (autocast, as
 of one forward+loss, from ``torch._dynamo.explain``, and the recompilations over
 ``--recompile_steps`` extra steps on fresh batches, i.e. with varying routing). On CUDA with bf16 the
 report adds MFU: training FLOPs/s (analytic, 3x forward) over the GPU's dense bf16 peak
-(``PEAK_BF16_TFLOPS``, keyed by device name; ``--peak_tflops`` overrides).
+(``callbacks.flops.PEAK_BF16_TFLOPS``, keyed by device name, shared with training's MFU; ``--peak_tflops`` overrides).
 
 Memory: on CUDA the peak allocated bytes of the step; on CPU the bytes of parameters, gradients,
 AdamW state and the activations saved for backward (measured with saved-tensor hooks; not with
@@ -35,6 +35,7 @@ import yaml
 from architectures import ModelConfig, build_model, variant_names
 from architectures.config import SIZES, ConfigError
 from architectures.gpt2 import vanilla_flops
+from callbacks.flops import PEAK_BF16_TFLOPS, peak_bf16_flops  # noqa: F401  (one peak table for bench and training MFU)
 from experiments.compiling import GraphReport, compile_model, compiled_graphs, graph_report
 from experiments.minimal_gpt2 import minimal_from_config
 from lightning_modules.lm import make_adamw, parameter_groups
@@ -43,29 +44,6 @@ HF_REFERENCE = "hf_gpt2"
 MINIMAL_REFERENCE = "min_gpt2"
 REFERENCES = (HF_REFERENCE, MINIMAL_REFERENCE)
 PRECISIONS = ("32-true", "bf16-mixed")
-
-#: dense (no sparsity) bf16 tensor-core peak, TFLOP/s, by a substring of torch.cuda.get_device_name();
-#: the first match wins, so the specific names (PCIe / NVL boards) come before the generic ones.
-PEAK_BF16_TFLOPS = (
-    ("H100 PCIe", 756.0),
-    ("H100 NVL", 835.5),
-    ("H200", 989.5),  # H200 SXM: the H100 SXM tensor cores with more HBM
-    ("H100", 989.5),  # H100 SXM ("NVIDIA H100 80GB HBM3")
-    ("GH200", 989.5),
-    ("A100", 312.0),
-    ("A800", 312.0),
-    ("L40S", 362.0),
-    ("L4", 121.0),
-)
-
-
-def peak_bf16_flops(device_name: str) -> Optional[float]:
-    """Dense bf16 peak FLOP/s of a GPU from its name, or None when the table does not know it."""
-    for key, tflops in PEAK_BF16_TFLOPS:
-        if key.lower() in device_name.lower():
-            return tflops * 1e12
-    return None
-
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m experiments.bench", description=__doc__.split("\n\n")[0])

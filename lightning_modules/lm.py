@@ -101,6 +101,21 @@ def is_logging_step(trainer, completed_steps: int) -> bool:
     return (every > 0 and completed_steps % every == 0) or (max_steps is not None and completed_steps == max_steps)
 
 
+def completes_step(trainer) -> bool:
+    """True for the batch that ends an optimisation step: every batch, unless gradients accumulate over
+    ``trainer.accumulate_grad_batches`` micro-batches (the small..large size presets do). Valid in
+    ``training_step`` and the batch hooks, where Lightning's own accumulation check is."""
+    if getattr(trainer, "accumulate_grad_batches", 1) <= 1:
+        return True
+    return not trainer.fit_loop.epoch_loop._should_accumulate()
+
+
+def batch_step(trainer) -> int:
+    """The optimisation step (1-based: steps completed once it is done) the current micro-batch belongs to;
+    in ``on_train_batch_end`` of the last micro-batch Lightning has already advanced ``global_step``."""
+    return trainer.global_step + (0 if completes_step(trainer) else 1)
+
+
 def log_step(trainer) -> int:
     """The x-axis value Lightning gives the current batch's scalars (0-based index of the batch).
 
@@ -190,6 +205,7 @@ class LanguageModelModule(L.LightningModule):
         self.last_lm_loss: Optional[torch.Tensor] = None
         self.last_batch_shape: Optional[Tuple[int, int]] = None  # (B, T) trained on this rank
         self.nonfinite = NonFiniteGuard(self.optim.nonfinite_check_every)
+        self._step_sums: Optional[Tuple[torch.Tensor, int]] = None  # training scalars summed over micro-batches
 
     # ------------------------------------------------------------------ core
     def forward(self, idx: torch.Tensor, **kwargs) -> ModelOutput:
@@ -208,30 +224,49 @@ class LanguageModelModule(L.LightningModule):
         lm_loss = self.lm_loss(out.logits, targets)
         loss = lm_loss + out.aux_loss
         completed = self.global_step + 1
+        done = completes_step(self.trainer)  # with gradient accumulation: the step's last micro-batch
         self.nonfinite.add(self.global_step, loss, batch)
-        if self.nonfinite.due(self.trainer, completed):
+        if done and self.nonfinite.due(self.trainer, completed):
             self._stop_if_nonfinite(out)
-        self._keep_for_callbacks(out, lm_loss, tuple(targets.shape))
+        self._keep_for_callbacks(out, tuple(targets.shape))
         self.tokens_seen += targets.numel() * self.trainer.world_size
-        if is_logging_step(self.trainer, completed):
-            self._log_train(lm_loss, out, loss)
+        self._sum_step_scalars(lm_loss, out, loss)
+        if done:
+            self._finish_step(log=is_logging_step(self.trainer, completed))
         return loss
 
-    def _keep_for_callbacks(self, out: ModelOutput, lm_loss: torch.Tensor, shape: Tuple[int, int]) -> None:
+    def _keep_for_callbacks(self, out: ModelOutput, shape: Tuple[int, int]) -> None:
+        """This micro-batch's trace and aux parts (the routing and FLOPs callbacks add up every micro-batch
+        of the step they measure)."""
         aux = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in out.aux_losses.items()}
         aux_loss = out.aux_loss.detach() if isinstance(out.aux_loss, torch.Tensor) else out.aux_loss
         self.last_output = ModelOutput(logits=None, aux_loss=aux_loss, trace=detached_trace(out.trace), aux_losses=aux)
-        self.last_lm_loss = lm_loss.detach()
         self.last_batch_shape = shape
 
-    def _log_train(self, lm_loss: torch.Tensor, out: ModelOutput, loss: torch.Tensor) -> None:
+    def _sum_step_scalars(self, lm_loss: torch.Tensor, out: ModelOutput, loss: torch.Tensor) -> None:
+        """Add this micro-batch's training scalars to the step's sums, on the device (no host sync)."""
+        self._step_names = ["train/loss", "train/aux_loss", "train/total_loss",
+                            *(f"aux/{name}" for name in out.aux_losses)]
+        parts = [lm_loss, out.aux_loss, loss, *out.aux_losses.values()]
+        values = torch.stack([torch.as_tensor(v, device=self.device).detach().float().reshape(()) for v in parts])
+        total, count = self._step_sums or (torch.zeros_like(values), 0)
+        self._step_sums = (total + values, count + 1)
+
+    def _finish_step(self, log: bool) -> None:
+        """At the step's last micro-batch: its mean LM loss for the loss curve and, on logging steps, the
+        global-batch means of every training scalar (micro-batches and ranks: one all-reduce)."""
+        total, count = self._step_sums
+        self._step_sums = None
+        values = total / count
+        self.last_lm_loss = values[0]
+        if log:
+            self._log_train(values)
+
+    def _log_train(self, values: torch.Tensor) -> None:
         """Global-batch means: one all-reduce of all the training scalars, on logging steps only."""
-        parts = {"train/loss": lm_loss, "train/aux_loss": out.aux_loss, "train/total_loss": loss,
-                 **{f"aux/{name}": value for name, value in out.aux_losses.items()}}
-        values = torch.stack([torch.as_tensor(v, device=self.device).detach().float().reshape(()) for v in parts.values()])
         if self.trainer.world_size > 1:
             values = self.trainer.strategy.reduce(values, reduce_op="mean")  # equal tokens per rank
-        metrics = dict(zip(parts, values))
+        metrics = dict(zip(self._step_names, values))
         metrics["train/ppl"] = torch.exp(metrics["train/loss"])
         for name, value in metrics.items():
             self.log(name, value, prog_bar=name == "train/loss", sync_dist=False)

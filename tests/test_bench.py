@@ -136,3 +136,12 @@ def test_vanilla_training_step_dispatches_the_minimal_models_ops():
         counts[name] = mode.ops
     extra = counts["vanilla"] - counts["min_gpt2"]
     assert sum(extra.values()) <= 1 and set(extra) <= {"new_zeros"}, extra
+
+
+def test_training_mfu_uses_the_same_peak_table_as_the_bench():
+    """One table: a board Lightning's own table misses (H100 NVL, GH200, L40S) still gets a training MFU."""
+    from callbacks.flops import peak_flops
+
+    for name in ("NVIDIA H100 NVL", "NVIDIA GH200 480GB", "NVIDIA L40S", "NVIDIA H200"):
+        assert peak_flops(name, torch.bfloat16) == bench.peak_bf16_flops(name) is not None
+    assert peak_flops("NVIDIA H200", torch.float32) == 66.9e12 and peak_flops("NVIDIA L40S", torch.float32) is None

@@ -23,15 +23,36 @@ SYNCS = ("item", "cpu", "tolist", "__bool__", "__float__", "__int__")
 OURS = ("/callbacks/", "/lightning_modules/")
 
 
-def _fit(callbacks, max_steps=8, log_every=4, **trainer_kwargs):
+def _fit(callbacks, max_steps=8, log_every=4, batch_size=4, **trainer_kwargs):
     L.seed_everything(0, verbose=False)
     module = LanguageModelModule(model=MOD, max_steps=max_steps)
     data = torch.randint(0, 32, (64, T + 1))
     trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", callbacks=callbacks, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=log_every,
                         num_sanity_val_steps=0, **trainer_kwargs)
-    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=4))
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=batch_size))
     return trainer, module
+
+
+def test_gradient_accumulation_measures_the_whole_optimisation_step(one_thread):
+    """Two micro-batches of 2 sequences train like one batch of 4 (the size presets accumulate): the logged
+    loss, the loss curve, routing and FLOPs describe the whole step, not its last micro-batch, and each
+    step is timed once, from its first micro-batch."""
+    runs = {}
+    for batch_size, accumulate in ((4, 1), (2, 2)):
+        recorder, routing, flops = StepRecorder(), RoutingStatistics(every=2, images_every=100), FlopsCallback(every=2)
+        trainer, _ = _fit([recorder, routing, flops], max_steps=4, log_every=2, batch_size=batch_size,
+                          accumulate_grad_batches=accumulate, logger=False)
+        runs[accumulate] = trainer, recorder, routing, flops
+    (whole, rec1, routing1, flops1), (micro, rec2, routing2, flops2) = runs[1], runs[2]
+    assert micro.global_step == whole.global_step == 4
+    assert float(micro.logged_metrics["train/loss"]) == pytest.approx(float(whole.logged_metrics["train/loss"]), abs=1e-5)
+    assert rec2.steps == rec1.steps == [1, 2, 3, 4]
+    assert rec2._global_losses == pytest.approx(rec1._global_losses, abs=1e-5)
+    assert routing2.latest.scalars() == pytest.approx(routing1.latest.scalars(), abs=1e-5)
+    assert flops2.latest == pytest.approx(flops1.latest, rel=1e-6)
+    rec2._resolve()
+    assert len(set(rec2.timed_steps)) == len(rec2.timed_steps)  # one interval per optimisation step
 
 
 class SyncCounter(L.Callback):
