@@ -7,7 +7,7 @@ checkpoint and vice versa, and ``--init_from`` / weight mapping are unaffected.
 What compiles to one graph (measured with ``graph_report``, CPU, torch 2.13): vanilla and the other
 dense variants, MoD (static k = floor(c*T)). Data-dependent dispatch (MoE, MoDE, MoM, MoT, cea_moe)
 breaks the graph where the number of tokens per expert becomes a Python int (``.tolist()`` in
-``architectures.dispatch``) and at boolean indexing in the balance loss; on CUDA in bf16 the MoE
+``architectures.dispatch``); the balance loss counts with ``scatter_add_`` and stays in the graph; on CUDA in bf16 the MoE
 experts run through ``architectures.grouped_gemm`` instead, whose shapes do not depend on the
 routing. The README lists the measured breaks and their cost.
 """

@@ -1,7 +1,7 @@
 """GLUE fine-tuning on any variant's backbone: last-real-token pooling + a linear head.
 
 The backbone is read only through the model contract: ``model(idx, attention_mask=mask,
-return_residuals=True).final_hidden()`` is the stream the LM head reads, ``model.ln_f`` its
+compute_logits=False).hidden`` is the stream the LM head reads (the LM head is not computed), ``model.ln_f`` its
 LayerNorm; the feature of a sequence is that vector at its last real token (right padding, causal
 attention: the last token has seen the whole input). Loss: cross-entropy (STS-B: mean squared error
 on the score) plus the backbone's auxiliary routing loss, so routers stay balanced while fine-tuning.
