@@ -98,8 +98,10 @@ def main(argv: Optional[Sequence[str]] = None) -> pathlib.Path:
     warmup = ["--optim.warmup_steps", str(min(500, args.phase2_steps // 10))]
     if args.phase2_recipe == "official":
         warmup += OFFICIAL_PHASE2  # before phase2_extra: an explicit --phase2.optim.eps wins
+    # the MoM mapping uses every vanilla tensor; the routers are new by design (at tiny, GRU routers wider
+    # than d_model are most of the parameters), so no share threshold; the tokenizer check stays
     phase2 = run.main(["--variant", args.variant, *base, "--max_steps", str(args.phase2_steps), *warmup,
-                       "--init_from", str(checkpoint), *phase2_extra])
+                       "--init_from", str(checkpoint), "--init_min_share", "0", *phase2_extra])
     record = {"variant": args.variant, "size": args.size, "phase1": str(phase1), "phase1_checkpoint": str(checkpoint),
               "phase2": str(phase2)}
     (phase2 / "two_phase.json").write_text(json.dumps(record, indent=2) + "\n")

@@ -10,7 +10,8 @@ from architectures import build_model, variant_names
 from experiments.run import build_parser, model_config, validate_up_front
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "configs"
-PRESETS = sorted(CONFIGS.rglob("*.yaml"))
+# run presets (sizes, variants); configs/paper/ holds sweep grids, tested in tests/test_paper_recipes.py
+PRESETS = sorted(p for folder in ("sizes", "variants") for p in (CONFIGS / folder).glob("*.yaml"))
 
 
 def parse(*files):
