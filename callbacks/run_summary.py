@@ -138,9 +138,12 @@ class StepRecorder(L.Callback):
 
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> Dict[str, Any]:
-        # a preemption checkpoint is saved before this callback's hook saw the last step: take its loss now
+        # a preemption checkpoint is saved before this callback's hook saw the last step: take its loss now,
+        # and reduce the pending losses over the ranks (every rank saves a checkpoint at the same step), so
+        # the checkpoint holds global means only, never rank 0's share
         if getattr(self, "_module", None) is not None:
             self._record_loss(self._trainer, self._module)
+            self._flush(self._trainer)
         self._resolve()
         return {"steps": self.loss_steps, "losses": self.losses, "step_times": list(self.step_times),
                 "timed_steps": list(self.timed_steps), "warm": list(self.warm), "starts": list(self.starts)}
