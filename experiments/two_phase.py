@@ -110,10 +110,6 @@ def main(argv: Optional[Sequence[str]] = None) -> pathlib.Path:
 
 
 if __name__ == "__main__":
-    from datamodules.corpora import DataError
+    from experiments.run import cli
 
-    try:
-        main()
-    except (ConfigError, DataError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    cli(main)
