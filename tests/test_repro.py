@@ -208,7 +208,20 @@ def test_contribution_end_to_end_with_ood_text(tmp_path):
         if r["mha_mi"] is not None:
             assert r["mha_mi"] + r["ffn_mi"] == pytest.approx(1.0)
     assert result["runs"][1]["parameters"] > result["runs"][0]["parameters"]  # 8d FFN vs 4d
-    assert "OOD loss fox" in (tmp_path / "out" / "results.md").read_text()
+    report = (tmp_path / "out" / "results.md").read_text()
+    assert "OOD loss fox" in report
+    for r in result["runs"]:  # a bootstrap SE for the logit lens where its ratio is defined; MI has none
+        assert r["se_mi"] is None and "se_logit_lens" in r
+        if r["se_logit_lens"] is not None:
+            assert f"{r['mha_logit_lens']:.3f} ± {r['se_logit_lens']:.3f}" in report
+
+
+def test_contribution_table_shows_each_ratio_with_its_standard_error():
+    from experiments.repro.common import fmt
+    from experiments.repro.contribution import with_se
+
+    assert with_se(0.41234, 0.0512) == "0.412 ± 0.051"
+    assert with_se(0.5, None) == fmt(0.5) and with_se(None, 0.1) == fmt(None)
 
 
 @pytest.mark.slow

@@ -57,6 +57,11 @@ def ood_losses(run_dir: pathlib.Path, ood: Dict[str, pathlib.Path], max_tokens: 
             for name, path in ood.items()}
 
 
+def with_se(value: Optional[float], se: Optional[float]) -> str:
+    """A ratio with its bootstrap standard error where the method has one ("0.41 ± 0.05")."""
+    return fmt(value) if se is None or value is None else f"{value:.3f} ± {se:.3f}"
+
+
 def contribution_experiment(ctx: Context, wide_ratio: float = 32.0, ratios: Sequence[float] = (0.125, 0.25, 0.5, 0.75),
                             methods: Sequence[str] = ("logit_lens", "mi"), sequences: int = 64,
                             ood: Optional[Dict[str, pathlib.Path]] = None, ood_tokens: int = 32768) -> Dict[str, Any]:
@@ -77,6 +82,7 @@ def contribution_experiment(ctx: Context, wide_ratio: float = 32.0, ratios: Sequ
         for method in methods:
             result = contribution(str(checkpoint_of(run_dir)), method, sequences=sequences, seed=ctx.seed)
             row[f"mha_{method}"], row[f"ffn_{method}"] = result["ratio_mha"], result["ratio_ffn"]
+            row[f"se_{method}"] = result.get("ratio_mha_se")  # bootstrap over sequences (logit lens); MHA and FFN share it
         row["ood"] = {k.split("/")[1]: v for k, v in s.get("val_metrics", {}).items()
                       if k.startswith("val/") and k.endswith("/loss") and k.count("/") == 2}
         row["ood"].update(ood_losses(run_dir, ood, ood_tokens))
@@ -86,7 +92,8 @@ def contribution_experiment(ctx: Context, wide_ratio: float = 32.0, ratios: Sequ
                *(f"MHA ratio ({m})" for m in methods), *(f"FFN ratio ({m})" for m in methods),
                *(f"OOD loss {n}" for n in ood_names)]
     table = markdown_table(headers, [[r["name"], r["ffn"], r["parameters"], r["flops_ratio"], r["val_loss"],
-                                      *(r[f"mha_{m}"] for m in methods), *(r[f"ffn_{m}"] for m in methods),
+                                      *(with_se(r[f"mha_{m}"], r.get(f"se_{m}")) for m in methods),
+                                      *(with_se(r[f"ffn_{m}"], r.get(f"se_{m}")) for m in methods),
                                       *(r["ood"].get(n) for n in ood_names)] for r in rows])
     sections = [f"{ctx.steps} steps per run; contribution over the first {sequences} validation sequences; ratios "
                 "from the gains between consecutive residual states (MHA updates vs FFN updates, summing to 1).", "",
