@@ -15,6 +15,7 @@ import os
 import pathlib
 import shutil
 import tempfile
+import time
 from typing import Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
@@ -251,17 +252,33 @@ def _mib(n: Optional[int]) -> str:
     return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
 
 
+#: a temporary file untouched for this long belongs to no running build (a live build writes continuously)
+ORPHAN_AGE_S = 600.0
+
+
 def remove_orphans(folder: pathlib.Path, scratch_dirs: bool = False) -> None:
     """Delete what a killed build left behind (``tokens.bin.tmp*``, ``meta.json.tmp*``, ``map.tmp*/``).
 
-    Only one build runs per cache folder at a time (rank 0's ``prepare_data``), so every temporary
-    file found when a build starts is an orphan."""
+    Within a run one build writes a cache folder (rank 0's ``prepare_data``), but separate jobs may share
+    ``$DYNCOMP_CACHE`` (a sweep, two terminals) and build the same folder at once: a temporary file
+    modified in the last ``ORPHAN_AGE_S`` seconds may be another live build's and is left alone."""
+    stale = lambda path: time.time() - _newest_mtime(path) > ORPHAN_AGE_S  # noqa: E731
     for pattern in ("tokens.bin.tmp*", "meta.json.tmp*"):
         for orphan in folder.glob(pattern):
-            orphan.unlink(missing_ok=True)
+            if stale(orphan):
+                orphan.unlink(missing_ok=True)
     for scratch in folder.glob("map.tmp*") if scratch_dirs else ():  # build_tokens_from_dataset's scratch
-        if scratch.is_dir():
+        if scratch.is_dir() and stale(scratch):
             shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _newest_mtime(path: pathlib.Path) -> float:
+    """Modification time of ``path``, or of the newest file inside it (a scratch folder being written)."""
+    try:
+        times = [path.stat().st_mtime] + ([p.stat().st_mtime for p in path.rglob("*")] if path.is_dir() else [])
+    except FileNotFoundError:  # removed meanwhile by its own build
+        return time.time()
+    return max(times)
 
 
 def follow_umask(path) -> None:

@@ -169,8 +169,18 @@ def test_orphan_temporary_files_of_a_killed_build_are_removed_by_the_next_build(
     orphans = [folder / "tokens.bin.tmpa1b2c3", folder / "tokens.bin.tmpzz", folder / "meta.json.tmpq"]
     for orphan in orphans:
         orphan.write_bytes(b"\0" * 1000)
+        _age(orphan)
+    live = folder / "tokens.bin.tmplive"  # another job building the same shared cache right now
+    live.write_bytes(b"\0" * 1000)
     token_cache.build_tokens(corpus.documents(), tok, folder)
-    assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "tokens.bin"]
+    assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "tokens.bin", "tokens.bin.tmplive"]
+
+
+def _age(path, seconds=token_cache.ORPHAN_AGE_S + 60):
+    """Back-date a file (and what a folder holds) as a build killed long ago would have left it."""
+    for p in [path, *(path.rglob("*") if path.is_dir() else [])]:
+        then = time.time() - seconds
+        os.utime(p, (then, then))
 
 
 def test_orphan_scratch_folder_of_a_killed_dataset_build_is_removed(tmp_path):
@@ -180,6 +190,8 @@ def test_orphan_scratch_folder_of_a_killed_dataset_build_is_removed(tmp_path):
     (folder / "map.tmpdead" / "ids.arrow").parent.mkdir(parents=True)
     (folder / "map.tmpdead" / "ids.arrow").write_bytes(b"\0" * 100)
     (folder / "tokens.bin.tmpdead").write_bytes(b"\0" * 100)
+    _age(folder / "map.tmpdead")
+    _age(folder / "tokens.bin.tmpdead")
     token_cache.build_tokens_from_dataset(datasets.Dataset.from_dict({"text": ["abc", "def"] * 10}), "text", tok, folder)
     assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "tokens.bin"]
 
