@@ -31,7 +31,7 @@ import re
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -185,8 +185,9 @@ def checkpoint_model_config(source: str) -> ModelConfig:
     return ModelConfig.from_dict(model)
 
 
-def backbone_config(cfg: Namespace, vocab_size: int) -> Tuple[ModelConfig, Optional[ModelConfig]]:
-    """(config to build, config of the ``--init_from`` source or None)."""
+def backbone_config(cfg: Namespace, vocab_size: int) -> ModelConfig:
+    """The backbone to build: the ``--init_from`` source's own config for its variant, else the command's
+    variant with the source's shape (or the command's config without a source)."""
     from architectures.registry import apply_preset
 
     cli = apply_preset(ModelConfig.from_dict(cfg.model.as_dict() if isinstance(cfg.model, Namespace) else dict(cfg.model)))
@@ -201,11 +202,10 @@ def backbone_config(cfg: Namespace, vocab_size: int) -> Tuple[ModelConfig, Optio
     if vocab_size > built.vocab_size:
         raise ConfigError(f"tokenizer: {vocab_size} tokens do not fit the backbone's vocabulary of {built.vocab_size}; "
                           "pass the --tokenizer the checkpoint was trained with")
-    return built, source
+    return built
 
 
-def load_backbone(model, init_from: str, source: Optional[ModelConfig] = None, strict: bool = False,
-                  min_share: float = 0.5, tokenizer=None) -> None:
+def load_backbone(model, init_from: str, strict: bool = False, min_share: float = 0.5, tokenizer=None) -> None:
     """``--init_from`` into the backbone, with the table of loaded / mapped / unused / new tensors
     (a checkpoint of the same variant loads by name; a vanilla one through the variant's mapping)."""
     from experiments.weights import load_initial_weights
@@ -311,7 +311,7 @@ def build_module(module_cls, cfg: Namespace, run_tokenizer, **kwargs):
     import lightning as L
 
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    mcfg, _ = backbone_config(cfg, run_tokenizer.vocab_size)
+    mcfg = backbone_config(cfg, run_tokenizer.vocab_size)
     module = module_cls(model=dataclasses.asdict(mcfg), **kwargs)
     if cfg.init_from:
         load_backbone(module.model, cfg.init_from, strict=cfg.init_strict, min_share=cfg.init_min_share,
@@ -329,7 +329,7 @@ def run_glue_task(cfg: Namespace, task: str, tokenizer, save_dir: pathlib.Path, 
     spec = get_task(task)
     epochs = cfg.epochs or 3
     start = time.time()
-    probe, _ = backbone_config(cfg, tokenizer.vocab_size)
+    probe = backbone_config(cfg, tokenizer.vocab_size)
     data = GlueDataModule(task, tokenizer, max_length=min(cfg.data.max_length or probe.block_size, probe.block_size),
                           batch_size=cfg.data.batch_size, path=cfg.data.path,
                           drop_empty=cfg.data.drop_empty, max_train_examples=cfg.data.max_train_examples,
@@ -366,7 +366,7 @@ def run_xsum(cfg: Namespace, tokenizer, save_dir: pathlib.Path, name: str, versi
 
     epochs = cfg.epochs or 1
     start = time.time()
-    probe, _ = backbone_config(cfg, tokenizer.vocab_size)
+    probe = backbone_config(cfg, tokenizer.vocab_size)
     data = XSumDataModule(tokenizer, probe.block_size, batch_size=cfg.data.batch_size, path=[cfg.data.path] if cfg.data.path else None,
                           max_new_tokens=cfg.max_new_tokens, eval_split=cfg.eval_split, drop_empty=cfg.data.drop_empty,
                           max_train_examples=cfg.data.max_train_examples, max_eval_examples=cfg.data.max_eval_examples,

@@ -358,10 +358,10 @@ def test_init_from_a_pretraining_checkpoint_and_its_tokenizer(tmp_path):
     assert resolve_tokenizer(None, str(ckpt)).name == "bytes"
     for variant in ("vanilla", "moe"):
         cfg = build_parser().parse_args(["--task", "glue/rte", "--model.variant", variant, "--init_from", str(ckpt)])
-        mcfg, source = backbone_config(cfg, 257)
+        mcfg = backbone_config(cfg, 257)
         assert (mcfg.variant, mcfg.d_model, mcfg.n_layer, mcfg.block_size) == (variant, 32, 2, 48)
         module = GlueModule(model=mcfg.to_dict(), task="rte")
-        load_backbone(module.model, str(ckpt), source)
+        load_backbone(module.model, str(ckpt))
         torch.testing.assert_close(module.model.wte.weight, lm.model.wte.weight)
         torch.testing.assert_close(module.model.blocks[0].attn.c_attn.weight, lm.model.blocks[0].attn.c_attn.weight)
     cfg = build_parser().parse_args(["--task", "glue/rte", "--init_from", str(ckpt)])
