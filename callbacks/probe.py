@@ -260,4 +260,6 @@ def _gather(arrays: List[np.ndarray]) -> List[np.ndarray]:
 def is_probe_data(cfg: Any) -> bool:
     data = cfg.get("data") if isinstance(cfg, dict) else getattr(cfg, "data", None)
     name = (data.get("name") if isinstance(data, dict) else getattr(data, "name", "")) or ""
-    return str(name) == "probe" or str(name).startswith("probe/")
+    from datamodules.probe import TASKS
+
+    return str(name) in TASKS

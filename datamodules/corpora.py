@@ -269,5 +269,6 @@ def _probe_corpus(task: str) -> CorpusFactory:
     return factory
 
 
-for _task in ("probe", "probe/arith", "probe/recall", "probe/text"):
+for _task in ("probe", "probe/arith", "probe/recall", "probe/text",
+              "probe-v2", "probe-v2/arith", "probe-v2/recall", "probe-v2/text"):
     CORPORA[_task] = _probe_corpus(_task)

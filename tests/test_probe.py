@@ -39,12 +39,12 @@ def test_labels_match_the_brute_force_solver(task):
     for index in range(150):
         family, (data, levels) = probe.episode(task, index)
         assert len(data) == len(levels) == probe.EPISODE_LEN - 1
-        solved = probe.solve_episode(family, data)
+        solved = probe.solve_episode(family, data, probe.version(task))
         assert {i: (data[i], level) for i, level in _labels(levels).items()} == solved, (task, index)
         seen_levels |= {level for _, level in solved.values()}
-    if task in ("probe", "probe/arith"):
+    if task.split("/")[-1] in ("probe", "probe-v2", "arith"):
         assert seen_levels == set(range(probe.MAX_DEPTH + 1))  # d in 0..D mixed in the sequences
-    if task == "probe/recall":
+    if task.endswith("/recall"):
         assert seen_levels == set(range(probe.MAX_HOPS + 1))
 
 
@@ -54,6 +54,39 @@ def test_solver_catches_a_wrong_label():
     wrong = bytearray(data)
     wrong[answer] = ord("0") + (data[answer] - ord("0") + 1) % 10
     assert probe.solve_episode(family, bytes(wrong))[answer][0] != wrong[answer]
+
+
+@pytest.mark.parametrize("task, digest", [
+    ("probe/arith", "b6751902ee7a866ce5a8b4faa14fd45be6fea1b17db976df88749dc803be6433"),
+    ("probe/recall", "160c81bbdf03ee8703f0881cb660c636a44ecec53643be2a4664c8d86cea10b8"),
+])
+def test_v1_data_stay_reproducible_under_their_names(task, digest):
+    """v2 added a generator; the v1 names must keep producing the bytes and labels of the published runs."""
+    h = hashlib.sha256()
+    for i in range(40):
+        _, (data, levels) = probe.episode(task, i)
+        h.update(data)
+        h.update(np.asarray(levels, np.int8).tobytes())
+    assert h.hexdigest() == digest
+
+
+def test_v2_arithmetic_layout_and_labels():
+    """Fixed-width segments: the units digit of the plain sum carries the depth, ';' level 0, nothing else."""
+    family, (data, levels) = probe.episode("probe-v2/arith", 0)
+    text = data.decode()
+    segments = text.rstrip(".").split(";")[:-1]
+    assert family == "arith" and len(segments) == (probe.EPISODE_LEN - 1) // (probe.MAX_DEPTH + 5)
+    for k, segment in enumerate(segments):
+        slots, total = segment.split("=")
+        operands = [int(c) for c in slots if c != probe.BLANK]
+        assert len(slots) == probe.MAX_DEPTH + 1 and slots == slots.lstrip(probe.BLANK).rjust(len(slots), probe.BLANK)
+        assert int(total) == sum(operands)
+        start = k * (probe.MAX_DEPTH + 5)
+        assert levels[start : start + probe.MAX_DEPTH + 5] == [-1] * (probe.MAX_DEPTH + 3) + [len(operands) - 1, 0]
+    wrong = bytearray(data)
+    wrong[text.index("=") + 1] = ord("9") if text[text.index("=") + 1] != "9" else ord("8")  # the tens digit
+    with pytest.raises(ValueError, match="does not hold its sum"):
+        probe.solve_episode("arith", bytes(wrong), "v2")
 
 
 _INDICES = [i for i in range(60) if i % 3 != 2]  # arith and recall episodes: no corpus to load in the child
