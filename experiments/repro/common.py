@@ -44,12 +44,16 @@ class Context:
     def log_dir(self) -> pathlib.Path:
         return self.out / "runs"
 
-    def argv(self, options: Sequence[str], steps: Optional[int] = None) -> List[str]:
-        """A run's full command line: common options, the pass-through options, then the grid point's."""
+    def argv(self, options: Sequence[str], steps: Optional[int] = None, budget: Optional[float] = None) -> List[str]:
+        """A run's full command line: common options, the pass-through options, then the grid point's.
+
+        With ``budget`` the run trains until its measured training FLOPs reach it (``--max_train_flops``) and
+        ``steps`` is only a cap (``budget_step_cap``)."""
         steps = self.steps if steps is None else steps
+        budget_options = [] if budget is None else ["--max_train_flops", repr(float(budget))]
         # One validation + checkpoint at the end: last.ckpt is the final model, evaluated offline.
-        return ["--size", self.size, "--max_steps", str(steps), "--val_every", str(steps), "--seed", str(self.seed),
-                "--log_dir", str(self.log_dir), *self.run_options, *options]
+        return ["--size", self.size, "--max_steps", str(steps), *budget_options, "--val_every", str(steps),
+                "--seed", str(self.seed), "--log_dir", str(self.log_dir), *self.run_options, *options]
 
     # ------------------------------------------------------------------ validation before any run
     def parser(self):
@@ -70,20 +74,20 @@ class Context:
         validate_up_front(cfg)
         return cfg
 
-    def validate(self, grid: Iterable[Sequence[str]]) -> None:
+    def validate(self, grid: Iterable[Sequence[str]], budget: Optional[float] = None) -> None:
         """Every configuration is checked before the first run starts."""
         grid = list(grid)
         if not grid:
             raise ConfigError("the experiment's grid is empty: nothing to run")
         for options in grid:
-            self.parse(self.argv(options))
+            self.parse(self.argv(options, budget=budget))
 
     # ------------------------------------------------------------------ running
-    def run(self, options: Sequence[str], steps: Optional[int] = None) -> Dict[str, Any]:
+    def run(self, options: Sequence[str], steps: Optional[int] = None, budget: Optional[float] = None) -> Dict[str, Any]:
         """Train one configuration (or reuse the finished run with identical options); its summary + run_dir."""
         from experiments import run as run_cli
 
-        argv = self.argv(options, steps)
+        argv = self.argv(options, steps, budget)
         return load_summary(self.cached("experiments.run", argv, lambda: run_cli.main(argv)))
 
     def cached(self, command: str, argv: Sequence[str], produce: Callable[[], pathlib.Path]) -> pathlib.Path:
@@ -156,6 +160,25 @@ def _jsonable(value):
     if isinstance(value, torch.Tensor):
         return value.tolist()
     return float(value)
+
+
+#: a budget run's ``--max_steps``: this many times the steps its plan (analytic FLOPs per token) needs, room for
+#: routers that spend less than planned (MoM-E spent half its upper bound); a run the cap stops is reported
+BUDGET_STEP_CAP = 4.0
+
+
+def budget_step_cap(budget: float, tokens_per_step: int, planned_flops_per_token: float) -> int:
+    """``--max_steps`` of a run that trains until it has spent ``budget`` measured training FLOPs."""
+    return max(1, math.ceil(BUDGET_STEP_CAP * budget / (tokens_per_step * planned_flops_per_token)))
+
+
+def budget_spent(summary: Dict[str, Any]) -> Dict[str, Any]:
+    """A budget run's measured training FLOPs (every rank and micro-batch), relative to its budget, and whether
+    the budget ended it (``matched``; False: ``--max_steps`` stopped it first, the row is not at matched FLOPs)."""
+    budget, spent = summary.get("max_train_flops"), summary.get("train_flops")
+    return {"train_flops": spent, "budget": budget,
+            "spent_deviation": spent / budget - 1.0 if budget and spent is not None else None,
+            "matched": summary.get("stopped_by") == "max_train_flops"}
 
 
 def load_summary(run_dir: pathlib.Path) -> Dict[str, Any]:
