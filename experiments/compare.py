@@ -473,7 +473,15 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     return board
 
 
-if __name__ == "__main__":
-    from experiments.run import cli
+def cli(argv: Optional[Sequence[str]] = None) -> None:
+    """As ``experiments.run.cli`` (``error: <one line>``, exit status 2), without importing the training stack:
+    a table should not wait for Lightning to load."""
+    try:
+        main(argv)
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"error: {' '.join(str(err).split()) or type(err).__name__}", file=sys.stderr)
+        raise SystemExit(2) from None
 
-    cli(main)
+
+if __name__ == "__main__":
+    cli()

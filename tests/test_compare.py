@@ -16,7 +16,6 @@ import yaml
 
 from experiments import compare
 from experiments.repro.common import Context
-from experiments.run import cli
 from tests.conftest import REPO, TINY_RUN
 
 STEPS = 2
@@ -73,7 +72,7 @@ def edit_config(folder: pathlib.Path, key: str, value) -> None:
 def run_cli(argv, capsys) -> tuple:
     """(exit status, stdout, stderr) of the command as ``python -m experiments.compare`` runs it."""
     try:
-        cli(compare.main, list(argv))
+        compare.cli(list(argv))
         code = 0
     except SystemExit as exit_:
         code = exit_.code
