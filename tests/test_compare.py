@@ -291,3 +291,18 @@ def test_repro_run_table_notes_incomparable_runs_instead_of_failing(runs, tmp_pa
     assert not (tmp_path / "out" / "leaderboard.md").exists()
     assert "warning: [repro] no run table" in capsys.readouterr().err
     ctx.close()
+
+
+@pytest.mark.slow
+def test_repro_probe_table_aggregates_its_seeds(tmp_path, one_thread):
+    """The probe experiment end to end (``--quick``): its run table is compare's, one row per variant over 2 seeds."""
+    from experiments.repro import main
+
+    main(["probe", "--out", str(tmp_path), "--quick", "--steps", "20", "--seeds", "2", "--blocks", "4",
+          "--variants", "vanilla,mod", "--", "--data.cache_dir", str(tmp_path / "cache")])
+    board = json.loads((tmp_path / "leaderboard.json").read_text())
+    assert sorted((r["variant"], r["n"]) for r in board["rows"]) == [("mod", 2), ("vanilla", 2)]
+    assert "trainer.max_steps" in board["options"]  # matched FLOPs: MoD trains more steps
+    again = compare.compare([str(tmp_path / "runs")])  # the command on the experiment's folder: the same table
+    assert [r["val_loss"] for r in again["rows"]] == [r["val_loss"] for r in board["rows"]]
+    assert compare.to_markdown(again) in (tmp_path / "results.md").read_text()
