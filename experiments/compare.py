@@ -93,9 +93,11 @@ def find_run_folders(patterns: Sequence[str]) -> List[pathlib.Path]:
     found: Dict[pathlib.Path, None] = {}
     for pattern in patterns:
         matches = sorted(glob.glob(pattern, recursive=True)) or ([pattern] if pathlib.Path(pattern).exists() else [])
-        for match in map(pathlib.Path, matches):
-            for folder in _run_folders_in(match):
-                found.setdefault(folder.resolve(), None)
+        folders = [folder for match in map(pathlib.Path, matches) for folder in _run_folders_in(match)]
+        if not folders and len(patterns) > 1:
+            warn(f"{pattern} matched no run folder")
+        for folder in folders:
+            found.setdefault(folder.resolve(), None)
     if not found:
         raise CompareError(f"no run folders matched {' '.join(patterns)}: give run folders of experiments.run "
                            "(holding config.yaml), folders above them, or globs of either")
@@ -135,7 +137,9 @@ def _unfinished_reason(config: Dict[str, Any], summary: Dict[str, Any]) -> Optio
     """A summary written before the run's last step: a resumed run still training toward a larger max_steps.
     Runs that stop early by design (a FLOPs or time budget) are finished."""
     max_steps, steps = config.get("trainer.max_steps"), summary.get("steps")
-    stops_early = config.get("max_train_flops") or config.get("trainer.max_time") or train_flops_key(summary)
+    budget = any(k.rsplit(".", 1)[-1] == "max_train_flops" and v for k, v in config.items())
+    epochs = config.get("trainer.max_epochs") not in (None, -1)
+    stops_early = budget or epochs or config.get("trainer.max_time") or train_flops_key(summary)
     if isinstance(max_steps, int) and isinstance(steps, int) and 0 < max_steps and steps < max_steps and not stops_early:
         return f"summary.json at step {steps} of trainer.max_steps {max_steps}"
     return None
@@ -297,6 +301,7 @@ def aggregate(group: Sequence[Run], options: Sequence[str]) -> Dict[str, Any]:
     per_run = [r.metrics() for r in group]
     row: Dict[str, Any] = {"variant": _values(group, "model.variant")}
     row.update({k: _values(group, k) for k in options})
+    row["varies"] = [k for k in ("variant", *options) if _varies(group, "model.variant" if k == "variant" else k)]
     row["n"] = len(group)
     row["seeds"] = [r.seed for r in group]
     row.update({key: mean_std([m[key] for m in per_run]) for key, _ in METRICS})
@@ -305,9 +310,13 @@ def aggregate(group: Sequence[Run], options: Sequence[str]) -> Dict[str, Any]:
 
 
 def _values(group: Sequence[Run], key: str) -> Any:
-    values = list(dict.fromkeys(_key(r.config.get(key)) for r in group))
-    decoded = [json.loads(v) for v in values]
+    """The option's value in the group, or the list of its values when it varies inside the group."""
+    decoded = [json.loads(v) for v in dict.fromkeys(_key(r.config.get(key)) for r in group)]
     return decoded[0] if len(decoded) == 1 else decoded
+
+
+def _varies(group: Sequence[Run], key: str) -> bool:
+    return len({_key(r.config.get(key)) for r in group}) > 1
 
 
 def pareto_front(points: Sequence[Tuple[Optional[float], Optional[float]]]) -> List[bool]:
@@ -339,12 +348,13 @@ def leaderboard(runs: Sequence[Run], group_by: Optional[Sequence[str]] = None) -
 
 
 # ---------------------------------------------------------------------------- outputs
-def _cell(value: Any) -> str:
+def _cell(value: Any, varies: bool = False) -> str:
+    """An option's value; the values of an option that varies inside a group joined with " / "."""
     from experiments.repro.common import fmt
 
-    if isinstance(value, list):
-        return ", ".join(_cell(v) for v in value)
-    return fmt(value)
+    if varies:
+        return " / ".join(_cell(v) for v in value)
+    return json.dumps(value) if isinstance(value, (list, dict)) else fmt(value)
 
 
 def _stat_cell(stat: Dict[str, Optional[float]], integer: bool = False) -> str:
@@ -363,7 +373,7 @@ def to_markdown(board: Dict[str, Any]) -> str:
 
     headers = [*board["options"], "n", *[h for _, h in METRICS], "Pareto"]
     integer = {"steps", "tokens", "parameters"}
-    rows = [[*[_cell(r[k]) for k in board["options"]], r["n"], *[_stat_cell(r[k], k in integer) for k, _ in METRICS],
+    rows = [[*[_cell(r[k], k in r["varies"]) for k in board["options"]], r["n"], *[_stat_cell(r[k], k in integer) for k, _ in METRICS],
              "*" if r["pareto"] else ""] for r in board["rows"]]
     note = ("Mean ± std (sample) over the n seeds of each configuration; train FLOPs: measured (routing-aware) "
             "training FLOPs spent; step s: median step time; Pareto *: no configuration has both fewer training "
@@ -386,13 +396,12 @@ def write_csv(board: Dict[str, Any], path: pathlib.Path) -> None:
 def _csv(value: Any) -> Any:
     if value is None:
         return ""
-    if isinstance(value, list):
-        return "|".join(str(v) for v in value)
-    return value
+    return json.dumps(value) if isinstance(value, (list, dict)) else value
 
 
 def row_label(row: Dict[str, Any], options: Sequence[str]) -> str:
-    parts = [_cell(row["variant"])] + [f"{k.split('.')[-1]}={_cell(row[k])}" for k in options if k != "variant"]
+    parts = [_cell(row["variant"], "variant" in row["varies"])]
+    parts += [f"{k.split('.')[-1]}={_cell(row[k], k in row['varies'])}" for k in options if k != "variant"]
     return " ".join(parts)
 
 

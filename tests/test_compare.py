@@ -196,6 +196,9 @@ def test_group_by_variant_merges_configurations_and_lists_their_values(runs, tmp
     by_variant = compare.compare([str(tmp_path / "runs")], group_by=["variant"])
     vanilla = row_of(by_variant, "vanilla")
     assert vanilla["n"] == 3 and len(vanilla["optim.lr"]) == 2 and 0.5 in vanilla["optim.lr"]
+    assert vanilla["varies"] == ["optim.lr"] and row_of(by_variant, "mod")["varies"] == []
+    lr_cell = " / ".join(f"{v:.4f}" for v in vanilla["optim.lr"])
+    assert f"| vanilla | 0.1250 | {lr_cell} | 3 |" in compare.to_markdown(by_variant)
     losses = [json.loads((folders[("vanilla", s)] / "summary.json").read_text())["final_val_loss"] for s in SEEDS] + [9.0]
     assert vanilla["val_loss"]["mean"] == pytest.approx(sum(losses) / 3)
     with pytest.raises(compare.CompareError, match="--group_by: unknown option 'colour'"):
