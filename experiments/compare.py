@@ -357,15 +357,18 @@ def _cell(value: Any, varies: bool = False) -> str:
     return json.dumps(value) if isinstance(value, (list, dict)) else fmt(value)
 
 
-def _stat_cell(stat: Dict[str, Optional[float]], integer: bool = False) -> str:
+def _stat_cell(stat: Dict[str, Optional[float]], runs: int, integer: bool = False) -> str:
+    """'mean ± std' (a single run: the value alone), '(n=k)' when only k of the row's runs have the number."""
     from experiments.repro.common import fmt
 
     if stat["mean"] is None:
         return "-"
-    mean = fmt(int(round(stat["mean"]))) if integer and stat["std"] in (None, 0.0) else fmt(stat["mean"])
-    if stat["std"] is None:  # a single seed
-        return mean
-    return f"{mean} ± {'0' if stat['std'] == 0 else fmt(stat['std'])}"
+    mean, std = stat["mean"], stat["std"]
+    scientific = mean != 0 and (abs(mean) >= 1e5 or abs(mean) < 1e-3)
+    text = fmt(int(round(mean))) if integer and std in (None, 0.0) else fmt(mean)
+    if std is not None:
+        text += " ± " + ("0" if std == 0 else f"{std:.3e}" if scientific else fmt(std))
+    return text if stat["n"] == runs else f"{text} (n={stat['n']})"
 
 
 def to_markdown(board: Dict[str, Any]) -> str:
@@ -373,9 +376,10 @@ def to_markdown(board: Dict[str, Any]) -> str:
 
     headers = [*board["options"], "n", *[h for _, h in METRICS], "Pareto"]
     integer = {"steps", "tokens", "parameters"}
-    rows = [[*[_cell(r[k], k in r["varies"]) for k in board["options"]], r["n"], *[_stat_cell(r[k], k in integer) for k, _ in METRICS],
+    rows = [[*[_cell(r[k], k in r["varies"]) for k in board["options"]], r["n"], *[_stat_cell(r[k], r["n"], k in integer) for k, _ in METRICS],
              "*" if r["pareto"] else ""] for r in board["rows"]]
-    note = ("Mean ± std (sample) over the n seeds of each configuration; train FLOPs: measured (routing-aware) "
+    note = ("Mean ± std (sample) over the n runs of each row (the seeds of one configuration, unless --group_by "
+            "merges configurations; (n=k): only k of them have the number); train FLOPs: measured (routing-aware) "
             "training FLOPs spent; step s: median step time; Pareto *: no configuration has both fewer training "
             "FLOPs and a lower validation loss.")
     return markdown_table(headers, rows) + "\n\n" + note + "\n"

@@ -205,6 +205,15 @@ def test_group_by_variant_merges_configurations_and_lists_their_values(runs, tmp
         compare.compare([str(tmp_path / "runs")], group_by=["colour"])
 
 
+def test_a_number_only_some_runs_of_a_row_have_is_marked_with_its_n(runs):
+    board = compare.compare([str(p) for p in runs.values()], group_by=["size"])  # all four runs in one row
+    (row,) = board["rows"]
+    assert row["n"] == 4 and row["val_loss_causal"]["n"] == 2  # only MoD has a causal loss
+    assert sorted(row["variant"]) == ["mod", "vanilla"] and "variant" in row["varies"]
+    line = compare.to_markdown(board).splitlines()[2]
+    assert line.count("(n=2)") == 1 and line.count("(n=") == 1  # the causal loss; every other number has all 4
+
+
 # ---------------------------------------------------------------------------- refusals and skips
 def test_mixed_tokenizers_refused(runs, tmp_path, capsys):
     folders = copy_runs(runs, tmp_path, [("vanilla", 1), ("mod", 1)])
