@@ -4,7 +4,9 @@ evaluating trained checkpoints, and writing the markdown table, plots and Tensor
 Runs go to ``<out>/runs/<variant>-<size>/version_N`` (TensorBoard events, checkpoints, summary.json),
 so ``tensorboard --logdir <out>`` shows every run of an experiment next to its figures
 (``<out>/tensorboard``). ``<out>/runs.json`` maps each run's exact options to its folder: rerunning an
-experiment with the same options reuses the finished runs instead of training them again.
+experiment with the same options reuses the finished runs instead of training them again. The runs an
+experiment used are tabulated by ``experiments.compare`` (``<out>/leaderboard.{md,csv,json,png}``, and the
+"Runs" section of ``results.md``), the same table ``python -m experiments.compare <out>`` prints.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import json
 import math
 import pathlib
 import sys
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +36,7 @@ class Context:
     command: Optional[str] = None  # the experiment's command line, quoted in results.md
     _parser: Any = dataclasses.field(default=None, repr=False)
     _writer: Any = dataclasses.field(default=None, repr=False)
+    _run_dirs: List[pathlib.Path] = dataclasses.field(default_factory=list, repr=False)  # this invocation's runs
 
     def __post_init__(self) -> None:
         self.out = pathlib.Path(self.out)
@@ -95,12 +98,18 @@ class Context:
         key = json.dumps([command, *argv])
         previous = self._index().get(key)
         if self.reuse and previous and (pathlib.Path(previous) / "summary.json").is_file():
-            return pathlib.Path(previous)
+            return self.record_run(pathlib.Path(previous))
         print(f"[repro] python -m {command} {' '.join(argv)}", file=sys.stderr, flush=True)
         run_dir = pathlib.Path(produce())
         index = self._index()
         index[key] = str(run_dir)
         self._write_index(index)
+        return self.record_run(run_dir)
+
+    def record_run(self, run_dir: pathlib.Path) -> pathlib.Path:
+        """Add a run folder to this experiment's run table (``run_table``)."""
+        if run_dir not in self._run_dirs:
+            self._run_dirs.append(run_dir)
         return run_dir
 
     def _index(self) -> Dict[str, str]:
@@ -115,13 +124,33 @@ class Context:
 
     # ------------------------------------------------------------------ outputs
     def write_report(self, title: str, sections: Sequence[str], results: Dict[str, Any]) -> pathlib.Path:
+        """``results.md`` (the experiment's sections, then the run table) and ``results.json``."""
         self.out.mkdir(parents=True, exist_ok=True)
         header = [f"# {title}", ""]
         if self.command:
             header += [f"Command: `{self.command}`", ""]
-        (self.out / "results.md").write_text("\n".join(header + list(sections)).rstrip() + "\n")
+        runs, files = self.run_table()
+        (self.out / "results.md").write_text("\n".join(header + list(sections) + runs).rstrip() + "\n")
+        results = {**results, "leaderboard": files} if files else results
         (self.out / "results.json").write_text(json.dumps(results, indent=2, default=_jsonable) + "\n")
         return self.out / "results.md"
+
+    def run_table(self) -> Tuple[List[str], Dict[str, str]]:
+        """The runs of this invocation through ``experiments.compare``: written to ``<out>/leaderboard.*``,
+        returned as results.md lines with the files. Runs that cannot be compared leave a note, not a table."""
+        from experiments import compare
+
+        if not self._run_dirs:
+            return [], {}
+        heading = ["", "## Runs (`python -m experiments.compare`)", ""]
+        try:
+            board = compare.leaderboard(compare.read_runs(self._run_dirs))
+        except ConfigError as err:  # incomparable runs, an unreadable file: the experiment's own tables still stand
+            print(f"warning: [repro] no run table: {err}", file=sys.stderr)
+            return heading + [f"No run table: {err}", ""], {}
+        files = compare.write_leaderboard(board, self.out)
+        self.log_table("leaderboard", compare.to_markdown(board))
+        return heading + [compare.to_markdown(board)], {k: str(v) for k, v in files.items()}
 
     def save_figure(self, fig, name: str) -> pathlib.Path:
         """PNG into the output folder and the same image into ``<out>/tensorboard``."""
