@@ -31,7 +31,7 @@ from architectures.contract import RoutingSite
 from architectures.flops import COMPONENTS, Flops
 from callbacks.routing import all_reduce_sum
 from callbacks.tensorboard import log_scalars
-from lightning_modules.lm import batch_step, completes_step, is_logging_step, log_step
+from lightning_modules.lm import batch_step, completes_step, is_logging_step, log_step, may_be_last_step
 
 # Dense (no sparsity) peak FLOP/s per device name (lower case, exact), for names Lightning's table misses.
 PEAK_FLOPS: Dict[str, Dict[Union[torch.dtype, str], float]] = {
@@ -115,7 +115,7 @@ class FlopsCallback(L.Callback):
             warn_if_longer_than_run(trainer, "callbacks.flops_every", self.every, "FLOPs")
 
     def due(self, trainer, step: int) -> bool:
-        return step > 0 and step != self._last and (step % self.every == 0 or step == trainer.max_steps)
+        return step > 0 and step != self._last and (step % self.every == 0 or may_be_last_step(trainer, step))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         out = getattr(pl_module, "last_output", None)

@@ -41,7 +41,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from architectures.contract import RoutingSite
 from callbacks.tensorboard import figure, log_figure, log_histogram, log_scalars, tag_part
-from lightning_modules.lm import batch_step, completes_step, log_step
+from lightning_modules.lm import batch_step, completes_step, log_step, may_be_last_step
 
 SKIP = "skip"
 # Per-site scalars after the E counts in the packed tensor.
@@ -337,7 +337,7 @@ class RoutingStatistics(L.Callback):
                 self.sample = rows[:1, :-1]
 
     def due(self, trainer, step: int) -> bool:
-        return step > 0 and step != self._last_logged and (step % self.every == 0 or step == trainer.max_steps)
+        return step > 0 and step != self._last_logged and (step % self.every == 0 or may_be_last_step(trainer, step))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self._disabled:
@@ -372,7 +372,7 @@ class RoutingStatistics(L.Callback):
         save_stats(trainer, stats, step)
         for site in self._latest_trace:
             log_histogram(trainer, f"routing/{tag_part(site.name)}/weights", kept_weights(site), step)
-        if trainer.global_step >= self._next_images or trainer.global_step == trainer.max_steps:
+        if trainer.global_step >= self._next_images or may_be_last_step(trainer, trainer.global_step):
             self._next_images = (trainer.global_step // self.images_every + 1) * self.images_every
             for group, fig in transition_figures(stats.transitions, stats.sites).items():
                 log_figure(trainer, f"routing/{tag_part(group)}/transitions", fig, step)

@@ -6,6 +6,8 @@ minutes on a laptop CPU. Every field is overridable from the command line:
     --variant, --size             -> model.variant, model.size
     --data NAME, --tokenizer T    -> data.name, data.tokenizer
     --max_steps N                 -> trainer.max_steps
+    --max_train_flops F           stop at the first step whose cumulative measured training FLOPs reach F
+                                  (--max_steps stays a hard cap; docs/compute-budget.md)
     --model.mod.capacity 0.25     (any ModelConfig field, nested groups too)
     --optim.lr 3e-4, --data.batch_size 32, --trainer.devices 2, --trainer.strategy ddp, ...
     --config FILE.yaml            (e.g. experiments/configs/mod.yaml), --print_config
@@ -40,6 +42,7 @@ from architectures.config import ConfigError, SIZES, config_groups  # noqa: E402
 from callbacks import CallbacksConfig, config_from as callbacks_config  # noqa: E402
 from datamodules.corpora import DataError, corpus_names  # noqa: E402
 from datamodules.lm import DataConfig  # noqa: E402
+from lightning_modules.flops_budget import validate_budget  # noqa: E402
 from lightning_modules.lm import OptimConfig  # noqa: E402
 
 ALIASES = {
@@ -95,6 +98,10 @@ def build_parser() -> ArgumentParser:
                         "--init_min_share of the parameters")
     parser.add_argument("--init_min_share", type=float, default=0.5,
                         help="smallest share of the model's parameters --init_from must initialise (strict mode)")
+    parser.add_argument("--max_train_flops", type=Optional[float], default=None,
+                        help="training budget in measured FLOPs (routing-aware, every rank and micro-batch): stop at "
+                        "the first step that reaches it; the LR cosine follows the share spent; --max_steps stays a "
+                        "hard cap (docs/compute-budget.md)")
     parser.add_argument("--val_every", type=int, default=100, help="validate every N optimisation steps")
     parser.add_argument("--val_batches", type=int, default=20, help="batches per validation set and rank")
     parser.add_argument("--compile", type=bool, default=False,
@@ -130,6 +137,10 @@ def validate_up_front(cfg: Namespace) -> None:
         raise DataError(f"data.name: unknown dataset {cfg.data.name!r}; valid datasets: {', '.join(corpus_names())}")
     if cfg.trainer.max_steps is None or cfg.trainer.max_steps <= 0:
         raise ConfigError(f"trainer.max_steps: must be a positive integer, got {cfg.trainer.max_steps}")
+    validate_budget(cfg.max_train_flops)
+    if cfg.max_train_flops is not None and cfg.optim.schedule_steps is not None:
+        raise ConfigError("optim.schedule_steps: cannot be combined with max_train_flops (the cosine then ends where "
+                          "the FLOPs budget is spent); drop one of them")
     if cfg.val_every <= 0:
         raise ConfigError(f"val_every: must be a positive integer, got {cfg.val_every}")
     if not 0.0 <= cfg.init_min_share <= 1.0:
@@ -303,7 +314,8 @@ def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
     mcfg = model_config(cfg, vocab_size=data.vocab_size)
     mcfg.resolve()
     module = LanguageModelModule(model=dataclasses.asdict(mcfg), optim=_as_dict(cfg.optim),
-                                 max_steps=cfg.trainer.max_steps, val_names=data.val_names_from_corpus())
+                                 max_steps=cfg.trainer.max_steps, val_names=data.val_names_from_corpus(),
+                                 max_train_flops=cfg.max_train_flops)
     if cfg.init_from:
         load_initial_weights(module.model, cfg.init_from, strict=cfg.init_strict, min_share=cfg.init_min_share,
                              tokenizer=data.fingerprints()["tokenizer"])
@@ -342,12 +354,26 @@ def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
             "unigram_entropy_nats": data.unigram_entropy(),
             "parameters": module.model.num_parameters(),
             **measured_summary(trainer, module, recorder),  # global loss curve, routing, FLOPs, step times
+            **budget_summary(module),
             "world_size": trainer.world_size,
             "run_dir": str(run_dir),
         }
         write_summary(run_dir / "summary.json", summary)
         print(run_dir)
     return run_dir
+
+
+def budget_summary(module) -> Dict[str, Any]:
+    """``summary.json``'s FLOPs budget: the budget, the measured training FLOPs spent (every rank and micro-batch)
+    and what ended the run; ``None`` everywhere for a run without a budget (its FLOPs were not counted)."""
+    budget = module.flops_budget
+    if budget is None:
+        return {"max_train_flops": None, "train_flops": None, "stopped_by": "max_steps"}
+    stopped_by = "max_train_flops" if budget.stop_step is not None else "max_steps"
+    if stopped_by == "max_steps":
+        print(f"warning: max_train_flops: --max_steps ended the run at {100 * budget.fraction():.1f}% of the FLOPs "
+              "budget (the LR cosine had not finished); raise --max_steps", file=sys.stderr)
+    return {"max_train_flops": budget.max_flops, "train_flops": budget.spent, "stopped_by": stopped_by}
 
 
 def config_writer(save):

@@ -18,6 +18,7 @@ from torchmetrics import MeanMetric
 from architectures import ModelConfig, build_model
 from architectures.config import ConfigError
 from architectures.contract import ModelOutput, first_nonfinite_site
+from lightning_modules.flops_budget import FlopsBudget
 
 
 @dataclass
@@ -59,7 +60,11 @@ def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float
     """LR multiplier: linear warmup to 1, cosine decay to ``min_ratio`` at ``total`` steps."""
     if warmup > 0 and step < warmup:
         return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return cosine_decay(min(1.0, (step - warmup) / max(1, total - warmup)), min_ratio)
+
+
+def cosine_decay(progress: float, min_ratio: float) -> float:
+    """LR multiplier after the warmup: 1 at ``progress`` 0, ``min_ratio`` at 1."""
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
@@ -97,8 +102,18 @@ def is_logging_step(trainer, completed_steps: int) -> bool:
     synchronise the host with the device or make collectives: the other steps run without a host sync.
     """
     every = getattr(trainer, "log_every_n_steps", 0) or 0
+    return (every > 0 and completed_steps % every == 0) or may_be_last_step(trainer, completed_steps)
+
+
+def may_be_last_step(trainer, completed_steps: int) -> bool:
+    """``trainer.max_steps``, or the step that reaches the FLOPs budget (``--max_train_flops``; before that
+    step is counted, with gradient accumulation, the steps that may reach it: see ``FlopsBudget.may_end_at``).
+    What is measured or flushed "at the last step" is measured on these steps."""
     max_steps = getattr(trainer, "max_steps", -1)
-    return (every > 0 and completed_steps % every == 0) or (max_steps is not None and completed_steps == max_steps)
+    if max_steps is not None and completed_steps == max_steps:
+        return True
+    budget = getattr(getattr(trainer, "lightning_module", None), "flops_budget", None)
+    return isinstance(budget, FlopsBudget) and budget.may_end_at(completed_steps)
 
 
 def completes_step(trainer) -> bool:
@@ -153,7 +168,7 @@ class NonFiniteGuard:
     def due(self, trainer, completed_steps: int) -> bool:
         if self.every is None:
             return is_logging_step(trainer, completed_steps)
-        return completed_steps % self.every == 0 or completed_steps == getattr(trainer, "max_steps", -1)
+        return completed_steps % self.every == 0 or may_be_last_step(trainer, completed_steps)
 
     def first_bad(self, trainer) -> Optional[Tuple[int, float, torch.Tensor]]:
         """(step, loss, batch) of the first non-finite loss here (or on another rank: step -1); clears the record."""
@@ -185,7 +200,7 @@ class LanguageModelModule(L.LightningModule):
     """
 
     def __init__(self, model: Dict[str, Any], optim: Optional[Dict[str, Any]] = None, max_steps: int = 1000,
-                 val_names: Optional[List[str]] = None):
+                 val_names: Optional[List[str]] = None, max_train_flops: Optional[float] = None):
         super().__init__()
         self.save_hyperparameters()
         self.model_config = ModelConfig.from_dict(model)
@@ -194,6 +209,11 @@ class LanguageModelModule(L.LightningModule):
         self.optim = OptimConfig(**(optim or {}))
         self.optim.validate()
         self.max_steps = self.optim.schedule_steps or max_steps
+        # with a FLOPs budget the run stops when the measured count reaches it, and the cosine follows the count
+        self.flops_budget = FlopsBudget(max_train_flops) if max_train_flops is not None else None
+        if self.flops_budget is not None and self.optim.schedule_steps is not None:
+            raise ConfigError("optim.schedule_steps: cannot be combined with max_train_flops (the cosine then ends "
+                              "where the FLOPs budget is spent); drop one of them")
         self.val_names = val_names or ["val"]
         self.val_loss = torch.nn.ModuleList([MeanMetric() for _ in self.val_names])
         # a model without a trained causal decision has no causal loss to report (only an untrained rule's)
@@ -225,6 +245,10 @@ class LanguageModelModule(L.LightningModule):
         loss = lm_loss + out.aux_loss
         completed = self.global_step + 1
         done = completes_step(self.trainer)  # with gradient accumulation: the step's last micro-batch
+        if self.flops_budget is not None:  # before the step's logging decisions: they must know if it is the last
+            self.flops_budget.add(self.model, out.trace, targets.shape)
+            if done:
+                self.flops_budget.close_step(self.trainer, completed, self.optim.warmup_steps)
         self.nonfinite.add(self.global_step, loss, batch)
         if done and self.nonfinite.due(self.trainer, completed):
             self._stop_if_nonfinite(out)
@@ -271,6 +295,9 @@ class LanguageModelModule(L.LightningModule):
         for name, value in metrics.items():
             self.log(name, value, prog_bar=name == "train/loss", sync_dist=False)
         self.log("train/tokens_seen", float(self.tokens_seen), reduce_fx="max")
+        if self.flops_budget is not None:  # global already (every rank holds the same count)
+            self.log("train/flops_spent", self.flops_budget.spent, reduce_fx="max")
+            self.log("train/flops_budget_fraction", self.flops_budget.fraction(), reduce_fx="max")
 
     # ------------------------------------------------------------------ validation
     def validation_step(self, batch: torch.Tensor, batch_idx: int, dataloader_idx: int = 0) -> None:
@@ -368,19 +395,37 @@ class LanguageModelModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
         checkpoint["tokens_seen"] = self.tokens_seen
+        if self.flops_budget is not None:
+            checkpoint["flops_budget"] = self.flops_budget.state_dict()
 
     def on_load_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
         self.tokens_seen = checkpoint.get("tokens_seen", 0)
+        if self.flops_budget is None:
+            return
+        if "flops_budget" not in checkpoint:
+            raise ConfigError("max_train_flops: the checkpoint to resume was trained without a FLOPs budget, so the "
+                              "FLOPs it spent were not counted; resume it without --max_train_flops")
+        self.flops_budget.load_state_dict(checkpoint["flops_budget"])
+
+    def on_train_start(self) -> None:
+        if self.flops_budget is not None and self.flops_budget.exhausted:  # a finished run resumed: nothing to train
+            self.trainer.should_stop = True
 
     # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self):
         groups = parameter_groups(self.model, self.optim.weight_decay)
         optimizer = make_adamw(groups, lr=self.optim.lr, betas=(self.optim.beta1, self.optim.beta2), eps=self.optim.eps)
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer,
-            lambda step: warmup_cosine(step, self.optim.warmup_steps, self.max_steps, self.optim.min_lr_ratio),
-        )
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: self.lr_multiplier(step))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def lr_multiplier(self, step: int) -> float:
+        """Warmup over ``optim.warmup_steps`` steps, then a cosine to ``optim.min_lr_ratio`` whose progress is
+        the steps done of ``max_steps`` or, with a FLOPs budget, the share of the budget spent since the warmup
+        (the step count is not known in advance; the cosine ends where the budget does, whatever the router spends)."""
+        warmup = self.optim.warmup_steps
+        if self.flops_budget is None or (warmup > 0 and step < warmup):
+            return warmup_cosine(step, warmup, self.max_steps, self.optim.min_lr_ratio)
+        return cosine_decay(self.flops_budget.schedule_progress(step, warmup), self.optim.min_lr_ratio)
 
     # ------------------------------------------------------------------ NaN / Inf guard
     def _stop_if_nonfinite(self, out: ModelOutput) -> None:

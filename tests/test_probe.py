@@ -280,6 +280,9 @@ def test_probe_experiment_quick_writes_tables_plots_and_goals(tmp_path, one_thre
     assert set(results["variants"]) == {"vanilla", "mod"} and len(results["runs"]) == 4
     mod, vanilla = results["variants"]["mod"], results["variants"]["vanilla"]
     assert mod["steps"] > vanilla["steps"]  # matched FLOPs: MoD's cheaper steps buy more of them
+    assert mod["matched"] and vanilla["matched"] and vanilla["steps_seeds"] == [20, 20]
+    for r in results["runs"]:  # each run stopped at the first step whose measured count reached the budget
+        assert results["budget"] <= r["train_flops"] and r["measured_deviation"] >= 0
     assert abs(mod["planned_deviation"]) < 0.05 and len(mod["spearman_seeds"]) == 2
     assert vanilla["spearman_seeds"] == [None, None]  # dense compute has no rank correlation
     assert "mod_spearman_positive_significant" in results["goals"]

@@ -171,13 +171,19 @@ def test_mom_transitions_end_to_end(trained_mom, tmp_path):
 
 
 def test_mod_isoflop_runs_spend_the_budget(tmp_path):
-    result = repro(["mod_isoflop", "--out", str(tmp_path), "--budgets", "1.2e10", "--widths", "32", *STEPS, "--",
+    budget = 1.2e10
+    result = repro(["mod_isoflop", "--out", str(tmp_path), "--budgets", str(budget), "--widths", "32", *STEPS, "--",
                     *TINY_RUN])
     assert {r["variant"] for r in result["runs"]} == {"vanilla", "mod"}
     for r in result["runs"]:
-        assert abs(r["measured_deviation"]) <= 0.05  # the run's own FLOPs x tokens seen
         summary = json.loads((pathlib.Path(r["run_dir"]) / "summary.json").read_text())
-        assert summary["steps"] == r["steps"]
+        # every run trained until its measured count reached the budget: matched, overshooting by under one step
+        assert summary["max_train_flops"] == budget and summary["stopped_by"] == "max_train_flops" and r["matched"]
+        assert summary["steps"] == r["steps"] and r["measured_flops"] == summary["train_flops"]
+        assert budget <= r["measured_flops"] < budget + r["measured_flops"] / r["steps"] * (1 + 1e-9)
+        assert r["measured_deviation"] == pytest.approx(r["measured_flops"] / budget - 1.0)
+    report = (tmp_path / "results.md").read_text()
+    assert "FLOPs spent" in report and "not matched" not in report
     assert (tmp_path / "mod_isoflop.png").is_file()
 
 
@@ -231,8 +237,12 @@ def test_head_to_head_end_to_end(tmp_path):
     assert [r["variant"] for r in result["runs"]] == ["vanilla", "mod", "moe"]
     vanilla = result["runs"][0]
     assert vanilla["flops_ratio"] == 1.0 and vanilla["step_time_ratio"] == 1.0
+    assert vanilla["steps"] == 3 and vanilla["train_flops"] == pytest.approx(result["budget"])  # vanilla's 3 steps
     for r in result["runs"]:
         assert r["val_loss"] > 0 and r["memory_mb"] > 0 and r["bench_step_s"] > 0
+        assert r["matched"] and r["budget"] == result["budget"] and r["train_flops"] >= result["budget"]
+    assert result["runs"][1]["steps"] > 3  # MoD's cheaper steps buy more of them
+    assert "not matched" not in (tmp_path / "results.md").read_text()
     assert (tmp_path / "head_to_head.png").is_file()
 
 

@@ -19,7 +19,7 @@ cluster with ``--size small|medium|large`` and real data after ``--``.
 | ``mom_two_phase`` | MoM: two-phase (vanilla -> MoM) vs from-scratch training at equal total steps |
 | ``mod_isoflop`` | MoD: isoFLOP comparison with vanilla (loss vs parameters per FLOP budget) |
 | ``contribution`` | FFN-Wider: MHA/FFN contribution vs FFN width and vs the CAA Outer-FFN ratio r, OOD loss |
-| ``head_to_head`` | every variant at equal steps: val loss, FLOPs/token, step time, memory |
+| ``head_to_head`` | every variant at equal measured FLOPs: val loss, FLOPs/token, step time, memory |
 | ``probe`` | routing probes: accuracy and compute per difficulty level at matched FLOPs (``--quick``: a smoke run) |
 """
 from __future__ import annotations
@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ood", action="append", default=[], metavar="NAME=PATH",
                    help="out-of-distribution text (.txt or .jsonl with 'text'), repeatable")
     p.add_argument("--ood_tokens", type=int, default=32768, help="tokens evaluated per OOD file")
-    p = add("head_to_head", "all variants at equal steps")
+    p = add("head_to_head", "all variants at equal measured training FLOPs (vanilla's --steps steps)")
     p.add_argument("--variants", default=None, help="comma-separated (default: every registered variant)")
     p.add_argument("--bench_steps", type=int, default=5, help="timed steps per variant in the interleaved benchmark")
     p = add("probe", "routing probes: compute vs per-token difficulty at matched training FLOPs")

@@ -4,7 +4,9 @@ evaluating trained checkpoints, and writing the markdown table, plots and Tensor
 Runs go to ``<out>/runs/<variant>-<size>/version_N`` (TensorBoard events, checkpoints, summary.json),
 so ``tensorboard --logdir <out>`` shows every run of an experiment next to its figures
 (``<out>/tensorboard``). ``<out>/runs.json`` maps each run's exact options to its folder: rerunning an
-experiment with the same options reuses the finished runs instead of training them again.
+experiment with the same options reuses the finished runs instead of training them again. The runs an
+experiment used are tabulated by ``experiments.compare`` (``<out>/leaderboard.{md,csv,json,png}``, and the
+"Runs" section of ``results.md``), the same table ``python -m experiments.compare <out>`` prints.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import json
 import math
 import pathlib
 import sys
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +36,7 @@ class Context:
     command: Optional[str] = None  # the experiment's command line, quoted in results.md
     _parser: Any = dataclasses.field(default=None, repr=False)
     _writer: Any = dataclasses.field(default=None, repr=False)
+    _run_dirs: List[pathlib.Path] = dataclasses.field(default_factory=list, repr=False)  # this invocation's runs
 
     def __post_init__(self) -> None:
         self.out = pathlib.Path(self.out)
@@ -44,12 +47,16 @@ class Context:
     def log_dir(self) -> pathlib.Path:
         return self.out / "runs"
 
-    def argv(self, options: Sequence[str], steps: Optional[int] = None) -> List[str]:
-        """A run's full command line: common options, the pass-through options, then the grid point's."""
+    def argv(self, options: Sequence[str], steps: Optional[int] = None, budget: Optional[float] = None) -> List[str]:
+        """A run's full command line: common options, the pass-through options, then the grid point's.
+
+        With ``budget`` the run trains until its measured training FLOPs reach it (``--max_train_flops``) and
+        ``steps`` is only a cap (``budget_step_cap``)."""
         steps = self.steps if steps is None else steps
+        budget_options = [] if budget is None else ["--max_train_flops", repr(float(budget))]
         # One validation + checkpoint at the end: last.ckpt is the final model, evaluated offline.
-        return ["--size", self.size, "--max_steps", str(steps), "--val_every", str(steps), "--seed", str(self.seed),
-                "--log_dir", str(self.log_dir), *self.run_options, *options]
+        return ["--size", self.size, "--max_steps", str(steps), *budget_options, "--val_every", str(steps),
+                "--seed", str(self.seed), "--log_dir", str(self.log_dir), *self.run_options, *options]
 
     # ------------------------------------------------------------------ validation before any run
     def parser(self):
@@ -70,20 +77,20 @@ class Context:
         validate_up_front(cfg)
         return cfg
 
-    def validate(self, grid: Iterable[Sequence[str]]) -> None:
+    def validate(self, grid: Iterable[Sequence[str]], budget: Optional[float] = None) -> None:
         """Every configuration is checked before the first run starts."""
         grid = list(grid)
         if not grid:
             raise ConfigError("the experiment's grid is empty: nothing to run")
         for options in grid:
-            self.parse(self.argv(options))
+            self.parse(self.argv(options, budget=budget))
 
     # ------------------------------------------------------------------ running
-    def run(self, options: Sequence[str], steps: Optional[int] = None) -> Dict[str, Any]:
+    def run(self, options: Sequence[str], steps: Optional[int] = None, budget: Optional[float] = None) -> Dict[str, Any]:
         """Train one configuration (or reuse the finished run with identical options); its summary + run_dir."""
         from experiments import run as run_cli
 
-        argv = self.argv(options, steps)
+        argv = self.argv(options, steps, budget)
         return load_summary(self.cached("experiments.run", argv, lambda: run_cli.main(argv)))
 
     def cached(self, command: str, argv: Sequence[str], produce: Callable[[], pathlib.Path]) -> pathlib.Path:
@@ -91,12 +98,18 @@ class Context:
         key = json.dumps([command, *argv])
         previous = self._index().get(key)
         if self.reuse and previous and (pathlib.Path(previous) / "summary.json").is_file():
-            return pathlib.Path(previous)
+            return self.record_run(pathlib.Path(previous))
         print(f"[repro] python -m {command} {' '.join(argv)}", file=sys.stderr, flush=True)
         run_dir = pathlib.Path(produce())
         index = self._index()
         index[key] = str(run_dir)
         self._write_index(index)
+        return self.record_run(run_dir)
+
+    def record_run(self, run_dir: pathlib.Path) -> pathlib.Path:
+        """Add a run folder to this experiment's run table (``run_table``)."""
+        if run_dir not in self._run_dirs:
+            self._run_dirs.append(run_dir)
         return run_dir
 
     def _index(self) -> Dict[str, str]:
@@ -111,13 +124,33 @@ class Context:
 
     # ------------------------------------------------------------------ outputs
     def write_report(self, title: str, sections: Sequence[str], results: Dict[str, Any]) -> pathlib.Path:
+        """``results.md`` (the experiment's sections, then the run table) and ``results.json``."""
         self.out.mkdir(parents=True, exist_ok=True)
         header = [f"# {title}", ""]
         if self.command:
             header += [f"Command: `{self.command}`", ""]
-        (self.out / "results.md").write_text("\n".join(header + list(sections)).rstrip() + "\n")
+        runs, files = self.run_table()
+        (self.out / "results.md").write_text("\n".join(header + list(sections) + runs).rstrip() + "\n")
+        results = {**results, "leaderboard": files} if files else results
         (self.out / "results.json").write_text(json.dumps(results, indent=2, default=_jsonable) + "\n")
         return self.out / "results.md"
+
+    def run_table(self) -> Tuple[List[str], Dict[str, str]]:
+        """The runs of this invocation through ``experiments.compare``: written to ``<out>/leaderboard.*``,
+        returned as results.md lines with the files. Runs that cannot be compared leave a note, not a table."""
+        from experiments import compare
+
+        if not self._run_dirs:
+            return [], {}
+        heading = ["", "## Runs (`python -m experiments.compare`)", ""]
+        try:
+            board = compare.leaderboard(compare.read_runs(self._run_dirs))
+        except ConfigError as err:  # incomparable runs, an unreadable file: the experiment's own tables still stand
+            print(f"warning: [repro] no run table: {err}", file=sys.stderr)
+            return heading + [f"No run table: {err}", ""], {}
+        files = compare.write_leaderboard(board, self.out)
+        self.log_table("leaderboard", compare.to_markdown(board))
+        return heading + [compare.to_markdown(board)], {k: str(v) for k, v in files.items()}
 
     def save_figure(self, fig, name: str) -> pathlib.Path:
         """PNG into the output folder and the same image into ``<out>/tensorboard``."""
@@ -156,6 +189,25 @@ def _jsonable(value):
     if isinstance(value, torch.Tensor):
         return value.tolist()
     return float(value)
+
+
+#: a budget run's ``--max_steps``: this many times the steps its plan (analytic FLOPs per token) needs, room for
+#: routers that spend less than planned (MoM-E spent half its upper bound); a run the cap stops is reported
+BUDGET_STEP_CAP = 4.0
+
+
+def budget_step_cap(budget: float, tokens_per_step: int, planned_flops_per_token: float) -> int:
+    """``--max_steps`` of a run that trains until it has spent ``budget`` measured training FLOPs."""
+    return max(1, math.ceil(BUDGET_STEP_CAP * budget / (tokens_per_step * planned_flops_per_token)))
+
+
+def budget_spent(summary: Dict[str, Any]) -> Dict[str, Any]:
+    """A budget run's measured training FLOPs (every rank and micro-batch), relative to its budget, and whether
+    the budget ended it (``matched``; False: ``--max_steps`` stopped it first, the row is not at matched FLOPs)."""
+    budget, spent = summary.get("max_train_flops"), summary.get("train_flops")
+    return {"train_flops": spent, "budget": budget,
+            "spent_deviation": spent / budget - 1.0 if budget and spent is not None else None,
+            "matched": summary.get("stopped_by") == "max_train_flops"}
 
 
 def load_summary(run_dir: pathlib.Path) -> Dict[str, Any]:

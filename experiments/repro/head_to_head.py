@@ -1,13 +1,16 @@
-"""Every variant at equal steps: validation loss (training runs), FLOPs per token (routing-aware, from
-each run's summary), and step time + memory from ``experiments.bench`` (all variants timed in one
-process, repetitions interleaved so machine noise hits them alike; CPU memory = parameters, gradients,
-AdamW state and the activations saved for backward; CUDA memory = peak allocated)."""
+"""Every variant at equal measured training FLOPs: validation loss (training runs), FLOPs per token
+(routing-aware, from each run's summary), and step time + memory from ``experiments.bench`` (all variants
+timed in one process, repetitions interleaved so machine noise hits them alike; CPU memory = parameters,
+gradients, AdamW state and the activations saved for backward; CUDA memory = peak allocated).
+
+The budget is what vanilla spends in ``--steps`` steps; every variant trains until its measured count
+reaches it (``--max_train_flops``, docs/compute-budget.md), with ``--max_steps`` only a cap."""
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
 from architectures.config import ConfigError
-from experiments.repro.common import Context, figure, markdown_table
+from experiments.repro.common import Context, budget_spent, budget_step_cap, figure, fmt, markdown_table
 
 _NOT_MODEL = {"variant", "size"}
 
@@ -28,10 +31,16 @@ def bench_options(run_options: Sequence[str]) -> List[str]:
     return out
 
 
+def _vs_budget(row: Dict[str, Any]) -> str:
+    if not row["matched"]:
+        return f"not matched: --max_steps stopped it at {100 * (row['spent_deviation'] + 1):.1f}%"
+    return f"{100 * row['spent_deviation']:+.2f}%"
+
+
 def head_to_head(ctx: Context, variants: Optional[Sequence[str]] = None, bench_steps: int = 5) -> Dict[str, Any]:
     from architectures import variant_names
     from experiments import bench
-    from experiments.repro.isoflop import run_geometry
+    from experiments.repro.isoflop import model_cost, run_geometry
 
     variants = list(variants) if variants is not None else variant_names()
     unknown = [v for v in variants if v not in variant_names()]
@@ -40,9 +49,12 @@ def head_to_head(ctx: Context, variants: Optional[Sequence[str]] = None, bench_s
     if bench_steps <= 0:
         raise ConfigError(f"--bench_steps: must be a positive integer, got {bench_steps}")
     variants = ["vanilla", *[v for v in variants if v != "vanilla"]]  # every ratio is relative to vanilla
-    ctx.validate([["--variant", v] for v in variants])
-    cfg, base, _ = run_geometry(ctx)
-    summaries = {v: ctx.run(["--variant", v]) for v in variants}
+    cfg, base, tokens = run_geometry(ctx)
+    planned = {v: model_cost(base, v, base.d_model, base.n_layer, base.n_head)[1] for v in variants}
+    budget = ctx.steps * tokens * planned["vanilla"]  # vanilla's --steps steps: what its count measures too
+    ctx.validate([["--variant", v] for v in variants], budget=budget)
+    summaries = {v: ctx.run(["--variant", v], steps=budget_step_cap(budget, tokens, planned[v]), budget=budget)
+                 for v in variants}
     timing = bench.run(bench.parse_args([
         "--variants", ",".join(variants), "--size", ctx.size, "--steps", str(bench_steps), "--warmup", "1",
         "--batch_size", str(cfg.data.batch_size), "--seq_len", str(base.block_size), "--vocab_size", str(base.vocab_size),
@@ -51,21 +63,26 @@ def head_to_head(ctx: Context, variants: Optional[Sequence[str]] = None, bench_s
     rows = []
     for v in variants:
         s, b = summaries[v], timing[v]
-        rows.append({"variant": v, "parameters": s["parameters"], "val_loss": s["final_val_loss"],
+        rows.append({"variant": v, "parameters": s["parameters"], "steps": s["steps"], **budget_spent(s),
+                     "val_loss": s["final_val_loss"],
                      "val_loss_delta": s["final_val_loss"] - reference["final_val_loss"],
                      "flops_per_token": s["flops_per_token"]["forward"], "flops_ratio": s["flops_per_token"]["ratio_to_vanilla"],
                      "run_step_s": s["median_step_time_s"], "bench_step_s": b["median_step_s"],
                      "step_time_ratio": b["step_time_ratio"], "memory_mb": b["memory_mb"], "memory_ratio": b["memory_ratio"],
                      "run_dir": s["run_dir"]})
     table = markdown_table(
-        ["variant", "params", "val loss", "vs vanilla", "fwd FLOPs/token", "FLOPs x", "run step s", "bench step ms",
-         "time x", "memory MB", "memory x"],
-        [[r["variant"], r["parameters"], r["val_loss"], f"{r['val_loss_delta']:+.4f}", r["flops_per_token"],
+        ["variant", "params", "steps", "train FLOPs spent", "vs budget", "val loss", "vs vanilla", "fwd FLOPs/token",
+         "FLOPs x", "run step s", "bench step ms", "time x", "memory MB", "memory x"],
+        [[r["variant"], r["parameters"], r["steps"], r["train_flops"], _vs_budget(r), r["val_loss"],
+          f"{r['val_loss_delta']:+.4f}", r["flops_per_token"],
           r["flops_ratio"], r["run_step_s"], 1000 * r["bench_step_s"], r["step_time_ratio"], r["memory_mb"],
           r["memory_ratio"]] for r in rows])
-    sections = [f"{ctx.steps} training steps per variant, same data order and seed. 'run step s': median step of the "
-                f"training run (includes the measurement callbacks); 'bench': {bench_steps} interleaved steps per "
-                "variant in one process, batch and context as in the runs.", "", table, ""]
+    sections = [f"Every variant trains until its measured training FLOPs (routing-aware, every step counted) reach "
+                f"{fmt(budget)}, what vanilla spends in {ctx.steps} steps of {tokens} tokens; same data order and seed. "
+                "'vs budget': the count's excess over the budget (at most its last step). 'fwd FLOPs/token': at the "
+                "last step. 'run step s': median step of the training run (includes the measurement callbacks); "
+                f"'bench': {bench_steps} interleaved steps per variant in one process, batch and context as in the "
+                "runs.", "", table, ""]
     fig, axes = figure(1, 2, width=5.5)
     ax = axes[0, 0]
     ax.scatter([r["flops_ratio"] for r in rows], [r["val_loss"] for r in rows])
@@ -83,6 +100,6 @@ def head_to_head(ctx: Context, variants: Optional[Sequence[str]] = None, bench_s
     fig.tight_layout()
     ctx.save_figure(fig, "head_to_head")
     ctx.log_table("head_to_head", table)
-    results = {"steps": ctx.steps, "variants": variants, "runs": rows}
-    ctx.write_report("Head-to-head: every variant at equal steps", sections, results)
+    results = {"steps": ctx.steps, "budget": budget, "tokens_per_step": tokens, "variants": variants, "runs": rows}
+    ctx.write_report("Head-to-head: every variant at equal measured training FLOPs", sections, results)
     return results

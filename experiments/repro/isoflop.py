@@ -1,13 +1,15 @@
 """MoD isoFLOP comparison (Raposo et al. 2024, arXiv 2404.02258, Figures 3-4).
 
-For each training-FLOP budget, every model (variant x width) trains for the number of steps that
-spends the budget: ``steps = round(budget / (tokens_per_step * training FLOPs per token))``, where
-the FLOPs per token are the model's own analytic ``flops_per_token().training`` (fwd + bwd = 3 x fwd,
-MoD's capacity and routed blocks included). With at least ``min_steps`` steps the rounding error is
-at most ``0.5 / min_steps`` of the budget (2.5% at the default 20), inside the 5% tolerance;
-configurations that would need fewer steps are left out, and a budget too small for the smallest
-model of a variant is an error before any run starts. The plot is validation loss vs parameters,
-one curve per variant and budget (the paper's isoFLOP curves).
+For each training-FLOP budget, every model (variant x width) trains until its *measured* training FLOPs
+reach the budget (``--max_train_flops``: the routing-aware count of every step, docs/compute-budget.md),
+so a router that spends more or less than planned still ends at the budget; ``--max_steps`` is only a cap
+(``BUDGET_STEP_CAP`` x the planned steps). The plan, ``steps = round(budget / (tokens_per_step *
+training FLOPs per token))`` from the model's analytic ``flops_per_token().training`` (fwd + bwd = 3 x
+fwd, MoD's capacity and routed blocks included), chooses the grid: configurations that would need fewer
+than ``min_steps`` steps are left out (a run overshoots the budget by at most its last step, under
+``1 / min_steps``), and a budget too small for the smallest model of a variant is an error before any
+run starts. The plot is validation loss vs parameters, one curve per variant and budget (the paper's
+isoFLOP curves).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import torch
 
 from architectures import ModelConfig, build_model
 from architectures.config import ConfigError
-from experiments.repro.common import Context, figure, fmt, markdown_table
+from experiments.repro.common import Context, budget_spent, budget_step_cap, figure, fmt, markdown_table
 
 TOLERANCE = 0.05
 
@@ -138,29 +140,34 @@ def isoflop_experiment(ctx: Context, budgets: Optional[Sequence[float]] = None, 
         _, reference = model_cost(base, "vanilla", base.d_model, n_layer or base.n_layer, base.n_head)
         budgets = [0.5 * ctx.steps * tokens * reference, ctx.steps * tokens * reference]
     plan = {b: isoflop_configs(b, base, tokens, variants, widths, n_layer, min_steps=min_steps) for b in budgets}
-    ctx.validate([c.run_options() for configs in plan.values() for c in configs])
+    for budget, configs in plan.items():
+        ctx.validate([c.run_options() for c in configs], budget=budget)
     rows = []
     for budget, configs in plan.items():
         for c in configs:
-            s = ctx.run(c.run_options(), steps=c.steps)
-            measured = s["flops_per_token"]["training"] * s["tokens_seen"]
+            s = ctx.run(c.run_options(), steps=budget_step_cap(budget, tokens, c.flops_per_token), budget=budget)
+            spent = budget_spent(s)
             rows.append({"budget": budget, "variant": c.variant, "d_model": c.d_model, "n_layer": c.n_layer,
-                         "parameters": s["parameters"], "steps": c.steps, "train_flops_per_token": c.flops_per_token,
-                         "planned_flops": c.total_flops, "planned_deviation": c.deviation, "measured_flops": measured,
-                         "measured_deviation": measured / budget - 1.0, "val_loss": s["final_val_loss"],
+                         "parameters": s["parameters"], "steps": s["steps"], "planned_steps": c.steps,
+                         "train_flops_per_token": c.flops_per_token, "planned_flops": c.total_flops,
+                         "planned_deviation": c.deviation, "measured_flops": spent["train_flops"],
+                         "measured_deviation": spent["spent_deviation"], "matched": spent["matched"],
+                         "val_loss": s["final_val_loss"],
                          # routing decided as in generation (MoD); None for variants whose routing is causal
                          "val_loss_causal": s.get("val_metrics", {}).get("val/loss_causal"),
                          "forward_flops_per_token": s["flops_per_token"]["forward"],
                          "step_time_s": s["median_step_time_s"], "run_dir": s["run_dir"]})
     table = markdown_table(
-        ["budget", "variant", "d", "params", "steps", "train FLOPs/token", "planned dev.", "measured dev.", "val loss",
-         "val loss causal", "step s"],
-        [[r["budget"], r["variant"], r["d_model"], r["parameters"], r["steps"], r["train_flops_per_token"],
-          f"{100 * r['planned_deviation']:+.2f}%", f"{100 * r['measured_deviation']:+.2f}%", r["val_loss"],
+        ["budget", "variant", "d", "params", "steps (planned)", "planned train FLOPs/token", "FLOPs spent",
+         "spent vs budget", "val loss", "val loss causal", "step s"],
+        [[r["budget"], r["variant"], r["d_model"], r["parameters"], f"{r['steps']} ({r['planned_steps']})",
+          r["train_flops_per_token"], r["measured_flops"], _spent_cell(r), r["val_loss"],
           r["val_loss_causal"] if r["val_loss_causal"] is not None else "-", r["step_time_s"]] for r in rows])
-    sections = [f"{tokens} tokens per step; n_layer={n_layer or base.n_layer}; widths {widths}; deviation = training "
-                "FLOPs (steps x tokens x FLOPs/token; measured: the run's routing-aware figure x tokens seen) "
-                "relative to the budget.", "", table, "", "Observations (computed from the numbers above):", "",
+    sections = [f"{tokens} tokens per step; n_layer={n_layer or base.n_layer}; widths {widths}. Every run trains until "
+                "its measured training FLOPs (routing-aware, every step counted: --max_train_flops) reach the budget; "
+                "'FLOPs spent' is that count, 'spent vs budget' its excess (at most the last step), 'steps (planned)' "
+                "the steps it took and those the analytic plan predicted.", "", table, "",
+                "Observations (computed from the numbers above):", "",
                 *isoflop_observations(rows), ""]
     fig, axes = figure(1, 1, width=6.0, height=4.2)
     ax = axes[0, 0]
@@ -180,6 +187,13 @@ def isoflop_experiment(ctx: Context, budgets: Optional[Sequence[float]] = None, 
     results = {"tokens_per_step": tokens, "budgets": list(plan), "widths": widths, "runs": rows}
     ctx.write_report("MoD isoFLOP comparison", sections, results)
     return results
+
+
+def _spent_cell(row: Dict[str, Any]) -> str:
+    """The measured excess over the budget, or why the run is not at the budget."""
+    if not row["matched"]:
+        return f"not matched: --max_steps stopped it at {100 * (row['measured_deviation'] + 1):.1f}% of the budget"
+    return f"{100 * row['measured_deviation']:+.2f}%"
 
 
 def isoflop_observations(rows: List[Dict[str, Any]]) -> List[str]:

@@ -416,6 +416,7 @@ def two_phase(ctx: Context, variant: str = "mom", phase1_steps: Optional[int] = 
             "--phase1.val_every", str(s1), "--phase2.val_every", str(s2)]
     phase2_dir = ctx.cached("experiments.two_phase", argv, lambda: two_phase_cli.main(argv))
     record = json.loads((phase2_dir / "two_phase.json").read_text())
+    ctx.record_run(pathlib.Path(record["phase1"]))  # phase 1 in the run table too
     phase1, phase2 = load_summary(pathlib.Path(record["phase1"])), load_summary(phase2_dir)
     from_scratch = ctx.run(scratch, steps=s1 + s2)
     vanilla = ctx.run(reference, steps=s1 + s2)

@@ -1,9 +1,11 @@
 """Routing probes: does the router send more compute to the tokens that need it?
 
 Every variant trains on ``--data probe`` (datamodules/probe.py: arithmetic chains of depth 0..4,
-multi-hop recall, spans in text; every token's difficulty known) at matched training FLOPs: the
-isoFLOP sizing of ``mod_isoflop`` (``isoflop_configs``) gives each variant the number of steps that
-spends the budget of ``--steps`` steps of vanilla, at the same width and depth. Each variant runs with
+multi-hop recall, spans in text; every token's difficulty known) at matched training FLOPs: the budget
+is what ``--steps`` steps of vanilla spend, and every variant, at the same width and depth, trains until
+its *measured* training FLOPs reach it (``--max_train_flops``, docs/compute-budget.md), whatever its
+router spends; the isoFLOP plan of ``mod_isoflop`` (``isoflop_configs``) only sizes the ``--max_steps``
+cap (``BUDGET_STEP_CAP`` x the planned steps) and is reported beside the steps taken. Each variant runs with
 ``--seeds`` seeds (training order and initialisation). The final model of every run is evaluated by
 ``callbacks/probe.py`` (causal routing where the variant has it) on the first ``--blocks`` validation
 blocks: loss, accuracy and FLOPs per token per difficulty level, Spearman(difficulty, compute), and the
@@ -21,7 +23,7 @@ import statistics
 from typing import Any, Dict, List, Optional, Sequence
 
 from architectures.config import ConfigError
-from experiments.repro.common import Context, figure, fmt, markdown_table
+from experiments.repro.common import Context, budget_spent, budget_step_cap, figure, fmt, markdown_table
 
 VARIANTS = ("vanilla", "mod", "mode_staged", "mode_integrated", "moe", "mom", "mom_e", "depth_gate")
 LEVELS = range(5)
@@ -57,10 +59,11 @@ def probe_experiment(ctx: Context, variants: Sequence[str] = VARIANTS, seeds: in
     budget = ctx.steps * tokens * reference
     plan = isoflop_configs(budget, base, tokens, variants, [base.d_model], base.n_layer, base.n_head, min_steps=min_steps)
     grid = [(c, ctx.seed + i) for c in plan for i in range(seeds)]
-    ctx.validate([[*c.run_options(), "--seed", str(s)] for c, s in grid])
+    ctx.validate([[*c.run_options(), "--seed", str(s)] for c, s in grid], budget=budget)
     runs = []
     for c, seed in grid:
-        s = ctx.run([*c.run_options(), "--seed", str(seed)], steps=c.steps)
+        s = ctx.run([*c.run_options(), "--seed", str(seed)], steps=budget_step_cap(budget, tokens, c.flops_per_token),
+                    budget=budget)
         runs.append(run_row(c, seed, s))
     for r in runs:  # the routers themselves: variants whose default routing sees the future, evaluated with it
         r["probe_topk"] = evaluate_default_routing(pathlib.Path(r["run_dir"]), blocks)
@@ -101,9 +104,11 @@ def run_row(c, seed: int, summary: Dict[str, Any]) -> Dict[str, Any]:
     import json
 
     detail = json.loads((pathlib.Path(summary["run_dir"]) / "probe.json").read_text())
-    return {"variant": c.variant, "seed": seed, "steps": c.steps, "train_flops_per_token": c.flops_per_token,
-            "planned_deviation": c.deviation, "measured_deviation": summary["flops_per_token"]["training"]
-            * summary["tokens_seen"] / c.budget - 1.0, "val_loss": summary["final_val_loss"],
+    spent = budget_spent(summary)
+    return {"variant": c.variant, "seed": seed, "steps": summary["steps"], "planned_steps": c.steps,
+            "train_flops_per_token": c.flops_per_token, "planned_deviation": c.deviation,
+            "train_flops": spent["train_flops"], "measured_deviation": spent["spent_deviation"],
+            "matched": spent["matched"], "val_loss": summary["final_val_loss"],
             "step_time_s": summary["median_step_time_s"], "probe": detail, "run_dir": summary["run_dir"]}
 
 
@@ -116,7 +121,9 @@ def _mean_std(values: List[float]):
 
 def aggregate(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
     """Seed means and standard deviations of the per-level numbers and the headline figures."""
-    out: Dict[str, Any] = {"seeds": len(rows), "steps": rows[0]["steps"], "planned_deviation": rows[0]["planned_deviation"],
+    out: Dict[str, Any] = {"seeds": len(rows), "steps": statistics.fmean(r["steps"] for r in rows),
+                           "steps_seeds": [r["steps"] for r in rows], "planned_steps": rows[0]["planned_steps"],
+                           "planned_deviation": rows[0]["planned_deviation"], "matched": all(r["matched"] for r in rows),
                            "levels": {}}
     for level in LEVELS:
         key = str(level)
@@ -137,6 +144,7 @@ def aggregate(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
     out["spearman_topk_seeds"] = [t["spearman"] for t in topk] if all(topk) else None
     out["val_loss"] = _mean_std([r["val_loss"] for r in rows])
     out["measured_deviation"] = _mean_std([r["measured_deviation"] for r in rows])
+    out["train_flops"] = _mean_std([r["train_flops"] for r in rows])
     return out
 
 
@@ -185,8 +193,9 @@ def _pm(cell, digits: int = 3) -> str:
 
 def report_sections(ctx: Context, budget: float, tokens: int, per_variant, goals) -> List[str]:
     levels = [str(level) for level in LEVELS]
-    budget_rows = [[v, a["steps"], f"{100 * a['planned_deviation']:+.2f}%",
-                    f"{100 * (a['measured_deviation'][0] or 0):+.2f}%", _pm(a["val_loss"])] for v, a in per_variant.items()]
+    budget_rows = [[v, f"{'/'.join(str(n) for n in a['steps_seeds'])} ({a['planned_steps']})", _pm(a["train_flops"]),
+                    f"{100 * (a['measured_deviation'][0] or 0):+.2f}%" if a["matched"] else
+                    "not matched: --max_steps stopped a seed first", _pm(a["val_loss"])] for v, a in per_variant.items()]
     acc = markdown_table(["variant", *[f"acc L{k}" for k in levels]],
                          [[v, *[_pm(a["levels"].get(k, {}).get("acc", (None, None)), 2) for k in levels]]
                           for v, a in per_variant.items()])
@@ -199,7 +208,8 @@ def report_sections(ctx: Context, budget: float, tokens: int, per_variant, goals
           _rhos(a["spearman_topk_seeds"]) if a.get("spearman_topk_seeds") else "same"] for v, a in per_variant.items()])
     shares = per_variant["vanilla"]["levels"]
     intro = (f"Budget {budget:.3e} training FLOPs per run ({ctx.steps} vanilla steps of {tokens} tokens); every "
-             f"variant trains the steps that spend it (isoFLOP sizing). Seeds per variant: "
+             f"variant trains until its measured training FLOPs (routing-aware, every step counted) reach it. Seeds "
+             f"per variant: "
              f"{per_variant['vanilla']['seeds']}. Evaluation with causal routing where the variant has one. Token "
              "shares of the levels: " + ", ".join(f"L{k} {100 * shares[k]['token_share'][0]:.1f}%" for k in shares) + ".")
     goal_lines = ["Goal figures (computed from the numbers above):", ""]
@@ -219,7 +229,9 @@ def report_sections(ctx: Context, budget: float, tokens: int, per_variant, goals
             "tokens (1.0 everywhere = no preference), Spearman rho per seed, share of compute vs share of tokens on "
             "levels 3-4; last column: the same correlation when the variant routes as in training (top-k over the whole "
             "sequence, which sees the future), for the variants that have a separate causal routing:", compute, "",
-            "Budget and loss:", markdown_table(["variant", "steps", "planned dev.", "measured dev.", "val loss"], budget_rows),
+            "Budget and loss (steps per seed, and the analytic plan's; measured training FLOPs spent and their "
+            "excess over the budget, at most one step):",
+            markdown_table(["variant", "steps (planned)", "FLOPs spent", "spent vs budget", "val loss"], budget_rows),
             "", *goal_lines, ""]
 
 

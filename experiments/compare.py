@@ -1,0 +1,500 @@
+"""A leaderboard of any set of training runs: ``python -m experiments.compare RUN_DIR_OR_GLOB ... [--out DIR]``.
+
+    python -m experiments.compare runs/                       # every run folder below runs/
+    python -m experiments.compare 'sweep/*/version_*' other/run --group_by variant --out board/
+
+Each argument is a run folder of ``experiments.run`` (it holds ``config.yaml``), a folder searched
+recursively for run folders (a sweep's ``--log_dir``, a repro experiment's ``--out``), or a glob of
+either. The table (markdown on stdout; with ``--out``: ``leaderboard.md``, ``.csv``, ``.json`` and the
+plot ``leaderboard.png``) has one row per configuration: the variant, the options that differ between
+the runs (from their resolved ``config.yaml``), the number of seeds ``n`` and, as mean ± std over the
+seeds, steps, tokens, measured training FLOPs, validation loss, causal validation loss (variants whose
+routing sees the future, e.g. MoD), forward FLOPs per token, median step time and parameters.
+
+Runs are seeds of one configuration when every option but the seed and the output paths is equal
+(``IGNORED``); ``--group_by variant[,model.d_model,...]`` groups by those options instead (options that
+vary inside a group are listed with all their values). Rows are sorted by validation loss; ``pareto``
+marks the configurations no other beats on both training FLOPs and validation loss.
+
+Refused (one ``error:`` line, exit status 2): runs with different tokenizers or validation sets (data
+fingerprints from the checkpoints, validation fraction, context length, validation batches evaluated:
+their losses are not comparable), no run folders matched, an unreadable ``summary.json``,
+``config.yaml`` or checkpoint (the file is named). Unfinished runs (no ``summary.json`` yet, or a
+summary older than the run's ``trainer.max_steps``) are skipped with a warning.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import glob
+import json
+import math
+import pathlib
+import statistics
+import sys
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from architectures.config import ConfigError
+
+# Options that do not make a different configuration: the seed, and where the run read or wrote files
+# that do not change what it computed.
+IGNORED = ("seed", "log_dir", "version", "ckpt_path", "config", "__path__", "data.cache_dir", "data.num_workers",
+           "trainer.default_root_dir")
+# Short names accepted by --group_by (as on experiments.run's command line).
+GROUP_ALIASES = {"variant": "model.variant", "size": "model.size", "data": "data.name", "tokenizer": "data.tokenizer",
+                 "max_steps": "trainer.max_steps", "batch_size": "data.batch_size"}
+# Keys that may hold the training FLOPs a run actually spent (written by runs with a FLOPs budget).
+SPENT_FLOPS_KEYS = ("train_flops", "train_flops_spent", "spent_train_flops")
+# The measured columns: (key, header). Each is aggregated over the seeds of a configuration.
+METRICS = (("steps", "steps"), ("tokens", "tokens"), ("train_flops", "train FLOPs"), ("val_loss", "val loss"),
+           ("val_loss_causal", "causal val loss"), ("flops_per_token", "fwd FLOPs/token"),
+           ("step_time_s", "step s"), ("parameters", "params"))
+
+
+class CompareError(ConfigError):
+    """The runs cannot be tabulated (one line: what, which file or option, what to do)."""
+
+
+@dataclasses.dataclass
+class Run:
+    folder: pathlib.Path
+    config: Dict[str, Any]  # flattened resolved config.yaml ("model.d_model": 64, ...)
+    summary: Dict[str, Any]
+    fingerprints: Optional[Dict[str, str]]  # data/tokenizer fingerprints saved in the checkpoint
+
+    @property
+    def seed(self) -> Any:
+        return self.config.get("seed")
+
+    def metrics(self) -> Dict[str, Optional[float]]:
+        s = self.summary
+        per_token = s.get("flops_per_token") or {}
+        return {"steps": s.get("steps"), "tokens": s.get("tokens_seen"), "train_flops": train_flops_spent(s),
+                "val_loss": s.get("final_val_loss"), "val_loss_causal": (s.get("val_metrics") or {}).get("val/loss_causal"),
+                "flops_per_token": per_token.get("forward"), "step_time_s": s.get("median_step_time_s"),
+                "parameters": s.get("parameters")}
+
+
+def train_flops_spent(summary: Dict[str, Any]) -> Optional[float]:
+    """Training FLOPs the run spent: the explicit figure of a run with a FLOPs budget when summary.json has
+    one, else the routing-aware training FLOPs per token of the last step times the tokens seen."""
+    for key in SPENT_FLOPS_KEYS:
+        if isinstance(summary.get(key), (int, float)):
+            return float(summary[key])
+    per_token = (summary.get("flops_per_token") or {}).get("training")
+    tokens = summary.get("tokens_seen")
+    return float(per_token) * float(tokens) if per_token is not None and tokens is not None else None
+
+
+# ---------------------------------------------------------------------------- finding and reading runs
+def find_run_folders(patterns: Sequence[str]) -> List[pathlib.Path]:
+    """Run folders (holding config.yaml or summary.json) named by, or found below, each path or glob."""
+    found: Dict[pathlib.Path, None] = {}
+    for pattern in patterns:
+        matches = sorted(glob.glob(pattern, recursive=True)) or ([pattern] if pathlib.Path(pattern).exists() else [])
+        folders = [folder for match in map(pathlib.Path, matches) for folder in _run_folders_in(match)]
+        if not folders and len(patterns) > 1:
+            warn(f"{pattern} matched no run folder")
+        for folder in folders:
+            found.setdefault(folder.resolve(), None)
+    if not found:
+        raise CompareError(f"no run folders matched {' '.join(patterns)}: give run folders of experiments.run "
+                           "(holding config.yaml), folders above them, or globs of either")
+    return list(found)
+
+
+def _run_folders_in(path: pathlib.Path) -> List[pathlib.Path]:
+    if path.is_file():
+        path = path.parent  # e.g. a glob of */summary.json
+    if _is_run_folder(path):
+        return [path]
+    if not path.is_dir():
+        return []
+    below = {p.parent for name in ("config.yaml", "summary.json") for p in path.rglob(name)}
+    return sorted(p for p in below if _is_run_folder(p) and "checkpoints" not in p.parts)
+
+
+def _is_run_folder(path: pathlib.Path) -> bool:
+    return (path / "config.yaml").is_file() or (path / "summary.json").is_file()
+
+
+def read_run(folder: pathlib.Path) -> Optional[Run]:
+    """The run, or None (with a warning on stderr) when it has not finished."""
+    if not (folder / "summary.json").is_file():
+        warn(f"skipping {folder}: unfinished (no summary.json yet)")
+        return None
+    summary = _read_json(folder / "summary.json")
+    config = flatten(_read_yaml(folder / "config.yaml"))
+    stale = _unfinished_reason(config, summary)
+    if stale:
+        warn(f"skipping {folder}: unfinished ({stale})")
+        return None
+    return Run(folder, config, summary, _checkpoint_fingerprints(folder))
+
+
+def _unfinished_reason(config: Dict[str, Any], summary: Dict[str, Any]) -> Optional[str]:
+    """A summary written before the run's last step: a resumed run still training toward a larger max_steps.
+    Runs that stop early by design (a FLOPs or time budget) are finished."""
+    max_steps, steps = config.get("trainer.max_steps"), summary.get("steps")
+    budget = any(k.rsplit(".", 1)[-1] == "max_train_flops" and v for k, v in config.items())
+    epochs = config.get("trainer.max_epochs") not in (None, -1)
+    stops_early = budget or epochs or config.get("trainer.max_time") or train_flops_key(summary)
+    if isinstance(max_steps, int) and isinstance(steps, int) and 0 < max_steps and steps < max_steps and not stops_early:
+        return f"summary.json at step {steps} of trainer.max_steps {max_steps}"
+    return None
+
+
+def train_flops_key(summary: Dict[str, Any]) -> Optional[str]:
+    return next((k for k in SPENT_FLOPS_KEYS if k in summary), None)
+
+
+def _read_json(path: pathlib.Path) -> Dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CompareError(f"{path}: unreadable ({err}); delete the run folder or re-run it") from None
+    if not isinstance(data, dict):
+        raise CompareError(f"{path}: holds a {type(data).__name__}, not the JSON object experiments.run writes")
+    return data
+
+
+def _read_yaml(path: pathlib.Path) -> Dict[str, Any]:
+    import yaml
+
+    if not path.is_file():
+        raise CompareError(f"{path}: missing; every run folder of experiments.run holds its resolved config.yaml")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        reason = " ".join(str(err).split())[:160]
+        raise CompareError(f"{path}: unreadable ({reason}); restore it from the run's command line") from None
+    if not isinstance(data, dict):
+        raise CompareError(f"{path}: holds a {type(data).__name__}, not a run configuration")
+    return data
+
+
+def _checkpoint_fingerprints(folder: pathlib.Path) -> Optional[Dict[str, str]]:
+    """The data/tokenizer fingerprints ``LMDataModule`` saved in the run's last checkpoint (None without one)."""
+    from experiments.weights import read_checkpoint
+
+    path = folder / "checkpoints" / "last.ckpt"
+    if not path.is_file():
+        return None
+    blob = read_checkpoint(path, option="checkpoint")  # a truncated file: one line naming it
+    return next((v["fingerprints"] for v in blob.values() if isinstance(v, dict) and "fingerprints" in v), None)
+
+
+def flatten(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+    flat: Dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def read_runs(folders: Iterable[pathlib.Path]) -> List[Run]:
+    folders = list(folders)
+    runs = [run for run in map(read_run, folders) if run is not None]
+    if not runs:
+        raise CompareError(f"none of the {len(folders)} run folders matched has finished (no summary.json); "
+                           "wait for the runs to end, or resume them with experiments.run --ckpt_path last")
+    return runs
+
+
+# ---------------------------------------------------------------------------- comparability
+def comparability(runs: Sequence[Run]) -> Dict[str, Dict[str, Any]]:
+    """{what must agree: {run folder: value}}: the tokenizer, and what decides the validation set."""
+    exact = all(r.fingerprints for r in runs)
+    if not exact:
+        missing = sum(1 for r in runs if not r.fingerprints)
+        warn(f"{missing} run(s) have no checkpoint with data/tokenizer fingerprints; compared by their "
+             "config.yaml data options instead")
+    checks: Dict[str, Dict[str, Any]] = {"tokenizer": {}, "validation set": {}}
+    for r in runs:
+        c = r.config
+        data = r.fingerprints["data"] if exact else " ".join(f"{k}={c[k]}" for k in sorted(c)
+                                                             if k.startswith("data.") and k not in _DATA_NOT_CONTENT)
+        tokenizer = r.fingerprints["tokenizer"] if exact else f"data.tokenizer={c.get('data.tokenizer')} ({data})"
+        val_fraction = r.fingerprints.get("val_fraction") if exact else c.get("data.val_fraction")
+        evaluated = (c.get("val_batches"), c.get("data.batch_size"), r.summary.get("world_size", 1))
+        checks["tokenizer"][str(r.folder)] = tokenizer
+        checks["validation set"][str(r.folder)] = (
+            f"data {data}, val_fraction {val_fraction}, block_size {c.get('model.block_size')}, "
+            f"{evaluated[0]} val batches x batch_size {evaluated[1]} x {evaluated[2]} ranks")
+    return checks
+
+
+_DATA_NOT_CONTENT = {"data.batch_size", "data.num_workers", "data.cache_dir", "data.streaming", "data.num_proc"}
+
+
+def refuse_incomparable(runs: Sequence[Run]) -> None:
+    for what, values in comparability(runs).items():
+        distinct = list(dict.fromkeys(values.values()))
+        if len(distinct) > 1:
+            first = {v: folder for folder, v in reversed(list(values.items()))}
+            shown = "; ".join(f"{v} ({first[v]})" for v in distinct[:2])
+            raise CompareError(f"runs with different {what}s cannot be compared (their losses are not comparable): "
+                               f"{shown}{' and more' if len(distinct) > 2 else ''}; pass only runs trained and "
+                               f"validated on the same data, tokenizer and validation settings")
+
+
+# ---------------------------------------------------------------------------- grouping and aggregation
+def differing_options(runs: Sequence[Run]) -> List[str]:
+    """Config keys whose values differ between the runs (seed and output paths excluded)."""
+    keys = sorted({k for r in runs for k in r.config if not _ignored(k)})
+    differ = [k for k in keys if len({_key(r.config.get(k)) for r in runs}) > 1]
+    # model.preset follows the variant (the preset of each variant): it adds nothing to the variant column
+    if all(r.config.get("model.preset") in (None, r.config.get("model.variant")) for r in runs):
+        differ = [k for k in differ if k != "model.preset"]
+    return differ
+
+
+def _ignored(key: str) -> bool:
+    return key in IGNORED or key.startswith("__")
+
+
+def _key(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def resolve_group_by(group_by: Optional[Sequence[str]], runs: Sequence[Run]) -> Optional[List[str]]:
+    if not group_by:
+        return None
+    known = {k for r in runs for k in r.config}
+    keys = []
+    for name in group_by:
+        key = GROUP_ALIASES.get(name, name)
+        if key not in known:
+            raise CompareError(f"--group_by: unknown option {name!r}; use variant, size or a config key such as "
+                               f"{', '.join(differing_options(runs)[:6]) or 'model.d_model'}")
+        keys.append(key)
+    return keys
+
+
+def group_runs(runs: Sequence[Run], keys: Optional[Sequence[str]]) -> List[List[Run]]:
+    """Runs grouped by ``keys`` (None: by every option but the seed and output paths), in first-seen order."""
+    groups: Dict[str, List[Run]] = {}
+    for r in runs:
+        identity = keys if keys is not None else [k for k in r.config if not _ignored(k)]
+        groups.setdefault(_key({k: r.config.get(k) for k in sorted(identity)}), []).append(r)
+    return list(groups.values())
+
+
+def mean_std(values: Sequence[Optional[float]]) -> Dict[str, Optional[float]]:
+    """Mean, sample standard deviation (None for a single value) and n of the values that exist."""
+    present = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    if not present:
+        return {"mean": None, "std": None, "n": 0}
+    return {"mean": statistics.fmean(present), "std": statistics.stdev(present) if len(present) > 1 else None,
+            "n": len(present)}
+
+
+def aggregate(group: Sequence[Run], options: Sequence[str]) -> Dict[str, Any]:
+    """One leaderboard row: the group's options (all values where they vary), seeds and metric statistics."""
+    per_run = [r.metrics() for r in group]
+    row: Dict[str, Any] = {"variant": _values(group, "model.variant")}
+    row.update({k: _values(group, k) for k in options})
+    row["varies"] = [k for k in ("variant", *options) if _varies(group, "model.variant" if k == "variant" else k)]
+    row["n"] = len(group)
+    row["seeds"] = [r.seed for r in group]
+    row.update({key: mean_std([m[key] for m in per_run]) for key, _ in METRICS})
+    row["runs"] = [str(r.folder) for r in group]
+    return row
+
+
+def _values(group: Sequence[Run], key: str) -> Any:
+    """The option's value in the group, or the list of its values when it varies inside the group."""
+    decoded = [json.loads(v) for v in dict.fromkeys(_key(r.config.get(key)) for r in group)]
+    return decoded[0] if len(decoded) == 1 else decoded
+
+
+def _varies(group: Sequence[Run], key: str) -> bool:
+    return len({_key(r.config.get(key)) for r in group}) > 1
+
+
+def pareto_front(points: Sequence[Tuple[Optional[float], Optional[float]]]) -> List[bool]:
+    """For each (cost, loss): True when no other point has cost <= and loss <= with one strictly lower."""
+    def dominated(i: int) -> bool:
+        c, l = points[i]
+        return any(j != i and c2 <= c and l2 <= l and (c2 < c or l2 < l)
+                   for j, (c2, l2) in enumerate(points) if c2 is not None and l2 is not None)
+
+    return [c is not None and l is not None and not dominated(i) for i, (c, l) in enumerate(points)]
+
+
+def leaderboard(runs: Sequence[Run], group_by: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    """The table: rows sorted by mean validation loss, with the columns that describe them."""
+    refuse_incomparable(runs)
+    options = differing_options(runs)
+    keys = resolve_group_by(group_by, runs)
+    # the grouping options first, then the other options that differ (listed with every value in a group)
+    columns = [k for k in dict.fromkeys([*(keys or []), *options]) if k != "model.variant"]
+    rows = [aggregate(g, columns) for g in group_runs(runs, keys)]
+    rows.sort(key=lambda r: (r["val_loss"]["mean"] is None, r["val_loss"]["mean"] or 0.0))
+    front = pareto_front([(r["train_flops"]["mean"], r["val_loss"]["mean"]) for r in rows])
+    for row, on_front in zip(rows, front):
+        row["pareto"] = on_front
+    return {"group_by": keys or "configuration (every option but the seed and output paths)",
+            "options": ["variant", *columns], "metrics": [k for k, _ in METRICS], "rows": rows,
+            "runs": [{"run_dir": str(r.folder), "seed": r.seed, "variant": r.config.get("model.variant"), **r.metrics()}
+                     for r in runs]}
+
+
+# ---------------------------------------------------------------------------- outputs
+def _cell(value: Any, varies: bool = False) -> str:
+    """An option's value; the values of an option that varies inside a group joined with " / "."""
+    from experiments.repro.common import fmt
+
+    if varies:
+        return " / ".join(_cell(v) for v in value)
+    return json.dumps(value) if isinstance(value, (list, dict)) else fmt(value)
+
+
+def _stat_cell(stat: Dict[str, Optional[float]], runs: int, integer: bool = False) -> str:
+    """'mean ± std' (a single run: the value alone), '(n=k)' when only k of the row's runs have the number."""
+    from experiments.repro.common import fmt
+
+    if stat["mean"] is None:
+        return "-"
+    mean, std = stat["mean"], stat["std"]
+    scientific = mean != 0 and (abs(mean) >= 1e5 or abs(mean) < 1e-3)
+    text = fmt(int(round(mean))) if integer and std in (None, 0.0) else fmt(mean)
+    if std is not None:
+        text += " ± " + ("0" if std == 0 else f"{std:.3e}" if scientific else fmt(std))
+    return text if stat["n"] == runs else f"{text} (n={stat['n']})"
+
+
+def to_markdown(board: Dict[str, Any]) -> str:
+    from experiments.repro.common import markdown_table
+
+    headers = [*board["options"], "n", *[h for _, h in METRICS], "Pareto"]
+    integer = {"steps", "tokens", "parameters"}
+    rows = [[*[_cell(r[k], k in r["varies"]) for k in board["options"]], r["n"], *[_stat_cell(r[k], r["n"], k in integer) for k, _ in METRICS],
+             "*" if r["pareto"] else ""] for r in board["rows"]]
+    note = ("Mean ± std (sample) over the n runs of each row (the seeds of one configuration, unless --group_by "
+            "merges configurations; (n=k): only k of them have the number); train FLOPs: measured (routing-aware) "
+            "training FLOPs spent; step s: median step time; Pareto *: no configuration has both fewer training "
+            "FLOPs and a lower validation loss.")
+    return markdown_table(headers, rows) + "\n\n" + note + "\n"
+
+
+def write_csv(board: Dict[str, Any], path: pathlib.Path) -> None:
+    header = [*board["options"], "n", "seeds", *[f"{k}_{s}" for k in board["metrics"] for s in ("mean", "std")],
+              "pareto", "runs"]
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(header)
+        for r in board["rows"]:
+            writer.writerow([*[_csv(r[k]) for k in board["options"]], r["n"], _csv(r["seeds"]),
+                             *[_csv(r[k][s]) for k in board["metrics"] for s in ("mean", "std")], r["pareto"],
+                             " ".join(r["runs"])])
+
+
+def _csv(value: Any) -> Any:
+    if value is None:
+        return ""
+    return json.dumps(value) if isinstance(value, (list, dict)) else value
+
+
+def row_label(row: Dict[str, Any], options: Sequence[str]) -> str:
+    parts = [_cell(row["variant"], "variant" in row["varies"])]
+    parts += [f"{k.split('.')[-1]}={_cell(row[k], k in row['varies'])}" for k in options if k != "variant"]
+    return " ".join(parts)
+
+
+def plot(board: Dict[str, Any], path: pathlib.Path) -> Optional[pathlib.Path]:
+    """Validation loss vs training FLOPs, one point per configuration (error bars: std over seeds), the
+    Pareto front drawn through its points. None when no configuration has both numbers."""
+    from experiments.repro.common import figure
+
+    rows = [r for r in board["rows"] if r["train_flops"]["mean"] is not None and r["val_loss"]["mean"] is not None]
+    if not rows:
+        return None
+    fig, axes = figure(1, 1, width=7.0, height=4.8)
+    ax = axes[0, 0]
+    for i, r in enumerate(rows):
+        ax.errorbar(r["train_flops"]["mean"], r["val_loss"]["mean"], xerr=r["train_flops"]["std"] or 0.0,
+                    yerr=r["val_loss"]["std"] or 0.0, fmt="osD^vP*Xh<>"[i % 11], color=f"C{i % 10}", capsize=3,
+                    label=f"{row_label(r, board['options'])} (n={r['n']})")
+    front = sorted((r["train_flops"]["mean"], r["val_loss"]["mean"]) for r in rows if r["pareto"])
+    ax.plot(*zip(*front), color="black", linestyle="--", linewidth=1, marker="o", markerfacecolor="none",
+            markersize=12, label="Pareto front")
+    costs = [r["train_flops"]["mean"] for r in rows]
+    if min(costs) > 0 and max(costs) / min(costs) > 10:
+        ax.set_xscale("log")
+    ax.set_xlabel("training FLOPs spent (measured)")
+    ax.set_ylabel("validation loss (nats/token, mean ± std over seeds)")
+    ax.set_title("Validation loss vs training compute")
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def write_leaderboard(board: Dict[str, Any], out: pathlib.Path, name: str = "leaderboard") -> Dict[str, pathlib.Path]:
+    """``<out>/<name>.md``, ``.csv``, ``.json`` and ``.png`` (the plot, when there is something to plot)."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"md": out / f"{name}.md", "csv": out / f"{name}.csv", "json": out / f"{name}.json"}
+    paths["md"].write_text(to_markdown(board))
+    write_csv(board, paths["csv"])
+    paths["json"].write_text(json.dumps(board, indent=2, default=str) + "\n")
+    image = plot(board, out / f"{name}.png")
+    if image is not None:
+        paths["png"] = image
+    return paths
+
+
+def compare(patterns: Sequence[str], group_by: Optional[Sequence[str]] = None,
+            out: Optional[pathlib.Path] = None) -> Dict[str, Any]:
+    """Read the runs, build the table and write it (``out``); the table as a dict."""
+    board = leaderboard(read_runs(find_run_folders(patterns)), group_by)
+    if out is not None:
+        board["files"] = {k: str(v) for k, v in write_leaderboard(board, pathlib.Path(out)).items()}
+    return board
+
+
+# ---------------------------------------------------------------------------- command
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m experiments.compare", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR_OR_GLOB",
+                        help="run folders, folders holding run folders, or globs of either")
+    parser.add_argument("--group_by", action="append", default=None, metavar="KEYS",
+                        help="comma-separated grouping options (variant, size or config keys such as model.d_model; "
+                             "default: every option but the seed and output paths); repeatable")
+    parser.add_argument("--out", default=None, help="write leaderboard.md/.csv/.json/.png into this folder")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    args = build_parser().parse_args(argv)
+    group_by = [k.strip() for item in args.group_by or [] for k in item.split(",") if k.strip()] or None
+    board = compare(args.runs, group_by, pathlib.Path(args.out) if args.out else None)
+    print(to_markdown(board), end="")
+    for path in (board.get("files") or {}).values():
+        print(f"wrote {path}", file=sys.stderr)
+    return board
+
+
+def cli(argv: Optional[Sequence[str]] = None) -> None:
+    """As ``experiments.run.cli`` (``error: <one line>``, exit status 2), without importing the training stack:
+    a table should not wait for Lightning to load."""
+    try:
+        main(argv)
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"error: {' '.join(str(err).split()) or type(err).__name__}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,320 @@
+"""``python -m experiments.compare``: the leaderboard of run folders, on real runs trained here (2 configurations
+x 2 seeds, a few steps of a tiny model), and on copies of them with summaries of known numbers."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from experiments import compare
+from experiments.repro.common import Context
+from tests.conftest import REPO, TINY_RUN
+
+STEPS = 2
+CONFIGS = {"vanilla": ["--variant", "vanilla"], "mod": ["--variant", "mod", "--model.mod.capacity", "0.25"]}
+SEEDS = (1, 2)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{(config name, seed): run folder} of four real runs of experiments.run."""
+    from experiments.run import main
+
+    root = tmp_path_factory.mktemp("compare_runs")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        folders = {(name, seed): main([*argv, "--seed", str(seed), "--max_steps", str(STEPS), "--val_every", str(STEPS),
+                                       "--log_dir", str(root / "runs"), *TINY_RUN, "--callbacks.contribution", "false",
+                                       "--callbacks.throughput", "false"])
+                   for name, argv in CONFIGS.items() for seed in SEEDS}
+    finally:
+        torch.set_num_threads(before)
+    return folders
+
+
+def copy_runs(runs, tmp_path: pathlib.Path, keys=None) -> dict:
+    """Copies of the real run folders (so tests can edit them) under tmp_path/runs."""
+    out = {}
+    for key in keys or runs:
+        name, seed = key
+        out[key] = tmp_path / "runs" / f"{name}-seed{seed}"
+        shutil.copytree(runs[key], out[key])
+    return out
+
+
+def edit_summary(folder: pathlib.Path, **values) -> None:
+    path = folder / "summary.json"
+    summary = json.loads(path.read_text())
+    summary.update(values)
+    path.write_text(json.dumps(summary))
+
+
+def edit_config(folder: pathlib.Path, key: str, value) -> None:
+    path = folder / "config.yaml"
+    config = yaml.safe_load(path.read_text())
+    *parents, leaf = key.split(".")
+    node = config
+    for part in parents:
+        node = node[part]
+    node[leaf] = value
+    path.write_text(yaml.safe_dump(config))
+
+
+def run_cli(argv, capsys) -> tuple:
+    """(exit status, stdout, stderr) of the command as ``python -m experiments.compare`` runs it."""
+    try:
+        compare.cli(list(argv))
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def row_of(board: dict, variant: str) -> dict:
+    return next(r for r in board["rows"] if r["variant"] == variant)
+
+
+# ---------------------------------------------------------------------------- on the real runs
+def test_real_runs_one_row_per_configuration_with_its_seeds(runs, tmp_path):
+    board = compare.compare([str(next(iter(runs.values())).parent.parent)], out=tmp_path / "board")
+    assert {r["variant"] for r in board["rows"]} == {"vanilla", "mod"}
+    for name in CONFIGS:
+        row = row_of(board, name)
+        assert row["n"] == 2 and sorted(row["seeds"]) == list(SEEDS)
+        summaries = [json.loads((runs[(name, s)] / "summary.json").read_text()) for s in SEEDS]
+        losses = [s["final_val_loss"] for s in summaries]
+        assert row["val_loss"]["mean"] == pytest.approx(sum(losses) / 2)
+        assert row["val_loss"]["std"] == pytest.approx(abs(losses[0] - losses[1]) / math.sqrt(2))
+        assert row["steps"]["mean"] == STEPS and row["tokens"]["mean"] == summaries[0]["tokens_seen"]
+        flops = [s["flops_per_token"]["training"] * s["tokens_seen"] for s in summaries]
+        assert row["train_flops"]["mean"] == pytest.approx(sum(flops) / 2)
+        assert row["parameters"]["mean"] == summaries[0]["parameters"]
+    # MoD's routing sees the future: it reports a causal validation loss, vanilla has none
+    assert row_of(board, "mod")["val_loss_causal"]["n"] == 2 and row_of(board, "vanilla")["val_loss_causal"]["n"] == 0
+    # MoD at capacity 0.25 spends fewer FLOPs per token than vanilla
+    assert row_of(board, "mod")["flops_per_token"]["mean"] < row_of(board, "vanilla")["flops_per_token"]["mean"]
+
+
+def test_differing_options_are_found_in_the_resolved_configs(runs):
+    loaded = compare.read_runs(runs.values())
+    # the seed and the output folders differ too, but do not make another configuration
+    assert compare.differing_options(loaded) == ["model.mod.capacity", "model.variant"]
+    board = compare.leaderboard(loaded)
+    assert board["options"] == ["variant", "model.mod.capacity"]
+    assert row_of(board, "mod")["model.mod.capacity"] == 0.25 and row_of(board, "vanilla")["model.mod.capacity"] == 0.125
+
+
+def test_files_written_markdown_csv_json_and_plot(runs, tmp_path):
+    board = compare.compare([str(p) for p in runs.values()], out=tmp_path)
+    assert set(board["files"]) == {"md", "csv", "json", "png"}
+    markdown = (tmp_path / "leaderboard.md").read_text()
+    assert markdown.startswith("| variant | model.mod.capacity | n | steps | tokens | train FLOPs | val loss |")
+    with (tmp_path / "leaderboard.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert [r["variant"] for r in rows] == [r["variant"] for r in board["rows"]]  # sorted by val loss, like the table
+    for row, expected in zip(rows, board["rows"]):
+        assert float(row["val_loss_mean"]) == pytest.approx(expected["val_loss"]["mean"])
+        assert row["n"] == "2"
+    saved = json.loads((tmp_path / "leaderboard.json").read_text())
+    assert saved["rows"][0]["val_loss"] == board["rows"][0]["val_loss"] and len(saved["runs"]) == 4
+    image = tmp_path / "leaderboard.png"
+    assert image.stat().st_size > 10_000 and image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_has_error_bars_pareto_front_legend_and_labels(runs, tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    figures = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda self, *a, **k: figures.append(self))
+    board = compare.leaderboard(compare.read_runs(runs.values()))
+    compare.plot(board, tmp_path / "x.png")
+    ax = figures[0].axes[0]
+    assert "FLOPs" in ax.get_xlabel() and "validation loss" in ax.get_ylabel()
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "Pareto front" in labels and any(label.startswith("mod") and "(n=2)" in label for label in labels)
+    assert len(ax.containers) == 2  # one errorbar container per configuration
+
+
+# ---------------------------------------------------------------------------- known numbers
+def test_aggregation_checked_by_hand_on_known_numbers(runs, tmp_path):
+    """Summaries with known values in copies of the real folders: mean, sample std, n and the spent FLOPs."""
+    folders = copy_runs(runs, tmp_path)
+    known = {("vanilla", 1): dict(final_val_loss=2.0, tokens_seen=1000, flops_per_token={"forward": 10.0, "training": 30.0}),
+             ("vanilla", 2): dict(final_val_loss=3.0, tokens_seen=1000, flops_per_token={"forward": 10.0, "training": 30.0}),
+             ("mod", 1): dict(final_val_loss=4.0, tokens_seen=2000, flops_per_token={"forward": 5.0, "training": 15.0},
+                              median_step_time_s=0.1),
+             # an explicit spent-FLOPs figure wins over FLOPs/token x tokens
+             ("mod", 2): dict(final_val_loss=6.0, tokens_seen=2000, flops_per_token={"forward": 7.0, "training": 21.0},
+                              train_flops=50_000.0, median_step_time_s=0.3)}
+    for key, values in known.items():
+        edit_summary(folders[key], **values)
+    board = compare.compare([str(tmp_path / "runs")])
+    vanilla, mod = row_of(board, "vanilla"), row_of(board, "mod")
+    assert vanilla["val_loss"] == {"mean": 2.5, "std": pytest.approx(math.sqrt(0.5)), "n": 2}
+    assert vanilla["train_flops"] == {"mean": 30_000.0, "std": 0.0, "n": 2}
+    assert mod["val_loss"] == {"mean": 5.0, "std": pytest.approx(math.sqrt(2.0)), "n": 2}
+    assert mod["train_flops"]["mean"] == pytest.approx((30_000.0 + 50_000.0) / 2)
+    assert mod["train_flops"]["std"] == pytest.approx(math.sqrt(2) * 10_000.0)
+    assert mod["flops_per_token"]["mean"] == 6.0 and mod["step_time_s"]["mean"] == pytest.approx(0.2)
+    assert [r["variant"] for r in board["rows"]] == ["vanilla", "mod"]  # lower loss first
+    # vanilla: less loss at the same or lower FLOPs than MoD's mean (30k vs 40k): MoD is dominated
+    assert [r["pareto"] for r in board["rows"]] == [True, False]
+    markdown = compare.to_markdown(board)
+    assert "| vanilla | 0.1250 | 2 |" in markdown and "2.5000 ± 0.7071" in markdown and "5.0000 ± 1.4142" in markdown
+
+
+def test_pareto_front_by_hand():
+    points = [(1.0, 3.0), (2.0, 2.0), (3.0, 2.5), (4.0, 1.0), (2.0, 2.0), (None, 0.5)]
+    assert compare.pareto_front(points) == [True, True, False, True, True, False]
+
+
+def test_single_seed_has_no_std(runs):
+    board = compare.leaderboard(compare.read_runs([runs[("vanilla", 1)], runs[("mod", 1)]]))
+    assert all(r["n"] == 1 and r["val_loss"]["std"] is None for r in board["rows"])
+    assert "±" not in compare.to_markdown(board).split("\n\n")[0]
+
+
+def test_group_by_variant_merges_configurations_and_lists_their_values(runs, tmp_path):
+    folders = copy_runs(runs, tmp_path)
+    extra = tmp_path / "runs" / "vanilla-lr"
+    shutil.copytree(runs[("vanilla", 1)], extra)
+    edit_config(extra, "optim.lr", 0.5)
+    edit_summary(extra, final_val_loss=9.0)
+    by_config = compare.compare([str(tmp_path / "runs")])
+    assert "optim.lr" in by_config["options"]
+    assert sorted(r["n"] for r in by_config["rows"]) == [1, 2, 2]  # the other lr is another configuration
+    by_variant = compare.compare([str(tmp_path / "runs")], group_by=["variant"])
+    vanilla = row_of(by_variant, "vanilla")
+    assert vanilla["n"] == 3 and len(vanilla["optim.lr"]) == 2 and 0.5 in vanilla["optim.lr"]
+    assert vanilla["varies"] == ["optim.lr"] and row_of(by_variant, "mod")["varies"] == []
+    lr_cell = " / ".join(f"{v:.4f}" for v in vanilla["optim.lr"])
+    assert f"| vanilla | 0.1250 | {lr_cell} | 3 |" in compare.to_markdown(by_variant)
+    losses = [json.loads((folders[("vanilla", s)] / "summary.json").read_text())["final_val_loss"] for s in SEEDS] + [9.0]
+    assert vanilla["val_loss"]["mean"] == pytest.approx(sum(losses) / 3)
+    with pytest.raises(compare.CompareError, match="--group_by: unknown option 'colour'"):
+        compare.compare([str(tmp_path / "runs")], group_by=["colour"])
+
+
+def test_a_number_only_some_runs_of_a_row_have_is_marked_with_its_n(runs):
+    board = compare.compare([str(p) for p in runs.values()], group_by=["size"])  # all four runs in one row
+    (row,) = board["rows"]
+    assert row["n"] == 4 and row["val_loss_causal"]["n"] == 2  # only MoD has a causal loss
+    assert sorted(row["variant"]) == ["mod", "vanilla"] and "variant" in row["varies"]
+    line = compare.to_markdown(board).splitlines()[2]
+    assert line.count("(n=2)") == 1 and line.count("(n=") == 1  # the causal loss; every other number has all 4
+
+
+# ---------------------------------------------------------------------------- refusals and skips
+def test_mixed_tokenizers_refused(runs, tmp_path, capsys):
+    folders = copy_runs(runs, tmp_path, [("vanilla", 1), ("mod", 1)])
+    ckpt = folders[("mod", 1)] / "checkpoints" / "last.ckpt"
+    blob = torch.load(ckpt, map_location="cpu", weights_only=False)
+    blob["LMDataModule"]["fingerprints"]["tokenizer"] = "byte:0123456789abcdef"
+    torch.save(blob, ckpt)
+    code, out, err = run_cli([str(tmp_path / "runs")], capsys)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("error: runs with different tokenizers cannot be compared")
+    assert "byte:0123456789abcdef" in err
+
+
+def test_mixed_validation_sets_refused(runs, tmp_path, capsys):
+    folders = copy_runs(runs, tmp_path, [("vanilla", 1), ("mod", 1)])
+    edit_config(folders[("mod", 1)], "val_batches", 7)  # its loss is a mean over other validation blocks
+    code, _, err = run_cli([str(tmp_path / "runs")], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith("error: runs with different validation sets cannot be compared") and "7 val batches" in err
+
+
+def test_unfinished_runs_skipped_with_a_warning(runs, tmp_path, capsys):
+    folders = copy_runs(runs, tmp_path)
+    (folders[("vanilla", 2)] / "summary.json").unlink()  # still training
+    edit_config(folders[("mod", 2)], "trainer.max_steps", 50)  # resumed toward more steps: its summary is old
+    code, out, err = run_cli([str(tmp_path / "runs")], capsys)
+    assert code == 0
+    assert f"warning: skipping {folders[('vanilla', 2)]}: unfinished (no summary.json yet)" in err
+    assert f"warning: skipping {folders[('mod', 2)]}: unfinished (summary.json at step {STEPS} of trainer.max_steps 50)" in err
+    board = compare.compare([str(tmp_path / "runs")])
+    assert [r["n"] for r in board["rows"]] == [1, 1]
+    assert "| 1 |" in out
+
+
+def test_no_runs_matched_and_unreadable_files_are_one_line_errors(runs, tmp_path, capsys):
+    code, _, err = run_cli([str(tmp_path / "nothing-*")], capsys)
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: no run folders matched")
+    folders = copy_runs(runs, tmp_path, [("vanilla", 1)])
+    (folders[("vanilla", 1)] / "summary.json").unlink()
+    code, _, err = run_cli([str(tmp_path / "runs")], capsys)
+    assert code == 2 and "none of the 1 run folders matched has finished" in err
+    broken = {"summary.json": "{ not json", "config.yaml": "model: [unclosed", "checkpoints/last.ckpt": "garbage"}
+    for name, text in broken.items():
+        folder = tmp_path / name.replace("/", "_")
+        shutil.copytree(runs[("vanilla", 1)], folder)
+        (folder / name).write_text(text)
+        code, _, err = run_cli([str(folder)], capsys)
+        assert code == 2 and err.count("\n") == 1, err
+        assert err.startswith("error: ") and str(folder / name) in err
+
+
+def test_cli_entry_point_exit_status_and_glob(runs, tmp_path):
+    pattern = str(next(iter(runs.values())).parent.parent / "*" / "version_*")
+    done = subprocess.run([sys.executable, "-m", "experiments.compare", pattern, "--group_by", "variant",
+                           "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("| variant | model.mod.capacity | n |") and (tmp_path / "leaderboard.png").is_file()
+    bad = subprocess.run([sys.executable, "-m", "experiments.compare", str(tmp_path / "missing")], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: no run folders matched")
+
+
+# ---------------------------------------------------------------------------- the repro experiments' run table
+def test_repro_experiments_write_their_run_table_through_compare(runs, tmp_path):
+    ctx = Context(out=tmp_path)
+    for (name, seed), folder in runs.items():  # as ctx.run records a trained or reused run
+        ctx.cached("experiments.run", [name, str(seed)], lambda folder=folder: folder)
+    ctx.write_report("title", ["experiment table"], {"x": 1})
+    for suffix in ("md", "csv", "json", "png"):
+        assert (tmp_path / f"leaderboard.{suffix}").is_file()
+    report = (tmp_path / "results.md").read_text()
+    assert "## Runs (`python -m experiments.compare`)" in report
+    assert (tmp_path / "leaderboard.md").read_text() in report
+    assert json.loads((tmp_path / "results.json").read_text())["leaderboard"]["md"] == str(tmp_path / "leaderboard.md")
+    ctx.close()
+
+
+def test_repro_run_table_notes_incomparable_runs_instead_of_failing(runs, tmp_path, capsys):
+    folders = copy_runs(runs, tmp_path, [("vanilla", 1), ("mod", 1)])
+    edit_config(folders[("mod", 1)], "model.block_size", 32)
+    ctx = Context(out=tmp_path / "out")
+    for folder in folders.values():
+        ctx.record_run(folder)
+    ctx.write_report("title", ["experiment table"], {})
+    report = (tmp_path / "out" / "results.md").read_text()
+    assert "experiment table" in report and "No run table: runs with different validation sets" in report
+    assert not (tmp_path / "out" / "leaderboard.md").exists()
+    assert "warning: [repro] no run table" in capsys.readouterr().err
+    ctx.close()
+
+
+@pytest.mark.slow
+def test_repro_probe_table_aggregates_its_seeds(tmp_path, one_thread):
+    """The probe experiment end to end (``--quick``): its run table is compare's, one row per variant over 2 seeds."""
+    from experiments.repro import main
+
+    main(["probe", "--out", str(tmp_path), "--quick", "--steps", "20", "--seeds", "2", "--blocks", "4",
+          "--variants", "vanilla,mod", "--", "--data.cache_dir", str(tmp_path / "cache")])
+    board = json.loads((tmp_path / "leaderboard.json").read_text())
+    assert sorted((r["variant"], r["n"]) for r in board["rows"]) == [("mod", 2), ("vanilla", 2)]
+    assert "trainer.max_steps" in board["options"]  # matched FLOPs: MoD trains more steps
+    again = compare.compare([str(tmp_path / "runs")])  # the command on the experiment's folder: the same table
+    assert [r["val_loss"] for r in again["rows"]] == [r["val_loss"] for r in board["rows"]]
+    assert compare.to_markdown(again) in (tmp_path / "results.md").read_text()
