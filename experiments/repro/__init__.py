@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--seed", type=int, default=1337)
         sub.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
         sub.add_argument("--no_reuse", action="store_true", help="retrain runs that already finished")
+        sub.add_argument("--jobs", type=int, default=1,
+                         help="runs trained at once, each in its own process (probe; default 1: one after another)")
         return sub
 
     p = add("mom_kh", "MoM validation loss over K x H")
@@ -114,7 +116,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     ctx = Context(out=args.out, size=args.size, steps=args.steps, seed=args.seed, run_options=run_options,
-                  reuse=not args.no_reuse, command="python -m experiments.repro " + shlex.join(argv))
+                  reuse=not args.no_reuse, workers=args.jobs, threads=args.threads, command="python -m experiments.repro " + shlex.join(argv))
     try:
         return dispatch(ctx, args)
     finally:

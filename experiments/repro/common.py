@@ -33,6 +33,8 @@ class Context:
     seed: int = 1337
     run_options: List[str] = dataclasses.field(default_factory=list)  # passed to every run (after ``--``)
     reuse: bool = True
+    workers: int = 1  # runs trained at once (``--jobs``)
+    threads: Optional[int] = None  # torch threads per run (``--threads``)
     command: Optional[str] = None  # the experiment's command line, quoted in results.md
     _parser: Any = dataclasses.field(default=None, repr=False)
     _writer: Any = dataclasses.field(default=None, repr=False)
@@ -42,6 +44,8 @@ class Context:
         self.out = pathlib.Path(self.out)
         if self.steps <= 0:
             raise ConfigError(f"--steps: must be a positive integer, got {self.steps}")
+        if self.workers < 1:
+            raise ConfigError(f"--jobs: must be a positive integer, got {self.workers}")
 
     @property
     def log_dir(self) -> pathlib.Path:
@@ -92,6 +96,41 @@ class Context:
 
         argv = self.argv(options, steps, budget)
         return load_summary(self.cached("experiments.run", argv, lambda: run_cli.main(argv)))
+
+    def run_many(self, jobs: Sequence[Tuple[Sequence[str], Optional[int], Optional[float]]]) -> List[Dict[str, Any]]:
+        """``run`` for each (options, steps, budget), in order; with ``workers`` > 1 the runs that are not
+        finished yet train in that many processes at once (one torch thread each unless ``threads`` says
+        otherwise). The index (``runs.json``) is only written here, by the parent, so it never races."""
+        if self.workers <= 1:
+            return [self.run(options, steps, budget) for options, steps, budget in jobs]
+        import concurrent.futures
+        import multiprocessing
+
+        argvs = [self.argv(options, steps, budget) for options, steps, budget in jobs]
+        done: Dict[int, pathlib.Path] = {}
+        todo = []
+        for i, argv in enumerate(argvs):
+            previous = self._index().get(json.dumps(["experiments.run", *argv]))
+            if self.reuse and previous and (pathlib.Path(previous) / "summary.json").is_file():
+                done[i] = pathlib.Path(previous)
+            elif argv not in [argvs[j] for j in todo]:
+                todo.append(i)
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter per worker: no forked torch state
+        with concurrent.futures.ProcessPoolExecutor(self.workers, mp_context=context) as pool:
+            futures = {}
+            for i in todo:
+                print(f"[repro] python -m experiments.run {' '.join(argvs[i])}", file=sys.stderr, flush=True)
+                futures[pool.submit(_train_in_worker, argvs[i], self.threads or 1)] = i
+            for future in concurrent.futures.as_completed(futures):
+                i = futures[future]
+                done[i] = pathlib.Path(future.result())
+                index = self._index()
+                index[json.dumps(["experiments.run", *argvs[i]])] = str(done[i])
+                self._write_index(index)
+        for i, argv in enumerate(argvs):  # duplicates of a configuration share its run
+            if i not in done:
+                done[i] = done[next(j for j in todo if argvs[j] == argv)]
+        return [load_summary(self.record_run(done[i])) for i in range(len(argvs))]
 
     def cached(self, command: str, argv: Sequence[str], produce: Callable[[], pathlib.Path]) -> pathlib.Path:
         """``produce()``'s run folder, or the folder an earlier identical command left with a summary.json."""
@@ -194,6 +233,16 @@ def _jsonable(value):
 #: a budget run's ``--max_steps``: this many times the steps its plan (analytic FLOPs per token) needs, room for
 #: routers that spend less than planned (MoM-E spent half its upper bound); a run the cap stops is reported
 BUDGET_STEP_CAP = 4.0
+
+
+def _train_in_worker(argv: Sequence[str], threads: int) -> str:
+    """One ``experiments.run`` in a worker process of ``Context.run_many``; its run folder."""
+    import torch
+
+    from experiments import run as run_cli
+
+    torch.set_num_threads(threads)
+    return str(run_cli.main(list(argv)))
 
 
 def budget_step_cap(budget: float, tokens_per_step: int, planned_flops_per_token: float) -> int:

@@ -25,17 +25,21 @@ from typing import Any, Dict, List, Optional, Sequence
 from architectures.config import ConfigError
 from experiments.repro.common import Context, budget_spent, budget_step_cap, figure, fmt, markdown_table
 
-VARIANTS = ("vanilla", "mod", "mode_staged", "mode_integrated", "moe", "mom", "mom_e", "depth_gate")
+VARIANTS = ("vanilla", "mod", "mode_staged", "mode_integrated", "moe", "mot", "depth_gate", "depth_gate_skip", "mom",
+            "mom_e")
 LEVELS = range(5)
 CHANCE = 0.1  # a digit answer among ten
-SOLVABLE = 0.3  # a level counts as solvable when some variant's seed-mean accuracy reaches this
+SOLVED = 0.6  # vanilla "solves" a level when its seed-mean accuracy reaches this
+LEARNABLE = {1: 0.9, 2: 0.6}  # the learnable setting: vanilla's seed-mean accuracy on these levels at least this
 
 # Model and data of every run (before the pass-through options, which override them). The MoM router's
 # GRU width is cut to d: at the default 256 its FLOPs are 8x a d=64 model's, and matched FLOPs would
 # leave MoM 1/8 of vanilla's steps.
-DEFAULTS = ["--data", "probe", "--model.d_model", "64", "--model.n_layer", "4", "--model.n_head", "4",
+# The data: the v2 arithmetic probe, which vanilla learns at this size (datamodules/probe.py; the v1 mix
+# ``--data probe`` stays at chance beyond level 0 and can be chosen after ``--``).
+DEFAULTS = ["--data", "probe-v2/arith", "--model.d_model", "64", "--model.n_layer", "4", "--model.n_head", "4",
             "--model.block_size", "128", "--data.batch_size", "8", "--model.mom.router_hidden", "64",
-            "--optim.lr", "3e-3", "--optim.warmup_steps", "30", "--val_batches", "4",
+            "--optim.lr", "3e-3", "--optim.warmup_steps", "100", "--val_batches", "4",
             "--callbacks.contribution", "false", "--callbacks.throughput", "false",
             "--trainer.enable_progress_bar", "false"]
 QUICK = ["--data.max_tokens", "16384", "--model.d_model", "32", "--model.n_layer", "2", "--model.n_head", "2",
@@ -60,11 +64,9 @@ def probe_experiment(ctx: Context, variants: Sequence[str] = VARIANTS, seeds: in
     plan = isoflop_configs(budget, base, tokens, variants, [base.d_model], base.n_layer, base.n_head, min_steps=min_steps)
     grid = [(c, ctx.seed + i) for c in plan for i in range(seeds)]
     ctx.validate([[*c.run_options(), "--seed", str(s)] for c, s in grid], budget=budget)
-    runs = []
-    for c, seed in grid:
-        s = ctx.run([*c.run_options(), "--seed", str(seed)], steps=budget_step_cap(budget, tokens, c.flops_per_token),
-                    budget=budget)
-        runs.append(run_row(c, seed, s))
+    summaries = ctx.run_many([([*c.run_options(), "--seed", str(seed)], budget_step_cap(budget, tokens, c.flops_per_token),
+                               budget) for c, seed in grid])
+    runs = [run_row(c, seed, s) for (c, seed), s in zip(grid, summaries)]
     for r in runs:  # the routers themselves: variants whose default routing sees the future, evaluated with it
         r["probe_topk"] = evaluate_default_routing(pathlib.Path(r["run_dir"]), blocks)
     per_variant = {v: aggregate([r for r in runs if r["variant"] == v]) for v in variants}
@@ -108,7 +110,8 @@ def run_row(c, seed: int, summary: Dict[str, Any]) -> Dict[str, Any]:
     return {"variant": c.variant, "seed": seed, "steps": summary["steps"], "planned_steps": c.steps,
             "train_flops_per_token": c.flops_per_token, "planned_deviation": c.deviation,
             "train_flops": spent["train_flops"], "measured_deviation": spent["spent_deviation"],
-            "matched": spent["matched"], "val_loss": summary["final_val_loss"],
+            "matched": spent["matched"], "val_loss": summary["val_metrics"].get("val/loss", summary["final_val_loss"]),
+            "val_loss_causal": summary["val_metrics"].get("val/loss_causal"),
             "step_time_s": summary["median_step_time_s"], "probe": detail, "run_dir": summary["run_dir"]}
 
 
@@ -143,6 +146,7 @@ def aggregate(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
     topk = [r.get("probe_topk") for r in rows]
     out["spearman_topk_seeds"] = [t["spearman"] for t in topk] if all(topk) else None
     out["val_loss"] = _mean_std([r["val_loss"] for r in rows])
+    out["val_loss_causal"] = _mean_std([r.get("val_loss_causal") for r in rows])
     out["measured_deviation"] = _mean_std([r["measured_deviation"] for r in rows])
     out["train_flops"] = _mean_std([r["train_flops"] for r in rows])
     return out
@@ -160,25 +164,44 @@ def one_sided_t(values: List[Optional[float]]) -> Optional[float]:
     return float(ttest_1samp(values, 0.0, alternative="greater").pvalue)
 
 
+def family(variant: str) -> str:
+    """The routing family of a variant: its architecture module (mod, moe, mot, depth_gate, mom)."""
+    from architectures.registry import get_variant
+
+    return get_variant(variant).target.split(":")[0].rsplit(".", 1)[-1]
+
+
+def positive_significant(a: Dict[str, Any]) -> bool:
+    """Spearman(difficulty, compute) > 0 with p < 0.01 in every seed, and a one-sided t-test over seeds p < 0.05."""
+    rhos, ps = a["spearman_seeds"], a["spearman_p_seeds"]
+    every_seed = bool(rhos) and all(r is not None and r > 0 for r in rhos) and all(p is not None and p < 0.01 for p in ps)
+    return every_seed and (a["spearman_t_p"] if a["spearman_t_p"] is not None else 1.0) < 0.05
+
+
 def goal_figures(per_variant: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
-    """The issue's two goals, computed from the seed means."""
-    goals: Dict[str, Any] = {}
-    for v in ("mod", "mom"):
+    """The issue's goals, computed from the seed means: the setting is learnable (vanilla's accuracy on levels
+    1 and 2), at least two routed families grade compute by difficulty, and a routed variant matches vanilla on
+    the hardest level vanilla solves."""
+    vanilla = per_variant["vanilla"]["levels"]
+    goals: Dict[str, Any] = {"learnable": {str(k): (vanilla.get(str(k), {}).get("acc", (None, None))[0], floor)
+                                           for k, floor in LEARNABLE.items()}}
+    goals["learnable_met"] = all(acc is not None and acc >= floor for acc, floor in goals["learnable"].values())
+    routed = [v for v in per_variant if v != "vanilla"]
+    goals["spearman_positive_significant"] = {v: positive_significant(per_variant[v]) for v in routed}
+    for v in ("mod", "mom"):  # the names earlier result files used
         if v in per_variant:
-            a = per_variant[v]
-            rhos, ps = a["spearman_seeds"], a["spearman_p_seeds"]
-            every_seed = bool(rhos) and all(r is not None and r > 0 for r in rhos) and all(
-                p is not None and p < 0.01 for p in ps)
-            goals[f"{v}_spearman_positive_significant"] = every_seed and (a["spearman_t_p"] or 1.0) < 0.05
-    solvable = [int(k) for k in per_variant["vanilla"]["levels"]
-                if max((a["levels"].get(k, {}).get("acc", (0, 0))[0] or 0) for a in per_variant.values()) >= SOLVABLE]
-    if solvable:
-        level = str(max(solvable))
-        routed = {v: a["levels"][level]["acc"][0] for v, a in per_variant.items() if v != "vanilla" and level in a["levels"]}
-        best = max(routed, key=routed.get) if routed else None
-        goals.update(hardest_solvable_level=int(level), vanilla_acc=per_variant["vanilla"]["levels"][level]["acc"][0],
-                     best_routed=best, best_routed_acc=routed.get(best))
-        goals["best_routed_at_least_vanilla"] = best is not None and routed[best] >= goals["vanilla_acc"]
+            goals[f"{v}_spearman_positive_significant"] = goals["spearman_positive_significant"][v]
+    goals["families_positive"] = sorted({family(v) for v, ok in goals["spearman_positive_significant"].items() if ok})
+    goals["two_families_positive"] = len(goals["families_positive"]) >= 2
+    solved = [int(k) for k, row in vanilla.items() if (row["acc"][0] or 0) >= SOLVED]
+    if solved:
+        level = str(max(solved))
+        accs = {v: per_variant[v]["levels"][level]["acc"][0] for v in routed if level in per_variant[v]["levels"]}
+        best = max(accs, key=accs.get) if accs else None
+        goals.update(hardest_solvable_level=int(level), vanilla_acc=vanilla[level]["acc"][0], best_routed=best,
+                     best_routed_acc=accs.get(best), routed_at_least_vanilla=sorted(
+                         v for v, acc in accs.items() if acc >= vanilla[level]["acc"][0]))
+        goals["best_routed_at_least_vanilla"] = best is not None and accs[best] >= goals["vanilla_acc"]
     return goals
 
 
@@ -195,7 +218,9 @@ def report_sections(ctx: Context, budget: float, tokens: int, per_variant, goals
     levels = [str(level) for level in LEVELS]
     budget_rows = [[v, f"{'/'.join(str(n) for n in a['steps_seeds'])} ({a['planned_steps']})", _pm(a["train_flops"]),
                     f"{100 * (a['measured_deviation'][0] or 0):+.2f}%" if a["matched"] else
-                    "not matched: --max_steps stopped a seed first", _pm(a["val_loss"])] for v, a in per_variant.items()]
+                    "not matched: --max_steps stopped a seed first", _pm(a["val_loss"]),
+                    _pm(a["val_loss_causal"]) if a["val_loss_causal"][0] is not None else "same"]
+                   for v, a in per_variant.items()]
     acc = markdown_table(["variant", *[f"acc L{k}" for k in levels]],
                          [[v, *[_pm(a["levels"].get(k, {}).get("acc", (None, None)), 2) for k in levels]]
                           for v, a in per_variant.items()])
@@ -213,16 +238,22 @@ def report_sections(ctx: Context, budget: float, tokens: int, per_variant, goals
              f"{per_variant['vanilla']['seeds']}. Evaluation with causal routing where the variant has one. Token "
              "shares of the levels: " + ", ".join(f"L{k} {100 * shares[k]['token_share'][0]:.1f}%" for k in shares) + ".")
     goal_lines = ["Goal figures (computed from the numbers above):", ""]
-    for v in ("mod", "mom"):
-        key = f"{v}_spearman_positive_significant"
-        if key in goals:
-            goal_lines.append(f"- {v}: Spearman(difficulty, compute) positive with p < 0.01 in every seed and t-test "
-                              f"p < 0.05 across seeds: **{'yes' if goals[key] else 'no'}**")
+    learnable = ", ".join(f"L{k} {fmt(acc, 3)} (>= {floor})" for k, (acc, floor) in goals["learnable"].items())
+    goal_lines.append(f"- learnable setting, vanilla's seed-mean accuracy: {learnable}: "
+                      f"**{'met' if goals['learnable_met'] else 'not met'}**")
+    positive = [v for v, ok in goals["spearman_positive_significant"].items() if ok]
+    goal_lines.append(
+        "- Spearman(difficulty, compute) positive with p < 0.01 in every seed and one-sided t-test p < 0.05 across "
+        f"seeds: {', '.join(positive) or 'no variant'}; families: {', '.join(goals['families_positive']) or 'none'}: "
+        f"**{'met' if goals['two_families_positive'] else 'not met'}** (goal: at least two routed families)")
     if "hardest_solvable_level" in goals:
         goal_lines.append(
-            f"- hardest solvable level (some variant >= {SOLVABLE:.0%} mean accuracy): L{goals['hardest_solvable_level']}; "
-            f"vanilla {fmt(goals['vanilla_acc'], 3)}, best routed {goals['best_routed']} {fmt(goals['best_routed_acc'], 3)}: "
-            f"**{'at least vanilla' if goals['best_routed_at_least_vanilla'] else 'below vanilla'}**")
+            f"- hardest level vanilla solves (seed-mean accuracy >= {SOLVED}): L{goals['hardest_solvable_level']}; "
+            f"vanilla {fmt(goals['vanilla_acc'], 3)}, best routed {goals['best_routed']} {fmt(goals['best_routed_acc'], 3)}; "
+            f"routed variants at >= vanilla: {', '.join(goals['routed_at_least_vanilla']) or 'none'}: "
+            f"**{'met' if goals['best_routed_at_least_vanilla'] else 'not met'}**")
+    else:
+        goal_lines.append(f"- vanilla solves no level (seed-mean accuracy >= {SOLVED}): **not met**")
     return [intro, "",
             "Accuracy per difficulty level (mean ± std over seeds; chance for digit answers 0.1):", acc, "",
             "Compute per difficulty level: forward FLOPs per token of the level / the variant's mean over labelled "
@@ -231,7 +262,8 @@ def report_sections(ctx: Context, budget: float, tokens: int, per_variant, goals
             "sequence, which sees the future), for the variants that have a separate causal routing:", compute, "",
             "Budget and loss (steps per seed, and the analytic plan's; measured training FLOPs spent and their "
             "excess over the budget, at most one step):",
-            markdown_table(["variant", "steps (planned)", "FLOPs spent", "spent vs budget", "val loss"], budget_rows),
+            markdown_table(["variant", "steps (planned)", "FLOPs spent", "spent vs budget", "val loss",
+                            "val loss, causal routing"], budget_rows),
             "", *goal_lines, ""]
 
 
