@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import os
 import pathlib
-import re
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -39,6 +39,8 @@ from architectures import ModelConfig, variant_names  # noqa: E402
 from architectures.config import ConfigError, SIZES, config_groups  # noqa: E402
 from callbacks import CallbacksConfig, config_from as callbacks_config  # noqa: E402
 from datamodules.corpora import DataError, corpus_names  # noqa: E402
+from experiments.storage import StorageError, atomic_checkpoint_io, check_writable, claim_next_version  # noqa: E402
+from experiments.storage import is_storage_error, release_if_empty, storage_message  # noqa: E402
 from datamodules.lm import DataConfig  # noqa: E402
 from lightning_modules.lm import OptimConfig  # noqa: E402
 
@@ -164,9 +166,9 @@ def resolved_namespace(cfg: Namespace, mcfg: ModelConfig) -> Namespace:
     return resolved
 
 
-def run_version(cfg: Namespace, root: pathlib.Path, ckpt_path: Optional[str] = None) -> str:
-    """Deterministic across ranks: explicit, the resumed run's own folder, inherited from the launching
-    rank, SLURM job, or next free. ``ckpt_path`` is the resolved checkpoint (``--ckpt_path last`` resolved)."""
+def fixed_version(cfg: Namespace, root: pathlib.Path, ckpt_path: Optional[str] = None) -> Optional[str]:
+    """The run folder when it is decided by the command or the launcher: explicit, the resumed run's own
+    folder, inherited from the launching rank, or the SLURM job (several tasks); None: a new folder."""
     if cfg.version:
         return cfg.version
     ckpt_path = ckpt_path or (cfg.ckpt_path if cfg.ckpt_path != "last" else None)
@@ -178,9 +180,17 @@ def run_version(cfg: Namespace, root: pathlib.Path, ckpt_path: Optional[str] = N
         return os.environ["DYNCOMP_RUN_VERSION"]
     if os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_NTASKS", "1") != "1":
         return f"slurm-{os.environ['SLURM_JOB_ID']}"
-    existing = [int(m.group(1)) for p in root.glob("version_*") if (m := re.fullmatch(r"version_(\d+)", p.name))]
-    version = f"version_{max(existing) + 1 if existing else 0}"
-    os.environ["DYNCOMP_RUN_VERSION"] = version  # inherited by DDP ranks that Lightning re-launches
+    return None
+
+
+def run_version(cfg: Namespace, root: pathlib.Path, ckpt_path: Optional[str] = None) -> str:
+    """Deterministic across ranks: ``fixed_version``, else the next free version_N, created exclusively
+    (``claim_next_version``) so that jobs started at once (a sweep of 1-GPU SLURM jobs, two shells) each
+    get their own folder. ``ckpt_path`` is the resolved checkpoint (``--ckpt_path last`` resolved)."""
+    version = fixed_version(cfg, root, ckpt_path)
+    if version is None:
+        version = claim_next_version(root)
+        os.environ["DYNCOMP_RUN_VERSION"] = version  # inherited by DDP ranks that Lightning re-launches
     return version
 
 
@@ -292,12 +302,13 @@ def main(argv: Optional[Sequence[str]] = None) -> pathlib.Path:
 def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
     import lightning as L
 
-    from callbacks.run_summary import StepRecorder, measured_summary, write_summary
     from datamodules.lm import LMDataModule
     from experiments.compiling import compile_model
     from experiments.weights import load_initial_weights
     from lightning_modules.lm import LanguageModelModule
 
+    # an unwritable or read-only log dir fails now, not after the corpus is tokenised
+    check_writable(pathlib.Path(cfg.log_dir) / f"{cfg.model.variant}-{cfg.model.size}")
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     data = LMDataModule(DataConfig(**_as_dict(cfg.data)), block_size=model_config(cfg).resolve().block_size, seed=cfg.seed)
     mcfg = model_config(cfg, vocab_size=data.vocab_size)
@@ -311,8 +322,21 @@ def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
 
     root = pathlib.Path(cfg.log_dir) / f"{mcfg.variant}-{mcfg.size}"
     ckpt_path = resolve_ckpt(cfg, root, run_fingerprints(mcfg, data))
+    claimed = fixed_version(cfg, root, ckpt_path) is None
     version = run_version(cfg, root, ckpt_path)
-    refuse_foreign_run_folder(root / version, ckpt_path)
+    try:
+        refuse_foreign_run_folder(root / version, ckpt_path)
+        return fit_and_summarise(cfg, parser, module, data, mcfg, root, version, ckpt_path)
+    except BaseException:
+        if claimed:
+            release_if_empty(root / version)  # a run that failed before writing anything leaves no folder
+        raise
+
+
+def fit_and_summarise(cfg: Namespace, parser: ArgumentParser, module, data, mcfg: ModelConfig, root: pathlib.Path,
+                      version: str, ckpt_path: Optional[str]) -> pathlib.Path:
+    from callbacks.run_summary import StepRecorder, measured_summary, write_summary
+
     inherited = os.environ.get("DYNCOMP_RUN_VERSION")
     writer = config_writer(lambda path: parser.save(resolved_namespace(cfg, mcfg), path, overwrite=True,
                                                     skip_validation=True))
@@ -359,8 +383,13 @@ def config_writer(save):
         def setup(self, trainer, pl_module, stage: str) -> None:
             if stage == "fit" and trainer.is_global_zero:
                 run_dir = pathlib.Path(trainer.logger.log_dir)
-                run_dir.mkdir(parents=True, exist_ok=True)
-                save(run_dir / "config.yaml")
+                try:
+                    run_dir.mkdir(parents=True, exist_ok=True)
+                    save(run_dir / "config.yaml")
+                except OSError as err:
+                    if is_storage_error(err):
+                        raise StorageError(storage_message(run_dir / "config.yaml", err)) from None
+                    raise
 
     return ConfigWriter()
 
@@ -398,6 +427,8 @@ def make_trainer(cfg: Namespace, root: pathlib.Path, version: str, extra_callbac
         val_check_interval=cfg.val_every,
         check_val_every_n_epoch=None,
         limit_val_batches=cfg.val_batches,
+        # checkpoints: temp file in the checkpoint folder, fsync, rename (never a truncated file under the final name)
+        plugins=[atomic_checkpoint_io()],
     )
     trainer = L.Trainer(**kwargs)
     recorder = next(c for c in callbacks if c.__class__.__name__ == "StepRecorder")
@@ -419,8 +450,9 @@ def _devices(value):
     return value
 
 
-# The user mistakes ``cli`` reports as one line (exit status 2) instead of a traceback.
-USER_ERRORS = (ConfigError, DataError, FileNotFoundError, argparse.ArgumentError)
+# The user mistakes ``cli`` reports as one line (exit status 2) instead of a traceback; so are a full disk
+# and an unwritable folder (``StorageError``, or an OSError with such an errno from any other write).
+USER_ERRORS = (ConfigError, DataError, FileNotFoundError, argparse.ArgumentError, StorageError)
 USER_ERROR_EXIT = 2
 
 
@@ -432,6 +464,15 @@ def cli(entry=None, argv: Optional[Sequence[str]] = None) -> None:
     except USER_ERRORS as err:
         message = " ".join(str(err).split()) or type(err).__name__
         print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(USER_ERROR_EXIT) from None
+    except OSError as err:
+        if not is_storage_error(err):
+            raise
+        # a write or read outside the wrapped ones (event files, caches, inputs): name the path and the cause
+        where = err.filename or "a file of the run (the system did not say which)"
+        remedy = ("free space on that disk or choose another --log_dir / cache folder"
+                  if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else "fix that path's permissions or choose another one")
+        print(f"error: {where}: {err.strerror or err}; {remedy}", file=sys.stderr)
         raise SystemExit(USER_ERROR_EXIT) from None
 
 

@@ -1,0 +1,223 @@
+"""Issue 20 (nothing lost): racing jobs get their own run folder, checkpoints are written atomically, a full
+disk or an unwritable log dir is one line (exit 2) naming the path, found before the data are prepared."""
+from __future__ import annotations
+
+import errno
+import io
+import json
+import multiprocessing
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from experiments import run, storage
+from tests.conftest import REPO, TINY_RUN
+
+CORPUS = "It was the best of times, it was the worst of times. " * 80
+
+
+@pytest.fixture
+def corpus(tmp_path) -> pathlib.Path:
+    path = tmp_path / "good.txt"
+    path.write_text(CORPUS)
+    return path
+
+
+def _argv(tmp_path, corpus, *extra):
+    return [*TINY_RUN, "--data", "text", "--data.path", str(corpus), "--tokenizer", "bytes", "--max_steps", "2",
+            "--val_every", "1", "--log_dir", str(tmp_path / "logs"), "--data.cache_dir", str(tmp_path / "cache"), *extra]
+
+
+def _one_error_line(stderr: str) -> str:
+    assert "Traceback" not in stderr, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, stderr
+    return errors[0]
+
+
+# ---------------------------------------------------------------------------- racing jobs
+def _claim(root: str, barrier, queue) -> None:
+    """What one job does: experiments.run's own run_version (the 'next free version' path), then write its
+    own files into the folder it got; 'x' mode fails if another job already wrote there."""
+    os.environ.pop("DYNCOMP_RUN_VERSION", None)
+    for name in ("SLURM_JOB_ID", "SLURM_NTASKS"):
+        os.environ.pop(name, None)
+    os.environ.update(SLURM_JOB_ID=str(os.getpid()), SLURM_NTASKS="1")  # a single-task SLURM job takes this path too
+    cfg = run.Namespace(version=None, ckpt_path=None)
+    barrier.wait()
+    version = run.run_version(cfg, pathlib.Path(root))
+    folder = pathlib.Path(root) / version
+    with open(folder / "config.yaml", "x") as handle:
+        handle.write(f"owner: {os.getpid()}\n")
+    queue.put((version, os.getpid()))
+
+
+def test_jobs_started_at_once_claim_distinct_run_folders(tmp_path):
+    root = tmp_path / "logs" / "vanilla-tiny"
+    (root / "version_0").mkdir(parents=True)  # an earlier run: the racers start above it
+    jobs = 6
+    context = multiprocessing.get_context("fork")
+    barrier, queue = context.Barrier(jobs), context.Queue()
+    processes = [context.Process(target=_claim, args=(str(root), barrier, queue)) for _ in range(jobs)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(60)
+    assert all(p.exitcode == 0 for p in processes), [p.exitcode for p in processes]
+    claims = [queue.get(timeout=5) for _ in range(jobs)]
+    versions = sorted(v for v, _ in claims)
+    assert versions == sorted(f"version_{i}" for i in range(1, jobs + 1))
+    for version, pid in claims:  # every folder holds exactly its own job's file
+        assert (root / version / "config.yaml").read_text() == f"owner: {pid}\n"
+
+
+@pytest.mark.slow
+def test_three_real_runs_started_at_once_write_three_intact_run_folders(tmp_path, corpus):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env.pop("DYNCOMP_RUN_VERSION", None)
+    command = [sys.executable, "-m", "experiments.run", *_argv(tmp_path, corpus)]
+    # build the token cache once, so the three jobs race on the run folder, not on the cache
+    subprocess.run([*command, "--log_dir", str(tmp_path / "warm")], cwd=REPO, env=env, check=True,
+                   capture_output=True, timeout=600)
+    processes = [subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for _ in range(3)]
+    outputs = [p.communicate(timeout=600) for p in processes]
+    assert [p.returncode for p in processes] == [0, 0, 0], [err[-2000:] for _, err in outputs]
+    folders = [pathlib.Path(out.strip().splitlines()[-1]) for out, _ in outputs]
+    assert len(set(folders)) == 3
+    for folder in folders:
+        summary = json.loads((folder / "summary.json").read_text())
+        assert summary["run_dir"] == str(folder) and summary["steps"] == 2
+        assert (folder / "config.yaml").read_text().count("model:") == 1
+        assert len(list(folder.glob("events.out.tfevents.*"))) == 1
+        blob = torch.load(folder / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+        assert blob["global_step"] == 2
+        assert not list((folder / "checkpoints").glob(".*"))  # no temp files left
+
+
+# ---------------------------------------------------------------------------- atomic checkpoints
+class FullDisk(Exception):
+    pass
+
+
+def _full_disk_save(real_save, keep: float = 0.5):
+    """torch.save as on a disk that fills up: checkpoints get ``keep`` of their bytes, then ENOSPC."""
+    def save(obj, f, *args, **kwargs):
+        if not (isinstance(obj, dict) and "state_dict" in obj):
+            return real_save(obj, f, *args, **kwargs)
+        buffer = io.BytesIO()
+        real_save(obj, buffer, *args, **kwargs)
+        data = buffer.getvalue()[: int(len(buffer.getvalue()) * keep)]
+        if isinstance(f, (str, os.PathLike)):
+            pathlib.Path(f).write_bytes(data)
+        else:
+            f.write(data)
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return save
+
+
+def test_atomic_save_keeps_the_previous_checkpoint_whole_when_the_disk_fills(tmp_path, monkeypatch):
+    target = tmp_path / "checkpoints" / "last.ckpt"
+    storage.atomic_torch_save({"state_dict": {"w": torch.ones(3)}, "global_step": 1}, target)
+    before = target.read_bytes()
+    monkeypatch.setattr(torch, "save", _full_disk_save(torch.save))
+    with pytest.raises(storage.StorageError, match=rf"disk full: cannot save checkpoint {re.escape(str(target))} "
+                                                   r"\(No space left on device\); free space .*--ckpt_path last"):
+        storage.atomic_torch_save({"state_dict": {"w": torch.zeros(1000)}, "global_step": 2}, target)
+    assert target.read_bytes() == before  # the final name still holds the whole previous checkpoint
+    assert sorted(p.name for p in target.parent.iterdir()) == ["last.ckpt"]  # the temp file is gone
+
+
+def test_atomic_save_writes_a_synced_temp_file_in_the_same_folder_then_renames(tmp_path, monkeypatch):
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append(("fsync", fd)) or real_fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda src, dst: events.append(("replace", pathlib.Path(src), pathlib.Path(dst)))
+                        or real_replace(src, dst))
+    target = tmp_path / "checkpoints" / "best-step=2.ckpt"
+    storage.atomic_checkpoint_io().save_checkpoint({"state_dict": {}, "global_step": 2}, target)
+    replaces = [e for e in events if e[0] == "replace"]
+    assert len(replaces) == 1 and replaces[0][2] == target
+    assert replaces[0][1].parent == target.parent  # same folder: a rename, never a copy across filesystems
+    assert events.index(replaces[0]) > 0 and events[0][0] == "fsync"  # data synced before the rename
+    assert torch.load(target, weights_only=False)["global_step"] == 2
+    assert oct(target.stat().st_mode & 0o777) == oct(0o666 & ~storage._UMASK)  # not mkstemp's 0600
+
+
+def test_disk_full_during_a_checkpoint_save_is_one_line_and_leaves_no_truncated_checkpoint(tmp_path, corpus, capsys,
+                                                                                          monkeypatch):
+    monkeypatch.setattr(torch, "save", _full_disk_save(torch.save))
+    with pytest.raises(SystemExit) as exit_info:
+        run.cli(run.main, _argv(tmp_path, corpus))
+    assert exit_info.value.code == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert re.search(r"disk full: cannot save checkpoint \S+/vanilla-tiny/version_0/checkpoints/\S+\.ckpt "
+                     r"\(No space left on device\); free space", line), line
+    checkpoints = tmp_path / "logs" / "vanilla-tiny" / "version_0" / "checkpoints"
+    assert [p.name for p in checkpoints.iterdir()] == []  # nothing truncated under a final name, no temp file
+
+
+def _refuse_under(folder: pathlib.Path, err: int):
+    """Path.mkdir and mkstemp fail under ``folder`` as on a read-only or foreign-owned disk (tests run as root,
+    where chmod does not stop a write)."""
+    real_mkdir, real_mkstemp = pathlib.Path.mkdir, storage.tempfile.mkstemp
+
+    def mkdir(self, *args, **kwargs):
+        if pathlib.Path(self).resolve().is_relative_to(folder.resolve()):
+            raise OSError(err, os.strerror(err), str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    def mkstemp(*args, dir=None, **kwargs):
+        if dir is not None and pathlib.Path(dir).resolve().is_relative_to(folder.resolve()):
+            raise OSError(err, os.strerror(err), str(dir))
+        return real_mkstemp(*args, dir=dir, **kwargs)
+    return mkdir, mkstemp
+
+
+@pytest.mark.parametrize("err", [errno.EROFS, errno.EACCES])
+def test_unwritable_log_dir_fails_in_one_line_before_the_data_are_prepared(tmp_path, corpus, capsys, monkeypatch, err):
+    from datamodules.lm import LMDataModule
+
+    mkdir, mkstemp = _refuse_under(tmp_path / "logs", err)
+    monkeypatch.setattr(pathlib.Path, "mkdir", mkdir)
+    monkeypatch.setattr(storage.tempfile, "mkstemp", mkstemp)
+    prepared = []
+    monkeypatch.setattr(LMDataModule, "prepare_data", lambda self: prepared.append(1))
+    start = time.time()
+    with pytest.raises(SystemExit) as exit_info:
+        run.cli(run.main, _argv(tmp_path, corpus))
+    assert exit_info.value.code == 2 and time.time() - start < 30
+    line = _one_error_line(capsys.readouterr().err)
+    assert re.search(rf"log_dir: cannot write to {re.escape(str(tmp_path / 'logs'))}\S* \({os.strerror(err)}\); "
+                     r"make it writable or choose another --log_dir", line), line
+    assert prepared == []
+
+
+def test_log_dir_below_a_file_fails_in_one_line_before_the_data_are_prepared(tmp_path, corpus, capsys, monkeypatch):
+    from datamodules.lm import LMDataModule
+
+    prepared = []
+    monkeypatch.setattr(LMDataModule, "prepare_data", lambda self: prepared.append(1))
+    with pytest.raises(SystemExit) as exit_info:
+        run.cli(run.main, [*_argv(tmp_path, corpus), "--log_dir", str(corpus / "runs")])
+    assert exit_info.value.code == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert re.search(rf"log_dir: cannot write to {re.escape(str(corpus))}/runs\S* \(Not a directory\)", line), line
+    assert prepared == []
+
+
+def test_a_run_that_fails_before_writing_releases_its_claimed_folder(tmp_path, corpus, monkeypatch):
+    from datamodules.lm import LMDataModule
+
+    def broken(self):
+        raise run.DataError("data.path: broken on purpose")
+    monkeypatch.setattr(LMDataModule, "prepare_data", broken)
+    with pytest.raises(run.DataError):
+        run.main(_argv(tmp_path, corpus))
+    assert list((tmp_path / "logs" / "vanilla-tiny").iterdir()) == []
