@@ -98,7 +98,8 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--init_min_share", type=float, default=0.5,
                         help="smallest share of the model's parameters --init_from must initialise (strict mode)")
     parser.add_argument("--val_every", type=int, default=100, help="validate every N optimisation steps")
-    parser.add_argument("--val_batches", type=int, default=20, help="batches per validation set and rank")
+    parser.add_argument("--val_batches", type=int, default=20, help="validation batches (of data.batch_size blocks) per validation set, in all: "
+                        "split across the ranks, so the loss is the same for any number of processes")
     parser.add_argument("--compile", type=bool, default=False,
                         help="torch.compile the model in place (names and checkpoints unchanged)")
     parser.add_class_arguments(ModelConfig, "model")
@@ -310,7 +311,8 @@ def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
     # an unwritable or read-only log dir fails now, not after the corpus is tokenised
     check_writable(pathlib.Path(cfg.log_dir) / f"{cfg.model.variant}-{cfg.model.size}")
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    data = LMDataModule(DataConfig(**_as_dict(cfg.data)), block_size=model_config(cfg).resolve().block_size, seed=cfg.seed)
+    data = LMDataModule(DataConfig(**_as_dict(cfg.data)), block_size=model_config(cfg).resolve().block_size, seed=cfg.seed,
+                        val_batches=cfg.val_batches)
     mcfg = model_config(cfg, vocab_size=data.vocab_size)
     mcfg.resolve()
     module = LanguageModelModule(model=dataclasses.asdict(mcfg), optim=_as_dict(cfg.optim),
@@ -426,7 +428,7 @@ def make_trainer(cfg: Namespace, root: pathlib.Path, version: str, extra_callbac
         default_root_dir=str(root / version),  # Lightning's SLURM requeue checkpoint (hpc_ckpt_N) goes here
         val_check_interval=cfg.val_every,
         check_val_every_n_epoch=None,
-        limit_val_batches=cfg.val_batches,
+        limit_val_batches=None,  # the datamodule takes val_batches (global) and splits them across the ranks
         # checkpoints: temp file in the checkpoint folder, fsync, rename (never a truncated file under the final name)
         plugins=[atomic_checkpoint_io()],
     )

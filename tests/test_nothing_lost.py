@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+import yaml
 
 from experiments import run, storage
 from tests.conftest import REPO, TINY_RUN
@@ -94,7 +95,8 @@ def test_three_real_runs_started_at_once_write_three_intact_run_folders(tmp_path
     for folder in folders:
         summary = json.loads((folder / "summary.json").read_text())
         assert summary["run_dir"] == str(folder) and summary["steps"] == 2
-        assert (folder / "config.yaml").read_text().count("model:") == 1
+        config = yaml.safe_load((folder / "config.yaml").read_text())  # whole, one job's
+        assert config["model"]["variant"] == "vanilla" and config["log_dir"] == str(tmp_path / "logs")
         assert len(list(folder.glob("events.out.tfevents.*"))) == 1
         blob = torch.load(folder / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
         assert blob["global_step"] == 2
@@ -221,3 +223,100 @@ def test_a_run_that_fails_before_writing_releases_its_claimed_folder(tmp_path, c
     with pytest.raises(run.DataError):
         run.main(_argv(tmp_path, corpus))
     assert list((tmp_path / "logs" / "vanilla-tiny").iterdir()) == []
+
+
+# ---------------------------------------------------------------------------- validation independent of world size
+VAL_MODEL = dict(variant="mod", d_model=32, n_layer=2, n_head=2, block_size=16)
+VAL_BATCH, VAL_BATCHES = 3, 3  # 9 blocks in all: 5 + 4 on two ranks, batches of 3, 2 | 3, 1 (uneven)
+
+
+def _val_datamodule(folder: pathlib.Path):
+    from datamodules.lm import DataConfig, LMDataModule
+
+    corpus = folder / "val.txt"
+    if not corpus.exists():
+        corpus.write_text(" ".join(f"line {i} of the validation test, word {i * 7 % 13}." for i in range(120)))
+    config = DataConfig(name="text", tokenizer="bytes", path=[str(corpus)], batch_size=VAL_BATCH, val_fraction=0.2,
+                        cache_dir=str(folder / "cache"))
+    return LMDataModule(config, block_size=VAL_MODEL["block_size"], seed=0, val_batches=VAL_BATCHES)
+
+
+def _validate(folder: pathlib.Path, world: int, strategy="auto"):
+    import lightning as L
+
+    from lightning_modules.lm import LanguageModelModule
+
+    data = _val_datamodule(folder)
+    L.seed_everything(0, verbose=False)
+    module = LanguageModelModule(model={**VAL_MODEL, "vocab_size": data.vocab_size})
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, use_distributed_sampler=False)
+    metrics = trainer.validate(module, datamodule=data, verbose=False)[0]
+    return {k: float(v) for k, v in metrics.items()}, module, data
+
+
+def _val_worker(rank: int, world: int, port: int, folder: str) -> None:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
+                      LOCAL_RANK=str(rank), NODE_RANK="0")
+    metrics, _, _ = _validate(pathlib.Path(folder), world, DDPStrategy(process_group_backend="gloo"))
+    if rank == 0:
+        (pathlib.Path(folder) / "ddp.json").write_text(json.dumps(metrics))
+
+
+@pytest.mark.slow
+def test_validation_loss_is_the_same_for_one_and_two_processes(tmp_path, one_thread):
+    import torch.multiprocessing as mp
+    import torch.nn.functional as F
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    from tests.test_global_metrics import _free_port
+
+    rank = getattr(rank_zero_only, "rank", 0)
+    try:
+        single, module, data = _validate(tmp_path, 1)
+    finally:
+        rank_zero_only.rank = rank
+    mp.start_processes(_val_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    double = json.loads((tmp_path / "ddp.json").read_text())
+    assert {"val/loss", "val/loss_causal"} <= single.keys() == double.keys()
+    for key, value in single.items():
+        assert double[key] == pytest.approx(value, rel=1e-6, abs=1e-6), key
+    # and both are the mean over exactly the first VAL_BATCHES x VAL_BATCH validation blocks (a naive reference)
+    blocks = torch.stack([data.val_sets["val"][i] for i in range(VAL_BATCHES * VAL_BATCH)])
+    assert len(data.val_sets["val"]) > len(blocks)  # the limit matters
+    module.eval()
+    with torch.no_grad():
+        logits = module.model(blocks[:, :-1]).logits
+        reference = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), blocks[:, 1:].reshape(-1))
+        with module.model.causal_routing():
+            causal = module.model(blocks[:, :-1]).logits
+        reference_causal = F.cross_entropy(causal.reshape(-1, causal.shape[-1]), blocks[:, 1:].reshape(-1))
+    assert single["val/loss"] == pytest.approx(float(reference), rel=1e-5)
+    assert single["val/loss_causal"] == pytest.approx(float(reference_causal), rel=1e-5)
+
+
+def test_validation_blocks_are_a_global_count_split_across_ranks(tmp_path):
+    data = _val_datamodule(tmp_path)
+    data.prepare_data()
+    data.setup("validate")
+
+    class FakeTrainer:
+        def __init__(self, rank, world):
+            self.global_rank, self.world_size = rank, world
+
+    shares = {}
+    for world in (1, 2, 3, 4):
+        got = []
+        for rank in range(world):
+            data.trainer = FakeTrainer(rank, world)
+            got.append([int(i) for batch in data.val_dataloader() for i in batch[:, 0]])  # first token identifies a block
+        shares[world] = got
+        assert sorted(sum(got, [])) == sorted(shares[1][0])  # the same blocks for any number of processes
+    assert len(shares[1][0]) == VAL_BATCHES * VAL_BATCH
+    assert [len(s) for s in shares[2]] == [5, 4]
+    data.trainer = FakeTrainer(0, 10)
+    with pytest.raises(run.DataError, match=r"validation set 'val' evaluates 9 blocks, fewer than the 10 ranks"):
+        data.val_dataloader()
