@@ -343,7 +343,7 @@ def fit_and_summarise(cfg: Namespace, parser: ArgumentParser, module, data, mcfg
     writer = config_writer(lambda path: parser.save(resolved_namespace(cfg, mcfg), path, overwrite=True,
                                                     skip_validation=True))
     trainer, recorder = make_trainer(cfg, root, version, extra_callbacks=[StepRecorder(), writer],
-                                     find_unused=module.model.may_skip_parameters)
+                                     find_unused=module.model.may_skip_parameters, monitor=module.selection_metric)
     run_dir = pathlib.Path(trainer.logger.log_dir)
 
     try:
@@ -361,8 +361,7 @@ def fit_and_summarise(cfg: Namespace, parser: ArgumentParser, module, data, mcfg
             "variant": mcfg.variant,
             "size": mcfg.size,
             "steps": trainer.global_step,
-            "final_val_loss": metrics.get("val/loss"),
-            "final_val_ppl": metrics.get("val/ppl"),
+            **final_validation(metrics, module.selection_metric),
             "val_metrics": metrics,
             "tokens_seen": module.tokens_seen,
             "unigram_entropy_nats": data.unigram_entropy(),
@@ -374,6 +373,19 @@ def fit_and_summarise(cfg: Namespace, parser: ArgumentParser, module, data, mcfg
         write_summary(run_dir / "summary.json", summary)
         print(run_dir)
     return run_dir
+
+
+def final_validation(metrics: Dict[str, float], key: str) -> Dict[str, Any]:
+    """The summary's headline validation figures. ``final_val_loss`` is the ``key`` loss (the causal one for
+    routing that sees the future), named by ``final_val_loss_metric``; the non-causal loss stays reported
+    next to it, with the causal evaluation's forward FLOPs per token (its own processed share)."""
+    out: Dict[str, Any] = {"final_val_loss": metrics.get(key), "final_val_ppl": metrics.get(key.replace("loss", "ppl")),
+                           "final_val_loss_metric": key}
+    if key == "val/loss_causal":
+        out["final_val_loss_noncausal"] = metrics.get("val/loss")
+        out["final_val_flops_per_token_causal"] = {"forward": metrics.get("val/flops_causal"),
+                                                   "ratio_to_vanilla": metrics.get("val/flops_causal_ratio_to_vanilla")}
+    return out
 
 
 def config_writer(save):
@@ -396,7 +408,8 @@ def config_writer(save):
     return ConfigWriter()
 
 
-def make_trainer(cfg: Namespace, root: pathlib.Path, version: str, extra_callbacks=(), find_unused: bool = False):
+def make_trainer(cfg: Namespace, root: pathlib.Path, version: str, extra_callbacks=(), find_unused: bool = False,
+                 monitor: str = "val/loss"):
     import lightning as L
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
     from lightning.pytorch.loggers import TensorBoardLogger
@@ -405,11 +418,14 @@ def make_trainer(cfg: Namespace, root: pathlib.Path, version: str, extra_callbac
     checkpoints = ModelCheckpoint(
         dirpath=str(root / version / "checkpoints"),
         filename="best-{step}",
-        monitor="val/loss",
+        monitor=monitor,  # val/loss_causal for routing that sees the future (LanguageModelModule.selection_metric)
         mode="min",
         save_top_k=1,
         save_last=True,
-        every_n_train_steps=cfg.val_every,
+        # save when each validation ends (every val_every steps), with its fresh score: saving at the batch end
+        # of that step scored the weights by the previous validation's loss
+        every_n_epochs=1,
+        save_on_train_epoch_end=False,
     )
     from callbacks.preemption import PreemptionCheckpoint  # SIGTERM/SIGUSR1 -> checkpoints/last.ckpt
 

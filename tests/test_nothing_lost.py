@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import io
 import json
+import math
 import multiprocessing
 import os
 import pathlib
@@ -320,3 +321,78 @@ def test_validation_blocks_are_a_global_count_split_across_ranks(tmp_path):
     data.trainer = FakeTrainer(0, 10)
     with pytest.raises(run.DataError, match=r"validation set 'val' evaluates 9 blocks, fewer than the 10 ranks"):
         data.val_dataloader()
+
+
+def test_causal_flops_are_the_causal_evaluations_own_share(tmp_path):
+    from architectures.gpt2 import vanilla_flops
+
+    metrics, module, data = _validate(tmp_path, 1)
+    blocks = torch.stack([data.val_sets["val"][i] for i in range(VAL_BATCHES * VAL_BATCH)])
+    module.eval()
+    with torch.no_grad(), module.model.causal_routing():
+        trace = module.model(blocks[:, :-1]).trace
+    reference = module.model.flops_per_token(trace, VAL_MODEL["block_size"]).forward
+    assert metrics["val/flops_causal"] == pytest.approx(reference, rel=1e-6)
+    assert metrics["val/flops_causal_ratio_to_vanilla"] == pytest.approx(
+        reference / vanilla_flops(module.model.config).forward, rel=1e-6)
+    at_capacity = module.model.flops_per_token(None, VAL_MODEL["block_size"]).forward
+    assert metrics["val/flops_causal"] != pytest.approx(at_capacity)  # an untrained predictor is not at capacity
+
+
+# ---------------------------------------------------------------------------- causal selection and hparams
+@pytest.fixture(scope="module")
+def mod_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("mod")
+    corpus = folder / "good.txt"
+    corpus.write_text(CORPUS)
+    return run.main([*_argv(folder, corpus), "--variant", "mod", "--max_steps", "4", "--val_every", "2",
+                     "--trainer.log_every_n_steps", "1"])
+
+
+def test_routing_that_sees_the_future_is_selected_and_summarised_by_its_causal_loss(mod_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    summary = json.loads((mod_run / "summary.json").read_text())
+    metrics = summary["val_metrics"]
+    assert summary["final_val_loss_metric"] == "val/loss_causal"
+    assert summary["final_val_loss"] == metrics["val/loss_causal"] != metrics["val/loss"]
+    assert summary["final_val_loss_noncausal"] == metrics["val/loss"]
+    assert summary["final_val_ppl"] == pytest.approx(math.exp(metrics["val/loss_causal"]))
+    assert summary["final_val_flops_per_token_causal"] == {"forward": metrics["val/flops_causal"],
+                                                           "ratio_to_vanilla": metrics["val/flops_causal_ratio_to_vanilla"]}
+    # the best checkpoint is the step with the lowest causal loss of the validations during fit (steps 2, 4)
+    events = EventAccumulator(str(mod_run), size_guidance={"scalars": 0})
+    events.Reload()
+    causal = {e.step: e.value for e in events.Scalars("val/loss_causal")}
+    best = torch.load(next((mod_run / "checkpoints").glob("best-*.ckpt")), map_location="cpu", weights_only=False)
+    state = next(v for k, v in best["callbacks"].items() if k.startswith("ModelCheckpoint"))
+    assert state["monitor"] == "val/loss_causal"
+    # scored by the validation of its own weights (not the previous one), and the lowest of the two
+    fit_scores = {2: causal[1], 4: causal[3]}  # x value = index of the step's batch
+    assert float(state["best_model_score"]) == pytest.approx(min(fit_scores.values()))
+    assert best["global_step"] == min(fit_scores, key=fit_scores.get)
+
+
+def test_hparams_hold_the_final_train_loss_and_tokens_seen(mod_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(mod_run), size_guidance={"scalars": 0})
+    events.Reload()
+    summary = json.loads((mod_run / "summary.json").read_text())
+    assert events.Scalars("hparams/train/tokens_seen")[-1].value == summary["tokens_seen"] == 4 * 4 * 64
+    assert events.Scalars("hparams/train/loss")[-1].value == pytest.approx(events.Scalars("train/loss")[-1].value)
+    assert events.Scalars("hparams/train/loss")[-1].value == pytest.approx(summary["final_train_loss"], rel=1e-5)
+
+
+def test_head_to_head_reads_the_causal_loss_from_old_and_new_summaries():
+    from callbacks.run_summary import causal_flops_per_token, headline_val_loss, noncausal_val_loss
+
+    old = {"final_val_loss": 3.0, "val_metrics": {"val/loss": 3.0, "val/loss_causal": 3.2}}  # before issue 20
+    new = {"final_val_loss": 3.2, "final_val_loss_noncausal": 3.0,
+           "val_metrics": {"val/loss": 3.0, "val/loss_causal": 3.2, "val/flops_causal": 5.0,
+                           "val/flops_causal_ratio_to_vanilla": 0.9}}
+    dense = {"final_val_loss": 2.5, "val_metrics": {"val/loss": 2.5}}
+    assert [headline_val_loss(s) for s in (old, new, dense)] == [3.2, 3.2, 2.5]
+    assert [noncausal_val_loss(s) for s in (old, new, dense)] == [3.0, 3.0, 2.5]
+    assert causal_flops_per_token(old) is None and causal_flops_per_token(dense) is None
+    assert causal_flops_per_token(new) == {"forward": 5.0, "ratio_to_vanilla": 0.9}
