@@ -45,8 +45,9 @@ def is_storage_error(err: BaseException) -> bool:
 
 
 def check_writable(folder: pathlib.Path) -> None:
-    """Create ``folder`` and a probe file in it (then remove it): an unwritable or read-only log dir fails
-    here, in seconds, instead of after the corpus is tokenised."""
+    """Create ``folder`` and a probe file in it, then remove both: an unwritable or read-only log dir fails
+    here, in seconds, instead of after the corpus is tokenised; a run that fails later leaves no folder."""
+    missing = [p for p in [folder, *folder.parents] if not p.exists()]
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=folder)
@@ -56,6 +57,9 @@ def check_writable(folder: pathlib.Path) -> None:
         if err.errno in STORAGE_ERRNOS or err.errno == errno.EEXIST:
             raise StorageError(f"log_dir: {storage_message(err.filename or folder, err, 'write to')}") from None
         raise
+    finally:
+        for created in missing:  # deepest first; a folder another job has written to meanwhile stays
+            release_if_empty(created)
 
 
 def claim_next_version(root: pathlib.Path, prefix: str = "version_") -> str:
