@@ -207,4 +207,28 @@ def measured_summary(trainer, module, recorder: StepRecorder) -> Dict[str, Any]:
 
 
 def write_summary(path: pathlib.Path, summary: Dict[str, Any]) -> None:
-    path.write_text(json.dumps(summary, indent=2, default=float) + "\n")
+    """Temp file and rename: a full disk leaves no truncated ``summary.json`` (and says so in one line)."""
+    from experiments.storage import write_text_atomic
+
+    write_text_atomic(path, json.dumps(summary, indent=2, default=float) + "\n")
+
+
+def headline_val_loss(summary: Dict[str, Any]) -> Optional[float]:
+    """The validation loss to compare runs by: the causal one when the run has it (routing that sees the
+    future), else ``final_val_loss``. Reads run folders written before ``final_val_loss`` became causal too."""
+    causal = (summary.get("val_metrics") or {}).get("val/loss_causal")
+    return causal if causal is not None else summary.get("final_val_loss")
+
+
+def noncausal_val_loss(summary: Dict[str, Any]) -> Optional[float]:
+    """``val/loss`` (routing as in training), for any summary old or new."""
+    value = (summary.get("val_metrics") or {}).get("val/loss")
+    return value if value is not None else summary.get("final_val_loss_noncausal", summary.get("final_val_loss"))
+
+
+def causal_flops_per_token(summary: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """Forward FLOPs per token of the causal evaluation (None: the run has none, or predates it)."""
+    metrics = summary.get("val_metrics") or {}
+    if metrics.get("val/flops_causal") is None:
+        return None
+    return {"forward": metrics["val/flops_causal"], "ratio_to_vanilla": metrics.get("val/flops_causal_ratio_to_vanilla")}

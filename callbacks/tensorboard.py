@@ -125,6 +125,15 @@ class TensorBoardExtras(L.Callback):
     def __init__(self, after_final_validation: bool = False) -> None:
         self.after_final_validation = after_final_validation
         self._layout_written = False
+        self._train_final: Dict[str, float] = {}
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        # trainer.validate() after fit starts with empty callback metrics: keep the training figures now
+        self._train_final = {k: float(v) for k, v in trainer.callback_metrics.items()
+                             if k in TRAIN_FINAL and isinstance(v, (torch.Tensor, int, float))}
+        tokens = getattr(pl_module, "tokens_seen", None)
+        if tokens is not None:
+            self._train_final["train/tokens_seen"] = float(tokens)  # global, also when the last step logged none
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self._layout_written or not trainer.is_global_zero:
@@ -149,7 +158,7 @@ class TensorBoardExtras(L.Callback):
         writer = tb_writer(trainer)
         if writer is None:
             return
-        metrics = final_metrics(trainer)
+        metrics = {**self._train_final, **final_metrics(trainer)}
         if not metrics:
             return
         from torch.utils.tensorboard.summary import hparams
@@ -167,7 +176,8 @@ class TensorBoardExtras(L.Callback):
         writer.flush()
 
 
-FINAL_PREFIXES = ("val/", "train/loss", "train/tokens_seen")
+TRAIN_FINAL = ("train/loss", "train/tokens_seen")
+FINAL_PREFIXES = ("val/", *TRAIN_FINAL)
 
 
 def final_metrics(trainer) -> Dict[str, float]:

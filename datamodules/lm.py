@@ -130,12 +130,17 @@ def validation_indices(num_blocks: int, fraction: float) -> np.ndarray:
 
 
 class LMDataModule(L.LightningDataModule):
-    def __init__(self, config: DataConfig, block_size: int, seed: int = 0):
+    def __init__(self, config: DataConfig, block_size: int, seed: int = 0, val_batches: Optional[int] = None):
         super().__init__()
         config.validate()
+        if val_batches is not None and val_batches <= 0:
+            raise DataError(f"val_batches: must be a positive integer, got {val_batches}")
         self.config = config
         self.block_size = block_size
         self.seed = seed
+        # global: validation evaluates the first val_batches x batch_size blocks of each set, split across
+        # the ranks (None: every block), so the loss is the same for any number of processes
+        self.val_batches = val_batches
         self.cache_dir = pathlib.Path(config.cache_dir) if config.cache_dir else default_cache_dir()
         self.corpus: Corpus = get_corpus(config.name, cache_dir=self.cache_dir, **config.corpus_options())
         self._tokenizer: Optional[TextTokenizer] = None
@@ -235,12 +240,25 @@ class LMDataModule(L.LightningDataModule):
             drop_last=True,
         )
 
+    def val_blocks(self, name: str) -> np.ndarray:
+        """Positions (in ``val_sets[name]``) of the blocks one validation evaluates, the same for any world size:
+        the first ``val_batches x batch_size`` blocks (every block when ``val_batches`` is None)."""
+        size = len(self.val_sets[name])
+        if self.val_batches is not None:
+            size = min(size, self.val_batches * self.config.batch_size)
+        return np.arange(size)
+
     def val_dataloader(self):
         rank, world = self._rank_world()
         loaders = []
-        for dataset in self.val_sets.values():
-            # Each rank evaluates its own contiguous share; metrics are summed across ranks.
-            share = np.array_split(np.arange(len(dataset)), world)[rank]
+        for name, dataset in self.val_sets.items():
+            # The global set of blocks is split into contiguous shares (sizes may differ by one block); the
+            # module's metrics are token-weighted sums over every rank, hence the mean over exactly these blocks.
+            blocks = self.val_blocks(name)
+            if len(blocks) < world:
+                raise DataError(f"validation set {name!r} evaluates {len(blocks)} blocks, fewer than the {world} ranks; "
+                                "raise val_batches or data.val_fraction, or use fewer processes")
+            share = np.array_split(blocks, world)[rank]
             subset = torch.utils.data.Subset(dataset, share.tolist())
             loaders.append(DataLoader(subset, batch_size=self.config.batch_size, shuffle=False, num_workers=0))
         return loaders if len(loaders) > 1 else loaders[0]

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import os
 import pathlib
-import re
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -41,6 +41,8 @@ from architectures import ModelConfig, variant_names  # noqa: E402
 from architectures.config import ConfigError, SIZES, config_groups  # noqa: E402
 from callbacks import CallbacksConfig, config_from as callbacks_config  # noqa: E402
 from datamodules.corpora import DataError, corpus_names  # noqa: E402
+from experiments.storage import StorageError, atomic_checkpoint_io, check_writable, claim_next_version  # noqa: E402
+from experiments.storage import is_storage_error, release_if_empty, storage_message  # noqa: E402
 from datamodules.lm import DataConfig  # noqa: E402
 from lightning_modules.flops_budget import validate_budget  # noqa: E402
 from lightning_modules.lm import OptimConfig  # noqa: E402
@@ -103,7 +105,8 @@ def build_parser() -> ArgumentParser:
                         "the first step that reaches it; the LR cosine follows the share spent; --max_steps stays a "
                         "hard cap (docs/compute-budget.md)")
     parser.add_argument("--val_every", type=int, default=100, help="validate every N optimisation steps")
-    parser.add_argument("--val_batches", type=int, default=20, help="batches per validation set and rank")
+    parser.add_argument("--val_batches", type=int, default=20, help="validation batches (of data.batch_size blocks) per validation set, in all: "
+                        "split across the ranks, so the loss is the same for any number of processes")
     parser.add_argument("--compile", type=bool, default=False,
                         help="torch.compile the model in place (names and checkpoints unchanged)")
     parser.add_class_arguments(ModelConfig, "model")
@@ -175,9 +178,9 @@ def resolved_namespace(cfg: Namespace, mcfg: ModelConfig) -> Namespace:
     return resolved
 
 
-def run_version(cfg: Namespace, root: pathlib.Path, ckpt_path: Optional[str] = None) -> str:
-    """Deterministic across ranks: explicit, the resumed run's own folder, inherited from the launching
-    rank, SLURM job, or next free. ``ckpt_path`` is the resolved checkpoint (``--ckpt_path last`` resolved)."""
+def fixed_version(cfg: Namespace, root: pathlib.Path, ckpt_path: Optional[str] = None) -> Optional[str]:
+    """The run folder when it is decided by the command or the launcher: explicit, the resumed run's own
+    folder, inherited from the launching rank, or the SLURM job (several tasks); None: a new folder."""
     if cfg.version:
         return cfg.version
     ckpt_path = ckpt_path or (cfg.ckpt_path if cfg.ckpt_path != "last" else None)
@@ -189,9 +192,17 @@ def run_version(cfg: Namespace, root: pathlib.Path, ckpt_path: Optional[str] = N
         return os.environ["DYNCOMP_RUN_VERSION"]
     if os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_NTASKS", "1") != "1":
         return f"slurm-{os.environ['SLURM_JOB_ID']}"
-    existing = [int(m.group(1)) for p in root.glob("version_*") if (m := re.fullmatch(r"version_(\d+)", p.name))]
-    version = f"version_{max(existing) + 1 if existing else 0}"
-    os.environ["DYNCOMP_RUN_VERSION"] = version  # inherited by DDP ranks that Lightning re-launches
+    return None
+
+
+def run_version(cfg: Namespace, root: pathlib.Path, ckpt_path: Optional[str] = None) -> str:
+    """Deterministic across ranks: ``fixed_version``, else the next free version_N, created exclusively
+    (``claim_next_version``) so that jobs started at once (a sweep of 1-GPU SLURM jobs, two shells) each
+    get their own folder. ``ckpt_path`` is the resolved checkpoint (``--ckpt_path last`` resolved)."""
+    version = fixed_version(cfg, root, ckpt_path)
+    if version is None:
+        version = claim_next_version(root)
+        os.environ["DYNCOMP_RUN_VERSION"] = version  # inherited by DDP ranks that Lightning re-launches
     return version
 
 
@@ -303,14 +314,16 @@ def main(argv: Optional[Sequence[str]] = None) -> pathlib.Path:
 def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
     import lightning as L
 
-    from callbacks.run_summary import StepRecorder, measured_summary, write_summary
     from datamodules.lm import LMDataModule
     from experiments.compiling import compile_model
     from experiments.weights import load_initial_weights
     from lightning_modules.lm import LanguageModelModule
 
+    # an unwritable or read-only log dir fails now, not after the corpus is tokenised
+    check_writable(pathlib.Path(cfg.log_dir) / f"{cfg.model.variant}-{cfg.model.size}")
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    data = LMDataModule(DataConfig(**_as_dict(cfg.data)), block_size=model_config(cfg).resolve().block_size, seed=cfg.seed)
+    data = LMDataModule(DataConfig(**_as_dict(cfg.data)), block_size=model_config(cfg).resolve().block_size, seed=cfg.seed,
+                        val_batches=cfg.val_batches)
     mcfg = model_config(cfg, vocab_size=data.vocab_size)
     mcfg.resolve()
     module = LanguageModelModule(model=dataclasses.asdict(mcfg), optim=_as_dict(cfg.optim),
@@ -323,13 +336,26 @@ def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
 
     root = pathlib.Path(cfg.log_dir) / f"{mcfg.variant}-{mcfg.size}"
     ckpt_path = resolve_ckpt(cfg, root, run_fingerprints(mcfg, data))
+    claimed = fixed_version(cfg, root, ckpt_path) is None
     version = run_version(cfg, root, ckpt_path)
-    refuse_foreign_run_folder(root / version, ckpt_path)
+    try:
+        refuse_foreign_run_folder(root / version, ckpt_path)
+        return fit_and_summarise(cfg, parser, module, data, mcfg, root, version, ckpt_path)
+    except BaseException:
+        if claimed:
+            release_if_empty(root / version)  # a run that failed before writing anything leaves no folder
+        raise
+
+
+def fit_and_summarise(cfg: Namespace, parser: ArgumentParser, module, data, mcfg: ModelConfig, root: pathlib.Path,
+                      version: str, ckpt_path: Optional[str]) -> pathlib.Path:
+    from callbacks.run_summary import StepRecorder, measured_summary, write_summary
+
     inherited = os.environ.get("DYNCOMP_RUN_VERSION")
     writer = config_writer(lambda path: parser.save(resolved_namespace(cfg, mcfg), path, overwrite=True,
                                                     skip_validation=True))
     trainer, recorder = make_trainer(cfg, root, version, extra_callbacks=[StepRecorder(), writer],
-                                     find_unused=module.model.may_skip_parameters)
+                                     find_unused=module.model.may_skip_parameters, monitor=module.selection_metric)
     run_dir = pathlib.Path(trainer.logger.log_dir)
 
     try:
@@ -347,8 +373,7 @@ def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
             "variant": mcfg.variant,
             "size": mcfg.size,
             "steps": trainer.global_step,
-            "final_val_loss": metrics.get("val/loss"),
-            "final_val_ppl": metrics.get("val/ppl"),
+            **final_validation(metrics, module.selection_metric),
             "val_metrics": metrics,
             "tokens_seen": module.tokens_seen,
             "unigram_entropy_nats": data.unigram_entropy(),
@@ -376,6 +401,19 @@ def budget_summary(module) -> Dict[str, Any]:
     return {"max_train_flops": budget.max_flops, "train_flops": budget.spent, "stopped_by": stopped_by}
 
 
+def final_validation(metrics: Dict[str, float], key: str) -> Dict[str, Any]:
+    """The summary's headline validation figures. ``final_val_loss`` is the ``key`` loss (the causal one for
+    routing that sees the future), named by ``final_val_loss_metric``; the non-causal loss stays reported
+    next to it, with the causal evaluation's forward FLOPs per token (its own processed share)."""
+    out: Dict[str, Any] = {"final_val_loss": metrics.get(key), "final_val_ppl": metrics.get(key.replace("loss", "ppl")),
+                           "final_val_loss_metric": key}
+    if key == "val/loss_causal":
+        out["final_val_loss_noncausal"] = metrics.get("val/loss")
+        out["final_val_flops_per_token_causal"] = {"forward": metrics.get("val/flops_causal"),
+                                                   "ratio_to_vanilla": metrics.get("val/flops_causal_ratio_to_vanilla")}
+    return out
+
+
 def config_writer(save):
     """A callback that writes the run folder's ``config.yaml`` once the data is prepared (Lightning calls
     ``setup`` after ``prepare_data``), so a bad corpus or tokenizer leaves no folder that looks like a run."""
@@ -385,13 +423,19 @@ def config_writer(save):
         def setup(self, trainer, pl_module, stage: str) -> None:
             if stage == "fit" and trainer.is_global_zero:
                 run_dir = pathlib.Path(trainer.logger.log_dir)
-                run_dir.mkdir(parents=True, exist_ok=True)
-                save(run_dir / "config.yaml")
+                try:
+                    run_dir.mkdir(parents=True, exist_ok=True)
+                    save(run_dir / "config.yaml")
+                except OSError as err:
+                    if is_storage_error(err):
+                        raise StorageError(storage_message(run_dir / "config.yaml", err)) from None
+                    raise
 
     return ConfigWriter()
 
 
-def make_trainer(cfg: Namespace, root: pathlib.Path, version: str, extra_callbacks=(), find_unused: bool = False):
+def make_trainer(cfg: Namespace, root: pathlib.Path, version: str, extra_callbacks=(), find_unused: bool = False,
+                 monitor: str = "val/loss"):
     import lightning as L
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
     from lightning.pytorch.loggers import TensorBoardLogger
@@ -400,11 +444,14 @@ def make_trainer(cfg: Namespace, root: pathlib.Path, version: str, extra_callbac
     checkpoints = ModelCheckpoint(
         dirpath=str(root / version / "checkpoints"),
         filename="best-{step}",
-        monitor="val/loss",
+        monitor=monitor,  # val/loss_causal for routing that sees the future (LanguageModelModule.selection_metric)
         mode="min",
         save_top_k=1,
         save_last=True,
-        every_n_train_steps=cfg.val_every,
+        # save when each validation ends (every val_every steps), with its fresh score: saving at the batch end
+        # of that step scored the weights by the previous validation's loss
+        every_n_epochs=1,
+        save_on_train_epoch_end=False,
     )
     from callbacks.preemption import PreemptionCheckpoint  # SIGTERM/SIGUSR1 -> checkpoints/last.ckpt
 
@@ -423,7 +470,9 @@ def make_trainer(cfg: Namespace, root: pathlib.Path, version: str, extra_callbac
         default_root_dir=str(root / version),  # Lightning's SLURM requeue checkpoint (hpc_ckpt_N) goes here
         val_check_interval=cfg.val_every,
         check_val_every_n_epoch=None,
-        limit_val_batches=cfg.val_batches,
+        limit_val_batches=None,  # the datamodule takes val_batches (global) and splits them across the ranks
+        # checkpoints: temp file in the checkpoint folder, fsync, rename (never a truncated file under the final name)
+        plugins=[atomic_checkpoint_io()],
     )
     trainer = L.Trainer(**kwargs)
     recorder = next(c for c in callbacks if c.__class__.__name__ == "StepRecorder")
@@ -445,8 +494,9 @@ def _devices(value):
     return value
 
 
-# The user mistakes ``cli`` reports as one line (exit status 2) instead of a traceback.
-USER_ERRORS = (ConfigError, DataError, FileNotFoundError, argparse.ArgumentError)
+# The user mistakes ``cli`` reports as one line (exit status 2) instead of a traceback; so are a full disk
+# and an unwritable folder (``StorageError``, or an OSError with such an errno from any other write).
+USER_ERRORS = (ConfigError, DataError, FileNotFoundError, argparse.ArgumentError, StorageError)
 USER_ERROR_EXIT = 2
 
 
@@ -458,6 +508,15 @@ def cli(entry=None, argv: Optional[Sequence[str]] = None) -> None:
     except USER_ERRORS as err:
         message = " ".join(str(err).split()) or type(err).__name__
         print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(USER_ERROR_EXIT) from None
+    except OSError as err:
+        if not is_storage_error(err):
+            raise
+        # a write or read outside the wrapped ones (event files, caches, inputs): name the path and the cause
+        where = err.filename or "a file of the run (the system did not say which)"
+        remedy = ("free space on that disk or choose another --log_dir / cache folder"
+                  if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else "fix that path's permissions or choose another one")
+        print(f"error: {where}: {err.strerror or err}; {remedy}", file=sys.stderr)
         raise SystemExit(USER_ERROR_EXIT) from None
 
 

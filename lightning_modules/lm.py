@@ -219,6 +219,9 @@ class LanguageModelModule(L.LightningModule):
         # a model without a trained causal decision has no causal loss to report (only an untrained rule's)
         self.causal_eval = self.model.routing_sees_future and self.model.has_causal_routing
         self.val_loss_causal = torch.nn.ModuleList([MeanMetric() for _ in self.val_names]) if self.causal_eval else None
+        # forward FLOPs per token of the causal evaluation: a trained MoD's causal decision processes its own
+        # share of the tokens, not the capacity the training-time FLOPs figure assumes
+        self.val_flops_causal = torch.nn.ModuleList([MeanMetric() for _ in self.val_names]) if self.causal_eval else None
         self.predictor_counts: Dict[str, torch.Tensor] = {}  # site -> [tp, fp, fn, tn] of causal vs top-k
         self.tokens_seen = 0  # global (all ranks): every rank sees the same batch shape
         self.last_output: Optional[ModelOutput] = None  # trace + aux parts only (logits=None)
@@ -314,6 +317,8 @@ class LanguageModelModule(L.LightningModule):
             with self.model.causal_routing():
                 causal = self.model(idx)
             self.val_loss_causal[dataloader_idx].update(self.lm_loss(causal.logits, targets), weight=targets.numel())
+            flops = self.model.flops_per_token(causal.trace, idx.shape[1]).forward
+            self.val_flops_causal[dataloader_idx].update(float(flops), weight=targets.numel())
 
     def _watch_predictors(self):
         """Forward pre-hooks that record each routed block's causal decision on the input top-k sees."""
@@ -365,7 +370,24 @@ class LanguageModelModule(L.LightningModule):
                 self.log(f"{prefix}/{key}", value, add_dataloader_idx=False, sync_dist=False)
                 self.log(f"{prefix}/ppl{suffix}", torch.exp(value), add_dataloader_idx=False, sync_dist=False)
                 metric.reset()
+            if self.causal_eval:
+                self._log_causal_flops(prefix, self.val_flops_causal[i])
         self._log_predictor_quality()
+
+    @property
+    def selection_metric(self) -> str:
+        """The validation loss that selects the best checkpoint and is the run's ``final_val_loss``: the causal
+        one when the routing sees the future (the training-time top-k reads later tokens; generation cannot)."""
+        return "val/loss_causal" if self.causal_eval else "val/loss"
+
+    def _log_causal_flops(self, prefix: str, metric: MeanMetric) -> None:
+        from architectures.gpt2 import vanilla_flops
+
+        value = metric.compute()  # token-weighted mean over every rank's batches
+        metric.reset()
+        vanilla = vanilla_flops(self.model.config, self.model.config.block_size).forward
+        self.log(f"{prefix}/flops_causal", value, add_dataloader_idx=False, sync_dist=False)
+        self.log(f"{prefix}/flops_causal_ratio_to_vanilla", value / vanilla, add_dataloader_idx=False, sync_dist=False)
 
     def on_validation_start(self) -> None:
         # trainer.validate() after fit: Lightning writes val/* at its batch counter, one past the last batch's

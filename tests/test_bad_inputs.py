@@ -125,6 +125,10 @@ CASES = [
     ("init_from-missing", "run", _good("--init_from", "{d}/none.ckpt"), r"init_from: .*none\.ckpt is neither"),
     ("init_from-truncated", "run", _good("--init_from", "{d}/truncated.ckpt"), r"init_from: .*truncated\.ckpt is not a readable"),
     ("init_from-not-a-checkpoint", "run", _good("--init_from", "{d}/notes.ckpt"), r"init_from: .*notes\.ckpt is not a readable"),
+    # issue 20: an unwritable log dir is found before the data are prepared (a folder below a file: even root
+    # cannot write there; read-only and permission cases are in tests/test_nothing_lost.py)
+    ("log_dir-below-a-file", "run", _good("--log_dir", "{d}/good.txt/runs"),
+     r"log_dir: cannot write to .*good\.txt/runs\S* \(Not a directory\); make it writable or choose another --log_dir"),
     ("ft-unknown-task", "finetune", _ft("--task", "summarise"), r"task: unknown task 'summarise'"),
     ("ft-max_train_examples-0", "finetune", _ft("--task", "glue/sst2", "--data.max_train_examples", "0"),
      r"data\.max_train_examples: must be a positive integer"),

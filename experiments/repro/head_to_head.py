@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence
 
 from architectures.config import ConfigError
+from callbacks.run_summary import causal_flops_per_token, headline_val_loss, noncausal_val_loss
 from experiments.repro.common import Context, budget_spent, budget_step_cap, figure, fmt, markdown_table
 
 _NOT_MODEL = {"variant", "size"}
@@ -59,30 +60,40 @@ def head_to_head(ctx: Context, variants: Optional[Sequence[str]] = None, bench_s
         "--variants", ",".join(variants), "--size", ctx.size, "--steps", str(bench_steps), "--warmup", "1",
         "--batch_size", str(cfg.data.batch_size), "--seq_len", str(base.block_size), "--vocab_size", str(base.vocab_size),
         "--seed", str(ctx.seed), "--no_hf", *bench_options(ctx.run_options)]))
-    reference = summaries["vanilla"]
+    reference = headline_val_loss(summaries["vanilla"])
     rows = []
     for v in variants:
         s, b = summaries[v], timing[v]
+        # routing that sees the future is compared by its causal loss (as it would generate), at the causal
+        # evaluation's FLOPs; the training-time (non-causal) loss stays in the row
+        causal_flops = causal_flops_per_token(s)
         rows.append({"variant": v, "parameters": s["parameters"], "steps": s["steps"], **budget_spent(s),
-                     "val_loss": s["final_val_loss"],
-                     "val_loss_delta": s["final_val_loss"] - reference["final_val_loss"],
+                     "val_loss": headline_val_loss(s),
+                     "causal": "val/loss_causal" in (s.get("val_metrics") or {}),
+                     "val_loss_noncausal": noncausal_val_loss(s),
+                     "val_loss_delta": headline_val_loss(s) - reference,
+                     "causal_flops_ratio": causal_flops["ratio_to_vanilla"] if causal_flops else None,
                      "flops_per_token": s["flops_per_token"]["forward"], "flops_ratio": s["flops_per_token"]["ratio_to_vanilla"],
                      "run_step_s": s["median_step_time_s"], "bench_step_s": b["median_step_s"],
                      "step_time_ratio": b["step_time_ratio"], "memory_mb": b["memory_mb"], "memory_ratio": b["memory_ratio"],
                      "run_dir": s["run_dir"]})
     table = markdown_table(
-        ["variant", "params", "steps", "train FLOPs spent", "vs budget", "val loss", "vs vanilla", "fwd FLOPs/token",
-         "FLOPs x", "run step s", "bench step ms", "time x", "memory MB", "memory x"],
-        [[r["variant"], r["parameters"], r["steps"], r["train_flops"], _vs_budget(r), r["val_loss"],
-          f"{r['val_loss_delta']:+.4f}", r["flops_per_token"],
-          r["flops_ratio"], r["run_step_s"], 1000 * r["bench_step_s"], r["step_time_ratio"], r["memory_mb"],
-          r["memory_ratio"]] for r in rows])
+        ["variant", "params", "steps", "train FLOPs spent", "vs budget", "val loss", "vs vanilla", "non-causal val loss",
+         "fwd FLOPs/token", "FLOPs x", "causal FLOPs x", "run step s", "bench step ms", "time x", "memory MB", "memory x"],
+        [[r["variant"] + (" (causal)" if r["causal"] else ""), r["parameters"], r["steps"], r["train_flops"],
+          _vs_budget(r), r["val_loss"], f"{r['val_loss_delta']:+.4f}", r["val_loss_noncausal"] if r["causal"] else "-",
+          r["flops_per_token"], r["flops_ratio"],
+          r["causal_flops_ratio"] if r["causal_flops_ratio"] is not None else "-", r["run_step_s"],
+          1000 * r["bench_step_s"], r["step_time_ratio"], r["memory_mb"], r["memory_ratio"]] for r in rows])
     sections = [f"Every variant trains until its measured training FLOPs (routing-aware, every step counted) reach "
                 f"{fmt(budget)}, what vanilla spends in {ctx.steps} steps of {tokens} tokens; same data order and seed. "
-                "'vs budget': the count's excess over the budget (at most its last step). 'fwd FLOPs/token': at the "
-                "last step. 'run step s': median step of the training run (includes the measurement callbacks); "
-                f"'bench': {bench_steps} interleaved steps per variant in one process, batch and context as in the "
-                "runs.", "", table, ""]
+                "'vs budget': the count's excess over the budget (at most its last step). 'val loss': the causal "
+                "validation loss (`val/loss_causal`, routing decided as in generation) for variants marked "
+                "'(causal)', whose training-time routing sees later tokens; their non-causal `val/loss` is in its own "
+                "column, and 'causal FLOPs x' is the forward FLOPs per token of that causal evaluation over vanilla's "
+                "('FLOPs x': the last training step's). 'run step s': median step of the training run (includes the "
+                f"measurement callbacks); 'bench': {bench_steps} interleaved steps per variant in one process, batch "
+                "and context as in the runs.", "", table, ""]
     fig, axes = figure(1, 2, width=5.5)
     ax = axes[0, 0]
     ax.scatter([r["flops_ratio"] for r in rows], [r["val_loss"] for r in rows])

@@ -1,0 +1,170 @@
+"""Writing run folders safely: claim a fresh folder atomically, find an unwritable log dir before any
+work, write checkpoints atomically, and turn a full disk or a permission error into one line.
+
+* ``claim_next_version``: ``os.mkdir`` of ``version_N`` is exclusive, so two jobs started at once into one
+  ``--log_dir`` never share a folder (the loser retries with the next N).
+* ``check_writable``: creates (and removes) a file in the log dir before the data are prepared.
+* ``AtomicCheckpointIO``: Lightning's default writes a temp file through fsspec and "renames" it across
+  filesystems (a copy, which a full disk truncates under the final name). Here the temp file is in the
+  checkpoint folder itself, fsynced, then ``os.replace``d: the final name holds a whole checkpoint or the
+  previous one, never a truncated file.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import pathlib
+import re
+import tempfile
+from typing import Any, Optional
+
+# errnos that mean "this place cannot be written": the user must free space or choose another folder
+STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EFBIG}
+
+# mkstemp creates files 0600; the renamed file gets the permissions an ordinary open() would give it
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
+
+class StorageError(RuntimeError):
+    """A write failed because of the disk or the permissions; the message names the path and the remedy."""
+
+
+def storage_message(path: Any, err: OSError, what: str = "write") -> str:
+    """One line: what failed where, why, and what to do."""
+    reason = err.strerror or str(err)
+    if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        remedy = "free space on that disk (or raise the quota) or choose another --log_dir"
+        return f"disk full: cannot {what} {path} ({reason}); {remedy}"
+    remedy = "make it writable or choose another --log_dir"
+    return f"cannot {what} {path} ({reason}); {remedy}"
+
+
+def is_storage_error(err: BaseException) -> bool:
+    return isinstance(err, OSError) and err.errno in STORAGE_ERRNOS
+
+
+def check_writable(folder: pathlib.Path) -> None:
+    """Create ``folder`` and a probe file in it, then remove both: an unwritable or read-only log dir fails
+    here, in seconds, instead of after the corpus is tokenised; a run that fails later leaves no folder."""
+    missing = [p for p in [folder, *folder.parents] if not p.exists()]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        if err.errno in STORAGE_ERRNOS or err.errno == errno.EEXIST:
+            raise StorageError(f"log_dir: {storage_message(err.filename or folder, err, 'write to')}") from None
+        raise
+    finally:
+        for created in missing:  # deepest first; a folder another job has written to meanwhile stays
+            release_if_empty(created)
+
+
+def claim_next_version(root: pathlib.Path, prefix: str = "version_") -> str:
+    """Create ``root/<prefix>N`` for the smallest N above every existing one, exclusively: if another job
+    created it first (``FileExistsError``), try the next N. Returns the folder name."""
+    root.mkdir(parents=True, exist_ok=True)
+    pattern = re.compile(re.escape(prefix) + r"(\d+)")
+    existing = [int(m.group(1)) for p in root.iterdir() if (m := pattern.fullmatch(p.name))]
+    number = max(existing) + 1 if existing else 0
+    while True:
+        try:
+            (root / f"{prefix}{number}").mkdir()
+            return f"{prefix}{number}"
+        except FileExistsError:
+            number += 1
+        except OSError as err:
+            if err.errno in STORAGE_ERRNOS:
+                raise StorageError(f"log_dir: {storage_message(root / f'{prefix}{number}', err, 'create')}") from None
+            raise
+
+
+def release_if_empty(folder: pathlib.Path) -> None:
+    """Remove a claimed run folder that nothing was written to (the run failed before it started)."""
+    try:
+        folder.rmdir()
+    except OSError:
+        pass  # not empty (or already gone): keep it
+
+
+def fsync_folder(folder: pathlib.Path) -> None:
+    """Make a rename durable (best effort: not every filesystem lets a folder be opened and synced)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_torch_save(obj: Any, path: Any, what: str = "save checkpoint") -> None:
+    """``torch.save`` to a temp file beside ``path``, fsync, rename: ``path`` is whole or untouched."""
+    import torch
+
+    path = pathlib.Path(path)
+    tmp: Optional[str] = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.fchmod(fd, 0o666 & ~_UMASK)
+        with os.fdopen(fd, "wb") as handle:
+            torch.save(obj, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+        tmp = None
+        fsync_folder(path.parent)
+    except OSError as err:
+        if err.errno in STORAGE_ERRNOS:
+            raise StorageError(storage_message(path, err, what)
+                               + (", then resume with --ckpt_path last" if "checkpoint" in what else "")) from None
+        raise
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+def atomic_checkpoint_io():
+    """A Lightning ``CheckpointIO`` that saves with ``atomic_torch_save`` (loading and removal unchanged)."""
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    class AtomicCheckpointIO(TorchCheckpointIO):
+        def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+            if storage_options is not None:
+                raise TypeError("AtomicCheckpointIO.save_checkpoint: storage_options is not supported")
+            atomic_torch_save(checkpoint, path)
+
+    return AtomicCheckpointIO()
+
+
+def write_text_atomic(path: pathlib.Path, text: str, what: str = "write") -> None:
+    """Small files (summary.json): temp file beside ``path``, then rename; a storage error is one line."""
+    tmp: Optional[str] = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.fchmod(fd, 0o666 & ~_UMASK)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+        tmp = None
+    except OSError as err:
+        if err.errno in STORAGE_ERRNOS:
+            raise StorageError(storage_message(path, err, what)) from None
+        raise
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
