@@ -344,3 +344,49 @@ def test_two_process_probe_metrics_equal_one_process_over_all_blocks(tmp_path):
         for key in ("loss", "acc", "flops", "compute_share"):
             assert distributed["levels"][level][key] == pytest.approx(row[key], rel=1e-5), (level, key)
     assert distributed["spearman"] == pytest.approx(single["spearman"], rel=1e-6, abs=1e-9)
+
+
+# ---------------------------------------------------------------------------- the comparison's goals and workers
+def _aggregate(acc, rhos=(None, None, None), ps=(None, None, None), t_p=None):
+    return {"levels": {str(k): {"acc": (a, 0.0)} for k, a in enumerate(acc)},
+            "spearman_seeds": list(rhos), "spearman_p_seeds": list(ps), "spearman_t_p": t_p}
+
+
+def test_goal_figures_count_routed_families_and_the_hardest_level_vanilla_solves():
+    from experiments.repro.probe import goal_figures
+
+    up, sig = (0.2, 0.3, 0.25), (1e-5, 1e-6, 1e-4)
+    per_variant = {
+        "vanilla": _aggregate([1.0, 0.95, 0.7, 0.5, 0.2]),
+        "mod": _aggregate([1.0, 0.9, 0.6, 0.4, 0.2], up, sig, 0.01),         # family mod: positive
+        "mode_staged": _aggregate([1.0, 0.9, 0.6, 0.4, 0.2], up, sig, 0.01),  # same family again
+        "mom": _aggregate([1.0, 0.96, 0.72, 0.6, 0.3], (0.2, -0.1, 0.3), sig, 0.2),  # one seed negative
+        "moe": _aggregate([1.0, 0.9, 0.71, 0.5, 0.2], up, (1e-5, 0.02, 1e-4), 0.01),  # one seed not significant
+    }
+    goals = goal_figures(per_variant)
+    assert goals["learnable_met"] and goals["learnable"] == {"1": (0.95, 0.9), "2": (0.7, 0.6)}
+    assert goals["spearman_positive_significant"] == {"mod": True, "mode_staged": True, "mom": False, "moe": False}
+    assert goals["families_positive"] == ["mod"] and not goals["two_families_positive"]  # two variants, one family
+    assert goals["hardest_solvable_level"] == 2 and goals["best_routed"] == "mom"  # L3 0.5 < 0.6: not solved
+    assert goals["routed_at_least_vanilla"] == ["moe", "mom"] and goals["best_routed_at_least_vanilla"]
+    per_variant["mom"] = _aggregate([1.0, 0.96, 0.72, 0.6, 0.3], up, sig, 0.01)
+    per_variant["vanilla"] = _aggregate([1.0, 0.85, 0.7, 0.5, 0.2])
+    goals = goal_figures(per_variant)
+    assert goals["families_positive"] == ["mod", "mom"] and goals["two_families_positive"]
+    assert not goals["learnable_met"]  # L1 0.85 < 0.9
+
+
+@pytest.mark.slow
+def test_parallel_workers_train_the_same_runs_as_one_after_another(tmp_path, one_thread):
+    from experiments.repro import main
+
+    common = ["--quick", "--steps", "30", "--seeds", "2", "--blocks", "4", "--variants", "vanilla,mod", "--threads", "1"]
+    tail = ["--", "--data.cache_dir", str(tmp_path / "cache")]
+    serial = main(["probe", "--out", str(tmp_path / "serial"), *common, *tail])
+    parallel = main(["probe", "--out", str(tmp_path / "parallel"), "--jobs", "2", *common, *tail])
+    assert len({r["run_dir"] for r in parallel["runs"]}) == 4  # every seed its own folder
+    for a, b in zip(serial["runs"], parallel["runs"]):
+        assert (a["variant"], a["seed"], a["steps"]) == (b["variant"], b["seed"], b["steps"])
+        assert a["val_loss"] == pytest.approx(b["val_loss"], abs=1e-6) and a["train_flops"] == b["train_flops"]
+    again = main(["probe", "--out", str(tmp_path / "parallel"), "--jobs", "2", *common, *tail])  # reused, not retrained
+    assert [r["run_dir"] for r in again["runs"]] == [r["run_dir"] for r in parallel["runs"]]
