@@ -194,14 +194,20 @@ def load_initial_weights(model: torch.nn.Module, source: str, strict: bool = Fal
 
     ``tokenizer`` is this run's tokenizer fingerprint ("name:hash"); with ``strict`` (the command lines'
     default, ``--init_strict``) a checkpoint trained with another tokenizer, or one that initialises less
-    than ``min_share`` of the parameters, is refused. Shape mismatches are always refused.
+    than ``min_share`` of the parameters, is refused; without it, another tokenizer loads with a warning on
+    stderr. Shape mismatches are always refused.
     """
     state, meta = read_source(source)
     variant = getattr(getattr(model, "config", None), "variant", type(model).__name__)
     trained_with = meta["tokenizer"]
-    if strict and tokenizer and trained_with and trained_with.split(":")[-1] != tokenizer.split(":")[-1]:
-        raise ConfigError(f"init_from: {source} was trained with tokenizer {trained_with}, this run uses {tokenizer}; "
-                          "pass the --tokenizer it was trained with (or --init_strict false to load anyway)")
+    if tokenizer and trained_with and trained_with.split(":")[-1] != tokenizer.split(":")[-1]:
+        if strict:
+            raise ConfigError(f"init_from: {source} was trained with tokenizer {trained_with}, this run uses {tokenizer}; "
+                              "pass the --tokenizer it was trained with (or --init_strict false to load anyway)")
+        # loaded anyway, as asked, but never silently: token ids now mean other strings than the embeddings learnt
+        print(f"warning: init_from: {source} was trained with tokenizer {trained_with}, this run uses {tokenizer}; "
+              "loading anyway (--init_strict false): its token embeddings and head belong to other tokens",
+              file=sys.stderr)
     own = model.state_dict()
     same_variant = meta["variant"] == variant and variant != "vanilla"
     # a checkpoint of this very variant loads by name; a vanilla one goes through the variant's mapping
