@@ -74,3 +74,23 @@ def test_upcycled_switch_router_breaks_the_tie_between_identical_experts(dense):
         sites = model.eval()(idx).trace
     for site in sites:
         assert site.selected.unique().numel() > 1, site.name
+
+
+@pytest.mark.slow
+def test_step0_table_measures_every_variant_from_a_real_run(tmp_path, monkeypatch):
+    """``python -m experiments.weights --step0 RUN_DIR``: the docs' table, from a run folder of experiments.run."""
+    import architectures
+    from experiments import run
+    from experiments.weights import step0_table
+    from tests.conftest import TINY_RUN
+
+    corpus = tmp_path / "a.txt"
+    corpus.write_text("It was the best of times, it was the worst of times. " * 120)
+    run_dir = run.main(["--data", "text", "--data.path", str(corpus), "--tokenizer", "bytes", "--max_steps", "3",
+                        "--val_every", "3", "--log_dir", str(tmp_path / "runs"), *TINY_RUN])
+    monkeypatch.setattr(architectures, "variant_names", lambda: ["ffn_wider", "moe", "vanilla"])
+    rows = {line.split("|")[1].strip(" `"): [c.strip() for c in line.split("|")[2:-1]]
+            for line in step0_table(str(run_dir), 2).splitlines() if line.startswith("| `")}
+    assert rows["vanilla"][1] == rows["moe"][1] == "+0.0000"
+    assert float(rows["moe"][3]) < 1e-4  # max abs logit difference
+    assert rows["ffn_wider"][3] == "refused: shapes differ"
