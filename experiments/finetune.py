@@ -278,7 +278,9 @@ def build_tokenizer(source: Dict[str, Any]):
     from datamodules.tokenizer import get_tokenizer
 
     cache_dir = pathlib.Path(source["cache_dir"])
-    corpus = get_corpus(source["corpus"], path=source["corpus_path"], cache_dir=cache_dir) if source["spec"] == "bpe" else None
+    corpus = None
+    if source["spec"] == "bpe":  # the BPE is trained on (and cached with) its corpus
+        corpus = get_corpus(source["corpus"], path=source["corpus_path"], cache_dir=cache_dir)
     return get_tokenizer(source["spec"], cache_dir, corpus)
 
 
@@ -366,7 +368,8 @@ def make_trainer(cfg: Namespace, save_dir: pathlib.Path, name: str, version: str
         enable_model_summary=False,
         num_sanity_val_steps=0,
         log_every_n_steps=10,
-        callbacks=[record_finetune(task, getattr(cfg, "tokenizer_source", None) or {})] if cfg.save_checkpoint and task else [],
+        callbacks=([record_finetune(task, getattr(cfg, "tokenizer_source", None) or {})]
+                   if cfg.save_checkpoint and task else []),
     )
 
 

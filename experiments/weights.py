@@ -202,8 +202,9 @@ def load_initial_weights(model: torch.nn.Module, source: str, strict: bool = Fal
     trained_with = meta["tokenizer"]
     if tokenizer and trained_with and trained_with.split(":")[-1] != tokenizer.split(":")[-1]:
         if strict:
-            raise ConfigError(f"init_from: {source} was trained with tokenizer {trained_with}, this run uses {tokenizer}; "
-                              "pass the --tokenizer it was trained with (or --init_strict false to load anyway)")
+            raise ConfigError(f"init_from: {source} was trained with tokenizer {trained_with}, this run uses "
+                              f"{tokenizer}; pass the --tokenizer it was trained with (or --init_strict false to "
+                              "load anyway)")
         # loaded anyway, as asked, but never silently: token ids now mean other strings than the embeddings learnt
         print(f"warning: init_from: {source} was trained with tokenizer {trained_with}, this run uses {tokenizer}; "
               "loading anyway (--init_strict false): its token embeddings and head belong to other tokens",
@@ -320,7 +321,8 @@ def step0_table(run_dir: str, batches: int = 8) -> str:
         loss, logits = evaluate(after)
         old = evaluate(before)[0]
         diff = float((logits - dense_logits).abs().max())
-        lines.append(f"| `{name}` | {loss:.4f} | {loss - dense_loss:+.4f} | {old:.4f} ({old - dense_loss:+.4f}) | {diff:.1e} |")
+        lines.append(f"| `{name}` | {loss:.4f} | {loss - dense_loss:+.4f} | {old:.4f} ({old - dense_loss:+.4f}) "
+                     f"| {diff:.1e} |")
     return "\n".join(lines)
 
 

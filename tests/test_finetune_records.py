@@ -16,7 +16,8 @@ def _glue(root, folder="SST-2"):
     (root / folder).mkdir(parents=True)
     rows = [("good great fine", 1), ("bad awful poor", 0)] * 4
     for name in ("train.tsv", "dev.tsv"):
-        (root / folder / name).write_text("sentence\tlabel\n" + "".join(f"{s} {i}\t{y}\n" for i, (s, y) in enumerate(rows)))
+        body = "".join(f"{s} {i}\t{y}\n" for i, (s, y) in enumerate(rows))
+        (root / folder / name).write_text("sentence\tlabel\n" + body)
     return root
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -15,7 +14,7 @@ from architectures import flops as F_
 from architectures.config import MoEConfig
 from architectures.dispatch import dense_reference, sorted_dispatch
 from architectures.gpt2 import MLP
-from architectures.grouped_gemm import alignment_padding_rows, grouped_dispatch, grouped_mm_op
+from architectures.grouped_gemm import alignment_padding_rows, expert_dispatch, grouped_dispatch, grouped_mm_op
 
 pytestmark = pytest.mark.skipif(grouped_mm_op() is None, reason="this PyTorch has no grouped matmul")
 
@@ -48,7 +47,6 @@ def test_adamw_moves_an_idle_expert_identically_on_both_paths(monkeypatch):
         busy = torch.arange(x.shape[0] * 2).remainder(E).view(-1, 2)
         for routing in (busy, selected):
             optimizer.zero_grad()
-            from architectures.grouped_gemm import expert_dispatch
             expert_dispatch(x, routing, weights, experts).pow(2).sum().backward()
             optimizer.step()
         return [p.detach().clone() for p in experts[E - 1].parameters()]
