@@ -260,6 +260,24 @@ class LanguageModel(nn.Module):
                     mapping[name] = value
         return mapping
 
+    @torch.no_grad()
+    def start_as_dense(self) -> List[str]:
+        """After a vanilla state was loaded through ``vanilla_state_mapping``: adjust what a mapping cannot
+        express (fresh routers, expert output scales, new branches) so that the model computes the dense
+        checkpoint's function at step 0 wherever its routing allows it (docs/bad-input.md, "Upcycling").
+
+        Every sub-module with a ``start_as_dense()`` method (an MoE block, a combination block) does its
+        part and says what it changed; the lines are returned for the ``--init_from`` report.
+        """
+        notes = []
+        for name, module in self.named_modules():
+            hook = getattr(module, "start_as_dense", None)
+            if module is not self and callable(hook):
+                note = hook()
+                if note:
+                    notes.append(f"{name}: {note}")
+        return notes
+
     # ------------------------------------------------------------------ generation
     def prepare_generation(self) -> None:
         """Hook: raise if this model cannot sample causally (e.g. MoD without a predictor)."""

@@ -217,6 +217,24 @@ class CombinationBlock(nn.Module):
             self.ln_2 = nn.LayerNorm(d, eps=config.layer_norm_eps)
             self.mlp = MLP(d, outer, config.bias, config.dropout)
 
+    @torch.no_grad()
+    def start_as_dense(self) -> str:
+        """Upcycling hook: the Inner path (new; vanilla has none) starts with a zero output, so the block is
+        exactly the vanilla block: O' = 0 in the additive wiring, the Inner-FFN's output projection(s) = 0 in
+        the paper wirings (then h + InnerFFN(h) = h)."""
+        inner = self.attn.inner
+        if inner is None:
+            return ""
+        if inner.wiring == "additive":
+            writers = [inner.c_proj]
+        else:
+            writers = [e.c_proj for e in inner.ffn.experts] if isinstance(inner.ffn, MoELayer) else [inner.ffn.c_proj]
+        for layer in writers:
+            layer.weight.zero_()
+            if layer.bias is not None:
+                layer.bias.zero_()
+        return "Inner path output zero"
+
     def forward(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
         # the mask only tells an Inner MoE which tokens to route and count (right padding, as vanilla)
         layer = self.index

@@ -22,7 +22,8 @@ def sorted_dispatch(
     x: (N, d) tokens. selected: (N, k) LongTensor of expert ids; ids >= len(experts) (e.g. a
     SKIP / no-op option) contribute nothing and cost nothing. weights: (N, k). keep: optional
     (N, k) bool, False for slots dropped by a capacity limit. Returns (N, d_out) with zeros for
-    tokens that no expert processed.
+    tokens that no expert processed. Under autograd every expert gets a gradient (zero for one no token
+    chose), as on the grouped-GEMM path.
     """
     N, k = selected.shape
     E = len(experts)
@@ -39,8 +40,12 @@ def sorted_dispatch(
     tokens = x.index_select(0, token_index)
     pieces = []
     start = 0
+    # An expert no token chose still runs, on an empty slice, when gradients are recorded: its gradient is
+    # then zero (what d loss / d weights is, what the naive reference and the grouped-GEMM path give)
+    # instead of None, so AdamW's momentum and weight decay treat it the same on every path and device.
+    touch_idle = torch.is_grad_enabled()
     for expert, count in zip(experts, counts[:E]):
-        if count:
+        if count or touch_idle:
             pieces.append(expert(tokens[start : start + count]))
         start += count
     if not pieces:

@@ -19,6 +19,15 @@ of ``ALIGN_ROWS`` (bf16 grouped GEMM needs 16-byte aligned group boundaries in t
 GEMM, whose contraction runs over the rows), in a buffer of ``N*k + E*ALIGN_ROWS`` rows, the worst
 case, so its size is static. Padding rows and assignments that no expert computes (dropped by
 capacity, no-op experts, padding tokens) are zero and get no gradient.
+
+FLOPs: importing this module registers ``grouped_mm_flops`` for ``aten._grouped_mm`` with
+``torch.utils.flop_counter``, so ``FlopCounterMode`` counts the grouped path (it counted 0 before). It counts
+what the kernel multiplies: the routed rows plus each expert's alignment padding (fewer than
+``ALIGN_ROWS`` zero rows per expert with tokens), which the analytic figure (``MoELayer.flops_per_token``:
+routed assignments only) leaves out; ``alignment_padding_rows`` gives that difference.
+
+Gradients: an expert that no token chose gets a zero gradient on both paths (its weights are in the
+stacked operand here; the loop runs it on an empty slice), see ``dispatch.sorted_dispatch``.
 """
 from __future__ import annotations
 
@@ -35,6 +44,42 @@ ALIGN_ROWS = 8  # 16 bytes of bf16
 
 def grouped_mm_op() -> Optional[Callable]:
     return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def _offs_end(offs: Optional[torch.Tensor], full: int) -> int:
+    """Rows (or columns) the grouped matmul multiplies: up to ``offs[-1]``; what lies past it is never computed.
+    ``full`` when there are no offsets or their values cannot be read (fake / meta tensors while tracing)."""
+    if offs is None or offs.numel() == 0:
+        return full
+    try:
+        return int(offs[-1])
+    except Exception:  # noqa: BLE001 - data-dependent value under FakeTensorMode / meta: the upper bound
+        return full
+
+
+def grouped_mm_flops(a, b, offs=None, bias=None, out_dtype=None, *args, out_val=None, **kwargs) -> int:
+    """FLOPs of ``aten._grouped_mm`` for ``FlopCounterMode`` (which counts it as 0 otherwise): 2 * m * k * n
+    summed over the groups, i.e. over the rows / contraction columns up to ``offs[-1]``, in each of its
+    layouts: (M, K) x (G, K, N) grouped over M (the forward and the input gradient); (K, M) x (M, N) grouped
+    over the contraction M (the weight gradient); (G, M, K) x (K, N) grouped over N; (G, M, K) x (G, K, N)."""
+    if a.dim() == 2 and b.dim() == 3:
+        return 2 * _offs_end(offs, a.shape[0]) * a.shape[1] * b.shape[2]
+    if a.dim() == 2 and b.dim() == 2:
+        return 2 * a.shape[0] * _offs_end(offs, a.shape[1]) * b.shape[1]
+    if a.dim() == 3 and b.dim() == 2:
+        return 2 * a.shape[1] * a.shape[2] * _offs_end(offs, b.shape[1])
+    return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+
+
+def _register_grouped_mm_flops() -> None:
+    from torch.utils.flop_counter import flop_registry, register_flop_formula
+
+    op = getattr(torch.ops.aten, "_grouped_mm", None)
+    if op is not None and op not in flop_registry:  # a PyTorch with its own formula keeps it
+        register_flop_formula(op, get_raw=True)(grouped_mm_flops)
+
+
+_register_grouped_mm_flops()
 
 
 @torch.compiler.assume_constant_result  # a constant of the machine: no trace, no graph break under compile
@@ -81,6 +126,12 @@ def _stacked(experts, linear: str, dtype: torch.dtype):
     biases = [layer.bias if layer.bias is not None else layer.weight.new_zeros(out_features) for layer in layers]
     bias = torch.stack([*biases, layers[0].weight.new_zeros(out_features)]).to(dtype)
     return weight, bias
+
+
+def alignment_padding_rows(counts: torch.Tensor) -> int:
+    """Zero rows the grouped path multiplies besides the routed ones, for per-expert assignment ``counts``."""
+    counts = counts.long()
+    return int(((counts + ALIGN_ROWS - 1) // ALIGN_ROWS * ALIGN_ROWS - counts).sum())
 
 
 def grouped_dispatch(

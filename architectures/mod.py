@@ -149,6 +149,11 @@ class RoutedBlock(nn.Module):
             h = self.cfg.predictor_hidden
             self.predictor = nn.Sequential(nn.Linear(d, h), nn.GELU(approximate="tanh"), nn.Linear(h, 1))
 
+    def start_as_dense(self) -> str:
+        """Upcycling hook: a staged-MoDE MoE MLP gives the dense MLP's update for the tokens the block takes
+        (the MoD router itself cannot be made dense: tokens past the capacity skip the block)."""
+        return self.mlp.match_dense(replaces_ffn=True) if isinstance(self.mlp, MoELayer) else ""
+
     # -------------------------------------------------------------- routing
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         # fp32 with autocast off, so that top-k ranks are not decided by bf16 ties

@@ -93,6 +93,39 @@ class MoELayer(nn.Module):
     def num_choices(self) -> int:
         return self.num_experts + self.noop_experts
 
+    #: std of an upcycled router's logits (per unit-variance input feature): small enough that the softmax
+    #: is uniform to ~1e-6, large enough that the top-1 ties between the identical experts are broken
+    UPCYCLED_ROUTER_LOGIT_STD = 1e-6
+
+    @torch.no_grad()
+    def match_dense(self, replaces_ffn: bool) -> str:
+        """Make this freshly upcycled layer (every expert a copy of one dense MLP) give the dense update at step 0.
+
+        * Router: N(0, (1e-6)^2 / d) weights, so every probability is 1/E_total to ~1e-6 (the noise only
+          breaks the ties between identical experts; AdamW's first update, ~lr per weight, dwarfs it); the
+          no-op rows are the mean of the real rows, so a no-op logit never exceeds the largest real one and
+          no token is skipped at k = 1.
+        * ``replaces_ffn`` (the layer stands where the dense MLP was): each expert's output projection is
+          scaled by the inverse of the total weight a token gets at a uniform router, E_total / k (k weights
+          of 1 / E_total each; Switch top-1 multiplies by the raw probability) -- nothing when the k > 1
+          weights are renormalised to sum to 1. Else (a layer added next to the dense MLP, e.g.
+          ``placement: before_ffn``) the output projections start at zero, so the layer adds nothing.
+        Exact up to the ~1e-6 router spread, unless a capacity limit drops tokens (``dropless: false``) or
+        k > 1 with no-op experts (a no-op may then be among the k).
+        """
+        d = self.router.weight.shape[1]
+        weight = torch.randn_like(self.router.weight) * (self.UPCYCLED_ROUTER_LOGIT_STD / math.sqrt(d))
+        if self.noop_experts:
+            weight[self.num_experts:] = weight[: self.num_experts].mean(dim=0)
+        self.router.weight.copy_(weight)
+        sums_to_one = self.cfg.renormalize and self.top_k > 1
+        scale = (1.0 if sums_to_one else self.num_choices / self.top_k) if replaces_ffn else 0.0
+        for expert in self.experts:
+            expert.c_proj.weight.mul_(scale)
+            if expert.c_proj.bias is not None:
+                expert.c_proj.bias.mul_(scale)
+        return f"router near-uniform, expert outputs x {scale:g}"
+
     def capacity(self, n_tokens: int) -> int:
         return max(1, math.ceil(self.cfg.capacity_factor * n_tokens * self.top_k / self.num_experts))
 
@@ -205,6 +238,11 @@ class MoEBlock(nn.Module):
             self.ln_moe = nn.LayerNorm(d, eps=config.layer_norm_eps)
             self.mlp = MLP(d, config.ffn_hidden, config.bias, config.dropout)
             self.dense_hidden = config.ffn_hidden
+
+    def start_as_dense(self) -> str:
+        """Upcycling hook (``LanguageModel.start_as_dense``): "replace" scales the experts to the dense MLP's
+        update, "before_ffn" (the dense MLP kept) starts the added MoE layer at zero."""
+        return self.moe.match_dense(replaces_ffn=not self.dense_hidden)
 
     def forward(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), state.cache, self.cache_key)

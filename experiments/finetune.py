@@ -5,11 +5,12 @@
     --init_from CKPT | hf:gpt2 | HF_FOLDER       pre-trained weights; a suite checkpoint fixes the backbone's
                                                  shape (and, for the same variant, all its settings); a vanilla
                                                  checkpoint initialises any variant (experiments/weights.py)
-    --tokenizer T                                default: the checkpoint's run config (config.yaml next to
-                                                 checkpoints/), else gpt2
+    --tokenizer T                                default: the one a fine-tuned --init_from recorded, else the
+                                                 checkpoint's run config (config.yaml next to checkpoints/), else gpt2
     --data.path PATH                             local files instead of the Hub (see datamodules/glue.py, xsum.py)
     --init_strict false, --init_min_share F      load a checkpoint of another tokenizer / below share F anyway
-    --eval_only true                             evaluate --init_from without training (GLUE: a fine-tuned checkpoint)
+    --eval_only true                             evaluate --init_from without training (GLUE: a fine-tuned checkpoint;
+                                                 its task must be --task; --max_steps / --epochs are ignored)
     --epochs N / --max_steps N (overrides epochs), --batch_size B, --lr, --weight_decay, --warmup_ratio, --dropout
     --max_train_examples N, --max_eval_examples N   seeded subsets for quick runs
     XSUM: --num_beams K (1 = greedy), --max_new_tokens N, --length_penalty A, --eval_split validation|test
@@ -43,6 +44,7 @@ from datamodules.corpora import DataError  # noqa: E402
 from experiments.run import expand_aliases, parse_with_presets  # noqa: E402
 
 ALIASES = {"--variant": "--model.variant", "--size": "--model.size", "--batch_size": "--data.batch_size"}
+FINETUNE_RECORD = "dyncomp_finetune"  # checkpoint key: {"task": "glue/sst2" | "xsum", "tokenizer": tokenizer_source}
 SHAPE_FIELDS = ("size", "vocab_size", "d_model", "n_layer", "n_head", "block_size", "ffn_ratio", "bias", "layer_norm_eps")
 
 
@@ -232,26 +234,99 @@ def load_task_head(module, init_from: str, spec) -> None:
     module.head.load_state_dict(head)
 
 
-def resolve_tokenizer(spec: Optional[str], init_from: Optional[str]):
-    """``--tokenizer``, else the tokenizer recorded in the checkpoint's run config, else gpt2."""
-    from datamodules.corpora import get_corpus
-    from datamodules.lm import default_cache_dir
-    from datamodules.tokenizer import get_tokenizer
+def finetune_record(init_from: Optional[str]) -> Optional[Dict[str, Any]]:
+    """What a fine-tuned checkpoint records (``FINETUNE_RECORD``: its task and the tokenizer's source), or None
+    for any other source (a pre-training checkpoint, Hugging Face weights, a fine-tuned checkpoint from
+    before the record)."""
+    if not init_from or _is_hf(init_from) or not pathlib.Path(init_from).is_file():
+        return None
+    from experiments.weights import read_checkpoint
 
-    cache_dir, corpus_name, corpus_path = default_cache_dir(), "embedded", []
+    record = read_checkpoint(init_from, "init_from").get(FINETUNE_RECORD)
+    return record if isinstance(record, dict) else None
+
+
+def tokenizer_source(spec: Optional[str], init_from: Optional[str]) -> Dict[str, Any]:
+    """Where the run's tokenizer comes from: ``--tokenizer``, else the one a fine-tuned ``--init_from`` recorded,
+    else the one in the pre-training run's config (config.yaml next to checkpoints/), else gpt2. The corpus
+    (and its cache folder) is what a ``bpe`` tokenizer is trained on."""
+    from datamodules.lm import default_cache_dir
+
+    record = finetune_record(init_from)
+    if record and isinstance(record.get("tokenizer"), dict):
+        recorded = dict(record["tokenizer"])
+        return recorded if spec is None else {**recorded, "spec": spec}
+    source = {"spec": spec, "corpus": "embedded", "corpus_path": [], "cache_dir": str(default_cache_dir())}
     if init_from and not _is_hf(init_from):
         run_config = pathlib.Path(init_from).resolve().parent.parent / "config.yaml"
         if run_config.is_file():
             import yaml
 
             data = (yaml.safe_load(run_config.read_text()) or {}).get("data", {})
-            corpus_name, corpus_path = data.get("name", "embedded"), data.get("path") or []
-            cache_dir = pathlib.Path(data["cache_dir"]) if data.get("cache_dir") else cache_dir
+            source["corpus"], source["corpus_path"] = data.get("name", "embedded"), data.get("path") or []
+            if data.get("cache_dir"):
+                source["cache_dir"] = str(data["cache_dir"])
             if spec is None:
-                spec = data.get("tokenizer") or _corpus_default_tokenizer(corpus_name, corpus_path, cache_dir)
-    spec = spec or "gpt2"
-    corpus = get_corpus(corpus_name, path=corpus_path, cache_dir=cache_dir) if spec == "bpe" else None
-    return get_tokenizer(spec, cache_dir, corpus)
+                source["spec"] = data.get("tokenizer") or _corpus_default_tokenizer(
+                    source["corpus"], source["corpus_path"], pathlib.Path(source["cache_dir"]))
+    source["spec"] = source["spec"] or "gpt2"
+    return source
+
+
+def build_tokenizer(source: Dict[str, Any]):
+    from datamodules.corpora import get_corpus
+    from datamodules.tokenizer import get_tokenizer
+
+    cache_dir = pathlib.Path(source["cache_dir"])
+    corpus = None
+    if source["spec"] == "bpe":  # the BPE is trained on (and cached with) its corpus
+        corpus = get_corpus(source["corpus"], path=source["corpus_path"], cache_dir=cache_dir)
+    return get_tokenizer(source["spec"], cache_dir, corpus)
+
+
+def resolve_tokenizer(spec: Optional[str], init_from: Optional[str]):
+    """The run's tokenizer (``tokenizer_source``)."""
+    return build_tokenizer(tokenizer_source(spec, init_from))
+
+
+def check_init_from(cfg: Namespace, tasks: List[str]) -> None:
+    """Before the tokenizer and the data are built: a missing ``--init_from``, and with ``--eval_only`` a
+    checkpoint fine-tuned on another task (or, for GLUE, one with no classification head), each get their
+    own line instead of surfacing later as a tokenizer or head error."""
+    if not cfg.init_from or _is_hf(cfg.init_from):
+        return
+    if not pathlib.Path(cfg.init_from).exists():
+        raise FileNotFoundError(f"init_from: {cfg.init_from} does not exist; pass a checkpoint file (.ckpt), "
+                                "hf:<id> or a Hugging Face folder")
+    if not cfg.eval_only:
+        return
+    if cfg.max_steps is not None or cfg.epochs is not None:
+        print("warning: --eval_only trains nothing, so --max_steps / --epochs are ignored", file=sys.stderr)
+    from experiments.weights import read_checkpoint
+
+    blob = read_checkpoint(cfg.init_from, "init_from")
+    record = finetune_record(cfg.init_from)
+    fine_tuned = (blob.get("hyper_parameters") or {}).get("task")  # GLUE checkpoints from before the record
+    task = (record or {}).get("task") or (f"glue/{fine_tuned}" if fine_tuned else None)
+    if task and task != tasks[0]:
+        raise ConfigError(f"eval_only: {cfg.init_from} was fine-tuned on {task}, not {tasks[0]}; pass --task {task} "
+                          f"or a checkpoint fine-tuned on {tasks[0]}")
+    if tasks[0].startswith("glue/") and not any(k.startswith("head.") for k in blob.get("state_dict", {})):
+        raise ConfigError(f"eval_only: {cfg.init_from} has no trained {tasks[0]} classification head (a "
+                          f"pre-training checkpoint?); fine-tune on {tasks[0]} with --save_checkpoint true and "
+                          "evaluate that checkpoint")
+
+
+def record_finetune(task: str, tokenizer: Dict[str, Any]):
+    """A Lightning callback: every fine-tuned checkpoint records its task and tokenizer source under
+    ``FINETUNE_RECORD``, so ``--eval_only --init_from`` it finds its tokenizer and refuses another task."""
+    import lightning as L
+
+    class RecordFinetune(L.Callback):
+        def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+            checkpoint[FINETUNE_RECORD] = {"task": task, "tokenizer": dict(tokenizer)}
+
+    return RecordFinetune()
 
 
 def _corpus_default_tokenizer(name: str, path, cache_dir: pathlib.Path) -> str:
@@ -275,7 +350,7 @@ def next_version(root: pathlib.Path) -> str:
     return f"version_{max(existing) + 1 if existing else 0}"
 
 
-def make_trainer(cfg: Namespace, save_dir: pathlib.Path, name: str, version: str, epochs: int):
+def make_trainer(cfg: Namespace, save_dir: pathlib.Path, name: str, version: str, epochs: int, task: str = ""):
     import lightning as L
     from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -293,6 +368,8 @@ def make_trainer(cfg: Namespace, save_dir: pathlib.Path, name: str, version: str
         enable_model_summary=False,
         num_sanity_val_steps=0,
         log_every_n_steps=10,
+        callbacks=([record_finetune(task, getattr(cfg, "tokenizer_source", None) or {})]
+                   if cfg.save_checkpoint and task else []),
     )
 
 
@@ -335,7 +412,7 @@ def run_glue_task(cfg: Namespace, task: str, tokenizer, save_dir: pathlib.Path, 
                           drop_empty=cfg.data.drop_empty, max_train_examples=cfg.data.max_train_examples,
                           max_eval_examples=cfg.data.max_eval_examples, seed=cfg.seed, num_workers=cfg.data.num_workers)
     data.setup("validate" if cfg.eval_only else "fit")
-    trainer = make_trainer(cfg, save_dir, name, version, epochs)
+    trainer = make_trainer(cfg, save_dir, name, version, epochs, task=spec.slug)
     steps = 1 if cfg.eval_only else total_steps(cfg, len(data.train_set), epochs, trainer.world_size)
     module, mcfg = build_module(GlueModule, cfg, tokenizer, task=spec.name, optim=optim_settings(cfg, steps),
                                 max_steps=steps, head_dropout=cfg.dropout)
@@ -372,7 +449,7 @@ def run_xsum(cfg: Namespace, tokenizer, save_dir: pathlib.Path, name: str, versi
                           max_train_examples=cfg.data.max_train_examples, max_eval_examples=cfg.data.max_eval_examples,
                           eval_batch_size=cfg.data.eval_batch_size, seed=cfg.seed, num_workers=cfg.data.num_workers)
     data.setup("validate" if cfg.eval_only else "fit")
-    trainer = make_trainer(cfg, save_dir, name, version, epochs)
+    trainer = make_trainer(cfg, save_dir, name, version, epochs, task="xsum")
     steps = 1 if cfg.eval_only else total_steps(cfg, len(data.train_set), epochs, trainer.world_size)
     module, mcfg = build_module(XSumModule, cfg, tokenizer, optim=optim_settings(cfg, steps), max_steps=steps,
                                 eot_id=tokenizer.eot_id, num_beams=cfg.num_beams, max_new_tokens=cfg.max_new_tokens,
@@ -422,8 +499,10 @@ def main(argv: Optional[Sequence[str]] = None) -> pathlib.Path:
     cfg = parse_with_presets(parser, expand_aliases(list(sys.argv[1:] if argv is None else argv), ALIASES))
     validate_up_front(cfg)
     tasks = task_list(cfg.task)
+    check_init_from(cfg, tasks)
     check_task_files(cfg, tasks)
-    tokenizer = resolve_tokenizer(cfg.tokenizer, cfg.init_from)
+    cfg.tokenizer_source = tokenizer_source(cfg.tokenizer, cfg.init_from)  # recorded in fine-tuned checkpoints
+    tokenizer = build_tokenizer(cfg.tokenizer_source)
     label = "glue-all" if len(tasks) > 1 else tasks[0].replace("/", "-")
     root = pathlib.Path(cfg.log_dir) / f"{label}-{cfg.model.variant}"
     # DDP re-launches this command once per rank: they inherit the version the first process chose

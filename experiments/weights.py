@@ -7,7 +7,8 @@ A checkpoint of the target's own variant loads by name; a vanilla one goes throu
 unused / newly initialised tensors (counts and share of parameters) goes to stderr; in strict mode (the
 command lines' default) a source trained with another tokenizer, or one that initialises less than
 ``--init_min_share`` of the parameters, is refused. ``python -m experiments.weights [SIZE]`` prints, for
-every variant, what a vanilla model of SIZE initialises (the README's table).
+every variant, what a vanilla model of SIZE initialises (the README's table); ``python -m experiments.weights
+--step0 RUN_DIR [BATCHES]`` the step-0 validation loss of every variant started from that vanilla run.
 """
 from __future__ import annotations
 
@@ -193,14 +194,21 @@ def load_initial_weights(model: torch.nn.Module, source: str, strict: bool = Fal
 
     ``tokenizer`` is this run's tokenizer fingerprint ("name:hash"); with ``strict`` (the command lines'
     default, ``--init_strict``) a checkpoint trained with another tokenizer, or one that initialises less
-    than ``min_share`` of the parameters, is refused. Shape mismatches are always refused.
+    than ``min_share`` of the parameters, is refused; without it, another tokenizer loads with a warning on
+    stderr. Shape mismatches are always refused.
     """
     state, meta = read_source(source)
     variant = getattr(getattr(model, "config", None), "variant", type(model).__name__)
     trained_with = meta["tokenizer"]
-    if strict and tokenizer and trained_with and trained_with.split(":")[-1] != tokenizer.split(":")[-1]:
-        raise ConfigError(f"init_from: {source} was trained with tokenizer {trained_with}, this run uses {tokenizer}; "
-                          "pass the --tokenizer it was trained with (or --init_strict false to load anyway)")
+    if tokenizer and trained_with and trained_with.split(":")[-1] != tokenizer.split(":")[-1]:
+        if strict:
+            raise ConfigError(f"init_from: {source} was trained with tokenizer {trained_with}, this run uses "
+                              f"{tokenizer}; pass the --tokenizer it was trained with (or --init_strict false to "
+                              "load anyway)")
+        # loaded anyway, as asked, but never silently: token ids now mean other strings than the embeddings learnt
+        print(f"warning: init_from: {source} was trained with tokenizer {trained_with}, this run uses {tokenizer}; "
+              "loading anyway (--init_strict false): its token embeddings and head belong to other tokens",
+              file=sys.stderr)
     own = model.state_dict()
     same_variant = meta["variant"] == variant and variant != "vanilla"
     # a checkpoint of this very variant loads by name; a vanilla one goes through the variant's mapping
@@ -218,6 +226,12 @@ def load_initial_weights(model: torch.nn.Module, source: str, strict: bool = Fal
     if variant == "vanilla" and report.new:
         raise ConfigError(f"init_from: checkpoint lacks {report.new[:5]} for a vanilla model")
     model.load_state_dict(mapping, strict=False)
+    if not same_variant and hasattr(model, "start_as_dense"):
+        # upcycled: fresh routers and new branches set so that step 0 computes the checkpoint's function
+        # wherever the routing allows it (docs/bad-input.md, "Upcycling")
+        notes = model.start_as_dense()
+        if notes:
+            print(f"  function-preserving start ({len(notes)} layers): {notes[0]}", file=sys.stderr)
     return report
 
 
@@ -242,5 +256,78 @@ def mapping_table(size: str = "tiny") -> str:
     return "\n".join(lines)
 
 
+def step0_table(run_dir: str, batches: int = 8) -> str:
+    """Markdown: the step-0 validation loss of every variant ``--init_from`` the vanilla run ``run_dir``
+    (its ``config.yaml`` names the data; ``checkpoints/last.ckpt`` the weights), next to the checkpoint's
+    own loss, with and without the function-preserving start, and the largest logit difference.
+
+    Each variant is built at the checkpoint's size with its default preset; the same ``batches``
+    validation batches (the first ones, in order) are used for every row.
+    """
+    import contextlib
+    import io
+
+    import yaml
+
+    from architectures import ModelConfig, build_model, variant_names
+    from datamodules.lm import DataConfig, LMDataModule
+
+    run = pathlib.Path(run_dir)
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    ckpt = str(run / "checkpoints" / "last.ckpt")
+    fields = {f.name for f in dataclasses.fields(DataConfig)}
+    data = LMDataModule(DataConfig(**{k: v for k, v in saved["data"].items() if k in fields}),
+                        block_size=saved["model"]["block_size"], seed=saved.get("seed", 0))
+    data.prepare_data()
+    data.setup("fit")
+    loader = data.val_dataloader()
+    loader = loader[0] if isinstance(loader, (list, tuple)) else loader
+    blocks = [b for _, b in zip(range(batches), loader)]
+    shape = {k: saved["model"][k] for k in ("vocab_size", "d_model", "n_layer", "n_head", "block_size", "ffn_ratio",
+                                            "bias", "layer_norm_eps")}
+
+    @torch.no_grad()
+    def evaluate(model):
+        model.eval()
+        losses, logits = [], []
+        for block in blocks:
+            out = model(block[:, :-1]).logits.float()
+            logits.append(out)
+            losses.append(torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), block[:, 1:].reshape(-1)))
+        return float(torch.stack(losses).mean()), torch.cat(logits)
+
+    def upcycled(name: str, preserve: bool):
+        torch.manual_seed(0)
+        model = build_model(ModelConfig(variant=name, **shape))
+        own, mapping = model.state_dict(), model.vanilla_state_mapping(read_source(ckpt)[0])
+        if any(k in own and own[k].shape != v.shape for k, v in mapping.items()):
+            return None
+        with contextlib.redirect_stderr(io.StringIO()):
+            if preserve:
+                load_initial_weights(model, ckpt)
+            else:
+                model.load_state_dict(mapping, strict=False)
+        return model
+
+    dense_loss, dense_logits = evaluate(upcycled("vanilla", True))
+    lines = [f"step-0 validation loss, {len(blocks)} batches of {run} (vanilla: {dense_loss:.4f})", "",
+             "| variant | step-0 loss | - vanilla | without the function-preserving start | max abs logit diff |",
+             "|---|---|---|---|---|"]
+    for name in variant_names():
+        before, after = upcycled(name, False), upcycled(name, True)
+        if after is None:
+            lines.append(f"| `{name}` | - | | | refused: shapes differ |")
+            continue
+        loss, logits = evaluate(after)
+        old = evaluate(before)[0]
+        diff = float((logits - dense_logits).abs().max())
+        lines.append(f"| `{name}` | {loss:.4f} | {loss - dense_loss:+.4f} | {old:.4f} ({old - dense_loss:+.4f}) "
+                     f"| {diff:.1e} |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    print(mapping_table(sys.argv[1] if len(sys.argv) > 1 else "tiny"))
+    if len(sys.argv) > 2 and sys.argv[1] == "--step0":
+        print(step0_table(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 8))
+    else:
+        print(mapping_table(sys.argv[1] if len(sys.argv) > 1 else "tiny"))

@@ -146,6 +146,10 @@ CASES = [
      r"train-00000\.parquet: not a readable parquet file"),
     ("ft-init_from-truncated", "finetune", _ft("--task", "glue/sst2", "--data.path", "{d}/glue", "--init_from",
                                                "{d}/truncated.ckpt"), r"truncated\.ckpt is not a readable"),
+    ("ft-eval_only-missing-ckpt", "finetune", _ft("--task", "glue/sst2", "--data.path", "{d}/glue", "--eval_only", "true",
+                                                  "--init_from", "{d}/none.ckpt"), r"init_from: .*none\.ckpt does not exist"),
+    ("ft-eval_only-no-head", "finetune", _ft("--task", "glue/sst2", "--data.path", "{d}/glue", "--eval_only", "true",
+                                             "--init_from", "{d}/last.ckpt"), r"has no trained glue/sst2 classification head"),
 ]
 SUBPROCESS_CASES = {"text-not-utf8", "ckpt-truncated", "ft-max_train_examples-0"}
 
