@@ -54,8 +54,8 @@ def head_to_head(ctx: Context, variants: Optional[Sequence[str]] = None, bench_s
     planned = {v: model_cost(base, v, base.d_model, base.n_layer, base.n_head)[1] for v in variants}
     budget = ctx.steps * tokens * planned["vanilla"]  # vanilla's --steps steps: what its count measures too
     ctx.validate([["--variant", v] for v in variants], budget=budget)
-    summaries = {v: ctx.run(["--variant", v], steps=budget_step_cap(budget, tokens, planned[v]), budget=budget)
-                 for v in variants}
+    summaries = dict(zip(variants, ctx.run_many([(["--variant", v], budget_step_cap(budget, tokens, planned[v]), budget)
+                                                 for v in variants])))
     timing = bench.run(bench.parse_args([
         "--variants", ",".join(variants), "--size", ctx.size, "--steps", str(bench_steps), "--warmup", "1",
         "--batch_size", str(cfg.data.batch_size), "--seq_len", str(base.block_size), "--vocab_size", str(base.vocab_size),

@@ -129,8 +129,8 @@ def kh_sweep(ctx: Context, ks: Sequence[int], hs: Sequence[int], variant: str = 
             for k in ks for h in hs}
     reference = ["--variant", "vanilla", *options]
     ctx.validate([*grid.values(), reference])
-    vanilla = ctx.run(reference)
-    runs = {key: ctx.run(argv) for key, argv in grid.items()}
+    vanilla, *trained = ctx.run_many([(reference, None, None), *((argv, None, None) for argv in grid.values())])
+    runs = dict(zip(grid, trained))
     rows = []
     for (k, h), s in runs.items():
         rows.append({"K": k, "H": h, "val_loss": s["final_val_loss"], "flops_ratio": s["flops_per_token"]["ratio_to_vanilla"],
