@@ -265,15 +265,12 @@ def test_no_runs_matched_and_unreadable_files_are_one_line_errors(runs, tmp_path
         assert err.startswith("error: ") and str(folder / name) in err
 
 
-def test_cli_entry_point_exit_status_and_glob(runs, tmp_path):
+def test_cli_entry_point_with_a_glob(runs, tmp_path):
     pattern = str(next(iter(runs.values())).parent.parent / "*" / "version_*")
     done = subprocess.run([sys.executable, "-m", "experiments.compare", pattern, "--group_by", "variant",
                            "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("| variant | model.mod.capacity | n |") and (tmp_path / "leaderboard.png").is_file()
-    bad = subprocess.run([sys.executable, "-m", "experiments.compare", str(tmp_path / "missing")], cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and bad.stderr.startswith("error: no run folders matched")
 
 
 # ---------------------------------------------------------------------------- the repro experiments' run table
