@@ -203,8 +203,8 @@ def read_runs(folders: Iterable[pathlib.Path]) -> List[Run]:
     folders = list(folders)
     runs = [run for run in map(read_run, folders) if run is not None]
     if not runs:
-        raise CompareError(f"none of the {len(folders)} run folders matched has finished (no summary.json); "
-                           "wait for the runs to end, or resume them with experiments.run --ckpt_path last")
+        raise CompareError(f"none of the {len(folders)} run folders matched has finished (see the warnings "
+                           "above); wait for the runs to end, or resume them with experiments.run --ckpt_path last")
     return runs
 
 
@@ -231,7 +231,9 @@ def comparability(runs: Sequence[Run]) -> Dict[str, Dict[str, Any]]:
     return checks
 
 
-_DATA_NOT_CONTENT = {"data.batch_size", "data.num_workers", "data.cache_dir", "data.streaming", "data.num_proc"}
+# data options that change neither the tokens nor the tokenizer (the validation split is checked on its own)
+_DATA_NOT_CONTENT = {"data.batch_size", "data.num_workers", "data.cache_dir", "data.streaming", "data.num_proc",
+                     "data.val_fraction"}
 
 
 def refuse_incomparable(runs: Sequence[Run]) -> None:

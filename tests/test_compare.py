@@ -227,6 +227,18 @@ def test_mixed_tokenizers_refused(runs, tmp_path, capsys):
     assert "byte:0123456789abcdef" in err
 
 
+def test_runs_without_checkpoints_are_compared_by_their_data_options(runs, tmp_path, capsys):
+    folders = copy_runs(runs, tmp_path, [("vanilla", 1), ("mod", 1)])
+    for folder in folders.values():
+        shutil.rmtree(folder / "checkpoints")
+    code, _, err = run_cli([str(tmp_path / "runs")], capsys)
+    assert code == 0 and "2 run(s) have no checkpoint with data/tokenizer fingerprints" in err
+    edit_config(folders[("mod", 1)], "data.tokenizer", "byte")
+    code, _, err = run_cli([str(tmp_path / "runs")], capsys)
+    error = err.splitlines()[-1]
+    assert code == 2 and error.startswith("error: runs with different tokenizers") and "data.tokenizer=byte" in error
+
+
 def test_mixed_validation_sets_refused(runs, tmp_path, capsys):
     folders = copy_runs(runs, tmp_path, [("vanilla", 1), ("mod", 1)])
     edit_config(folders[("mod", 1)], "val_batches", 7)  # its loss is a mean over other validation blocks
