@@ -321,6 +321,16 @@ def _varies(group: Sequence[Run], key: str) -> bool:
     return len({_key(r.config.get(key)) for r in group}) > 1
 
 
+def warn_duplicate_seeds(groups: Sequence[Sequence[Run]]) -> None:
+    """Two runs of one configuration with the same seed are (nearly) the same run: both count in n."""
+    for group in groups:
+        seen: Dict[str, pathlib.Path] = {}
+        for r in group:
+            if _key(r.seed) in seen:
+                warn(f"{seen[_key(r.seed)]} and {r.folder} have the same configuration and seed; both count in n")
+            seen.setdefault(_key(r.seed), r.folder)
+
+
 def pareto_front(points: Sequence[Tuple[Optional[float], Optional[float]]]) -> List[bool]:
     """For each (cost, loss): True when no other point has cost <= and loss <= with one strictly lower."""
     def dominated(i: int) -> bool:
@@ -338,7 +348,10 @@ def leaderboard(runs: Sequence[Run], group_by: Optional[Sequence[str]] = None) -
     keys = resolve_group_by(group_by, runs)
     # the grouping options first, then the other options that differ (listed with every value in a group)
     columns = [k for k in dict.fromkeys([*(keys or []), *options]) if k != "model.variant"]
-    rows = [aggregate(g, columns) for g in group_runs(runs, keys)]
+    groups = group_runs(runs, keys)
+    if keys is None:
+        warn_duplicate_seeds(groups)
+    rows = [aggregate(g, columns) for g in groups]
     rows.sort(key=lambda r: (r["val_loss"]["mean"] is None, r["val_loss"]["mean"] or 0.0))
     front = pareto_front([(r["train_flops"]["mean"], r["val_loss"]["mean"]) for r in rows])
     for row, on_front in zip(rows, front):

@@ -231,8 +231,13 @@ def test_runs_without_checkpoints_are_compared_by_their_data_options(runs, tmp_p
     folders = copy_runs(runs, tmp_path, [("vanilla", 1), ("mod", 1)])
     for folder in folders.values():
         shutil.rmtree(folder / "checkpoints")
-    code, _, err = run_cli([str(tmp_path / "runs")], capsys)
-    assert code == 0 and "2 run(s) have no checkpoint with data/tokenizer fingerprints" in err
+    shutil.copytree(folders[("mod", 1)], tmp_path / "runs" / "mod-again")
+    code, out, err = run_cli([str(tmp_path / "runs")], capsys)
+    assert code == 0 and "2 run(s) have no checkpoint with data/tokenizer fingerprints" not in err
+    assert "3 run(s) have no checkpoint with data/tokenizer fingerprints" in err
+    (duplicate,) = [line for line in err.splitlines() if "have the same configuration and seed" in line]
+    assert str(folders[("mod", 1)]) in duplicate and str(tmp_path / "runs" / "mod-again") in duplicate
+    shutil.rmtree(tmp_path / "runs" / "mod-again")
     edit_config(folders[("mod", 1)], "data.tokenizer", "byte")
     code, _, err = run_cli([str(tmp_path / "runs")], capsys)
     error = err.splitlines()[-1]
