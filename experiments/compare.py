@@ -141,8 +141,10 @@ def _unfinished_reason(config: Dict[str, Any], summary: Dict[str, Any]) -> Optio
     max_steps, steps = config.get("trainer.max_steps"), summary.get("steps")
     budget = any(k.rsplit(".", 1)[-1] == "max_train_flops" and v for k, v in config.items())
     epochs = config.get("trainer.max_epochs") not in (None, -1)
-    stops_early = budget or epochs or config.get("trainer.max_time") or summary.get("stopped_by", "max_steps") != "max_steps"
-    if isinstance(max_steps, int) and isinstance(steps, int) and 0 < max_steps and steps < max_steps and not stops_early:
+    by_design = summary.get("stopped_by", "max_steps") != "max_steps"  # e.g. "max_train_flops"
+    if budget or epochs or by_design or config.get("trainer.max_time"):
+        return None
+    if isinstance(max_steps, int) and isinstance(steps, int) and 0 <= steps < max_steps:
         return f"summary.json at step {steps} of trainer.max_steps {max_steps}"
     return None
 
@@ -390,8 +392,9 @@ def to_markdown(board: Dict[str, Any]) -> str:
 
     headers = [*board["options"], "n", *[h for _, h in METRICS], "Pareto"]
     integer = {"steps", "tokens", "parameters"}
-    rows = [[*[_cell(r[k], k in r["varies"]) for k in board["options"]], r["n"], *[_stat_cell(r[k], r["n"], k in integer) for k, _ in METRICS],
-             "*" if r["pareto"] else ""] for r in board["rows"]]
+    rows = [[*[_cell(r[k], k in r["varies"]) for k in board["options"]], r["n"],
+             *[_stat_cell(r[k], r["n"], k in integer) for k, _ in METRICS], "*" if r["pareto"] else ""]
+            for r in board["rows"]]
     note = ("Mean ± std (sample) over the n runs of each row (the seeds of one configuration, unless --group_by "
             "merges configurations; (n=k): only k of them have the number); train FLOPs: measured (routing-aware) "
             "training FLOPs spent; causal val loss: with the routing used in generation, for routing that sees the "

@@ -113,7 +113,8 @@ def test_differing_options_are_found_in_the_resolved_configs(runs):
     assert compare.differing_options(loaded) == ["model.mod.capacity", "model.variant"]
     board = compare.leaderboard(loaded)
     assert board["options"] == ["variant", "model.mod.capacity"]
-    assert row_of(board, "mod")["model.mod.capacity"] == 0.25 and row_of(board, "vanilla")["model.mod.capacity"] == 0.125
+    assert row_of(board, "mod")["model.mod.capacity"] == 0.25
+    assert row_of(board, "vanilla")["model.mod.capacity"] == 0.125
 
 
 def test_files_written_markdown_csv_json_and_plot(runs, tmp_path):
@@ -270,7 +271,8 @@ def test_unfinished_runs_skipped_with_a_warning(runs, tmp_path, capsys):
     code, out, err = run_cli([str(tmp_path / "runs")], capsys)
     assert code == 0
     assert f"warning: skipping {folders[('vanilla', 2)]}: unfinished (no summary.json yet)" in err
-    assert f"warning: skipping {folders[('mod', 2)]}: unfinished (summary.json at step {STEPS} of trainer.max_steps 50)" in err
+    stale = f"warning: skipping {folders[('mod', 2)]}: unfinished (summary.json at step {STEPS} of trainer.max_steps 50)"
+    assert stale in err
     board = compare.compare([str(tmp_path / "runs")])
     assert [r["n"] for r in board["rows"]] == [1, 1]
     assert "| 1 |" in out
