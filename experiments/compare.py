@@ -13,14 +13,15 @@ routing sees the future, e.g. MoD), forward FLOPs per token, median step time an
 
 Runs are seeds of one configuration when every option but the seed and the output paths is equal
 (``IGNORED``); ``--group_by variant[,model.d_model,...]`` groups by those options instead (options that
-vary inside a group are listed with all their values). Rows are sorted by validation loss; ``pareto``
-marks the configurations no other beats on both training FLOPs and validation loss.
+vary inside a group are listed with all their values). Rows are ranked by the causal validation loss
+where they have one, else by the validation loss (what ``summary.json``'s ``final_val_loss`` holds);
+``pareto`` marks the rows no other beats on both training FLOPs and that loss.
 
 Refused (one ``error:`` line, exit status 2): runs with different tokenizers or validation sets (data
 fingerprints from the checkpoints, validation fraction, context length, validation batches evaluated:
 their losses are not comparable), no run folders matched, an unreadable ``summary.json``,
 ``config.yaml`` or checkpoint (the file is named). Unfinished runs (no ``summary.json`` yet, or a
-summary older than the run's ``trainer.max_steps``) are skipped with a warning.
+summary older than the run's ``trainer.max_steps`` although no budget stopped it) are skipped with a warning.
 """
 from __future__ import annotations
 
@@ -44,12 +45,13 @@ IGNORED = ("seed", "log_dir", "version", "ckpt_path", "config", "__path__", "dat
 # Short names accepted by --group_by (as on experiments.run's command line).
 GROUP_ALIASES = {"variant": "model.variant", "size": "model.size", "data": "data.name", "tokenizer": "data.tokenizer",
                  "max_steps": "trainer.max_steps", "batch_size": "data.batch_size"}
-# Keys that may hold the training FLOPs a run actually spent (written by runs with a FLOPs budget).
-SPENT_FLOPS_KEYS = ("train_flops", "train_flops_spent", "spent_train_flops")
 # The measured columns: (key, header). Each is aggregated over the seeds of a configuration.
 METRICS = (("steps", "steps"), ("tokens", "tokens"), ("train_flops", "train FLOPs"), ("val_loss", "val loss"),
            ("val_loss_causal", "causal val loss"), ("flops_per_token", "fwd FLOPs/token"),
            ("step_time_s", "step s"), ("parameters", "params"))
+# The loss rows are ranked and plotted by: the causal loss where the run has one (routing that sees the future
+# cannot generate that way), else the loss; what summary.json's final_val_loss holds since it names its metric.
+HEADLINE = "headline_val_loss"
 
 
 class CompareError(ConfigError):
@@ -69,19 +71,19 @@ class Run:
 
     def metrics(self) -> Dict[str, Optional[float]]:
         s = self.summary
-        per_token = s.get("flops_per_token") or {}
+        per_token, val = s.get("flops_per_token") or {}, s.get("val_metrics") or {}
+        loss, causal = val.get("val/loss", s.get("final_val_loss")), val.get("val/loss_causal")
         return {"steps": s.get("steps"), "tokens": s.get("tokens_seen"), "train_flops": train_flops_spent(s),
-                "val_loss": s.get("final_val_loss"), "val_loss_causal": (s.get("val_metrics") or {}).get("val/loss_causal"),
-                "flops_per_token": per_token.get("forward"), "step_time_s": s.get("median_step_time_s"),
-                "parameters": s.get("parameters")}
+                "val_loss": loss, "val_loss_causal": causal, "flops_per_token": per_token.get("forward"),
+                "step_time_s": s.get("median_step_time_s"), "parameters": s.get("parameters"),
+                HEADLINE: causal if causal is not None else loss}
 
 
 def train_flops_spent(summary: Dict[str, Any]) -> Optional[float]:
-    """Training FLOPs the run spent: the explicit figure of a run with a FLOPs budget when summary.json has
-    one, else the routing-aware training FLOPs per token of the last step times the tokens seen."""
-    for key in SPENT_FLOPS_KEYS:
-        if isinstance(summary.get(key), (int, float)):
-            return float(summary[key])
+    """Training FLOPs the run spent: the measured count of a run with a FLOPs budget (``train_flops``; None
+    without a budget), else the routing-aware training FLOPs per token of the last step times the tokens seen."""
+    if isinstance(summary.get("train_flops"), (int, float)):
+        return float(summary["train_flops"])
     per_token = (summary.get("flops_per_token") or {}).get("training")
     tokens = summary.get("tokens_seen")
     return float(per_token) * float(tokens) if per_token is not None and tokens is not None else None
@@ -139,14 +141,12 @@ def _unfinished_reason(config: Dict[str, Any], summary: Dict[str, Any]) -> Optio
     max_steps, steps = config.get("trainer.max_steps"), summary.get("steps")
     budget = any(k.rsplit(".", 1)[-1] == "max_train_flops" and v for k, v in config.items())
     epochs = config.get("trainer.max_epochs") not in (None, -1)
-    stops_early = budget or epochs or config.get("trainer.max_time") or train_flops_key(summary)
-    if isinstance(max_steps, int) and isinstance(steps, int) and 0 < max_steps and steps < max_steps and not stops_early:
+    by_design = summary.get("stopped_by", "max_steps") != "max_steps"  # e.g. "max_train_flops"
+    if budget or epochs or by_design or config.get("trainer.max_time"):
+        return None
+    if isinstance(max_steps, int) and isinstance(steps, int) and 0 <= steps < max_steps:
         return f"summary.json at step {steps} of trainer.max_steps {max_steps}"
     return None
-
-
-def train_flops_key(summary: Dict[str, Any]) -> Optional[str]:
-    return next((k for k in SPENT_FLOPS_KEYS if k in summary), None)
 
 
 def _read_json(path: pathlib.Path) -> Dict[str, Any]:
@@ -203,8 +203,8 @@ def read_runs(folders: Iterable[pathlib.Path]) -> List[Run]:
     folders = list(folders)
     runs = [run for run in map(read_run, folders) if run is not None]
     if not runs:
-        raise CompareError(f"none of the {len(folders)} run folders matched has finished (no summary.json); "
-                           "wait for the runs to end, or resume them with experiments.run --ckpt_path last")
+        raise CompareError(f"none of the {len(folders)} run folders matched has finished (see the warnings "
+                           "above); wait for the runs to end, or resume them with experiments.run --ckpt_path last")
     return runs
 
 
@@ -223,15 +223,18 @@ def comparability(runs: Sequence[Run]) -> Dict[str, Dict[str, Any]]:
                                                              if k.startswith("data.") and k not in _DATA_NOT_CONTENT)
         tokenizer = r.fingerprints["tokenizer"] if exact else f"data.tokenizer={c.get('data.tokenizer')} ({data})"
         val_fraction = r.fingerprints.get("val_fraction") if exact else c.get("data.val_fraction")
-        evaluated = (c.get("val_batches"), c.get("data.batch_size"), r.summary.get("world_size", 1))
+        # val_batches is a global count, split across the ranks: the same blocks for any world size
+        evaluated = (c.get("val_batches"), c.get("data.batch_size"))
         checks["tokenizer"][str(r.folder)] = tokenizer
         checks["validation set"][str(r.folder)] = (
             f"data {data}, val_fraction {val_fraction}, block_size {c.get('model.block_size')}, "
-            f"{evaluated[0]} val batches x batch_size {evaluated[1]} x {evaluated[2]} ranks")
+            f"{evaluated[0]} val batches x batch_size {evaluated[1]}")
     return checks
 
 
-_DATA_NOT_CONTENT = {"data.batch_size", "data.num_workers", "data.cache_dir", "data.streaming", "data.num_proc"}
+# data options that change neither the tokens nor the tokenizer (the validation split is checked on its own)
+_DATA_NOT_CONTENT = {"data.batch_size", "data.num_workers", "data.cache_dir", "data.streaming", "data.num_proc",
+                     "data.val_fraction"}
 
 
 def refuse_incomparable(runs: Sequence[Run]) -> None:
@@ -304,7 +307,7 @@ def aggregate(group: Sequence[Run], options: Sequence[str]) -> Dict[str, Any]:
     row["varies"] = [k for k in ("variant", *options) if _varies(group, "model.variant" if k == "variant" else k)]
     row["n"] = len(group)
     row["seeds"] = [r.seed for r in group]
-    row.update({key: mean_std([m[key] for m in per_run]) for key, _ in METRICS})
+    row.update({key: mean_std([m[key] for m in per_run]) for key in (*[k for k, _ in METRICS], HEADLINE)})
     row["runs"] = [str(r.folder) for r in group]
     return row
 
@@ -317,6 +320,16 @@ def _values(group: Sequence[Run], key: str) -> Any:
 
 def _varies(group: Sequence[Run], key: str) -> bool:
     return len({_key(r.config.get(key)) for r in group}) > 1
+
+
+def warn_duplicate_seeds(groups: Sequence[Sequence[Run]]) -> None:
+    """Two runs of one configuration with the same seed are (nearly) the same run: both count in n."""
+    for group in groups:
+        seen: Dict[str, pathlib.Path] = {}
+        for r in group:
+            if _key(r.seed) in seen:
+                warn(f"{seen[_key(r.seed)]} and {r.folder} have the same configuration and seed; both count in n")
+            seen.setdefault(_key(r.seed), r.folder)
 
 
 def pareto_front(points: Sequence[Tuple[Optional[float], Optional[float]]]) -> List[bool]:
@@ -336,13 +349,16 @@ def leaderboard(runs: Sequence[Run], group_by: Optional[Sequence[str]] = None) -
     keys = resolve_group_by(group_by, runs)
     # the grouping options first, then the other options that differ (listed with every value in a group)
     columns = [k for k in dict.fromkeys([*(keys or []), *options]) if k != "model.variant"]
-    rows = [aggregate(g, columns) for g in group_runs(runs, keys)]
-    rows.sort(key=lambda r: (r["val_loss"]["mean"] is None, r["val_loss"]["mean"] or 0.0))
-    front = pareto_front([(r["train_flops"]["mean"], r["val_loss"]["mean"]) for r in rows])
+    groups = group_runs(runs, keys)
+    if keys is None:
+        warn_duplicate_seeds(groups)
+    rows = [aggregate(g, columns) for g in groups]
+    rows.sort(key=lambda r: (r[HEADLINE]["mean"] is None, r[HEADLINE]["mean"] or 0.0))
+    front = pareto_front([(r["train_flops"]["mean"], r[HEADLINE]["mean"]) for r in rows])
     for row, on_front in zip(rows, front):
         row["pareto"] = on_front
     return {"group_by": keys or "configuration (every option but the seed and output paths)",
-            "options": ["variant", *columns], "metrics": [k for k, _ in METRICS], "rows": rows,
+            "options": ["variant", *columns], "metrics": [*[k for k, _ in METRICS], HEADLINE], "rows": rows,
             "runs": [{"run_dir": str(r.folder), "seed": r.seed, "variant": r.config.get("model.variant"), **r.metrics()}
                      for r in runs]}
 
@@ -376,12 +392,14 @@ def to_markdown(board: Dict[str, Any]) -> str:
 
     headers = [*board["options"], "n", *[h for _, h in METRICS], "Pareto"]
     integer = {"steps", "tokens", "parameters"}
-    rows = [[*[_cell(r[k], k in r["varies"]) for k in board["options"]], r["n"], *[_stat_cell(r[k], r["n"], k in integer) for k, _ in METRICS],
-             "*" if r["pareto"] else ""] for r in board["rows"]]
+    rows = [[*[_cell(r[k], k in r["varies"]) for k in board["options"]], r["n"],
+             *[_stat_cell(r[k], r["n"], k in integer) for k, _ in METRICS], "*" if r["pareto"] else ""]
+            for r in board["rows"]]
     note = ("Mean ± std (sample) over the n runs of each row (the seeds of one configuration, unless --group_by "
             "merges configurations; (n=k): only k of them have the number); train FLOPs: measured (routing-aware) "
-            "training FLOPs spent; step s: median step time; Pareto *: no configuration has both fewer training "
-            "FLOPs and a lower validation loss.")
+            "training FLOPs spent; causal val loss: with the routing used in generation, for routing that sees the "
+            "future; rows ranked by it where they have it, else by val loss; step s: median step time; Pareto *: "
+            "no other row has both fewer training FLOPs and a lower (causal where present) validation loss.")
     return markdown_table(headers, rows) + "\n\n" + note + "\n"
 
 
@@ -414,23 +432,23 @@ def plot(board: Dict[str, Any], path: pathlib.Path) -> Optional[pathlib.Path]:
     Pareto front drawn through its points. None when no configuration has both numbers."""
     from experiments.repro.common import figure
 
-    rows = [r for r in board["rows"] if r["train_flops"]["mean"] is not None and r["val_loss"]["mean"] is not None]
+    rows = [r for r in board["rows"] if r["train_flops"]["mean"] is not None and r[HEADLINE]["mean"] is not None]
     if not rows:
         return None
     fig, axes = figure(1, 1, width=7.0, height=4.8)
     ax = axes[0, 0]
     for i, r in enumerate(rows):
-        ax.errorbar(r["train_flops"]["mean"], r["val_loss"]["mean"], xerr=r["train_flops"]["std"] or 0.0,
-                    yerr=r["val_loss"]["std"] or 0.0, fmt="osD^vP*Xh<>"[i % 11], color=f"C{i % 10}", capsize=3,
+        ax.errorbar(r["train_flops"]["mean"], r[HEADLINE]["mean"], xerr=r["train_flops"]["std"] or 0.0,
+                    yerr=r[HEADLINE]["std"] or 0.0, fmt="osD^vP*Xh<>"[i % 11], color=f"C{i % 10}", capsize=3,
                     label=f"{row_label(r, board['options'])} (n={r['n']})")
-    front = sorted((r["train_flops"]["mean"], r["val_loss"]["mean"]) for r in rows if r["pareto"])
+    front = sorted((r["train_flops"]["mean"], r[HEADLINE]["mean"]) for r in rows if r["pareto"])
     ax.plot(*zip(*front), color="black", linestyle="--", linewidth=1, marker="o", markerfacecolor="none",
             markersize=12, label="Pareto front")
     costs = [r["train_flops"]["mean"] for r in rows]
     if min(costs) > 0 and max(costs) / min(costs) > 10:
         ax.set_xscale("log")
     ax.set_xlabel("training FLOPs spent (measured)")
-    ax.set_ylabel("validation loss (nats/token, mean ± std over seeds)")
+    ax.set_ylabel("validation loss (causal where the run has one; mean ± std)")
     ax.set_title("Validation loss vs training compute")
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()

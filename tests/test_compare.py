@@ -92,9 +92,11 @@ def test_real_runs_one_row_per_configuration_with_its_seeds(runs, tmp_path):
         row = row_of(board, name)
         assert row["n"] == 2 and sorted(row["seeds"]) == list(SEEDS)
         summaries = [json.loads((runs[(name, s)] / "summary.json").read_text()) for s in SEEDS]
-        losses = [s["final_val_loss"] for s in summaries]
+        losses = [s["val_metrics"]["val/loss"] for s in summaries]
         assert row["val_loss"]["mean"] == pytest.approx(sum(losses) / 2)
         assert row["val_loss"]["std"] == pytest.approx(abs(losses[0] - losses[1]) / math.sqrt(2))
+        headline = [s["val_metrics"].get("val/loss_causal", s["val_metrics"]["val/loss"]) for s in summaries]
+        assert row["headline_val_loss"]["mean"] == pytest.approx(sum(headline) / 2)
         assert row["steps"]["mean"] == STEPS and row["tokens"]["mean"] == summaries[0]["tokens_seen"]
         flops = [s["flops_per_token"]["training"] * s["tokens_seen"] for s in summaries]
         assert row["train_flops"]["mean"] == pytest.approx(sum(flops) / 2)
@@ -111,7 +113,8 @@ def test_differing_options_are_found_in_the_resolved_configs(runs):
     assert compare.differing_options(loaded) == ["model.mod.capacity", "model.variant"]
     board = compare.leaderboard(loaded)
     assert board["options"] == ["variant", "model.mod.capacity"]
-    assert row_of(board, "mod")["model.mod.capacity"] == 0.25 and row_of(board, "vanilla")["model.mod.capacity"] == 0.125
+    assert row_of(board, "mod")["model.mod.capacity"] == 0.25
+    assert row_of(board, "vanilla")["model.mod.capacity"] == 0.125
 
 
 def test_files_written_markdown_csv_json_and_plot(runs, tmp_path):
@@ -149,28 +152,36 @@ def test_plot_has_error_bars_pareto_front_legend_and_labels(runs, tmp_path, monk
 def test_aggregation_checked_by_hand_on_known_numbers(runs, tmp_path):
     """Summaries with known values in copies of the real folders: mean, sample std, n and the spent FLOPs."""
     folders = copy_runs(runs, tmp_path)
-    known = {("vanilla", 1): dict(final_val_loss=2.0, tokens_seen=1000, flops_per_token={"forward": 10.0, "training": 30.0}),
-             ("vanilla", 2): dict(final_val_loss=3.0, tokens_seen=1000, flops_per_token={"forward": 10.0, "training": 30.0}),
-             ("mod", 1): dict(final_val_loss=4.0, tokens_seen=2000, flops_per_token={"forward": 5.0, "training": 15.0},
-                              median_step_time_s=0.1),
-             # an explicit spent-FLOPs figure wins over FLOPs/token x tokens
-             ("mod", 2): dict(final_val_loss=6.0, tokens_seen=2000, flops_per_token={"forward": 7.0, "training": 21.0},
-                              train_flops=50_000.0, median_step_time_s=0.3)}
+    known = {("vanilla", 1): dict(val_metrics={"val/loss": 2.0}, tokens_seen=1000,
+                                  flops_per_token={"forward": 10.0, "training": 30.0}),
+             # no budget: summary.json's train_flops is None, the FLOPs are FLOPs/token x tokens
+             ("vanilla", 2): dict(val_metrics={"val/loss": 3.0}, tokens_seen=1000, train_flops=None,
+                                  flops_per_token={"forward": 10.0, "training": 30.0}),
+             # MoD's causal losses rank it: below vanilla although its (non-causal) val loss is lower
+             ("mod", 1): dict(val_metrics={"val/loss": 1.0, "val/loss_causal": 4.0}, tokens_seen=2000,
+                              flops_per_token={"forward": 5.0, "training": 15.0}, median_step_time_s=0.1),
+             # the FLOPs a budgeted run counted win over FLOPs/token x tokens
+             ("mod", 2): dict(val_metrics={"val/loss": 2.0, "val/loss_causal": 6.0}, tokens_seen=2000,
+                              flops_per_token={"forward": 7.0, "training": 21.0}, train_flops=50_000.0,
+                              median_step_time_s=0.3)}
     for key, values in known.items():
         edit_summary(folders[key], **values)
     board = compare.compare([str(tmp_path / "runs")])
     vanilla, mod = row_of(board, "vanilla"), row_of(board, "mod")
     assert vanilla["val_loss"] == {"mean": 2.5, "std": pytest.approx(math.sqrt(0.5)), "n": 2}
     assert vanilla["train_flops"] == {"mean": 30_000.0, "std": 0.0, "n": 2}
-    assert mod["val_loss"] == {"mean": 5.0, "std": pytest.approx(math.sqrt(2.0)), "n": 2}
+    assert mod["val_loss_causal"] == {"mean": 5.0, "std": pytest.approx(math.sqrt(2.0)), "n": 2}
+    assert mod["val_loss"] == {"mean": 1.5, "std": pytest.approx(math.sqrt(0.5)), "n": 2}
+    assert mod["headline_val_loss"]["mean"] == 5.0 and vanilla["headline_val_loss"]["mean"] == 2.5
     assert mod["train_flops"]["mean"] == pytest.approx((30_000.0 + 50_000.0) / 2)
     assert mod["train_flops"]["std"] == pytest.approx(math.sqrt(2) * 10_000.0)
     assert mod["flops_per_token"]["mean"] == 6.0 and mod["step_time_s"]["mean"] == pytest.approx(0.2)
-    assert [r["variant"] for r in board["rows"]] == ["vanilla", "mod"]  # lower loss first
+    assert [r["variant"] for r in board["rows"]] == ["vanilla", "mod"]  # lower (causal where present) loss first
     # vanilla: less loss at the same or lower FLOPs than MoD's mean (30k vs 40k): MoD is dominated
     assert [r["pareto"] for r in board["rows"]] == [True, False]
     markdown = compare.to_markdown(board)
-    assert "| vanilla | 0.1250 | 2 |" in markdown and "2.5000 ± 0.7071" in markdown and "5.0000 ± 1.4142" in markdown
+    assert "| vanilla | 0.1250 | 2 |" in markdown and "| 2.5000 ± 0.7071 | - |" in markdown
+    assert "| 1.5000 ± 0.7071 | 5.0000 ± 1.4142 |" in markdown
 
 
 def test_pareto_front_by_hand():
@@ -189,7 +200,7 @@ def test_group_by_variant_merges_configurations_and_lists_their_values(runs, tmp
     extra = tmp_path / "runs" / "vanilla-lr"
     shutil.copytree(runs[("vanilla", 1)], extra)
     edit_config(extra, "optim.lr", 0.5)
-    edit_summary(extra, final_val_loss=9.0)
+    edit_summary(extra, val_metrics={"val/loss": 9.0})
     by_config = compare.compare([str(tmp_path / "runs")])
     assert "optim.lr" in by_config["options"]
     assert sorted(r["n"] for r in by_config["rows"]) == [1, 2, 2]  # the other lr is another configuration
@@ -199,7 +210,8 @@ def test_group_by_variant_merges_configurations_and_lists_their_values(runs, tmp
     assert vanilla["varies"] == ["optim.lr"] and row_of(by_variant, "mod")["varies"] == []
     lr_cell = " / ".join(f"{v:.4f}" for v in vanilla["optim.lr"])
     assert f"| vanilla | 0.1250 | {lr_cell} | 3 |" in compare.to_markdown(by_variant)
-    losses = [json.loads((folders[("vanilla", s)] / "summary.json").read_text())["final_val_loss"] for s in SEEDS] + [9.0]
+    losses = [json.loads((folders[("vanilla", s)] / "summary.json").read_text())["val_metrics"]["val/loss"]
+              for s in SEEDS] + [9.0]
     assert vanilla["val_loss"]["mean"] == pytest.approx(sum(losses) / 3)
     with pytest.raises(compare.CompareError, match="--group_by: unknown option 'colour'"):
         compare.compare([str(tmp_path / "runs")], group_by=["colour"])
@@ -227,6 +239,23 @@ def test_mixed_tokenizers_refused(runs, tmp_path, capsys):
     assert "byte:0123456789abcdef" in err
 
 
+def test_runs_without_checkpoints_are_compared_by_their_data_options(runs, tmp_path, capsys):
+    folders = copy_runs(runs, tmp_path, [("vanilla", 1), ("mod", 1)])
+    for folder in folders.values():
+        shutil.rmtree(folder / "checkpoints")
+    shutil.copytree(folders[("mod", 1)], tmp_path / "runs" / "mod-again")
+    code, out, err = run_cli([str(tmp_path / "runs")], capsys)
+    assert code == 0 and "2 run(s) have no checkpoint with data/tokenizer fingerprints" not in err
+    assert "3 run(s) have no checkpoint with data/tokenizer fingerprints" in err
+    (duplicate,) = [line for line in err.splitlines() if "have the same configuration and seed" in line]
+    assert str(folders[("mod", 1)]) in duplicate and str(tmp_path / "runs" / "mod-again") in duplicate
+    shutil.rmtree(tmp_path / "runs" / "mod-again")
+    edit_config(folders[("mod", 1)], "data.tokenizer", "byte")
+    code, _, err = run_cli([str(tmp_path / "runs")], capsys)
+    error = err.splitlines()[-1]
+    assert code == 2 and error.startswith("error: runs with different tokenizers") and "data.tokenizer=byte" in error
+
+
 def test_mixed_validation_sets_refused(runs, tmp_path, capsys):
     folders = copy_runs(runs, tmp_path, [("vanilla", 1), ("mod", 1)])
     edit_config(folders[("mod", 1)], "val_batches", 7)  # its loss is a mean over other validation blocks
@@ -242,10 +271,15 @@ def test_unfinished_runs_skipped_with_a_warning(runs, tmp_path, capsys):
     code, out, err = run_cli([str(tmp_path / "runs")], capsys)
     assert code == 0
     assert f"warning: skipping {folders[('vanilla', 2)]}: unfinished (no summary.json yet)" in err
-    assert f"warning: skipping {folders[('mod', 2)]}: unfinished (summary.json at step {STEPS} of trainer.max_steps 50)" in err
+    stale = f"warning: skipping {folders[('mod', 2)]}: unfinished (summary.json at step {STEPS} of trainer.max_steps 50)"
+    assert stale in err
     board = compare.compare([str(tmp_path / "runs")])
     assert [r["n"] for r in board["rows"]] == [1, 1]
     assert "| 1 |" in out
+    # a FLOPs budget that ended the run before max_steps: finished
+    edit_summary(folders[("mod", 2)], stopped_by="max_train_flops", max_train_flops=1e9, train_flops=1.01e9)
+    rows = compare.compare([str(tmp_path / "runs")])["rows"]  # its max_steps makes it a configuration of its own
+    assert sorted(r["n"] for r in rows) == [1, 1, 1] and any(r["trainer.max_steps"] == 50 for r in rows)
 
 
 def test_no_runs_matched_and_unreadable_files_are_one_line_errors(runs, tmp_path, capsys):
@@ -265,15 +299,12 @@ def test_no_runs_matched_and_unreadable_files_are_one_line_errors(runs, tmp_path
         assert err.startswith("error: ") and str(folder / name) in err
 
 
-def test_cli_entry_point_exit_status_and_glob(runs, tmp_path):
+def test_cli_entry_point_with_a_glob(runs, tmp_path):
     pattern = str(next(iter(runs.values())).parent.parent / "*" / "version_*")
     done = subprocess.run([sys.executable, "-m", "experiments.compare", pattern, "--group_by", "variant",
                            "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("| variant | model.mod.capacity | n |") and (tmp_path / "leaderboard.png").is_file()
-    bad = subprocess.run([sys.executable, "-m", "experiments.compare", str(tmp_path / "missing")], cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and bad.stderr.startswith("error: no run folders matched")
 
 
 # ---------------------------------------------------------------------------- the repro experiments' run table
