@@ -80,22 +80,29 @@ def check_causal(model, idx: torch.Tensor, t: int, training: bool, causal_routin
 
 
 # ---------------------------------------------------------------------------- fp32 router values
-class _RouterCalls(TorchFunctionMode):
-    """Records every ``F.linear`` whose weight is a router parameter: (name, input, weight, bias, output)."""
+_CASTS = {torch.Tensor.to, torch.Tensor.bfloat16, torch.Tensor.half, torch.Tensor.float, torch.Tensor.type}
 
-    def __init__(self, params: Dict[int, str]):
+
+class _RouterCalls(TorchFunctionMode):
+    """Records every ``F.linear`` whose weight is a router parameter, or a copy of one cast to another
+    dtype: (name, input, the parameter itself, bias, output)."""
+
+    def __init__(self, params: Dict[int, tuple]):
         super().__init__()
-        self.params, self.calls = params, []
+        self.params, self.calls = dict(params), []  # id -> (name, parameter): casts are added as seen
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func is F.linear:
+        if func in _CASTS and args and id(args[0]) in self.params and isinstance(out, torch.Tensor):
+            self.params[id(out)] = (*self.params[id(args[0])], out)  # keep the copy alive: ids stay unique
+        elif func is F.linear:
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             if id(weight) in self.params:
-                self.calls.append((self.params[id(weight)], x.detach(), weight.detach(),
-                                   None if bias is None else bias.detach(), out.detach()))
+                name, param = self.params[id(weight)][:2]
+                self.calls.append((name, x.detach(), param.detach(), None if bias is None else bias.detach(),
+                                   out.detach()))
         return out
 
 
@@ -112,22 +119,16 @@ def _rounded_to(tensor: torch.Tensor, dtype: torch.dtype) -> float:
 def check_router_fp32(model, idx: torch.Tensor) -> None:
     """Under bf16 autocast the router projections are those of an fp32 computation, value for value.
 
-    Every ``F.linear`` on a router parameter is recomputed in fp32 (autocast off) from its recorded input
-    and must match exactly; and each site's logits must not be bf16 / fp16 values cast to float (catches
-    a router that casts its input or weight down before the projection, which the recomputation cannot see).
+    Each site's logits must not be bf16 / fp16 values cast to float; every ``F.linear`` on a router
+    parameter (or on a copy of it cast to another dtype) is recomputed in fp32 (autocast off) from its
+    recorded input and the parameter itself, and must match exactly. (An input cast down by hand before
+    an fp32 projection is not seen: its fp32 original is not recorded.)
     """
-    params = {id(p): name for name, p in model.named_parameters() if ROUTER_PARAMETER.search(name)}
+    params = {id(p): (name, p) for name, p in model.named_parameters() if ROUTER_PARAMETER.search(name)}
     recorder = _RouterCalls(params)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), recorder:
         torch.manual_seed(1234)
         out = model(idx)
-    assert recorder.calls or not params, f"no F.linear on the router parameters {sorted(params.values())[:4]} was seen"
-    for name, x, weight, bias, result in recorder.calls:
-        with torch.autocast("cpu", enabled=False):
-            exact = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-        assert result.dtype == torch.float32, f"{name}: router projection ran in {result.dtype} under autocast"
-        assert torch.equal(result, exact), \
-            f"{name}: router projection differs from its fp32 recomputation by {(result - exact).abs().max():.2e}"
     for site in out.trace:
         for what in ("logits", "weights", "probs"):
             tensor = getattr(site, what)
@@ -136,6 +137,15 @@ def check_router_fp32(model, idx: torch.Tensor) -> None:
             for low in (torch.bfloat16, torch.float16):
                 share = _rounded_to(site.logits, low)
                 assert share < 0.5, f"{site.name}: {100 * share:.0f}% of the router logits are {low} values cast to float"
+    assert recorder.calls or not params, \
+        f"no F.linear on the router parameters {sorted(n for n, _ in params.values())[:4]} was seen: " \
+        "compute routers with architectures.routing.fp32_linear"
+    for name, x, weight, bias, result in recorder.calls:
+        with torch.autocast("cpu", enabled=False):
+            exact = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        assert result.dtype == torch.float32, f"{name}: router projection ran in {result.dtype} under autocast"
+        assert torch.equal(result, exact), \
+            f"{name}: router projection differs from its fp32 recomputation by {(result - exact).abs().max():.2e}"
 
 
 # ---------------------------------------------------------------------------- routing sites
