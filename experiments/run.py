@@ -94,7 +94,8 @@ def build_parser() -> ArgumentParser:
                         help="refuse --init_from when its tokenizer differs or it initialises less than "
                         "--init_min_share of the parameters")
     parser.add_argument("--init_min_share", type=float, default=0.5,
-                        help="smallest share of the model's parameters --init_from must initialise (strict mode)")
+                        help="smallest share of the model's parameters outside the embeddings --init_from must "
+                             "initialise (strict mode)")
     parser.add_argument("--val_every", type=int, default=100, help="validate every N optimisation steps")
     parser.add_argument("--val_batches", type=int, default=20, help="batches per validation set and rank")
     parser.add_argument("--compile", type=bool, default=False,

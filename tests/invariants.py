@@ -28,7 +28,14 @@ ROUTER_PARAMETER = re.compile(r"(^|\.)(\w*router|gate)\.")
 
 
 def router_modules(model: nn.Module) -> Dict[str, nn.Module]:
-    return {name: module for name, module in model.named_modules() if ROUTER_MODULE.search(name)}
+    """The routers (by attribute name, or a module class named ``*Router``), outermost only: a router's
+    own parts (MoM's ``attn_router.out``) are not routers of their own."""
+    found: Dict[str, nn.Module] = {}
+    for name, module in model.named_modules():
+        is_router = bool(ROUTER_MODULE.search(name)) or (bool(name) and type(module).__name__.endswith("Router"))
+        if is_router and not any(name.startswith(outer + ".") for outer in found):
+            found[name] = module
+    return found
 
 
 def changed_after(idx: torch.Tensor, t: int, vocab_size: int) -> torch.Tensor:
@@ -124,7 +131,9 @@ def check_router_fp32(model, idx: torch.Tensor) -> None:
     recorded input and the parameter itself, and must match exactly. (An input cast down by hand before
     an fp32 projection is not seen: its fp32 original is not recorded.)
     """
-    params = {id(p): (name, p) for name, p in model.named_parameters() if ROUTER_PARAMETER.search(name)}
+    routers = router_modules(model)
+    params = {id(p): (name, p) for name, p in model.named_parameters()
+              if ROUTER_PARAMETER.search(name) or any(name.startswith(r + ".") for r in routers)}
     recorder = _RouterCalls(params)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), recorder:
         torch.manual_seed(1234)
