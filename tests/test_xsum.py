@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from architectures import KVCache, ModelConfig, build_model, variant_names
-from architectures.config import ConfigError
 from datamodules.corpora import DataError
 from datamodules.tokenizer import get_tokenizer
 from datamodules.xsum import (IGNORE, SEPARATOR, SummaryTrainSet, XSumDataModule, encode, load_split, prompt_ids,
