@@ -99,7 +99,8 @@ def build_parser() -> ArgumentParser:
                         help="refuse --init_from when its tokenizer differs or it initialises less than "
                         "--init_min_share of the parameters")
     parser.add_argument("--init_min_share", type=float, default=0.5,
-                        help="smallest share of the model's parameters --init_from must initialise (strict mode)")
+                        help="smallest share of the model's parameters outside the embeddings --init_from must "
+                             "initialise (strict mode)")
     parser.add_argument("--max_train_flops", type=Optional[float], default=None,
                         help="training budget in measured FLOPs (routing-aware, every rank and micro-batch): stop at "
                         "the first step that reaches it; the LR cosine follows the share spent; --max_steps stays a "

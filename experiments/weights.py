@@ -6,9 +6,12 @@ A checkpoint of the target's own variant loads by name; a vanilla one goes throu
 ``vanilla_state_mapping`` (the paper-faithful mapping). Before loading, a table of loaded / mapped /
 unused / newly initialised tensors (counts and share of parameters) goes to stderr; in strict mode (the
 command lines' default) a source trained with another tokenizer, or one that initialises less than
-``--init_min_share`` of the parameters, is refused. ``python -m experiments.weights [SIZE]`` prints, for
-every variant, what a vanilla model of SIZE initialises (the README's table); ``python -m experiments.weights
---step0 RUN_DIR [BATCHES]`` the step-0 validation loss of every variant started from that vanilla run.
+``--init_min_share`` of the parameters outside the embeddings, is refused. Shares leave the token and
+position embeddings (and the head tied to them) out: at small sizes they are most of the parameters, so
+a source missing half the model's blocks would otherwise still count as almost fully initialising it.
+``python -m experiments.weights [SIZE]`` prints, for every variant, what a vanilla model of SIZE initialises
+(the README's table); ``python -m experiments.weights --step0 RUN_DIR [BATCHES]`` the step-0 validation loss
+of every variant started from that vanilla run.
 """
 from __future__ import annotations
 
@@ -89,10 +92,16 @@ def _hf_state(source: str) -> Dict[str, torch.Tensor]:
 
 DEFAULT_MIN_SHARE = 0.5  # refuse (unless --init_strict false) when less of the model than this is initialised
 
+#: the token / position embeddings and the head tied to them: left out of every share (see the docstring)
+EMBEDDINGS = ("wte.weight", "wpe.weight", "lm_head.weight")
+
 
 @dataclasses.dataclass
 class InitReport:
-    """What ``--init_from`` did, counted in tensors and in parameters (shared tensors counted once)."""
+    """What ``--init_from`` did, counted in tensors and in parameters (shared tensors counted once).
+
+    Shares are of the parameters outside the embeddings (``EMBEDDINGS``): the blocks, routers and final
+    LayerNorm, what a variant adds to the embedding tables."""
 
     loaded: List[str]  # same name in source and model
     mapped: List[Tuple[str, str]]  # (model name, source name): the variant's vanilla mapping
@@ -105,8 +114,13 @@ class InitReport:
     def model_parameters(self) -> int:
         return sum(self.sizes.values())
 
+    @property
+    def body_parameters(self) -> int:
+        """Parameters outside the embeddings: what every share is a share of."""
+        return sum(size for name, size in self.sizes.items() if name not in EMBEDDINGS)
+
     def share(self, names) -> float:
-        return sum(self.sizes.get(n, 0) for n in names) / max(self.model_parameters, 1)
+        return sum(self.sizes.get(n, 0) for n in names if n not in EMBEDDINGS) / max(self.body_parameters, 1)
 
     @property
     def initialised_share(self) -> float:
@@ -115,14 +129,18 @@ class InitReport:
     def table(self, source: str, variant: str) -> str:
         source_total = max(sum(self.source_sizes.values()), 1)
         rows = [
-            ("loaded (same name)", len(self.loaded), self.share(self.loaded), "of the model"),
-            ("mapped (renamed)", len(self.mapped), self.share([t for t, _ in self.mapped]), "of the model"),
-            ("newly initialised", len(self.new), self.share(self.new), "of the model"),
+            ("loaded (same name)", len(self.loaded), self.share(self.loaded), "outside the embeddings"),
+            ("mapped (renamed)", len(self.mapped), self.share([t for t, _ in self.mapped]), "outside the embeddings"),
+            ("newly initialised", len(self.new), self.share(self.new), "outside the embeddings"),
             ("unused in source", len(self.unused), sum(self.source_sizes[n] for n in self.unused) / source_total,
              "of the source"),
         ]
-        lines = [f"init_from {source} -> {variant}: {100 * self.initialised_share:.1f}% of "
-                 f"{self.model_parameters:,} parameters initialised from the source",
+        embeddings = [n for n in EMBEDDINGS if self.sizes.get(n)]
+        from_source = {*self.loaded, *(t for t, _ in self.mapped)}
+        lines = [f"init_from {source} -> {variant}: {100 * self.initialised_share:.1f}% of the "
+                 f"{self.body_parameters:,} parameters outside the embeddings initialised from the source "
+                 f"(embeddings {', '.join(embeddings)}: "
+                 f"{'from the source' if all(n in from_source for n in embeddings) else 'not all from the source'})",
                  f"  {'tensors':<20} {'count':>6} {'share':>7}"]
         lines += [f"  {name:<20} {count:>6} {100 * share:>6.1f}% {what}" for name, count, share, what in rows]
         for label, names in (("new", self.new), ("unused", self.unused)):
@@ -221,7 +239,7 @@ def load_initial_weights(model: torch.nn.Module, source: str, strict: bool = Fal
     print(report.table(source, variant), file=sys.stderr)
     if strict and report.initialised_share < min_share:
         raise ConfigError(f"init_from: only {100 * report.initialised_share:.1f}% of the {variant} model's parameters "
-                          f"come from {source} (threshold {100 * min_share:.0f}%); pass --init_strict false to "
+                          f"outside the embeddings come from {source} (threshold {100 * min_share:.0f}%); pass --init_strict false to "
                           "train the rest from scratch anyway")
     if variant == "vanilla" and report.new:
         raise ConfigError(f"init_from: checkpoint lacks {report.new[:5]} for a vanilla model")
@@ -241,7 +259,8 @@ def mapping_table(size: str = "tiny") -> str:
     from architectures.registry import apply_preset
 
     state = build_model(ModelConfig(variant="vanilla", size=size).resolve()).state_dict()
-    lines = [f"| variant | share of parameters from vanilla ({size}) | tensors loaded / mapped / new / unused | |",
+    lines = [f"| variant | share of parameters outside the embeddings from vanilla ({size}) | "
+             "tensors loaded / mapped / new / unused | |",
              "|---|---|---|---|"]
     for name in variant_names():
         model = build_model(apply_preset(ModelConfig(variant=name, size=size)).resolve())

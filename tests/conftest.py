@@ -19,6 +19,14 @@ TINY_RUN = [
     "--data.batch_size", "4", "--val_batches", "2", "--trainer.enable_progress_bar", "false",
 ]
 
+# Presets that need more layers than a 1- or 2-layer test model has: MoM-E / MoM-I pick K=3 of a pool of
+# n_layer - 1 modules + SKIP. Cross-variant loops build every variant, with at least these layers.
+MIN_LAYERS = {"mom_e": 3, "mom_i": 3}
+
+
+def tiny_layers(variant: str, n_layer: int) -> int:
+    return max(n_layer, MIN_LAYERS.get(variant, 1))
+
 
 @pytest.fixture
 def offline(monkeypatch):

@@ -286,7 +286,7 @@ def test_classes_are_registered():
 def _cli_summary(variant, tmp_path, *extra):
     import math
 
-    run = pytest.importorskip("experiments.run")
+    from experiments import run
     from tests.conftest import TINY_RUN
 
     folder = run.main(["--variant", variant, "--max_steps", "3", "--val_every", "3", "--log_dir", str(tmp_path),
@@ -321,7 +321,7 @@ def test_cli_cea_moe_reports_inner_routing(tmp_path):
 
 
 def test_cli_rejects_bad_ratio_before_any_work(tmp_path):
-    run = pytest.importorskip("experiments.run")
+    from experiments import run
     with pytest.raises(ConfigError, match=r"^model\.combo\.outer_ratio: must be in \[0, 1\]"):
         run.main(["--variant", "caa", "--model.combo.outer_ratio", "1.5", "--max_steps", "3", "--log_dir", str(tmp_path)])
     assert not any(tmp_path.iterdir())

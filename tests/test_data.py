@@ -184,7 +184,7 @@ def _age(path, seconds=token_cache.ORPHAN_AGE_S + 60):
 
 
 def test_orphan_scratch_folder_of_a_killed_dataset_build_is_removed(tmp_path):
-    datasets = pytest.importorskip("datasets")
+    import datasets  # a hard dependency (pyproject.toml): a broken install must fail, not skip
     tok = get_tokenizer("bytes", tmp_path)
     folder = tmp_path / "cache"
     (folder / "map.tmpdead" / "ids.arrow").parent.mkdir(parents=True)

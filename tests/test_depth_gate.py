@@ -95,7 +95,7 @@ def test_cli_short_run(tmp_path):
     import json
     import math
 
-    run = pytest.importorskip("experiments.run")
+    from experiments import run
 
     folder = run.main(["--variant", "depth_gate", "--max_steps", "3", "--log_dir", str(tmp_path), *TINY_RUN,
                        "--model.depth_gate.mode", "hard", "--model.depth_gate.top_k", "1"])

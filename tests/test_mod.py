@@ -433,7 +433,7 @@ def test_router_and_predictor_logits_are_fp32_under_bf16_autocast(sampling):
 # ---------------------------------------------------------------------------- CLI
 @pytest.mark.slow
 def test_cli_run_reports_the_processed_token_fraction(tmp_path):
-    run = pytest.importorskip("experiments.run")
+    from experiments import run
     folder = run.main(["--variant", "mod", "--max_steps", "3", "--log_dir", str(tmp_path),
                        "--model.mod.capacity", "0.25", *TINY_RUN])
     summary = json.loads((folder / "summary.json").read_text())

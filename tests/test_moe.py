@@ -305,7 +305,7 @@ def test_variant_rejects_bad_config_naming_the_field(moe, field):
 def _cli_summary(variant, tmp_path, *extra):
     import json
 
-    run = pytest.importorskip("experiments.run")
+    from experiments import run
 
     folder = run.main(["--variant", variant, "--max_steps", "3", "--log_dir", str(tmp_path), *TINY_RUN, *extra])
     summary = json.loads((folder / "summary.json").read_text())

@@ -501,7 +501,7 @@ def test_cli_short_run_of_each_registry_name(variant, tmp_path):
 
 
 def test_init_from_a_hugging_face_gpt2_folder_reproduces_its_logits(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers  # a hard dependency (pyproject.toml): a broken install must fail, not skip
     from experiments.weights import load_initial_weights
 
     torch.manual_seed(4)

@@ -151,7 +151,7 @@ def test_cli_short_run(tmp_path):
     import json
     import math
 
-    run = pytest.importorskip("experiments.run")
+    from experiments import run
 
     folder = run.main(["--variant", "mot", "--max_steps", "3", "--log_dir", str(tmp_path), *TINY_RUN,
                        "--model.mot.num_experts", "4", "--model.mot.top_k", "2"])

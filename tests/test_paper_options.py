@@ -411,10 +411,11 @@ OPTION_IDS = [name + "".join(f"-{g}.{k}={v}" for g, d in extra.items() for k, v 
 
 @pytest.mark.parametrize("name,extra", OPTION_CASES, ids=OPTION_IDS)
 def test_options_keep_every_invariant(name, extra):
-    for mode in ("causal_routing", "default_eval"):
-        suite.test_positions_up_to_t_ignore_later_tokens(name, extra, mode)
+    for training in (False, True):
+        suite.test_positions_up_to_t_ignore_later_tokens(name, extra, training)
     suite.test_every_router_parameter_gets_a_gradient_from_the_lm_loss_alone(name, extra)
-    suite.test_router_logits_and_weights_are_fp32_under_bf16_autocast(name, extra)
+    suite.test_router_values_are_those_of_an_fp32_computation_under_bf16_autocast(name, extra)
+    suite.test_one_site_per_routing_decision_with_unique_names_and_an_honoured_valid_mask(name, extra)
     suite.test_an_example_ignores_batch_mates_and_right_padding_and_short_sequences_run(name, extra)
     suite.test_kv_cache_decoding_equals_the_full_causal_forward(name, extra)
     suite.test_aux_loss_is_the_sum_of_its_parts_and_residuals_are_ordered(name, extra)
