@@ -7,7 +7,7 @@ A checkpoint of the target's own variant loads by name; a vanilla one goes throu
 unused / newly initialised tensors (counts and share of parameters) goes to stderr; in strict mode (the
 command lines' default) a source trained with another tokenizer, or one that initialises less than
 ``--init_min_share`` of the parameters, is refused. ``python -m experiments.weights [SIZE]`` prints, for
-every variant, what a vanilla model of SIZE initialises (the README's table).
+every variant, what a vanilla model of SIZE initialises (the table in docs/training.md).
 """
 from __future__ import annotations
 
