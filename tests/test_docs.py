@@ -240,3 +240,13 @@ def test_the_option_checker_finds_unknown_options():
     assert "--not_in_code" not in named_options(text)
     assert unknown_options(text, options) == ["--model.mod.capcity", "--trainer."]
     assert unknown_options("`--phase1.no_such 3`", options) == ["--phase1.no_such"]
+
+
+def test_readme_is_a_front_door_with_the_two_commands():
+    """Issue 21: at most ~300 lines; the two commands (main job, tests) stay in README.md."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 300
+    _, code = split_code(text.split("## The two commands", 1)[1].split("\n## ", 1)[0])
+    setup = 'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e ".[dev]"'
+    commands = [c for c in code if c.startswith("python3 -m venv")]
+    assert commands == [f"{setup} && python -m experiments.run", f"{setup} && python -m pytest -q tests"]
