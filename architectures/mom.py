@@ -43,7 +43,7 @@ code's ``use_ste`` option.
 Balance loss: Switch-style over all classes including SKIP, ``C * sum_i f_i P_i`` per learned site,
 ``balance_coef`` times the mean over sites (the official code concatenates all depths into one loss).
 
-Official-code options (preset ``mom_official``; README "Paper / official code vs our default"):
+Official-code options (preset ``mom_official``; docs/variants.md, "Paper / official code vs our default"):
 ``router_bias`` (W_o with a bias), ``router_width="max_pool"`` (both routers score max(N_A, N_F) + SKIP;
 classes past a router's own pool are no-ops named "skip"), ``balance_form="official"`` (one loss per
 router kind over all steps, the official double softmax and top-1 f, ``official_balance_loss``),

@@ -24,7 +24,7 @@ masked in attention.
 
 Anti-collapse: the Switch balance loss of ``architectures.moe`` on the gate (``balance_coef``).
 
-Seed 002's forms, as options (preset ``mot_seq``; README "Paper / official code vs our default"):
+Seed 002's forms, as options (preset ``mot_seq``; docs/variants.md, "Paper / official code vs our default"):
 ``routing="sequence"`` (the gate reads the mean of the sequence's real tokens and the whole sequence goes
 through the same k blocks; under ``causal_routing()`` or with a cache each token is routed by its prefix
 mean instead, the running sum carried on the cache), ``weights="uniform"`` (exactly 1/k forward, the

@@ -9,7 +9,7 @@ dense variants, MoD (static k = floor(c*T)). Data-dependent dispatch (MoE, MoDE,
 breaks the graph where the number of tokens per expert becomes a Python int (``.tolist()`` in
 ``architectures.dispatch``); the balance loss counts with ``scatter_add_`` and stays in the graph; on CUDA in bf16 the MoE
 experts run through ``architectures.grouped_gemm`` instead, whose shapes do not depend on the
-routing. The README lists the measured breaks and their cost.
+routing. docs/scale.md lists the measured breaks and their cost.
 """
 from __future__ import annotations
 

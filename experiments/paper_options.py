@@ -6,7 +6,7 @@ Models are built on the meta device (no memory, no data), so every size runs in 
 FLOPs are ``model.flops_per_token()`` without a trace: the expected figure at T = block size (routed
 variants: every routing slot a real expert / module, balanced), as a ratio to vanilla GPT-2 at the same
 size. MoM depth = the layers a token passes in sequence: bottom + chunks x (H + anchor) + top.
-The README's "Paper / official code vs our default" tables quote this command's output.
+The "Paper / official code vs our default" tables of docs/variants.md quote this command's output.
 """
 from __future__ import annotations
 

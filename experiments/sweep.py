@@ -26,7 +26,7 @@ configuration: parameters, tokens (max_steps x batch x accumulation x devices x 
 FLOPs (tokens x the model's analytic ``flops_per_token().training``, the model built on the meta
 device, routing at its configured capacity) and GPU-hours at ``--mfu`` of ``--peak_tflops`` (default
 40% of 989.5 TFLOP/s, an H100/H200 SXM in dense bf16): a planning estimate, not a measurement.
-Paper-scale recipes live in ``experiments/configs/paper/`` (see the README).
+Paper-scale recipes live in ``experiments/configs/paper/`` (see docs/scale.md).
 
 Every configuration is parsed and validated exactly as ``experiments.run`` does (unknown variants,
 sizes, datasets, options or values) before the first job starts; an empty grid is an error.

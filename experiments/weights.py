@@ -10,7 +10,7 @@ command lines' default) a source trained with another tokenizer, or one that ini
 position embeddings (and the head tied to them) out: at small sizes they are most of the parameters, so
 a source missing half the model's blocks would otherwise still count as almost fully initialising it.
 ``python -m experiments.weights [SIZE]`` prints, for every variant, what a vanilla model of SIZE initialises
-(the README's table); ``python -m experiments.weights --step0 RUN_DIR [BATCHES]`` the step-0 validation loss
+(the table in docs/training.md); ``python -m experiments.weights --step0 RUN_DIR [BATCHES]`` the step-0 validation loss
 of every variant started from that vanilla run.
 """
 from __future__ import annotations

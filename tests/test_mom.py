@@ -399,7 +399,7 @@ def test_flops_formula_by_hand_and_mom_e_meets_the_benchmark_goal_at_small():
 
 
 # ---------------------------------------------------------------------------- presets and config errors
-# Parameters (tied embeddings counted once) of each preset: see the README section "Mixture-of-Modules".
+# Parameters (tied embeddings counted once) of each preset: see docs/variants.md, "Mixture-of-Modules".
 PARAMS = {
     "mom": {"tiny": 7_838_080, "small": 126_022_400, "medium": 356_805_120, "large": 776_411_392},
     "mom_p": {"tiny": 7_837_568, "small": 127_596_800, "medium": 362_710_016, "large": 788_219_648},

@@ -1,0 +1,256 @@
+"""The docs point at things that exist (issue 21).
+
+Every relative link in README.md and docs/*.md resolves to a file (and a ``#anchor`` to a heading of that
+file, by GitHub's slug rules), and every command-line option the docs name in code (``--name``,
+``--group.field``) is accepted by one of the project's CLIs, whose parsers are built here without running
+anything. The checkers are tested on bad examples too, so a checker that finds nothing cannot pass.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import pathlib
+import re
+from typing import Callable, Dict, Iterable, List, Set
+from unittest import mock
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+# Options of other programs that the docs show in commands, with why they are there.
+EXTERNAL_OPTIONS: Dict[str, str] = {
+    "--nodes": "sbatch: nodes of the allocation (docs/experiments.md, SLURM)",
+    "--ntasks-per-node": "sbatch / srun: tasks per node (docs/experiments.md, SLURM)",
+    "--gpus-per-node": "sbatch: GPUs per node (docs/experiments.md, SLURM)",
+    "--signal": "sbatch: the requeue signal before the time limit (docs/experiments.md, Preemption)",
+    "--logdir": "tensorboard: the log folder to serve",
+}
+# Options of the project's commands that read sys.argv by hand (no parser to build), checked against their source.
+HAND_PARSED: Dict[str, str] = {"--step0": "experiments/weights.py"}
+
+FENCE = re.compile(r"^(```|~~~)")
+INLINE_CODE = re.compile(r"(`+)(.+?)\1")
+LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(([^()\s]+)(?:\s+\"[^\"]*\")?\)")
+HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+OPTION = re.compile(r"(?<![\w\-/])--[A-Za-z][\w\-.]*")
+
+
+# ----------------------------------------------------------------------------------------- markdown
+def split_code(text: str) -> tuple[List[str], List[str]]:
+    """(prose lines with code spans removed, code texts: fenced blocks and inline spans)."""
+    prose, code, block, fenced = [], [], [], False
+    for line in text.split("\n"):
+        if FENCE.match(line.strip()):
+            if fenced:
+                code.append("\n".join(block))
+                block = []
+            fenced = not fenced
+            continue
+        if fenced:
+            block.append(line)
+            continue
+        code.extend(m.group(2) for m in INLINE_CODE.finditer(line))
+        prose.append(INLINE_CODE.sub(lambda m: "\x00" * len(m.group(0)), line))
+    return prose, code
+
+
+def github_slug(heading: str) -> str:
+    """GitHub's anchor for a heading: the rendered text, lower-cased, punctuation dropped, spaces -> '-'."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # links and images: their text
+    text = text.replace("`", "")
+    text = re.sub(r"<[^>]+>", "", text)  # inline HTML tags
+    text = text.strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)  # keeps letters, digits, '_', '-', spaces (unicode aware)
+    return text.replace(" ", "-")
+
+
+def anchors(text: str) -> Set[str]:
+    """Every heading anchor of a markdown text; repeated headings get -1, -2, ... as on GitHub."""
+    seen: Dict[str, int] = {}
+    out = set()
+    fenced = False
+    for line in text.split("\n"):
+        if FENCE.match(line.strip()):
+            fenced = not fenced
+            continue
+        m = None if fenced else HEADING.match(line)
+        if not m:
+            continue
+        slug = github_slug(m.group(2))
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def broken_links(path: pathlib.Path, text: str | None = None) -> List[str]:
+    """One message per relative link of ``path`` whose file or #anchor does not exist."""
+    text = path.read_text(encoding="utf-8") if text is None else text
+    prose, _ = split_code(text)
+    problems = []
+    for lineno, line in enumerate(prose, 1):
+        for m in LINK.finditer(line):
+            target = m.group(1)
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):  # http:, https:, mailto:
+                continue
+            file_part, _, anchor = target.partition("#")
+            dest = (path.parent / file_part).resolve() if file_part else path
+            if not dest.exists():
+                problems.append(f"{path.name}: link to {target}: {file_part} does not exist")
+            elif anchor and dest.suffix == ".md":
+                dest_text = text if dest == path else dest.read_text(encoding="utf-8")
+                if anchor not in anchors(dest_text):
+                    problems.append(f"{path.name}: link to {target}: no heading #{anchor} in {dest.name}")
+    return problems
+
+
+def named_options(text: str) -> Set[str]:
+    """Options named in code spans and blocks; ``--optim.*`` and ``--model.<group>`` become prefixes."""
+    _, code = split_code(text)
+    return {m.group(0) for snippet in code for m in OPTION.finditer(snippet)}
+
+
+# ----------------------------------------------------------------------------------------- the CLIs
+class _Built(Exception):
+    def __init__(self, parser: argparse.ArgumentParser):
+        super().__init__("parser built")
+        self.parser = parser
+
+
+def _capture(build: Callable[[], object]) -> argparse.ArgumentParser:
+    """The argparse parser a CLI builds inside its main/parse function, stopped before it parses."""
+    def stop(self, *args, **kwargs):
+        raise _Built(self)
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", stop), \
+            mock.patch.object(argparse.ArgumentParser, "parse_known_args", stop):
+        try:
+            build()
+        except _Built as built:
+            return built.parser
+    raise AssertionError(f"{build} built no argparse parser")
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> Set[str]:
+    out: Set[str] = set()
+    for action in parser._actions:
+        out.update(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out |= _option_strings(sub)
+    return out
+
+
+def _parsers() -> Dict[str, argparse.ArgumentParser]:
+    from experiments import (analyze, bench, compare, compiling, device_check, finetune, paper_options, repro,
+                             run, sweep, two_phase)
+    return {
+        "experiments.run": run.build_parser(),
+        "experiments.finetune": finetune.build_parser(),
+        "experiments.repro": repro.build_parser(),
+        "experiments.analyze": analyze.build_parser(),
+        "experiments.compare": compare.build_parser(),
+        "experiments.bench": _capture(lambda: bench.parse_args([])),
+        "experiments.device_check": _capture(lambda: device_check.parse_args([])),
+        "experiments.two_phase": _capture(lambda: two_phase.parse([])),
+        "experiments.sweep": _capture(lambda: sweep.main([])),
+        "experiments.paper_options": _capture(lambda: paper_options.main([])),
+        "experiments.compiling": _capture(lambda: compiling.main([])),
+    }
+
+
+@functools.lru_cache(maxsize=None)
+def cli_options() -> frozenset:
+    from experiments.run import ALIASES
+    options = set(ALIASES)  # --variant, --size, --max_steps, ... (experiments.run rewrites them)
+    for parser in _parsers().values():
+        options |= _option_strings(parser)
+    return frozenset(options)
+
+
+def accepted(option: str, options: Iterable[str]) -> bool:
+    options = set(options)
+    if option in EXTERNAL_OPTIONS:
+        return True
+    if option in HAND_PARSED:  # the command must still read it
+        return f'"{option}"' in (ROOT / HAND_PARSED[option]).read_text()
+    phase = re.match(r"^--phase[12]\.(.+)$", option)  # experiments.two_phase passes --phaseN.X on as --X
+    if phase:
+        rest = phase.group(1)
+        return rest == "X" or accepted("--" + rest, options)
+    if option.endswith("."):  # a family: --optim.*, --model.<group>.<field>
+        return any(o.startswith(option) for o in options)
+    return option in options
+
+
+def unknown_options(text: str, options: Iterable[str]) -> List[str]:
+    options = set(options)
+    return sorted(o for o in named_options(text) if not accepted(o, options))
+
+
+# ----------------------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("path", DOC_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(path):
+    assert broken_links(path) == []
+
+
+@pytest.mark.parametrize("path", DOC_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_option_named_in_the_docs_is_accepted_by_a_cli(path):
+    assert unknown_options(path.read_text(encoding="utf-8"), cli_options()) == []
+
+
+def test_the_parsers_are_the_real_ones():
+    """A capture that caught the wrong parser (or none) would make every option unknown or every one known."""
+    options = cli_options()
+    for expected in ("--model.mod.capacity", "--trainer.devices", "--task", "--variants", "--dry_run",
+                     "--phase2_recipe", "--budget_s", "--group_by", "--no_reuse", "--recompile_steps"):
+        assert expected in options, expected
+    assert "--no_such_option" not in options
+
+
+def test_github_slugs():
+    assert github_slug("Paper / official code vs our default") == "paper--official-code-vs-our-default"
+    assert github_slug("`--compile`") == "--compile"
+    assert github_slug("Initialising from a vanilla model (`--init_from`)") == "initialising-from-a-vanilla-model---init_from"
+    assert github_slug("Leaderboard: experiments.compare") == "leaderboard-experimentscompare"
+    assert github_slug("`mom` (seed 000 and the official code gzhch/Mixture-of-Modules)") == \
+        "mom-seed-000-and-the-official-code-gzhchmixture-of-modules"
+    assert anchors("# A\n## A\n```\n# not a heading\n```\n## B") == {"a", "a-1", "b"}
+
+
+def test_the_link_checker_finds_bad_links(tmp_path):
+    (tmp_path / "other.md").write_text("# Other page\n\n## Known heading\n", encoding="utf-8")
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# Page\n\n"
+        "[ok](other.md) [ok anchor](other.md#known-heading) [own](#page) [web](https://example.com/x.md)\n"
+        "[missing file](nowhere.md) [missing anchor](other.md#unknown-heading) [own missing](#nope)\n"
+        "`[in code](ignored.md)`\n```\n[in a block](ignored.md)\n```\n", encoding="utf-8")
+    problems = broken_links(page)
+    assert len(problems) == 3, problems
+    assert any("nowhere.md does not exist" in p for p in problems)
+    assert any("#unknown-heading" in p for p in problems)
+    assert any("#nope" in p for p in problems)
+
+
+def test_the_option_checker_finds_unknown_options():
+    options = {"--variant", "--model.mod.capacity", "--optim.lr", "--lr"}
+    text = ("Use `--variant mod --model.mod.capacity 0.25` and `--optim.*` or `--model.<group>.<field>`.\n"
+            "```bash\npython -m experiments.run --variant mod --model.mod.capcity 0.25 --phase2.lr 1 --phase1.X\n"
+            "sbatch --nodes=2 x\n```\n"
+            "Prose --not_in_code is not a named option; `--trainer.*` is a family nobody has.\n")
+    assert named_options(text) >= {"--variant", "--model.mod.capacity", "--optim.", "--model.", "--nodes"}
+    assert "--not_in_code" not in named_options(text)
+    assert unknown_options(text, options) == ["--model.mod.capcity", "--trainer."]
+    assert unknown_options("`--phase1.no_such 3`", options) == ["--phase1.no_such"]
+
+
+def test_readme_is_a_front_door_with_the_two_commands():
+    """Issue 21: at most ~300 lines; the two commands (main job, tests) stay in README.md."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 300
+    _, code = split_code(text.split("## The two commands", 1)[1].split("\n## ", 1)[0])
+    setup = 'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e ".[dev]"'
+    commands = [c for c in code if c.startswith("python3 -m venv")]
+    assert commands == [f"{setup} && python -m experiments.run", f"{setup} && python -m pytest -q tests"]
