@@ -15,7 +15,7 @@ import contextlib
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, Iterator, List, Optional
+from typing import Any, ClassVar, Dict, Iterable, Iterator, List, Optional
 
 import torch
 import torch.nn as nn
@@ -92,6 +92,9 @@ class LanguageModel(nn.Module):
     #: True when the default (training / eval) routing is not causal: a token's routing may depend on
     #: later tokens (MoD's sequence top-k). Causal evaluation then needs ``causal_routing()``.
     routing_sees_future: bool = False
+    #: {group name: dataclass} of the config groups this model reads (``model.<group>.<field>``); registering a
+    #: variant of this class adds them to ``ModelConfig`` (CLI options, config.yaml, validation).
+    config_groups: ClassVar[Dict[str, type]] = {}
 
     @property
     def has_causal_routing(self) -> bool:

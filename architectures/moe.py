@@ -28,20 +28,42 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Union
 
 import torch
 import torch.nn as nn
 
 from architectures import flops as F_
 from architectures.base import ForwardState, LanguageModel, require
-from architectures.config import ModelConfig, MoEConfig, layer_selection
+from architectures.config import ModelConfig, layer_selection, tracks_explicit
 from architectures.contract import KVCache, RoutingSite
 from architectures.routing import (  # noqa: F401  (re-exported: the MoE layer's routing pieces)
     balance_loss, capacity_keep, fp32_linear, noop_budget_keep, sorted_dispatch, token_topk, z_loss,
 )
 from architectures.grouped_gemm import expert_dispatch
 from architectures.gpt2 import MLP, Block, CausalSelfAttention
+
+
+@tracks_explicit
+@dataclass
+class MoEConfig:
+    """Token-choice Mixture-of-Experts FFN (Switch / top-k)."""
+
+    num_experts: int = 8
+    top_k: int = 1
+    renormalize: bool = True  # weights renormalised over the chosen k (k > 1; k = 1 keeps the raw probability)
+    balance_coef: float = 1e-2
+    z_loss_coef: float = 1e-3
+    # Tokens per expert = capacity_factor * tokens * top_k / E. Ignored when dropless.
+    capacity_factor: float = 1.25
+    dropless: bool = True
+    # Which layers get an MoE FFN: "all", "odd", "even", or an explicit list.
+    layers: Union[str, List[int]] = "all"
+    expert_ffn_ratio: Optional[float] = None  # None: the model's ffn_ratio
+    # "replace": the MoE layer is the block's FFN (Switch; our default). "before_ffn": the MoE layer gets
+    # its own LayerNorm and residual update BEFORE the dense FFN, which is kept (the CEA-MoE paper's
+    # baseline: a 64-expert top-1 MoE in front of each FFN). Preset ``moe_dense_ffn`` matches ``cea_moe``.
+    placement: str = "replace"
 
 
 PLACEMENTS = ("replace", "before_ffn")
@@ -238,6 +260,7 @@ class MoEGPT(LanguageModel):
     ``step`` = rank among MoE layers, so the routing callback can chain expert(l) -> expert(l+1).
     """
 
+    config_groups = {"moe": MoEConfig}
     # --init_from a vanilla model: every expert starts as the layer's dense MLP (sparse upcycling)
     upcycle_rules = ((r"(blocks\.\d+)\.moe\.experts\.\d+\.(.*)", r"\1.mlp.\2"),)
 
@@ -249,7 +272,6 @@ class MoEGPT(LanguageModel):
             MoEBlock(config, hidden, i, f"layer{i}.moe", "moe", self.moe_layers.index(i)) if i in self.moe_layers
             else Block(config, i) for i in range(config.n_layer)
         ])
-        self.init_weights()
 
     @staticmethod
     def validate_config(config: ModelConfig) -> None:

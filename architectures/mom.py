@@ -70,11 +70,56 @@ import torch.nn as nn
 
 from architectures import flops as F_
 from architectures.base import ForwardState, LanguageModel, require
-from architectures.config import ConfigError, ModelConfig
+from architectures.config import ConfigError, ModelConfig, tracks_explicit
 from architectures.contract import KVCache, RoutingSite
 from architectures.dispatch import sorted_dispatch
 from architectures.gpt2 import MLP, Block, CausalSelfAttention
 from architectures.routing import balance_loss, token_topk
+
+
+@tracks_explicit
+@dataclass
+class MoMConfig:
+    """Mixture-of-Modules (Gong et al. 2024). Semantics and defaults: ``architectures/mom.py``.
+
+    Pool sizes and H are per chunk; ``None`` means "the chunk's vanilla layer slots" (the number of
+    vanilla layers a chunk replaces), so the default MoM has the vanilla model's parameters and
+    ``init_from_vanilla`` maps layer j to module j.
+    """
+
+    n_attn: Optional[int] = None  # N_A attention modules per chunk
+    n_ffn: Optional[int] = None  # N_F FFN modules per chunk
+    top_k: int = 1  # K (SKIP competes inside the K)
+    steps: Optional[int] = None  # H assembly steps per chunk
+    allow_skip: bool = True
+    router_hidden: int = 256
+    temperature: float = 0.2
+    balance_coef: float = 0.01
+    # "plain": one chunk, no bottom/top/anchor (the paper's form). "chunked": the official code's
+    # layout sized from n_layer (pools of 4 + an anchor per chunk, the rest split bottom/top).
+    # Explicit bottom / chunks / top / anchor override the layout's values.
+    layout: str = "plain"
+    bottom: Optional[int] = None
+    chunks: Optional[int] = None
+    top: Optional[int] = None
+    anchor: Optional[bool] = None
+    # "learned", "vanilla" (module h at step h), "param_share" (module 0 at every step),
+    # "moe" (attention fixed at module h, FFN learned), "layer_skip" (step h: module h or SKIP).
+    routing: str = "learned"
+    weighted_qkv: bool = False  # official-code option: scale each module's QKV by its router weight
+    straight_through: bool = True  # K=1: weight p / stopgrad(p) (= 1) so the router gets a gradient
+    # Official-code options (gzhch/Mixture-of-Modules; preset ``mom_official``). Defaults: our forms.
+    router_bias: bool = False  # the official W_o (nn.Linear) has a bias; ours is bias-free
+    # "own": each router scores its own pool (+ SKIP). "max_pool": both routers score max(N_A, N_F) + 1
+    # classes as in the official code; classes beyond a router's own pool act as extra SKIPs.
+    router_width: str = "own"
+    # "site_mean": Switch loss per learned site over its K choices, mean over sites (ours). "official":
+    # one loss per router kind over all steps concatenated, f from the top-1 of softmax(probs) (the
+    # official double softmax), C = router width; attention + FFN losses summed.
+    balance_form: str = "site_mean"
+    # routing_all_possible_path: every module runs on every token, weighted by the full router
+    # distribution (a dense mixture; saves nothing). SKIP's probability contributes nothing.
+    all_paths: bool = False
 
 ROUTINGS = ("learned", "vanilla", "param_share", "moe", "layer_skip")
 LAYOUTS = ("plain", "chunked")
@@ -433,6 +478,8 @@ class MoMChunk(nn.Module):
 class MixtureOfModules(LanguageModel):
     """GPT-2 embeddings/head around bottom vanilla layers, MoM chunks and top vanilla layers."""
 
+    config_groups = {"mom": MoMConfig}
+
     def __init__(self, config: ModelConfig):
         super().__init__(config)
         self.layout = validate_mom_config(config)
@@ -446,7 +493,6 @@ class MixtureOfModules(LanguageModel):
             for c in range(lay.chunks)])
         first_top = lay.bottom + lay.chunks * per_chunk
         self.top = nn.ModuleList([Block(config, first_top + i, f"top{i}") for i in range(lay.top)])
-        self.init_weights()
 
     @staticmethod
     def validate_config(config: ModelConfig) -> None:

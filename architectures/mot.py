@@ -37,7 +37,7 @@ Padding tokens (``attention_mask`` 0) are not routed: their stream passes the la
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -45,10 +45,31 @@ import torch.nn.functional as F
 
 from architectures import flops as F_
 from architectures.base import ForwardState, LanguageModel, require
-from architectures.config import ModelConfig, layer_selection
+from architectures.config import ModelConfig, layer_selection, tracks_explicit
 from architectures.contract import KVCache, RoutingSite
 from architectures.gpt2 import Block
 from architectures.routing import balance_loss, fp32_linear, token_topk
+
+
+@tracks_explicit
+@dataclass
+class MoTConfig:
+    """Mixture of Transformers: whole blocks as experts, top-k gate per mixture layer."""
+
+    num_experts: int = 4
+    top_k: int = 2
+    layers: Union[str, List[int]] = "all"
+    balance_coef: float = 1e-2
+    renormalize: bool = True  # gate weights renormalised over the chosen k (k > 1 only, as for MoE)
+    # Paper-form options (seed 002; preset ``mot_seq``). Defaults keep our per-token form.
+    # "token": each token picks its k blocks. "sequence": the gate reads the mean of the sequence's real
+    # tokens and the whole sequence goes through the same k blocks (sees the future: under
+    # causal_routing() / decoding each token is routed by the mean of its prefix instead).
+    routing: str = "token"
+    weights: str = "gate"  # "gate": gate probabilities; "uniform": 1/k forward (seed), gradient to the gate kept
+    gate_hidden: int = 0  # 0: linear gate; > 0: gate MLP d -> gate_hidden -> E (GELU)
+    aggregation: str = "sum"  # "sum": x + sum_j w_j (Block_j(x) - x); "concat": x + W_c [w_1 u_1; ..; w_k u_k]
+    random_activation: float = 0.0  # training only: probability that a routed unit's last slot goes to a random other block
 
 
 @dataclass
@@ -329,6 +350,7 @@ class MoTLayer(nn.Module):
 class MoT(LanguageModel):
     """GPT-2 whose mixture layers are top-k mixtures of whole blocks (see the module docstring)."""
 
+    config_groups = {"mot": MoTConfig}
     # --init_from a vanilla model: every expert block starts as the vanilla block of its layer
     upcycle_rules = ((r"(blocks\.\d+)\.experts\.\d+\.(.*)", r"\1.\2"),)
 
@@ -349,7 +371,6 @@ class MoT(LanguageModel):
             MoTLayer(config, i, self.mot_layers.index(i)) if i in self.mot_layers else Block(config, i)
             for i in range(config.n_layer)
         ])
-        self.init_weights()
 
     @staticmethod
     def validate_config(config: ModelConfig) -> None:

@@ -1,18 +1,30 @@
-"""Variant registry: ``variant name -> (model class, config overrides, description)``.
+"""Variant registry: ``variant name -> (model class, preset, description, test settings)``.
 
-Adding a variant = one architecture file + one entry in ``VARIANTS`` below. Entries name their
-class as "module:Class" and are imported lazily, so ``--help`` and config validation stay fast.
-``overrides`` are applied to the variant's config group before user overrides (presets such as
-``mom_e`` are the generic ``mom`` class with different defaults).
+Adding a variant = one architecture file + one ``register(...)`` line below (docs/adding-a-variant.md).
+The architecture file holds the model class and, when the variant has options, their dataclass; the
+class names its groups (``config_groups = {"mom": MoMConfig}``). Registering collects everything else
+from the entry:
+
+* config groups: each group becomes the ``ModelConfig`` field ``model.<group>`` (``config.register_group``),
+  hence the CLI options ``--model.<group>.<field>``, the ``config.yaml`` section and checkpoint hparams;
+* presets: ``overrides`` fill the group fields the user did not set (``mom_e`` is the ``mom`` class with
+  other defaults), checked against the group's fields when registered;
+* validation: ``ModelConfig.validate`` ends with the variant name and the class's ``validate_config``;
+* tests: ``test_settings`` make the tiny case every registry-driven test runs.
+
+This module imports ``config`` (never the reverse: the variant check reaches ``ModelConfig`` through
+``config.set_variant_validator``) and the family modules named by the entries.
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Dict
+from typing import Any, Dict, Union
 
-from architectures.config import ConfigError, ModelConfig, explicit_fields
+from architectures.config import (
+    ConfigError, ModelConfig, explicit_fields, register_group, set_variant_validator, unregister_group,
+)
 
 
 #: The tiny shape every variant is tested at (tests/test_contract.py): d_model 32, 4 layers, T 32.
@@ -21,7 +33,7 @@ TINY_TEST_SETTINGS: Dict[str, Any] = dict(vocab_size=97, d_model=32, n_layer=4, 
 
 @dataclass(frozen=True)
 class Variant:
-    target: str  # "module:Class"
+    target: Union[str, type]  # the model class, or "module:Class"
     description: str
     overrides: Dict[str, Dict[str, Any]] = field(default_factory=dict)  # {"group": {"field": value}}
     # ModelConfig overrides for the invariant suite, on top of TINY_TEST_SETTINGS ({"group": {...}} for groups)
@@ -37,6 +49,8 @@ class Variant:
         return ModelConfig.from_dict({"variant": name, **merged})
 
     def model_class(self):
+        if isinstance(self.target, type):
+            return self.target
         module, cls = self.target.split(":")
         return getattr(importlib.import_module(module), cls)
 
@@ -44,9 +58,45 @@ class Variant:
         self.model_class().validate_config(config)
 
 
+VARIANTS: Dict[str, Variant] = {}
+
+
+def register(name: str, variant: Variant) -> Variant:
+    """Add ``variant`` under ``name``: its class's config groups join ``ModelConfig``, its preset is checked
+    against them. Raises ConfigError when the name is taken or the preset names an unknown group or field."""
+    if name in VARIANTS:
+        raise ConfigError(f"model.variant: {name!r} is already registered ({VARIANTS[name].description}); "
+                          "choose another name")
+    groups = variant.model_class().config_groups
+    for group, values in {**variant.overrides, **_group_settings(variant.test_settings)}.items():
+        if group not in groups:
+            raise ConfigError(f"variant {name}: settings for model.{group}, which {variant.target} does not list in "
+                              f"config_groups ({', '.join(groups) or 'none'})")
+        known = {f.name for f in dataclasses.fields(groups[group])}
+        for key in set(values) - known:
+            raise ConfigError(f"variant {name}: model.{group}.{key} is not a field of {groups[group].__qualname__}; "
+                              f"fields: {', '.join(sorted(known))}")
+    for group, cls in groups.items():
+        register_group(group, cls)
+    VARIANTS[name] = variant
+    return variant
+
+
+def unregister(name: str) -> None:
+    """Remove a variant, and the config groups no remaining variant uses (for tests of temporary variants)."""
+    variant = VARIANTS.pop(name)
+    in_use = {g for v in VARIANTS.values() for g in v.model_class().config_groups}
+    for group in set(variant.model_class().config_groups) - in_use:
+        unregister_group(group)
+
+
+def _group_settings(settings: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    return {k: v for k, v in settings.items() if isinstance(v, dict)}
+
+
 _SMALL_GRU = {"mom": {"router_hidden": 32}}
 
-VARIANTS: Dict[str, Variant] = {
+_BUILT_IN: Dict[str, Variant] = {
     "vanilla": Variant("architectures.gpt2:GPT2", "dense GPT-2 (the reference for every ratio)"),
     "mod": Variant("architectures.mod:MoD", "Mixture-of-Depths: expert-choice top-k tokens per routed block",
                    test_settings={"mod": {"capacity": 0.25}}),
@@ -115,6 +165,8 @@ VARIANTS: Dict[str, Variant] = {
                            "parameter sharing as MoM: one attention + one FFN module reused at all L steps",
                            overrides={"mom": {"routing": "param_share", "n_attn": 1, "n_ffn": 1}}),
 }
+for _name, _variant in _BUILT_IN.items():
+    register(_name, _variant)
 
 
 def variant_names():
@@ -158,7 +210,17 @@ def preset_defaults(variant: str, prefix: str = "model") -> Dict[str, Any]:
     return out
 
 
+def _validate_variant(config: ModelConfig) -> None:
+    get_variant(config.variant).validate(config)
+
+
+set_variant_validator(_validate_variant)
+
+
 def build_model(config: ModelConfig):
-    """Resolve sizes, apply the variant preset, validate, and instantiate the model."""
+    """Resolve sizes, apply the variant preset, validate, instantiate the model and initialise its weights
+    (once, here: a model class only defines ``init_weights``)."""
     config = apply_preset(config).resolve()
-    return get_variant(config.variant).model_class()(config)
+    model = get_variant(config.variant).model_class()(config)
+    model.init_weights()
+    return model

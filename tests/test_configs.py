@@ -64,7 +64,8 @@ def test_explicit_values_beat_presets_in_the_python_api_and_bench_set():
     import dataclasses
 
     from architectures import ModelConfig
-    from architectures.config import CombinationConfig, MoMConfig
+    from architectures.combination import CombinationConfig
+    from architectures.mom import MoMConfig
     from experiments.bench import apply_overrides
 
     def built(config):
