@@ -30,7 +30,7 @@ import torch
 from architectures.config import ConfigError
 from architectures.contract import SubLayerState
 from callbacks.tensorboard import figure, log_figure, log_scalars
-from lightning_modules.lm import log_step
+from lightning_modules.steps import log_step
 
 # Tokens per logit-lens chunk: bounds the (tokens x vocab) logits held at once to ~256 MB in fp32.
 _LENS_ELEMENTS = 1 << 26

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import lightning as L
 import torch
 
-from lightning_modules.lm import completes_step, is_logging_step
+from lightning_modules.steps import completes_step, is_logging_step
 
 
 class StepRecorder(L.Callback):

@@ -294,7 +294,7 @@ class ProbeCorpus(Corpus):
         _atomic_npy(folder / "levels.npy", levels)
         _atomic_npy(folder / "families.npy", families)
         chunks = iter([(tokens.astype(token_cache.token_dtype(tokenizer.vocab_size)), self.episodes)])
-        return token_cache._write_chunks(chunks, tokenizer, folder, description)
+        return token_cache.write_chunks(chunks, tokenizer, folder, description)
 
 
 def _atomic_npy(path: pathlib.Path, array: np.ndarray) -> None:

@@ -234,8 +234,8 @@ def load_task_head(module, init_from: str, spec) -> None:
 
 def resolve_tokenizer(spec: Optional[str], init_from: Optional[str]):
     """``--tokenizer``, else the tokenizer recorded in the checkpoint's run config, else gpt2."""
-    from datamodules.corpora import get_corpus
-    from datamodules.lm import default_cache_dir
+    from datamodules.catalog import get_corpus
+    from datamodules.files import default_cache_dir
     from datamodules.tokenizer import get_tokenizer
 
     cache_dir, corpus_name, corpus_path = default_cache_dir(), "embedded", []
@@ -255,7 +255,7 @@ def resolve_tokenizer(spec: Optional[str], init_from: Optional[str]):
 
 
 def _corpus_default_tokenizer(name: str, path, cache_dir: pathlib.Path) -> str:
-    from datamodules.corpora import get_corpus
+    from datamodules.catalog import get_corpus
 
     try:
         return get_corpus(name, path=path, cache_dir=cache_dir).default_tokenizer
