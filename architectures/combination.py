@@ -280,7 +280,7 @@ class CombinationBlock(nn.Module):
     def inner_ffn_flops(self, sites: Dict[str, RoutingSite]) -> F_.Flops:
         inner, d = self.attn.inner, self.d_model
         if isinstance(inner.ffn, MoELayer):
-            return inner.ffn.flops_per_token(sites.get(f"block{self.index}.{INNER_SITE}"), d)
+            return inner.ffn.flops(sites.get(f"block{self.index}.{INNER_SITE}"))
         return F_.Flops(ffn=F_.ffn(d, self.inner_width))
 
 

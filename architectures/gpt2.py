@@ -115,13 +115,6 @@ class GPT2(LanguageModel):
         self.blocks = nn.ModuleList([Block(config, i) for i in range(config.n_layer)])
 
 
-def vanilla_flops(config: ModelConfig, seq_len: Optional[int] = None) -> F_.Flops:
-    """Forward FLOPs per token of the dense model at sequence length ``seq_len`` (default T)."""
-    T = seq_len or config.block_size
-    block = F_.dense_block(config.d_model, config.ffn_hidden, T)
-    return block.scale(config.n_layer) + F_.lm_head(config.d_model, config.vocab_size)
-
-
 # ---------------------------------------------------------------------------- Hugging Face weights
 _HF_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 

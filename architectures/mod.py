@@ -343,7 +343,7 @@ class RoutedBlock(nn.Module):
             out = out + F_.Flops(router=F_.linear(d, self.cfg.predictor_hidden) + F_.linear(self.cfg.predictor_hidden, 1))
         if isinstance(self.mlp, MoELayer):
             moe_site = sites.get(f"block{self.index}.moe")
-            moe = self.mlp.flops_per_token(moe_site, d)
+            moe = self.mlp.flops(moe_site)
             # with a site the experts are already per token of the batch; the MoE router ran on the processed ones
             return out + (F_.Flops(ffn=moe.ffn, router=frac * moe.router) if moe_site is not None else moe.scale(frac))
         return out + F_.Flops(ffn=frac * F_.ffn(d, hidden))

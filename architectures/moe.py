@@ -139,7 +139,7 @@ class MoELayer(nn.Module):
         B, T, _ = probs.shape
         valid = torch.ones(B, T, dtype=torch.bool, device=probs.device) if valid is None else valid.to(torch.bool)
         wants = (selected >= self.num_experts).sum(-1)
-        budgets = None if cache is None else vars(cache).setdefault("noop_budget", {})
+        budgets = None if cache is None else cache.state("noop_budget")
         keep, state = noop_budget_keep(wants, valid, self.noop_share, self.top_k,
                                        None if budgets is None else budgets.get(site_name))
         if budgets is not None:
@@ -180,9 +180,11 @@ class MoELayer(nn.Module):
         )
         return MoEResult(output=out.view(B, T, out.shape[-1]), site=site, aux_losses=aux)
 
-    def flops_per_token(self, site: Optional[RoutingSite], d_model: int) -> F_.Flops:
-        """Router (all tokens) + the experts actually run: active (real, valid, not dropped) assignments
-        per token of the batch. With no site: the expected k experts per token."""
+    def flops(self, site: Optional[RoutingSite]) -> F_.Flops:
+        """Per token, of this sub-layer (its cost does not depend on T): router (all tokens) + the experts
+        actually run: active (real, valid, not dropped) assignments per token of the batch. With no site:
+        the expected k experts per token. A block adds it to its own ``flops(sites, T, queries)``."""
+        d_model = self.router.in_features
         router = F_.linear(d_model, self.num_choices)
         per_expert = F_.ffn(d_model, self.hidden)
         if site is None:
@@ -245,7 +247,7 @@ class MoEBlock(nn.Module):
         d = self.ln_1.normalized_shape[0]
         attention = F_.Flops(attn_proj=F_.attention_projections(d), attn_scores=F_.attention_scores(d, T),
                              ffn=F_.ffn(d, self.dense_hidden) if self.dense_hidden else 0.0)
-        return attention + self.moe.flops_per_token(sites.get(self.site_name), d)
+        return attention + self.moe.flops(sites.get(self.site_name))
 
 
 def expert_hidden(config: ModelConfig) -> int:

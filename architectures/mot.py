@@ -19,7 +19,7 @@ runs: projections and MLP for n_e tokens, scores for B * M_e queries against M_e
 
 Generation (KV cache): an expert block's cache holds keys/values of the tokens routed to it only
 (``cache.layers["block{i}.expert{e}"]``). Rows of a batch route differently, so the cached keys are
-padded per call; which cached positions are real is kept in ``cache.key_valid[name]`` (B, t) and
+padded per call; which cached positions are real is kept in ``cache.state("key_valid")[name]`` (B, t) and
 masked in attention.
 
 Anti-collapse: the Switch balance loss of ``architectures.moe`` on the gate (``balance_coef``).
@@ -109,20 +109,12 @@ def plan_segments(selected: torch.Tensor, valid: Optional[torch.Tensor], num_exp
     return out
 
 
-def _key_valid(cache: KVCache) -> Dict[str, torch.Tensor]:
-    # KVCache has no slot for per-row key masks; keep them on the cache object itself so they live
-    # and die with it (only this module reads them).
-    if not hasattr(cache, "key_valid"):
-        cache.key_valid = {}
-    return cache.key_valid
-
-
 def cached_subset_attention(block: Block, qkv: torch.Tensor, new_valid: torch.Tensor, cache: KVCache,
                             name: str) -> torch.Tensor:
     """Attention of padded new tokens (B, M, 3d) against this expert's cached tokens plus themselves."""
     attn = block.attn
     q, k, v = (attn.split_heads(t) for t in qkv.chunk(3, dim=-1))
-    masks = _key_valid(cache)
+    masks = cache.state("key_valid")
     old = masks.get(name)
     k, v = cache.append(name, k, v)
     key_valid = new_valid if old is None else torch.cat([old, new_valid], dim=1)
@@ -223,8 +215,6 @@ class MoTLayer(nn.Module):
         state.record("ffn", self.index, x)
         return x
 
-    def flops(self, sites: Dict[str, RoutingSite], T: int, queries: Optional[int] = None) -> F_.Flops:
-        return self.flops_per_token(sites.get(self.site_name), self.config, T)
 
     # ------------------------------------------------------------------ routing
     def gate_input(self, x: torch.Tensor, valid, cache: Optional[KVCache], causal: bool, name: str) -> torch.Tensor:
@@ -238,12 +228,12 @@ class MoTLayer(nn.Module):
         xs = x.float() * w
         if not causal:
             return (xs.sum(1, keepdim=True) / w.sum(1, keepdim=True).clamp(min=1)).expand(B, T, d)
-        carried = None if cache is None else vars(cache).setdefault("mot_prefix", {}).get(name)
+        carried = None if cache is None else cache.state("mot_prefix").get(name)
         total, count = xs.cumsum(1), w.cumsum(1)
         if carried is not None:
             total, count = total + carried[0].unsqueeze(1), count + carried[1].unsqueeze(1)
         if cache is not None:
-            cache.mot_prefix[name] = (total[:, -1], count[:, -1])
+            cache.state("mot_prefix")[name] = (total[:, -1], count[:, -1])
         return total / count.clamp(min=1)
 
     def route(self, x: torch.Tensor, valid=None, cache: Optional[KVCache] = None, causal: bool = False, name: str = ""):
@@ -324,9 +314,10 @@ class MoTLayer(nn.Module):
             return x
         return x.reshape(B * T, d).index_add(0, slots // k, torch.cat(parts).to(x.dtype)).view(B, T, d)
 
-    def flops_per_token(self, site: Optional[RoutingSite], config: ModelConfig, seq_len: int) -> F_.Flops:
+    def flops(self, sites: Dict[str, RoutingSite], T: int, queries: Optional[int] = None) -> F_.Flops:
         """Gate + each expert block on its own tokens (padded attention layout included; score pairs as
         recorded, cached keys included) + the concatenation's W_c for every token."""
+        site, seq_len, config = sites.get(self.site_name), T, self.config
         d, E, k = config.d_model, self.cfg.num_experts, self.cfg.top_k
         per_token = F_.Flops(attn_proj=F_.attention_projections(d), ffn=F_.ffn(d, config.ffn_hidden))
         h = self.cfg.gate_hidden

@@ -125,7 +125,7 @@ class FlopsCallback(L.Callback):
         step = batch_step(trainer)  # with gradient accumulation: every micro-batch of the step counts
         if not (self.due(trainer, step) or is_logging_step(trainer, step)):  # the monitor reads it on these
             return
-        from architectures.gpt2 import vanilla_flops
+        from architectures.flops import vanilla_flops
 
         model = pl_module.model
         B, T = shape

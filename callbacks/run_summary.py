@@ -173,7 +173,7 @@ def _callback(trainer, name: str):
 
 def flops_of_last_batch(module) -> Optional[Dict[str, Any]]:
     """Fallback without the FLOPs callback: this rank's last batch."""
-    from architectures.gpt2 import vanilla_flops
+    from architectures.flops import vanilla_flops
 
     out, shape = getattr(module, "last_output", None), getattr(module, "last_batch_shape", None)
     seq = shape[1] if shape else None

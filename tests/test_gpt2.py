@@ -8,7 +8,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from architectures import ConfigError, ModelConfig, build_model
 from architectures.contract import RoutingSite, first_nonfinite_site
-from architectures.gpt2 import config_from_hf, state_dict_from_hf, vanilla_flops
+from architectures.flops import vanilla_flops
+from architectures.gpt2 import config_from_hf, state_dict_from_hf
 
 
 def tiny(**kw) -> ModelConfig:

@@ -10,7 +10,8 @@ from architectures import ModelConfig, build_model
 from architectures.config import ConfigError
 from architectures.mom import MoMConfig
 from architectures.dispatch import dense_reference
-from architectures.gpt2 import causal_attention, vanilla_flops
+from architectures.flops import vanilla_flops
+from architectures.gpt2 import causal_attention
 from architectures.mom import MixtureOfModules, _Route, chunked_defaults
 from tests.conftest import TINY_RUN
 
