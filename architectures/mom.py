@@ -62,8 +62,9 @@ reproduces the full forward.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -508,6 +509,63 @@ class MixtureOfModules(LanguageModel):
     def flop_blocks(self):
         return [*self.bottom, *self.chunks, *self.top]
 
+    # ------------------------------------------------------------------ analysis hooks (experiments/repro/mom.py)
+    def pool_sizes(self) -> Tuple[int, int]:
+        """(N_A, N_F): attention and FFN modules in each chunk's pools."""
+        return self.chunks[0].n_attn, self.chunks[0].n_ffn
+
+    @contextlib.contextmanager
+    def removed_modules(self, attn: Sequence[int] = (), ffn: Sequence[int] = ()) -> Iterator[None]:
+        """Remove attention modules ``attn`` and FFN modules ``ffn`` (pool indices) from every chunk's pool.
+
+        A forward hook on each chunk's GRU router replaces the logits it returns with the removed modules'
+        entries set to -inf: the softmax gives them probability exactly 0, top-K never selects them, and
+        the K weights are renormalised over the remaining choices (SKIP included) as for any other logits.
+        The GRU state is untouched, so later steps see the same recurrence. Leaving the context removes
+        the hooks. Fixed (non-learned) routing has no logits to mask and is refused, as is a removal that
+        leaves fewer than K choices.
+        """
+        handles = []
+        try:
+            for chunk in self.chunks:
+                for kind, router, names, drop in (("attn", chunk.attn_router, chunk.attn_names, attn),
+                                                  ("ffn", chunk.ffn_router, chunk.ffn_names, ffn)):
+                    drop = sorted(set(int(i) for i in drop))
+                    if not drop:
+                        continue
+                    pool = len([n for n in names if n != "skip"])
+                    if router is None:
+                        raise ConfigError(f"model.mom.routing: {self.config.mom.routing!r} routes {kind} modules "
+                                          "without a router; modules can only be removed from learned routing")
+                    if drop[0] < 0 or drop[-1] >= pool:
+                        raise ConfigError(f"removed {kind} modules {drop} out of range for a pool of {pool}")
+                    left = len(names) - len(drop)
+                    if self.config.mom.top_k > left:
+                        raise ConfigError(f"removing {len(drop)} of {pool} {kind} modules leaves {left} choices, "
+                                          f"fewer than K={self.config.mom.top_k}")
+                    mask = torch.zeros(len(names), dtype=torch.bool)
+                    mask[drop] = True
+                    handles.append(router.register_forward_hook(_mask_logits(mask)))
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    @torch.no_grad()
+    def pool_outputs(self, idx: torch.Tensor) -> Dict[str, List[torch.Tensor]]:
+        """Each pool module of the first chunk on that chunk's input for ``idx`` (eval mode): attention modules
+        by their QKV projections, FFN modules by their outputs (to compare what the modules compute)."""
+        captured: List[torch.Tensor] = []
+        chunk = self.chunks[0]
+        handle = chunk.register_forward_pre_hook(lambda module, args: captured.append(args[0].detach()))
+        try:
+            self.eval()
+            self(idx)
+        finally:
+            handle.remove()
+        x = captured[0]
+        return {"attn": [m.project(x) for m in chunk.attn_modules], "ffn": [m(x) for m in chunk.ffn_modules]}
+
     # ------------------------------------------------------------------ two-phase training
     def vanilla_mapping(self) -> List[Tuple[str, str]]:
         """(MoM parameter name, vanilla GPT-2 parameter name) for every tensor phase 2 copies.
@@ -596,3 +654,13 @@ def _shape_hint(state: Dict[str, torch.Tensor], config: ModelConfig) -> str:
 def _describe(layout: MoMLayout) -> str:
     anchor = " + anchor" if layout.anchor else ""
     return f"bottom {layout.bottom} + {layout.chunks} x ({layout.slots} slots{anchor}) + top {layout.top}"
+
+
+def _mask_logits(mask: torch.Tensor):
+    """Forward hook of a GRU router: the masked choices' logits become -inf (``removed_modules``)."""
+
+    def hook(module, inputs, output):
+        logits, state = output
+        return logits.masked_fill(mask.to(logits.device), float("-inf")), state
+
+    return hook
