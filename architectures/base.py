@@ -244,6 +244,9 @@ class LanguageModel(nn.Module):
     #: (regex over this model's parameter names, source template) pairs for sparse upcycling from a
     #: vanilla checkpoint, e.g. (r"(blocks\.\d+)\.moe\.experts\.\d+\.(.*)", r"\1.mlp.\2")
     upcycle_rules: tuple = ()
+    #: True when ``vanilla_state_mapping`` lays a whole vanilla model onto this one's modules (the MoM paper's
+    #: phase 2): ``experiments.two_phase`` accepts only these variants.
+    two_phase_from_vanilla: bool = False
 
     def vanilla_state_mapping(self, vanilla_state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """A vanilla GPT-2 state dict (this suite's names) mapped to this variant's parameter names.

@@ -480,6 +480,7 @@ class MixtureOfModules(LanguageModel):
     """GPT-2 embeddings/head around bottom vanilla layers, MoM chunks and top vanilla layers."""
 
     config_groups = {"mom": MoMConfig}
+    two_phase_from_vanilla = True  # vanilla_state_mapping: the paper's layer -> module mapping
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)

@@ -20,12 +20,18 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Dict, Union
+from typing import Any, Dict, List, Tuple, Union
 
 from architectures.config import (
     ConfigError, ModelConfig, explicit_fields, register_group, set_variant_validator, unregister_group,
 )
 
+
+#: Tags an entry may carry: the experiments that include the variant by default.
+TAGS = {
+    "device_check": "experiments/device_check.py: the GPU check's benchmark (eager and compiled step times, MFU)",
+    "probe": "experiments/repro/probe.py: the routing-probe experiment's variants (one per routing decision)",
+}
 
 #: The tiny shape every variant is tested at (tests/test_contract.py): d_model 32, 4 layers, T 32.
 TINY_TEST_SETTINGS: Dict[str, Any] = dict(vocab_size=97, d_model=32, n_layer=4, n_head=2, block_size=32)
@@ -38,6 +44,8 @@ class Variant:
     overrides: Dict[str, Dict[str, Any]] = field(default_factory=dict)  # {"group": {"field": value}}
     # ModelConfig overrides for the invariant suite, on top of TINY_TEST_SETTINGS ({"group": {...}} for groups)
     test_settings: Dict[str, Any] = field(default_factory=dict)
+    # which experiments include the variant by default (see TAGS)
+    tags: Tuple[str, ...] = ()
 
     def test_config(self, name: str, **extra: Any) -> ModelConfig:
         """A tiny ``ModelConfig`` of this variant: TINY_TEST_SETTINGS, then ``test_settings``, then ``extra``
@@ -67,6 +75,9 @@ def register(name: str, variant: Variant) -> Variant:
     if name in VARIANTS:
         raise ConfigError(f"model.variant: {name!r} is already registered ({VARIANTS[name].description}); "
                           "choose another name")
+    unknown_tags = sorted(set(variant.tags) - set(TAGS))
+    if unknown_tags:
+        raise ConfigError(f"variant {name}: unknown tag {unknown_tags[0]!r}; tags: {', '.join(TAGS)}")
     groups = variant.model_class().config_groups
     for group, values in {**variant.overrides, **_group_settings(variant.test_settings)}.items():
         if group not in groups:
@@ -97,14 +108,14 @@ def _group_settings(settings: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
 _SMALL_GRU = {"mom": {"router_hidden": 32}}
 
 _BUILT_IN: Dict[str, Variant] = {
-    "vanilla": Variant("architectures.gpt2:GPT2", "dense GPT-2 (the reference for every ratio)"),
+    "vanilla": Variant("architectures.gpt2:GPT2", "dense GPT-2 (the reference for every ratio)", tags=("device_check", "probe")),
     "mod": Variant("architectures.mod:MoD", "Mixture-of-Depths: expert-choice top-k tokens per routed block",
-                   test_settings={"mod": {"capacity": 0.25}}),
+                   test_settings={"mod": {"capacity": 0.25}}, tags=("device_check", "probe")),
     "mode_staged": Variant("architectures.mod:MoDEStaged", "MoDE staged: MoD routing around blocks with an MoE MLP",
-                           test_settings={"moe": {"num_experts": 4}, "mod": {"capacity": 0.25}}),
+                           test_settings={"moe": {"num_experts": 4}, "mod": {"capacity": 0.25}}, tags=("probe",)),
     "mode_integrated": Variant("architectures.mod:MoDEIntegrated",
                                "MoDE integrated: MoE router over experts plus no-op experts",
-                               test_settings={"moe": {"num_experts": 4}, "mod": {"capacity": 0.25}}),
+                               test_settings={"moe": {"num_experts": 4}, "mod": {"capacity": 0.25}}, tags=("probe",)),
     "ffn_wider": Variant("architectures.combination:FFNWider", "GPT-2 with a wide FFN (combo.wide_ffn_ratio * d, default 32d)",
                          test_settings={"combo": {"wide_ffn_ratio": 8.0}}),
     "caa": Variant("architectures.combination:CombinationLM",
@@ -123,7 +134,7 @@ _BUILT_IN: Dict[str, Variant] = {
                              "cea_moe with the paper's wiring (Inner MoE on the keys/values of other positions)",
                              overrides={"combo": {"total_ffn_ratio": 8.0, "inner_wiring": "paper"}}),
     "moe": Variant("architectures.moe:MoEGPT", "GPT-2 with token-choice top-k MoE FFNs (Switch when k=1)",
-                   test_settings={"moe": {"num_experts": 4}}),
+                   test_settings={"moe": {"num_experts": 4}}, tags=("device_check", "probe")),
     "moe_dense_ffn": Variant("architectures.moe:MoEGPT",
                              "the CEA-MoE paper's baseline: dense FFN kept, a top-1 MoE layer (own residual) before it; "
                              "experts sized as cea_moe's (4 x 4d) so the two compare at equal expert capacity",
@@ -138,17 +149,18 @@ _BUILT_IN: Dict[str, Variant] = {
                        # tests/test_paper_options.py tests it
                        test_settings={"mot": {"gate_hidden": 16, "random_activation": 0.0}}),
     "depth_gate": Variant("architectures.depth_gate:DepthGate",
-                          "gate-weighted sum of layer outputs (blog-post 'MoD'; saves no compute)"),
+                          "gate-weighted sum of layer outputs (blog-post 'MoD'; saves no compute)", tags=("probe",)),
     "depth_gate_skip": Variant("architectures.depth_gate:DepthGate",
                                "hard depth gating that really skips: each token runs only its top-k layers (the blog's form)",
                                overrides={"depth_gate": {"mode": "hard", "top_k": 2, "skip_compute": True}}),
     "mom": Variant("architectures.mom:MixtureOfModules",
                    "Mixture-of-Modules: GRU routers assemble pooled attention/FFN modules (plain form, K=1, H=L)",
-                   test_settings=_SMALL_GRU),
+                   test_settings=_SMALL_GRU, tags=("probe",)),
     "mom_p": Variant("architectures.mom:MixtureOfModules", "MoM-P performant: K=2, H=6, chunked layout",
                      overrides={"mom": {"top_k": 2, "steps": 6, "layout": "chunked"}}, test_settings=_SMALL_GRU),
     "mom_e": Variant("architectures.mom:MixtureOfModules", "MoM-E efficient: K=3, H=1, chunked layout",
-                     overrides={"mom": {"top_k": 3, "steps": 1, "layout": "chunked"}}, test_settings=_SMALL_GRU),
+                     overrides={"mom": {"top_k": 3, "steps": 1, "layout": "chunked"}}, test_settings=_SMALL_GRU,
+                     tags=("device_check", "probe")),
     "mom_i": Variant("architectures.mom:MixtureOfModules", "MoM-I interpolated: K=3, H=2, chunked layout",
                      overrides={"mom": {"top_k": 3, "steps": 2, "layout": "chunked"}}, test_settings=_SMALL_GRU),
     "mom_official": Variant("architectures.mom:MixtureOfModules",
@@ -171,6 +183,13 @@ for _name, _variant in _BUILT_IN.items():
 
 def variant_names():
     return sorted(VARIANTS)
+
+
+def tagged(tag: str) -> List[str]:
+    """The variants carrying ``tag`` (``TAGS``), in registration order."""
+    if tag not in TAGS:
+        raise ConfigError(f"unknown variant tag {tag!r}; tags: {', '.join(TAGS)}")
+    return [name for name, variant in VARIANTS.items() if tag in variant.tags]
 
 
 def get_variant(name: str) -> Variant:

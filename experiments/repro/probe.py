@@ -21,9 +21,10 @@ import statistics
 from typing import Any, Dict, List, Optional, Sequence
 
 from architectures.config import ConfigError
+from architectures.registry import tagged
 from experiments.repro.common import Context, figure, fmt, markdown_table
 
-VARIANTS = ("vanilla", "mod", "mode_staged", "mode_integrated", "moe", "mom", "mom_e", "depth_gate")
+VARIANTS = tuple(tagged("probe"))  # the registry entries tagged "probe"
 LEVELS = range(5)
 CHANCE = 0.1  # a digit answer among ten
 SOLVABLE = 0.3  # a level counts as solvable when some variant's seed-mean accuracy reaches this
