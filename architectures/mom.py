@@ -148,11 +148,6 @@ class MoMLayout:
     n_ffn: int
     steps: int
 
-    @property
-    def vanilla_layers(self) -> int:
-        """Dense layers kept as they are: bottom + anchors + top."""
-        return self.bottom + self.top + (self.chunks if self.anchor else 0)
-
 
 def chunked_defaults(n_layer: int) -> Tuple[int, int, int]:
     """(bottom, chunks, top) of the official layout for ``n_layer`` vanilla layers."""

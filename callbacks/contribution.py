@@ -66,11 +66,6 @@ def lens_correct(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Te
     return torch.cat(hits).view(B, -1).sum(1).double().cpu()
 
 
-def lens_accuracy(model, hidden: torch.Tensor, targets: torch.Tensor) -> float:
-    """Top-1 next-token accuracy of the logit lens at one residual state (B, T, d)."""
-    return float(lens_correct(model, hidden, targets).sum()) / max(1, targets.numel())
-
-
 BOOTSTRAP_SAMPLES = 1000
 
 

@@ -346,9 +346,3 @@ def labelled_blocks(datamodule, count: int, rank: int = 0, world: int = 1):
             np.stack(levels) if levels else np.zeros(shape, np.int64),
             np.stack(families) if families else np.zeros(shape, np.int64))
 
-
-def probe_factory(task: str):
-    def factory(max_tokens: Optional[int] = None, **_) -> Corpus:
-        return ProbeCorpus(task, max_tokens)
-
-    return factory
