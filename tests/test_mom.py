@@ -9,7 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from architectures import ModelConfig, build_model
 from architectures.config import ConfigError
 from architectures.mom import MoMConfig
-from architectures.dispatch import dense_reference
+from tests.references import dense_reference
 from architectures.flops import vanilla_flops
 from architectures.gpt2 import causal_attention
 from architectures.mom import MixtureOfModules, _Route, chunked_defaults
