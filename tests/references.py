@@ -6,13 +6,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 
-def dense_reference(
-    x: torch.Tensor,
-    selected: torch.Tensor,
-    weights: torch.Tensor,
-    experts: Sequence[Callable[[torch.Tensor], torch.Tensor]],
-    keep: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+def dense_reference(x: torch.Tensor, selected: torch.Tensor, weights: torch.Tensor, experts: Sequence[Callable],
+                    keep: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``architectures.dispatch.sorted_dispatch`` the naive way: every expert on every token, masked."""
     out = None
     for e, expert in enumerate(experts):

@@ -7,20 +7,18 @@ import torch
 
 from architectures import KVCache, ModelConfig, build_model
 from architectures.config import ConfigError
+from architectures.registry import VARIANTS
 from experiments.repro.mom import module_similarity, removal_order
 
 
-def tiny_mom(**mom):
-    config = ModelConfig(variant="mom", vocab_size=64, d_model=32, n_layer=4, n_head=2, block_size=16)
-    for key, value in {"top_k": 2, "steps": 3, "router_hidden": 16, **mom}.items():
-        setattr(config.mom, key, value)
-    torch.manual_seed(0)
-    return build_model(config).eval()
+def tiny_mom():
+    torch.manual_seed(0)  # the registry's tiny MoM (d 32, 4 layers, T 32, vocab 97) with K = 2 over H = 3 steps
+    return build_model(VARIANTS["mom"].test_config("mom", mom={"top_k": 2, "steps": 3})).eval()
 
 
 def test_module_similarity_is_one_for_identical_modules_and_below_for_distinct_ones():
     model = tiny_mom()
-    idx = torch.randint(0, 64, (2, 17))
+    idx = torch.randint(0, 97, (2, 17))
     n_attn, n_ffn = model.pool_sizes()
     assert (n_attn, n_ffn) == (4, 4)
     outputs = model.pool_outputs(idx[:, :-1])
