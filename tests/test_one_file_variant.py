@@ -81,6 +81,9 @@ def toy(tmp_path, monkeypatch):
     unregister("toy_wide")
     sys.modules.pop(TOY_MODULE, None)
     assert "toy" not in config_groups() and "toy_wide" not in VARIANTS
+    from experiments.run import build_parser
+
+    assert "--model.toy." not in build_parser().format_help()  # later tests' parsers do not see the group
 
 
 def toy_env(folder: pathlib.Path) -> dict:
