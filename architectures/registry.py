@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Tuple, Union
 
 from architectures.config import (
-    ConfigError, ModelConfig, explicit_fields, register_group, set_variant_validator, unregister_group,
+    ConfigError, ModelConfig, config_groups, explicit_fields, register_group, set_variant_validator, unregister_group,
 )
 
 
@@ -87,6 +87,11 @@ def register(name: str, variant: Variant) -> Variant:
         for key in set(values) - known:
             raise ConfigError(f"variant {name}: model.{group}.{key} is not a field of {groups[group].__qualname__}; "
                               f"fields: {', '.join(sorted(known))}")
+    for group, cls in groups.items():  # all-or-nothing: a taken group name refuses the whole entry
+        current = config_groups().get(group)
+        if current is not None and current is not cls:
+            raise ConfigError(f"variant {name}: model.{group} is already {current.__module__}.{current.__qualname__}'s "
+                              "group; give the new group another name")
     for group, cls in groups.items():
         register_group(group, cls)
     VARIANTS[name] = variant

@@ -121,7 +121,13 @@ def test_registering_refuses_a_taken_name_and_a_preset_the_class_cannot_read(toy
         register("toy_bad_field", Variant(toy.ToyWide, "bad", overrides={"toy": {"ffn_width": 3}}))
     with pytest.raises(ConfigError, match=r"model\.mom, which .* does not list"):
         register("toy_bad_group", Variant(toy.ToyWide, "bad", overrides={"mom": {"top_k": 2}}))
-    assert "toy_bad_field" not in VARIANTS and "toy_bad_group" not in VARIANTS
+    class Clash(toy.ToyWide):
+        config_groups = {"wide_clash": toy.ToyConfig, "mom": toy.ToyConfig}  # "mom" belongs to MoMConfig
+
+    with pytest.raises(ConfigError, match=r"model\.mom is already architectures\.mom\.MoMConfig's group"):
+        register("toy_clash", Variant(Clash, "clash"))
+    assert "wide_clash" not in config_groups()  # nothing registered half-way
+    assert not {"toy_bad_field", "toy_bad_group", "toy_clash"} & set(VARIANTS)
 
 
 def test_a_config_naming_an_unregistered_group_is_refused_by_name():
