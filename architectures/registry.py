@@ -1,6 +1,7 @@
 """Variant registry: ``variant name -> (model class, preset, description, test settings)``.
 
-Adding a variant = one architecture file + one ``register(...)`` line below (docs/adding-a-variant.md).
+Adding a variant = one architecture file + one entry in ``_BUILT_IN`` below, which ``register`` installs
+(docs/adding-a-variant.md; a variant defined elsewhere calls ``register`` itself).
 The architecture file holds the model class and, when the variant has options, their dataclass; the
 class names its groups (``config_groups = {"mom": MoMConfig}``). Registering collects everything else
 from the entry:
@@ -84,9 +85,10 @@ def register(name: str, variant: Variant) -> Variant:
             raise ConfigError(f"variant {name}: settings for model.{group}, which {variant.target} does not list in "
                               f"config_groups ({', '.join(groups) or 'none'})")
         known = {f.name for f in dataclasses.fields(groups[group])}
-        for key in set(values) - known:
-            raise ConfigError(f"variant {name}: model.{group}.{key} is not a field of {groups[group].__qualname__}; "
-                              f"fields: {', '.join(sorted(known))}")
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"variant {name}: model.{group}.{unknown[0]} is not a field of "
+                              f"{groups[group].__qualname__}; fields: {', '.join(sorted(known))}")
     for group, cls in groups.items():  # all-or-nothing: a taken group name refuses the whole entry
         current = config_groups().get(group)
         if current is not None and current is not cls:
@@ -113,7 +115,8 @@ def _group_settings(settings: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
 _SMALL_GRU = {"mom": {"router_hidden": 32}}
 
 _BUILT_IN: Dict[str, Variant] = {
-    "vanilla": Variant("architectures.gpt2:GPT2", "dense GPT-2 (the reference for every ratio)", tags=("device_check", "probe")),
+    "vanilla": Variant("architectures.gpt2:GPT2", "dense GPT-2 (the reference for every ratio)",
+                       tags=("device_check", "probe")),
     "mod": Variant("architectures.mod:MoD", "Mixture-of-Depths: expert-choice top-k tokens per routed block",
                    test_settings={"mod": {"capacity": 0.25}}, tags=("device_check", "probe")),
     "mode_staged": Variant("architectures.mod:MoDEStaged", "MoDE staged: MoD routing around blocks with an MoE MLP",
