@@ -15,7 +15,7 @@ import contextlib
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, Iterator, List, Optional
+from typing import Any, ClassVar, Dict, Iterable, Iterator, List, Optional
 
 import torch
 import torch.nn as nn
@@ -92,6 +92,9 @@ class LanguageModel(nn.Module):
     #: True when the default (training / eval) routing is not causal: a token's routing may depend on
     #: later tokens (MoD's sequence top-k). Causal evaluation then needs ``causal_routing()``.
     routing_sees_future: bool = False
+    #: {group name: dataclass} of the config groups this model reads (``model.<group>.<field>``); registering a
+    #: variant of this class adds them to ``ModelConfig`` (CLI options, config.yaml, validation).
+    config_groups: ClassVar[Dict[str, type]] = {}
 
     @property
     def has_causal_routing(self) -> bool:
@@ -241,6 +244,9 @@ class LanguageModel(nn.Module):
     #: (regex over this model's parameter names, source template) pairs for sparse upcycling from a
     #: vanilla checkpoint, e.g. (r"(blocks\.\d+)\.moe\.experts\.\d+\.(.*)", r"\1.mlp.\2")
     upcycle_rules: tuple = ()
+    #: True when ``vanilla_state_mapping`` lays a whole vanilla model onto this one's modules (the MoM paper's
+    #: phase 2): ``experiments.two_phase`` accepts only these variants.
+    two_phase_from_vanilla: bool = False
 
     def vanilla_state_mapping(self, vanilla_state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """A vanilla GPT-2 state dict (this suite's names) mapped to this variant's parameter names.

@@ -67,6 +67,7 @@ scores count what the math kernel computes, ``(T-1)^2`` query-key pairs per sequ
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -75,10 +76,34 @@ import torch.nn.functional as F
 
 from architectures import flops as F_
 from architectures.base import ForwardState, LanguageModel, require
-from architectures.config import ModelConfig
+from architectures.config import ModelConfig, tracks_explicit
 from architectures.contract import KVCache, RoutingSite
 from architectures.gpt2 import MLP, CausalSelfAttention, causal_attention
-from architectures.moe import MoELayer, MoEResult, validate_moe_config
+from architectures.moe import MoEConfig, MoELayer, MoEResult, validate_moe_config
+
+
+@tracks_explicit
+@dataclass
+class CombinationConfig:
+    """FFN-Wider / Combination Adjustable (caa) / Enhanced (cea) architectures (Lu et al. 2024).
+
+    Presets (registry): ``cea`` sets outer_ratio 0.125 (Outer-FFN = vanilla 4d of W = 32d);
+    ``cea_moe`` sets total_ffn_ratio 8 (dense 4d Outer-FFN, 4d experts inside MHA at r = 0.5).
+    """
+
+    wide_ffn_ratio: float = 32.0  # ffn_wider: hidden = ratio * d
+    # caa/cea: total FFN width W = ratio * d, split outer/inner. 32 = the FFN-Wider width the paper
+    # redistributes, so caa at r = 1 is ffn_wider; use 4 for a vanilla-width split.
+    total_ffn_ratio: float = 32.0
+    outer_ratio: float = 0.5  # r: Outer-FFN width = r * W, Inner-FFN = (1 - r) * W; r * W must be whole
+    inner_experts: int = 4  # cea_moe: experts of the Inner MoE, each (1 - r) * W wide
+    inner_top_k: int = 1
+    # How the Inner-FFN enters MHA (architectures/combination.py). "additive" (default): full MHA on
+    # untransformed values + an additive Inner path with its own V_inner / O'. "paper" (seed 004): one
+    # MHA whose keys/values of OTHER positions come from u = h + InnerFFN(h) through the shared W_k / W_v,
+    # the own position's from h (the direct pathway); no extra parameters. "paper_masked": the paper's
+    # FlashAttention simplification at 14B: every key/value through the Inner-FFN, own position masked.
+    inner_wiring: str = "additive"
 
 INNER_SITE = "inner_moe"
 
@@ -273,7 +298,7 @@ class CombinationBlock(nn.Module):
     def inner_ffn_flops(self, sites: Dict[str, RoutingSite]) -> F_.Flops:
         inner, d = self.attn.inner, self.d_model
         if isinstance(inner.ffn, MoELayer):
-            return inner.ffn.flops_per_token(sites.get(f"block{self.index}.{INNER_SITE}"), d)
+            return inner.ffn.flops(sites.get(f"block{self.index}.{INNER_SITE}"))
         return F_.Flops(ffn=F_.ffn(d, self.inner_width))
 
 
@@ -291,6 +316,7 @@ def _whole(value: float, field: str, what: str) -> int:
 class CombinationLM(LanguageModel):
     """``caa`` / ``cea``: Outer-FFN of width r*W after MHA, dense Inner-FFN of width (1-r)*W inside it."""
 
+    config_groups = {"combo": CombinationConfig}
     may_skip_parameters = False  # dense: every parameter gets a gradient every step
 
     def __init__(self, config: ModelConfig):
@@ -301,7 +327,6 @@ class CombinationLM(LanguageModel):
             [CombinationBlock(config, outer, self.make_inner(config, inner) if inner > 0 else None, i, inner)
              for i in range(config.n_layer)]
         )
-        self.init_weights()
 
     # ------------------------------------------------------------------ configuration
     @classmethod
@@ -357,6 +382,7 @@ class CombinationLM(LanguageModel):
 class CombinationMoELM(CombinationLM):
     """``cea_moe``: the Inner-FFN is an MoE layer; the Outer-FFN stays dense."""
 
+    config_groups = {"combo": CombinationConfig, "moe": MoEConfig}  # moe: the Inner MoE's other settings
     may_skip_parameters = True  # an Inner expert may get no token
 
     @staticmethod

@@ -1,20 +1,26 @@
-"""One configuration dataclass for every architecture.
+"""The model configuration: shared fields plus one group per variant family, registered by the family.
 
-``ModelConfig`` holds the fields every model shares plus one group per variant family
-(``mod``, ``moe``, ``mot``, ``depth_gate``, ``mom``, ``combo``). A family reads only its own
-group; the others keep their defaults and cost nothing. Sizes (``tiny`` .. ``large``) fill the
-shared dimensions that were left as ``None`` (see ``SIZES``), litgpt-style: every real size has a
-tiny sibling for CPU runs and tests.
+``ModelConfig`` holds the fields every model shares (``variant``, ``size``, the dimensions, dropout,
+...). A family's options live in its own dataclass in its architecture file (``MoMConfig`` in
+``architectures/mom.py``, ...); the registry (``architectures/registry.py``, which imports this module,
+never the other way round) adds it here as the group ``model.<name>`` via ``register_group`` when a
+variant using it is registered. A group is then an ordinary dataclass field of ``ModelConfig``: the CLI
+option ``--model.<group>.<field>``, ``dataclasses.asdict``, ``config.yaml`` and checkpoints all see it, in
+the same layout as before the groups moved (old run folders and checkpoints load unchanged).
+
+Sizes (``tiny`` .. ``large``) fill the shared dimensions that were left as ``None`` (see ``SIZES``),
+litgpt-style: every real size has a tiny sibling for CPU runs and tests.
 
 Validation happens in ``ModelConfig.validate()``; every error names the offending field and the
-allowed values, so a bad command line fails before any data or weights are touched.
+allowed values, so a bad command line fails before any data or weights are touched. The variant's own
+checks reach it through ``set_variant_validator`` (installed by the registry).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 
 class ConfigError(ValueError):
@@ -78,157 +84,13 @@ SIZES: Dict[str, Dict[str, int]] = {
 GPT2_VOCAB_SIZE = 50257
 
 
-@tracks_explicit
-@dataclass
-class MoDConfig:
-    """Mixture-of-Depths (Raposo et al. 2024). Used by ``mod``, ``mode_staged``, ``mode_integrated``."""
-
-    capacity: float = 0.125
-    # Which blocks are routed: "odd" (1, 3, 5, ...: the paper's every-other-block), "even", "all",
-    # or an explicit list of block indices.
-    routed_blocks: Union[str, List[int]] = "odd"
-    # Causal decision used by generate(): "aux_loss" (BCE on router logits), "predictor"
-    # (aux MLP on stop-gradient inputs), or "none" (training only; generate() refuses).
-    sampling: str = "predictor"
-    aux_loss_coef: float = 0.01  # router BCE ("aux_loss"): shapes the router, so it is kept small
-    predictor_hidden: int = 64
-    # Predictor BCE ("predictor"): its input is stop-gradient, so this only sets its learning rate.
-    predictor_loss_coef: float = 1.0
-    # MoDE-integrated: number of identity (no-op) experts added next to the MoE experts.
-    noop_experts: int = 1
-
-
-@tracks_explicit
-@dataclass
-class MoEConfig:
-    """Token-choice Mixture-of-Experts FFN (Switch / top-k)."""
-
-    num_experts: int = 8
-    top_k: int = 1
-    renormalize: bool = True  # weights renormalised over the chosen k (k > 1; k = 1 keeps the raw probability)
-    balance_coef: float = 1e-2
-    z_loss_coef: float = 1e-3
-    # Tokens per expert = capacity_factor * tokens * top_k / E. Ignored when dropless.
-    capacity_factor: float = 1.25
-    dropless: bool = True
-    # Which layers get an MoE FFN: "all", "odd", "even", or an explicit list.
-    layers: Union[str, List[int]] = "all"
-    expert_ffn_ratio: Optional[float] = None  # None: the model's ffn_ratio
-    # "replace": the MoE layer is the block's FFN (Switch; our default). "before_ffn": the MoE layer gets
-    # its own LayerNorm and residual update BEFORE the dense FFN, which is kept (the CEA-MoE paper's
-    # baseline: a 64-expert top-1 MoE in front of each FFN). Preset ``moe_dense_ffn`` matches ``cea_moe``.
-    placement: str = "replace"
-
-
-@tracks_explicit
-@dataclass
-class MoTConfig:
-    """Mixture of Transformers: whole blocks as experts, top-k gate per mixture layer."""
-
-    num_experts: int = 4
-    top_k: int = 2
-    layers: Union[str, List[int]] = "all"
-    balance_coef: float = 1e-2
-    renormalize: bool = True  # gate weights renormalised over the chosen k (k > 1 only, as for MoE)
-    # Paper-form options (seed 002; preset ``mot_seq``). Defaults keep our per-token form.
-    # "token": each token picks its k blocks. "sequence": the gate reads the mean of the sequence's real
-    # tokens and the whole sequence goes through the same k blocks (sees the future: under
-    # causal_routing() / decoding each token is routed by the mean of its prefix instead).
-    routing: str = "token"
-    weights: str = "gate"  # "gate": gate probabilities; "uniform": 1/k forward (seed), gradient to the gate kept
-    gate_hidden: int = 0  # 0: linear gate; > 0: gate MLP d -> gate_hidden -> E (GELU)
-    aggregation: str = "sum"  # "sum": x + sum_j w_j (Block_j(x) - x); "concat": x + W_c [w_1 u_1; ..; w_k u_k]
-    random_activation: float = 0.0  # training only: probability that a routed unit's last slot goes to a random other block
-
-
-@tracks_explicit
-@dataclass
-class DepthGateConfig:
-    """Soft / hard depth gating over layer outputs (the blog-post "MoD"; saves no compute)."""
-
-    mode: str = "soft"  # "soft" or "hard"
-    top_k: int = 2
-    # Hard mode only. False (default): every layer still runs on every token (a cheap baseline; the gate
-    # picks which layer outputs are mixed). True: the blog's "tokens only pass through" their top-k
-    # layers: a layer runs only on the tokens that chose it (attention among those tokens), the others
-    # pass it unchanged, and FLOPs drop accordingly. Preset ``depth_gate_skip``.
-    skip_compute: bool = False
-
-
-@tracks_explicit
-@dataclass
-class MoMConfig:
-    """Mixture-of-Modules (Gong et al. 2024). Semantics and defaults: ``architectures/mom.py``.
-
-    Pool sizes and H are per chunk; ``None`` means "the chunk's vanilla layer slots" (the number of
-    vanilla layers a chunk replaces), so the default MoM has the vanilla model's parameters and
-    ``init_from_vanilla`` maps layer j to module j.
-    """
-
-    n_attn: Optional[int] = None  # N_A attention modules per chunk
-    n_ffn: Optional[int] = None  # N_F FFN modules per chunk
-    top_k: int = 1  # K (SKIP competes inside the K)
-    steps: Optional[int] = None  # H assembly steps per chunk
-    allow_skip: bool = True
-    router_hidden: int = 256
-    temperature: float = 0.2
-    balance_coef: float = 0.01
-    # "plain": one chunk, no bottom/top/anchor (the paper's form). "chunked": the official code's
-    # layout sized from n_layer (pools of 4 + an anchor per chunk, the rest split bottom/top).
-    # Explicit bottom / chunks / top / anchor override the layout's values.
-    layout: str = "plain"
-    bottom: Optional[int] = None
-    chunks: Optional[int] = None
-    top: Optional[int] = None
-    anchor: Optional[bool] = None
-    # "learned", "vanilla" (module h at step h), "param_share" (module 0 at every step),
-    # "moe" (attention fixed at module h, FFN learned), "layer_skip" (step h: module h or SKIP).
-    routing: str = "learned"
-    weighted_qkv: bool = False  # official-code option: scale each module's QKV by its router weight
-    straight_through: bool = True  # K=1: weight p / stopgrad(p) (= 1) so the router gets a gradient
-    # Official-code options (gzhch/Mixture-of-Modules; preset ``mom_official``). Defaults: our forms.
-    router_bias: bool = False  # the official W_o (nn.Linear) has a bias; ours is bias-free
-    # "own": each router scores its own pool (+ SKIP). "max_pool": both routers score max(N_A, N_F) + 1
-    # classes as in the official code; classes beyond a router's own pool act as extra SKIPs.
-    router_width: str = "own"
-    # "site_mean": Switch loss per learned site over its K choices, mean over sites (ours). "official":
-    # one loss per router kind over all steps concatenated, f from the top-1 of softmax(probs) (the
-    # official double softmax), C = router width; attention + FFN losses summed.
-    balance_form: str = "site_mean"
-    # routing_all_possible_path: every module runs on every token, weighted by the full router
-    # distribution (a dense mixture; saves nothing). SKIP's probability contributes nothing.
-    all_paths: bool = False
-
-
-@tracks_explicit
-@dataclass
-class CombinationConfig:
-    """FFN-Wider / Combination Adjustable (caa) / Enhanced (cea) architectures (Lu et al. 2024).
-
-    Presets (registry): ``cea`` sets outer_ratio 0.125 (Outer-FFN = vanilla 4d of W = 32d);
-    ``cea_moe`` sets total_ffn_ratio 8 (dense 4d Outer-FFN, 4d experts inside MHA at r = 0.5).
-    """
-
-    wide_ffn_ratio: float = 32.0  # ffn_wider: hidden = ratio * d
-    # caa/cea: total FFN width W = ratio * d, split outer/inner. 32 = the FFN-Wider width the paper
-    # redistributes, so caa at r = 1 is ffn_wider; use 4 for a vanilla-width split.
-    total_ffn_ratio: float = 32.0
-    outer_ratio: float = 0.5  # r: Outer-FFN width = r * W, Inner-FFN = (1 - r) * W; r * W must be whole
-    inner_experts: int = 4  # cea_moe: experts of the Inner MoE, each (1 - r) * W wide
-    inner_top_k: int = 1
-    # How the Inner-FFN enters MHA (architectures/combination.py). "additive" (default): full MHA on
-    # untransformed values + an additive Inner path with its own V_inner / O'. "paper" (seed 004): one
-    # MHA whose keys/values of OTHER positions come from u = h + InnerFFN(h) through the shared W_k / W_v,
-    # the own position's from h (the direct pathway); no extra parameters. "paper_masked": the paper's
-    # FlashAttention simplification at 14B: every key/value through the Inner-FFN, own position masked.
-    inner_wiring: str = "additive"
-
-
 @dataclass
 class ModelConfig:
     """Everything needed to build any registered architecture.
 
-    Shared dimensions left as ``None`` are filled from ``SIZES[size]`` by ``resolve()``.
+    Shared dimensions left as ``None`` are filled from ``SIZES[size]`` by ``resolve()``. The family groups
+    (``mod``, ``moe``, ``mot``, ``depth_gate``, ``mom``, ``combo``, and any variant registered later) are
+    fields added by ``register_group``; ``config_groups()`` lists them.
     """
 
     variant: str = "vanilla"
@@ -243,12 +105,6 @@ class ModelConfig:
     bias: bool = True
     layer_norm_eps: float = 1e-5
     init_std: float = 0.02
-    mod: MoDConfig = field(default_factory=MoDConfig)
-    moe: MoEConfig = field(default_factory=MoEConfig)
-    mot: MoTConfig = field(default_factory=MoTConfig)
-    depth_gate: DepthGateConfig = field(default_factory=DepthGateConfig)
-    mom: MoMConfig = field(default_factory=MoMConfig)
-    combo: CombinationConfig = field(default_factory=CombinationConfig)
     # Name of the variant whose preset overrides (registry) are already in these fields; set by
     # registry.apply_preset and by the CLI, so a preset is applied exactly once and explicit user
     # values always win.
@@ -275,12 +131,6 @@ class ModelConfig:
         return int(round(self.ffn_ratio * self.d_model))
 
     def validate(self) -> None:
-        from architectures.registry import VARIANTS  # late import: registry imports the families
-
-        if self.variant not in VARIANTS:
-            raise ConfigError(
-                f"model.variant: unknown variant {self.variant!r}; valid variants: {', '.join(sorted(VARIANTS))}"
-            )
         for name in ("vocab_size", "d_model", "n_layer", "n_head", "block_size"):
             value = getattr(self, name)
             if value is None or not isinstance(value, int) or value <= 0:
@@ -293,7 +143,7 @@ class ModelConfig:
             raise ConfigError(f"model.ffn_ratio: must be > 0, got {self.ffn_ratio}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout: must be in [0, 1), got {self.dropout}")
-        VARIANTS[self.variant].validate(self)
+        _variant_validator(self)
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> Dict[str, Any]:
@@ -301,11 +151,34 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: Dict[str, Any]) -> "ModelConfig":
+        """From a dict such as ``to_dict()``, a run folder's ``config.yaml`` ``model:`` section or a checkpoint's
+        ``hyper_parameters["model"]``. A group missing from ``data`` keeps its defaults (a run saved before the
+        group existed); a key that is neither a field nor a registered group is refused by name."""
         kwargs = dict(data)
-        for name, group in config_groups().items():
+        groups = config_groups()
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - fields)
+        if unknown:
+            raise ConfigError(f"model.{unknown[0]}: not a model field or registered config group (groups: "
+                              f"{', '.join(groups)}); register the variant that defines it before loading this config")
+        for name, group in groups.items():
             if name in kwargs and isinstance(kwargs[name], dict):
                 kwargs[name] = group(**kwargs[name])
         return cls(**kwargs)
+
+
+def _no_variant_check(config: ModelConfig) -> None:
+    """Until the registry installs its check (importing ``architectures`` does), only shared fields are validated."""
+
+
+_variant_validator: Callable[[ModelConfig], None] = _no_variant_check
+
+
+def set_variant_validator(check: Callable[[ModelConfig], None]) -> None:
+    """Install the check ``ModelConfig.validate`` runs last: the variant name and the variant's own rules.
+    The registry installs it, so this module does not import the registry (which imports the families)."""
+    global _variant_validator
+    _variant_validator = check
 
 
 def config_groups() -> Dict[str, type]:
@@ -313,6 +186,52 @@ def config_groups() -> Dict[str, type]:
     (``from_dict``, the CLI's resolved config and the tests all read it)."""
     return {f.name: f.default_factory for f in dataclasses.fields(ModelConfig)
             if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)}
+
+
+_SHARED_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig))
+
+
+def register_group(name: str, group: type) -> None:
+    """Make the dataclass ``group`` the config group ``model.<name>``: a ``ModelConfig`` field defaulting to
+    ``group()``. Registering the same class again is a no-op; another class under a taken name is refused."""
+    current = config_groups().get(name)
+    if current is group:
+        return
+    if not dataclasses.is_dataclass(group):
+        raise TypeError(f"config group model.{name}: {group!r} is not a dataclass")
+    if current is not None or name in _SHARED_FIELDS or not name.isidentifier():
+        taken = f"by {current.__module__}.{current.__qualname__}" if current is not None else "by ModelConfig"
+        raise ConfigError(f"model.{name}: the name is taken {taken}; give the new group another name")
+    _redefine_model_config({**config_groups(), name: group})
+
+
+def unregister_group(name: str) -> None:
+    """Remove the config group ``model.<name>`` (tests registering a temporary variant clean up with it)."""
+    groups = config_groups()
+    if name in groups:
+        del groups[name]
+        _redefine_model_config(groups)
+
+
+def _redefine_model_config(groups: Dict[str, type]) -> None:
+    """Re-run the dataclass machinery on ``ModelConfig`` (the same class object, so every import of it stays
+    valid) with the shared fields followed by ``groups``."""
+    cls = ModelConfig
+    shared = [f for f in dataclasses.fields(cls) if f.name in _SHARED_FIELDS]
+    for name in ("__init__", "__repr__", "__eq__", "__hash__", "__match_args__", "__dataclass_fields__",
+                 "__dataclass_params__"):
+        if name in cls.__dict__:
+            delattr(cls, name)
+    for name in set(cls.__annotations__) - _SHARED_FIELDS:
+        del cls.__annotations__[name]
+        if name in cls.__dict__:
+            delattr(cls, name)
+    for f in shared:  # the dataclass machinery replaced each Field by its default: give the Field back
+        setattr(cls, f.name, f)
+    for name, group in groups.items():
+        cls.__annotations__[name] = group
+        setattr(cls, name, field(default_factory=group))
+    dataclass(cls)
 
 
 def layer_selection(spec: Union[str, List[int]], n_layer: int, field_name: str) -> List[int]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -117,6 +117,13 @@ class KVCache:
     def __init__(self) -> None:
         self.layers: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
         self.offset: int = 0
+        self._states: Dict[str, Dict[str, Any]] = {}
+
+    def state(self, kind: str) -> Dict[str, Any]:
+        """A variant's own per-row decoding state, by site name, kept with the cache: MoT's key masks
+        (``"key_valid"``), its causal gate prefix (``"mot_prefix"``), MoDE's no-op budgets. Values are per-row
+        tensors (or tuples of them); ``reorder`` follows them as it follows ``layers``."""
+        return self._states.setdefault(kind, {})
 
     def append(self, name: str, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         if name in self.layers:
@@ -131,14 +138,13 @@ class KVCache:
     def reorder(self, index: torch.Tensor) -> None:
         """Keep batch rows ``index`` in that order: new row b is old row ``index[b]`` (beam search).
 
-        Applies to ``layers`` and to any other dict of per-row tensors a variant keeps on the cache
+        Applies to ``layers`` and to every ``state(kind)`` dict a variant keeps on the cache
         (e.g. MoT's key masks). Entries named ``"<site>.row<b>"`` hold a single row (MoD keeps one per
         sequence, because rows process different numbers of tokens); they are renamed, not indexed.
         """
         rows = [int(i) for i in index.tolist()]
-        for attr, value in list(vars(self).items()):
-            if isinstance(value, dict):
-                setattr(self, attr, _reorder_entries(value, index, rows))
+        self.layers = _reorder_entries(self.layers, index, rows)
+        self._states = {kind: _reorder_entries(entries, index, rows) for kind, entries in self._states.items()}
 
 
 _ROW_ENTRY = re.compile(r"(.+)\.row(\d+)")

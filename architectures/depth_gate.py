@@ -25,27 +25,43 @@ the final mix is not a sub-layer update and is not reported.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from architectures import flops as F_
 from architectures.base import ForwardState, LanguageModel, require
-from architectures.config import ModelConfig
+from architectures.config import ModelConfig, tracks_explicit
 from architectures.contract import RoutingSite
 from architectures.gpt2 import Block
 from architectures.mot import run_on_subset
 from architectures.routing import fp32_linear, token_topk
 
 
+@tracks_explicit
+@dataclass
+class DepthGateConfig:
+    """Soft / hard depth gating over layer outputs (the blog-post "MoD"; saves no compute)."""
+
+    mode: str = "soft"  # "soft" or "hard"
+    top_k: int = 2
+    # Hard mode only. False (default): every layer still runs on every token (a cheap baseline; the gate
+    # picks which layer outputs are mixed). True: the blog's "tokens only pass through" their top-k
+    # layers: a layer runs only on the tokens that chose it (attention among those tokens), the others
+    # pass it unchanged, and FLOPs drop accordingly. Preset ``depth_gate_skip``.
+    skip_compute: bool = False
+
+
 class DepthGate(LanguageModel):
     """GPT-2 whose output is a gate-weighted mix of its layer outputs. Saves no compute."""
+
+    config_groups = {"depth_gate": DepthGateConfig}
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
         self.blocks = nn.ModuleList([Block(config, i) for i in range(config.n_layer)])
         self.gate = nn.Linear(config.d_model, config.n_layer, bias=False)
-        self.init_weights()
 
     @staticmethod
     def validate_config(config: ModelConfig) -> None:

@@ -53,21 +53,3 @@ def sorted_dispatch(
     outputs = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
     outputs = outputs * flat_weight.unsqueeze(-1).to(outputs.dtype)
     return outputs.new_zeros(N, outputs.shape[-1]).index_add(0, token_index, outputs)
-
-
-def dense_reference(
-    x: torch.Tensor,
-    selected: torch.Tensor,
-    weights: torch.Tensor,
-    experts: Sequence[Callable[[torch.Tensor], torch.Tensor]],
-    keep: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """The naive reference: every expert on every token, masked. For tests only."""
-    out = None
-    for e, expert in enumerate(experts):
-        gate = ((selected == e) * weights)
-        if keep is not None:
-            gate = gate * keep
-        contribution = expert(x) * gate.sum(-1, keepdim=True).to(x.dtype)
-        out = contribution if out is None else out + contribution
-    return out if out is not None else torch.zeros_like(x)

@@ -16,7 +16,9 @@ returns the expected figure for a full-length sequence under the configured capa
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Dict
+from typing import Dict, Optional
+
+from architectures.config import ModelConfig
 
 COMPONENTS = ("attn_proj", "attn_scores", "ffn", "router", "head")
 
@@ -78,3 +80,10 @@ def dense_block(d: int, hidden: int, keys: float) -> Flops:
 
 def lm_head(d: int, vocab: int) -> Flops:
     return Flops(head=linear(d, vocab))
+
+
+def vanilla_flops(config: ModelConfig, seq_len: Optional[int] = None) -> Flops:
+    """Forward FLOPs per token of the dense model at sequence length ``seq_len`` (default T)."""
+    T = seq_len or config.block_size
+    block = dense_block(config.d_model, config.ffn_hidden, T)
+    return block.scale(config.n_layer) + lm_head(config.d_model, config.vocab_size)

@@ -113,14 +113,6 @@ class GPT2(LanguageModel):
     def __init__(self, config: ModelConfig):
         super().__init__(config)
         self.blocks = nn.ModuleList([Block(config, i) for i in range(config.n_layer)])
-        self.init_weights()
-
-
-def vanilla_flops(config: ModelConfig, seq_len: Optional[int] = None) -> F_.Flops:
-    """Forward FLOPs per token of the dense model at sequence length ``seq_len`` (default T)."""
-    T = seq_len or config.block_size
-    block = F_.dense_block(config.d_model, config.ffn_hidden, T)
-    return block.scale(config.n_layer) + F_.lm_head(config.d_model, config.vocab_size)
 
 
 # ---------------------------------------------------------------------------- Hugging Face weights
@@ -158,21 +150,3 @@ def config_from_hf(hf_config, **overrides) -> ModelConfig:
         dropout=0.0,
         **overrides,
     )
-
-
-def load_hf_gpt2(source: str = "gpt2") -> GPT2:
-    """Build our GPT2 from Hugging Face weights (hub id such as "gpt2" or a local folder)."""
-    try:
-        from transformers import GPT2LMHeadModel
-    except ImportError as err:  # pragma: no cover - transformers is a hard dependency
-        raise ImportError("loading Hugging Face weights needs `pip install transformers`") from err
-    try:
-        hf = GPT2LMHeadModel.from_pretrained(source)
-    except OSError as err:
-        raise OSError(
-            f"could not load Hugging Face GPT-2 weights {source!r} (offline, or not in the cache). "
-            "Pass a local folder holding config.json and model.safetensors instead."
-        ) from err
-    model = GPT2(config_from_hf(hf.config).resolve())
-    model.load_state_dict(state_dict_from_hf(hf.state_dict()))
-    return model

@@ -29,7 +29,8 @@ the remaining blocks get an MoE MLP when ``model.moe.layers`` selects them.
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -37,11 +38,31 @@ import torch.nn.functional as F
 
 from architectures import flops as F_
 from architectures.base import ForwardState, LanguageModel, require
-from architectures.config import ConfigError, ModelConfig, layer_selection
+from architectures.config import ConfigError, ModelConfig, layer_selection, tracks_explicit
 from architectures.contract import RoutingSite
 from architectures.gpt2 import MLP, Block, CausalSelfAttention
-from architectures.moe import MoEBlock, MoEGPT, MoELayer, expert_hidden, validate_moe_config
+from architectures.moe import MoEBlock, MoEConfig, MoEGPT, MoELayer, expert_hidden, validate_moe_config
 from architectures.routing import capacity_tokens, expert_choice_topk, fp32_linear
+
+
+@tracks_explicit
+@dataclass
+class MoDConfig:
+    """Mixture-of-Depths (Raposo et al. 2024). Used by ``mod``, ``mode_staged``, ``mode_integrated``."""
+
+    capacity: float = 0.125
+    # Which blocks are routed: "odd" (1, 3, 5, ...: the paper's every-other-block), "even", "all",
+    # or an explicit list of block indices.
+    routed_blocks: Union[str, List[int]] = "odd"
+    # Causal decision used by generate(): "aux_loss" (BCE on router logits), "predictor"
+    # (aux MLP on stop-gradient inputs), or "none" (training only; generate() refuses).
+    sampling: str = "predictor"
+    aux_loss_coef: float = 0.01  # router BCE ("aux_loss"): shapes the router, so it is kept small
+    predictor_hidden: int = 64
+    # Predictor BCE ("predictor"): its input is stop-gradient, so this only sets its learning rate.
+    predictor_loss_coef: float = 1.0
+    # MoDE-integrated: number of identity (no-op) experts added next to the MoE experts.
+    noop_experts: int = 1
 
 SAMPLING_CHOICES = ("aux_loss", "predictor", "none")
 
@@ -327,7 +348,7 @@ class RoutedBlock(nn.Module):
             out = out + F_.Flops(router=F_.linear(d, self.cfg.predictor_hidden) + F_.linear(self.cfg.predictor_hidden, 1))
         if isinstance(self.mlp, MoELayer):
             moe_site = sites.get(f"block{self.index}.moe")
-            moe = self.mlp.flops_per_token(moe_site, d)
+            moe = self.mlp.flops(moe_site)
             # with a site the experts are already per token of the batch; the MoE router ran on the processed ones
             return out + (F_.Flops(ffn=moe.ffn, router=frac * moe.router) if moe_site is not None else moe.scale(frac))
         return out + F_.Flops(ffn=frac * F_.ffn(d, hidden))
@@ -349,6 +370,7 @@ class MoD(LanguageModel):
     and 1.0 the model computes exactly what GPT-2 computes with the same block weights.
     """
 
+    config_groups = {"mod": MoDConfig}
     fixed_router_weight: Optional[float] = None
     routing_sees_future = True  # the sequence top-k: causal only inside causal_routing()
     # every routed block takes k >= 1 tokens and its router/predictor always get a loss: nothing idles
@@ -360,7 +382,6 @@ class MoD(LanguageModel):
         super().__init__(config)
         self.routed = routed_block_indices(config) if self.uses_mod_router else []
         self.blocks = nn.ModuleList(self._make_blocks(config))
-        self.init_weights()
 
     def _make_blocks(self, config: ModelConfig) -> List[nn.Module]:
         """Routed blocks from ``_routed_block``; the other blocks of the MoE chain an ``MoEBlock``; the rest dense."""
@@ -404,6 +425,7 @@ class MoDEStaged(MoD):
     through the whole depth; a routed block's site marks the tokens it skipped as invalid.
     """
 
+    config_groups = {"mod": MoDConfig, "moe": MoEConfig}
     may_skip_parameters = True  # an expert may get no token
     # routed blocks keep their MoE under the name "mlp", the other MoE layers under "moe"
     upcycle_rules = MoEGPT.upcycle_rules + ((r"(blocks\.\d+)\.mlp\.experts\.\d+\.(.*)", r"\1.mlp.\2"),)
@@ -431,6 +453,7 @@ class MoDEIntegrated(MoD):
     has one set of choices.
     """
 
+    config_groups = {"mod": MoDConfig, "moe": MoEConfig}
     uses_mod_router = False
     may_skip_parameters = True
     upcycle_rules = MoEGPT.upcycle_rules

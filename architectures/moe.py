@@ -28,20 +28,42 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Union
 
 import torch
 import torch.nn as nn
 
 from architectures import flops as F_
 from architectures.base import ForwardState, LanguageModel, require
-from architectures.config import ModelConfig, MoEConfig, layer_selection
+from architectures.config import ModelConfig, layer_selection, tracks_explicit
 from architectures.contract import KVCache, RoutingSite
 from architectures.routing import (  # noqa: F401  (re-exported: the MoE layer's routing pieces)
     balance_loss, capacity_keep, fp32_linear, noop_budget_keep, sorted_dispatch, token_topk, z_loss,
 )
 from architectures.grouped_gemm import expert_dispatch
 from architectures.gpt2 import MLP, Block, CausalSelfAttention
+
+
+@tracks_explicit
+@dataclass
+class MoEConfig:
+    """Token-choice Mixture-of-Experts FFN (Switch / top-k)."""
+
+    num_experts: int = 8
+    top_k: int = 1
+    renormalize: bool = True  # weights renormalised over the chosen k (k > 1; k = 1 keeps the raw probability)
+    balance_coef: float = 1e-2
+    z_loss_coef: float = 1e-3
+    # Tokens per expert = capacity_factor * tokens * top_k / E. Ignored when dropless.
+    capacity_factor: float = 1.25
+    dropless: bool = True
+    # Which layers get an MoE FFN: "all", "odd", "even", or an explicit list.
+    layers: Union[str, List[int]] = "all"
+    expert_ffn_ratio: Optional[float] = None  # None: the model's ffn_ratio
+    # "replace": the MoE layer is the block's FFN (Switch; our default). "before_ffn": the MoE layer gets
+    # its own LayerNorm and residual update BEFORE the dense FFN, which is kept (the CEA-MoE paper's
+    # baseline: a 64-expert top-1 MoE in front of each FFN). Preset ``moe_dense_ffn`` matches ``cea_moe``.
+    placement: str = "replace"
 
 
 PLACEMENTS = ("replace", "before_ffn")
@@ -150,7 +172,7 @@ class MoELayer(nn.Module):
         B, T, _ = probs.shape
         valid = torch.ones(B, T, dtype=torch.bool, device=probs.device) if valid is None else valid.to(torch.bool)
         wants = (selected >= self.num_experts).sum(-1)
-        budgets = None if cache is None else vars(cache).setdefault("noop_budget", {})
+        budgets = None if cache is None else cache.state("noop_budget")
         keep, state = noop_budget_keep(wants, valid, self.noop_share, self.top_k,
                                        None if budgets is None else budgets.get(site_name))
         if budgets is not None:
@@ -191,9 +213,11 @@ class MoELayer(nn.Module):
         )
         return MoEResult(output=out.view(B, T, out.shape[-1]), site=site, aux_losses=aux)
 
-    def flops_per_token(self, site: Optional[RoutingSite], d_model: int) -> F_.Flops:
-        """Router (all tokens) + the experts actually run: active (real, valid, not dropped) assignments
-        per token of the batch. With no site: the expected k experts per token."""
+    def flops(self, site: Optional[RoutingSite]) -> F_.Flops:
+        """Per token, of this sub-layer (its cost does not depend on T): router (all tokens) + the experts
+        actually run: active (real, valid, not dropped) assignments per token of the batch. With no site:
+        the expected k experts per token. A block adds it to its own ``flops(sites, T, queries)``."""
+        d_model = self.router.in_features
         router = F_.linear(d_model, self.num_choices)
         per_expert = F_.ffn(d_model, self.hidden)
         if site is None:
@@ -261,7 +285,7 @@ class MoEBlock(nn.Module):
         d = self.ln_1.normalized_shape[0]
         attention = F_.Flops(attn_proj=F_.attention_projections(d), attn_scores=F_.attention_scores(d, T),
                              ffn=F_.ffn(d, self.dense_hidden) if self.dense_hidden else 0.0)
-        return attention + self.moe.flops_per_token(sites.get(self.site_name), d)
+        return attention + self.moe.flops(sites.get(self.site_name))
 
 
 def expert_hidden(config: ModelConfig) -> int:
@@ -276,6 +300,7 @@ class MoEGPT(LanguageModel):
     ``step`` = rank among MoE layers, so the routing callback can chain expert(l) -> expert(l+1).
     """
 
+    config_groups = {"moe": MoEConfig}
     # --init_from a vanilla model: every expert starts as the layer's dense MLP (sparse upcycling)
     upcycle_rules = ((r"(blocks\.\d+)\.moe\.experts\.\d+\.(.*)", r"\1.mlp.\2"),)
 
@@ -287,7 +312,6 @@ class MoEGPT(LanguageModel):
             MoEBlock(config, hidden, i, f"layer{i}.moe", "moe", self.moe_layers.index(i)) if i in self.moe_layers
             else Block(config, i) for i in range(config.n_layer)
         ])
-        self.init_weights()
 
     @staticmethod
     def validate_config(config: ModelConfig) -> None:

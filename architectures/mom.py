@@ -62,19 +62,65 @@ reproduces the full forward.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 
 from architectures import flops as F_
 from architectures.base import ForwardState, LanguageModel, require
-from architectures.config import ConfigError, ModelConfig
+from architectures.config import ConfigError, ModelConfig, tracks_explicit
 from architectures.contract import KVCache, RoutingSite
 from architectures.dispatch import sorted_dispatch
 from architectures.gpt2 import MLP, Block, CausalSelfAttention
 from architectures.routing import balance_loss, token_topk
+
+
+@tracks_explicit
+@dataclass
+class MoMConfig:
+    """Mixture-of-Modules (Gong et al. 2024). Semantics and defaults: ``architectures/mom.py``.
+
+    Pool sizes and H are per chunk; ``None`` means "the chunk's vanilla layer slots" (the number of
+    vanilla layers a chunk replaces), so the default MoM has the vanilla model's parameters and
+    ``init_from_vanilla`` maps layer j to module j.
+    """
+
+    n_attn: Optional[int] = None  # N_A attention modules per chunk
+    n_ffn: Optional[int] = None  # N_F FFN modules per chunk
+    top_k: int = 1  # K (SKIP competes inside the K)
+    steps: Optional[int] = None  # H assembly steps per chunk
+    allow_skip: bool = True
+    router_hidden: int = 256
+    temperature: float = 0.2
+    balance_coef: float = 0.01
+    # "plain": one chunk, no bottom/top/anchor (the paper's form). "chunked": the official code's
+    # layout sized from n_layer (pools of 4 + an anchor per chunk, the rest split bottom/top).
+    # Explicit bottom / chunks / top / anchor override the layout's values.
+    layout: str = "plain"
+    bottom: Optional[int] = None
+    chunks: Optional[int] = None
+    top: Optional[int] = None
+    anchor: Optional[bool] = None
+    # "learned", "vanilla" (module h at step h), "param_share" (module 0 at every step),
+    # "moe" (attention fixed at module h, FFN learned), "layer_skip" (step h: module h or SKIP).
+    routing: str = "learned"
+    weighted_qkv: bool = False  # official-code option: scale each module's QKV by its router weight
+    straight_through: bool = True  # K=1: weight p / stopgrad(p) (= 1) so the router gets a gradient
+    # Official-code options (gzhch/Mixture-of-Modules; preset ``mom_official``). Defaults: our forms.
+    router_bias: bool = False  # the official W_o (nn.Linear) has a bias; ours is bias-free
+    # "own": each router scores its own pool (+ SKIP). "max_pool": both routers score max(N_A, N_F) + 1
+    # classes as in the official code; classes beyond a router's own pool act as extra SKIPs.
+    router_width: str = "own"
+    # "site_mean": Switch loss per learned site over its K choices, mean over sites (ours). "official":
+    # one loss per router kind over all steps concatenated, f from the top-1 of softmax(probs) (the
+    # official double softmax), C = router width; attention + FFN losses summed.
+    balance_form: str = "site_mean"
+    # routing_all_possible_path: every module runs on every token, weighted by the full router
+    # distribution (a dense mixture; saves nothing). SKIP's probability contributes nothing.
+    all_paths: bool = False
 
 ROUTINGS = ("learned", "vanilla", "param_share", "moe", "layer_skip")
 LAYOUTS = ("plain", "chunked")
@@ -101,11 +147,6 @@ class MoMLayout:
     n_attn: int
     n_ffn: int
     steps: int
-
-    @property
-    def vanilla_layers(self) -> int:
-        """Dense layers kept as they are: bottom + anchors + top."""
-        return self.bottom + self.top + (self.chunks if self.anchor else 0)
 
 
 def chunked_defaults(n_layer: int) -> Tuple[int, int, int]:
@@ -433,6 +474,9 @@ class MoMChunk(nn.Module):
 class MixtureOfModules(LanguageModel):
     """GPT-2 embeddings/head around bottom vanilla layers, MoM chunks and top vanilla layers."""
 
+    config_groups = {"mom": MoMConfig}
+    two_phase_from_vanilla = True  # vanilla_state_mapping: the paper's layer -> module mapping
+
     def __init__(self, config: ModelConfig):
         super().__init__(config)
         self.layout = validate_mom_config(config)
@@ -446,7 +490,6 @@ class MixtureOfModules(LanguageModel):
             for c in range(lay.chunks)])
         first_top = lay.bottom + lay.chunks * per_chunk
         self.top = nn.ModuleList([Block(config, first_top + i, f"top{i}") for i in range(lay.top)])
-        self.init_weights()
 
     @staticmethod
     def validate_config(config: ModelConfig) -> None:
@@ -461,6 +504,63 @@ class MixtureOfModules(LanguageModel):
 
     def flop_blocks(self):
         return [*self.bottom, *self.chunks, *self.top]
+
+    # ------------------------------------------------------------------ analysis hooks (experiments/repro/mom.py)
+    def pool_sizes(self) -> Tuple[int, int]:
+        """(N_A, N_F): attention and FFN modules in each chunk's pools."""
+        return self.chunks[0].n_attn, self.chunks[0].n_ffn
+
+    @contextlib.contextmanager
+    def removed_modules(self, attn: Sequence[int] = (), ffn: Sequence[int] = ()) -> Iterator[None]:
+        """Remove attention modules ``attn`` and FFN modules ``ffn`` (pool indices) from every chunk's pool.
+
+        A forward hook on each chunk's GRU router replaces the logits it returns with the removed modules'
+        entries set to -inf: the softmax gives them probability exactly 0, top-K never selects them, and
+        the K weights are renormalised over the remaining choices (SKIP included) as for any other logits.
+        The GRU state is untouched, so later steps see the same recurrence. Leaving the context removes
+        the hooks. Fixed (non-learned) routing has no logits to mask and is refused, as is a removal that
+        leaves fewer than K choices.
+        """
+        handles = []
+        try:
+            for chunk in self.chunks:
+                for kind, router, names, drop in (("attn", chunk.attn_router, chunk.attn_names, attn),
+                                                  ("ffn", chunk.ffn_router, chunk.ffn_names, ffn)):
+                    drop = sorted(set(int(i) for i in drop))
+                    if not drop:
+                        continue
+                    pool = len([n for n in names if n != "skip"])
+                    if router is None:
+                        raise ConfigError(f"model.mom.routing: {self.config.mom.routing!r} routes {kind} modules "
+                                          "without a router; modules can only be removed from learned routing")
+                    if drop[0] < 0 or drop[-1] >= pool:
+                        raise ConfigError(f"removed {kind} modules {drop} out of range for a pool of {pool}")
+                    left = len(names) - len(drop)
+                    if self.config.mom.top_k > left:
+                        raise ConfigError(f"removing {len(drop)} of {pool} {kind} modules leaves {left} choices, "
+                                          f"fewer than K={self.config.mom.top_k}")
+                    mask = torch.zeros(len(names), dtype=torch.bool)
+                    mask[drop] = True
+                    handles.append(router.register_forward_hook(_mask_logits(mask)))
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    @torch.no_grad()
+    def pool_outputs(self, idx: torch.Tensor) -> Dict[str, List[torch.Tensor]]:
+        """Each pool module of the first chunk on that chunk's input for ``idx`` (eval mode): attention modules
+        by their QKV projections, FFN modules by their outputs (to compare what the modules compute)."""
+        captured: List[torch.Tensor] = []
+        chunk = self.chunks[0]
+        handle = chunk.register_forward_pre_hook(lambda module, args: captured.append(args[0].detach()))
+        try:
+            self.eval()
+            self(idx)
+        finally:
+            handle.remove()
+        x = captured[0]
+        return {"attn": [m.project(x) for m in chunk.attn_modules], "ffn": [m(x) for m in chunk.ffn_modules]}
 
     # ------------------------------------------------------------------ two-phase training
     def vanilla_mapping(self) -> List[Tuple[str, str]]:
@@ -550,3 +650,13 @@ def _shape_hint(state: Dict[str, torch.Tensor], config: ModelConfig) -> str:
 def _describe(layout: MoMLayout) -> str:
     anchor = " + anchor" if layout.anchor else ""
     return f"bottom {layout.bottom} + {layout.chunks} x ({layout.slots} slots{anchor}) + top {layout.top}"
+
+
+def _mask_logits(mask: torch.Tensor):
+    """Forward hook of a GRU router: the masked choices' logits become -inf (``removed_modules``)."""
+
+    def hook(module, inputs, output):
+        logits, state = output
+        return logits.masked_fill(mask.to(logits.device), float("-inf")), state
+
+    return hook

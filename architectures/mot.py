@@ -19,7 +19,7 @@ runs: projections and MLP for n_e tokens, scores for B * M_e queries against M_e
 
 Generation (KV cache): an expert block's cache holds keys/values of the tokens routed to it only
 (``cache.layers["block{i}.expert{e}"]``). Rows of a batch route differently, so the cached keys are
-padded per call; which cached positions are real is kept in ``cache.key_valid[name]`` (B, t) and
+padded per call; which cached positions are real is kept in ``cache.state("key_valid")[name]`` (B, t) and
 masked in attention.
 
 Anti-collapse: the Switch balance loss of ``architectures.moe`` on the gate (``balance_coef``).
@@ -37,7 +37,7 @@ Padding tokens (``attention_mask`` 0) are not routed: their stream passes the la
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -45,10 +45,31 @@ import torch.nn.functional as F
 
 from architectures import flops as F_
 from architectures.base import ForwardState, LanguageModel, require
-from architectures.config import ModelConfig, layer_selection
+from architectures.config import ModelConfig, layer_selection, tracks_explicit
 from architectures.contract import KVCache, RoutingSite
 from architectures.gpt2 import Block
 from architectures.routing import balance_loss, fp32_linear, token_topk
+
+
+@tracks_explicit
+@dataclass
+class MoTConfig:
+    """Mixture of Transformers: whole blocks as experts, top-k gate per mixture layer."""
+
+    num_experts: int = 4
+    top_k: int = 2
+    layers: Union[str, List[int]] = "all"
+    balance_coef: float = 1e-2
+    renormalize: bool = True  # gate weights renormalised over the chosen k (k > 1 only, as for MoE)
+    # Paper-form options (seed 002; preset ``mot_seq``). Defaults keep our per-token form.
+    # "token": each token picks its k blocks. "sequence": the gate reads the mean of the sequence's real
+    # tokens and the whole sequence goes through the same k blocks (sees the future: under
+    # causal_routing() / decoding each token is routed by the mean of its prefix instead).
+    routing: str = "token"
+    weights: str = "gate"  # "gate": gate probabilities; "uniform": 1/k forward (seed), gradient to the gate kept
+    gate_hidden: int = 0  # 0: linear gate; > 0: gate MLP d -> gate_hidden -> E (GELU)
+    aggregation: str = "sum"  # "sum": x + sum_j w_j (Block_j(x) - x); "concat": x + W_c [w_1 u_1; ..; w_k u_k]
+    random_activation: float = 0.0  # training only: probability that a routed unit's last slot goes to a random other block
 
 
 @dataclass
@@ -88,20 +109,12 @@ def plan_segments(selected: torch.Tensor, valid: Optional[torch.Tensor], num_exp
     return out
 
 
-def _key_valid(cache: KVCache) -> Dict[str, torch.Tensor]:
-    # KVCache has no slot for per-row key masks; keep them on the cache object itself so they live
-    # and die with it (only this module reads them).
-    if not hasattr(cache, "key_valid"):
-        cache.key_valid = {}
-    return cache.key_valid
-
-
 def cached_subset_attention(block: Block, qkv: torch.Tensor, new_valid: torch.Tensor, cache: KVCache,
                             name: str) -> torch.Tensor:
     """Attention of padded new tokens (B, M, 3d) against this expert's cached tokens plus themselves."""
     attn = block.attn
     q, k, v = (attn.split_heads(t) for t in qkv.chunk(3, dim=-1))
-    masks = _key_valid(cache)
+    masks = cache.state("key_valid")
     old = masks.get(name)
     k, v = cache.append(name, k, v)
     key_valid = new_valid if old is None else torch.cat([old, new_valid], dim=1)
@@ -202,8 +215,6 @@ class MoTLayer(nn.Module):
         state.record("ffn", self.index, x)
         return x
 
-    def flops(self, sites: Dict[str, RoutingSite], T: int, queries: Optional[int] = None) -> F_.Flops:
-        return self.flops_per_token(sites.get(self.site_name), self.config, T)
 
     # ------------------------------------------------------------------ routing
     def gate_input(self, x: torch.Tensor, valid, cache: Optional[KVCache], causal: bool, name: str) -> torch.Tensor:
@@ -217,12 +228,12 @@ class MoTLayer(nn.Module):
         xs = x.float() * w
         if not causal:
             return (xs.sum(1, keepdim=True) / w.sum(1, keepdim=True).clamp(min=1)).expand(B, T, d)
-        carried = None if cache is None else vars(cache).setdefault("mot_prefix", {}).get(name)
+        carried = None if cache is None else cache.state("mot_prefix").get(name)
         total, count = xs.cumsum(1), w.cumsum(1)
         if carried is not None:
             total, count = total + carried[0].unsqueeze(1), count + carried[1].unsqueeze(1)
         if cache is not None:
-            cache.mot_prefix[name] = (total[:, -1], count[:, -1])
+            cache.state("mot_prefix")[name] = (total[:, -1], count[:, -1])
         return total / count.clamp(min=1)
 
     def route(self, x: torch.Tensor, valid=None, cache: Optional[KVCache] = None, causal: bool = False, name: str = ""):
@@ -303,9 +314,10 @@ class MoTLayer(nn.Module):
             return x
         return x.reshape(B * T, d).index_add(0, slots // k, torch.cat(parts).to(x.dtype)).view(B, T, d)
 
-    def flops_per_token(self, site: Optional[RoutingSite], config: ModelConfig, seq_len: int) -> F_.Flops:
+    def flops(self, sites: Dict[str, RoutingSite], T: int, queries: Optional[int] = None) -> F_.Flops:
         """Gate + each expert block on its own tokens (padded attention layout included; score pairs as
         recorded, cached keys included) + the concatenation's W_c for every token."""
+        site, seq_len, config = sites.get(self.site_name), T, self.config
         d, E, k = config.d_model, self.cfg.num_experts, self.cfg.top_k
         per_token = F_.Flops(attn_proj=F_.attention_projections(d), ffn=F_.ffn(d, config.ffn_hidden))
         h = self.cfg.gate_hidden
@@ -329,6 +341,7 @@ class MoTLayer(nn.Module):
 class MoT(LanguageModel):
     """GPT-2 whose mixture layers are top-k mixtures of whole blocks (see the module docstring)."""
 
+    config_groups = {"mot": MoTConfig}
     # --init_from a vanilla model: every expert block starts as the vanilla block of its layer
     upcycle_rules = ((r"(blocks\.\d+)\.experts\.\d+\.(.*)", r"\1.\2"),)
 
@@ -349,7 +362,6 @@ class MoT(LanguageModel):
             MoTLayer(config, i, self.mot_layers.index(i)) if i in self.mot_layers else Block(config, i)
             for i in range(config.n_layer)
         ])
-        self.init_weights()
 
     @staticmethod
     def validate_config(config: ModelConfig) -> None:

@@ -1,19 +1,38 @@
-"""Variant registry: ``variant name -> (model class, config overrides, description)``.
+"""Variant registry: ``variant name -> (model class, preset, description, test settings)``.
 
-Adding a variant = one architecture file + one entry in ``VARIANTS`` below. Entries name their
-class as "module:Class" and are imported lazily, so ``--help`` and config validation stay fast.
-``overrides`` are applied to the variant's config group before user overrides (presets such as
-``mom_e`` are the generic ``mom`` class with different defaults).
+Adding a variant = one architecture file + one entry in ``_BUILT_IN`` below, which ``register`` installs
+(docs/adding-a-variant.md; a variant defined elsewhere calls ``register`` itself).
+The architecture file holds the model class and, when the variant has options, their dataclass; the
+class names its groups (``config_groups = {"mom": MoMConfig}``). Registering collects everything else
+from the entry:
+
+* config groups: each group becomes the ``ModelConfig`` field ``model.<group>`` (``config.register_group``),
+  hence the CLI options ``--model.<group>.<field>``, the ``config.yaml`` section and checkpoint hparams;
+* presets: ``overrides`` fill the group fields the user did not set (``mom_e`` is the ``mom`` class with
+  other defaults), checked against the group's fields when registered;
+* validation: ``ModelConfig.validate`` ends with the variant name and the class's ``validate_config``;
+* tests: ``test_settings`` make the tiny case every registry-driven test runs.
+
+This module imports ``config`` (never the reverse: the variant check reaches ``ModelConfig`` through
+``config.set_variant_validator``) and the family modules named by the entries.
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Dict
+from typing import Any, Dict, List, Tuple, Union
 
-from architectures.config import ConfigError, ModelConfig, explicit_fields
+from architectures.config import (
+    ConfigError, ModelConfig, config_groups, explicit_fields, register_group, set_variant_validator, unregister_group,
+)
 
+
+#: Tags an entry may carry: the experiments that include the variant by default.
+TAGS = {
+    "device_check": "experiments/device_check.py: the GPU check's benchmark (eager and compiled step times, MFU)",
+    "probe": "experiments/repro/probe.py: the routing-probe experiment's variants (one per routing decision)",
+}
 
 #: The tiny shape every variant is tested at (tests/test_contract.py): d_model 32, 4 layers, T 32.
 TINY_TEST_SETTINGS: Dict[str, Any] = dict(vocab_size=97, d_model=32, n_layer=4, n_head=2, block_size=32)
@@ -21,11 +40,13 @@ TINY_TEST_SETTINGS: Dict[str, Any] = dict(vocab_size=97, d_model=32, n_layer=4, 
 
 @dataclass(frozen=True)
 class Variant:
-    target: str  # "module:Class"
+    target: Union[str, type]  # the model class, or "module:Class"
     description: str
     overrides: Dict[str, Dict[str, Any]] = field(default_factory=dict)  # {"group": {"field": value}}
     # ModelConfig overrides for the invariant suite, on top of TINY_TEST_SETTINGS ({"group": {...}} for groups)
     test_settings: Dict[str, Any] = field(default_factory=dict)
+    # which experiments include the variant by default (see TAGS)
+    tags: Tuple[str, ...] = ()
 
     def test_config(self, name: str, **extra: Any) -> ModelConfig:
         """A tiny ``ModelConfig`` of this variant: TINY_TEST_SETTINGS, then ``test_settings``, then ``extra``
@@ -37,6 +58,8 @@ class Variant:
         return ModelConfig.from_dict({"variant": name, **merged})
 
     def model_class(self):
+        if isinstance(self.target, type):
+            return self.target
         module, cls = self.target.split(":")
         return getattr(importlib.import_module(module), cls)
 
@@ -44,17 +67,63 @@ class Variant:
         self.model_class().validate_config(config)
 
 
+VARIANTS: Dict[str, Variant] = {}
+
+
+def register(name: str, variant: Variant) -> Variant:
+    """Add ``variant`` under ``name``: its class's config groups join ``ModelConfig``, its preset is checked
+    against them. Raises ConfigError when the name is taken or the preset names an unknown group or field."""
+    if name in VARIANTS:
+        raise ConfigError(f"model.variant: {name!r} is already registered ({VARIANTS[name].description}); "
+                          "choose another name")
+    unknown_tags = sorted(set(variant.tags) - set(TAGS))
+    if unknown_tags:
+        raise ConfigError(f"variant {name}: unknown tag {unknown_tags[0]!r}; tags: {', '.join(TAGS)}")
+    groups = variant.model_class().config_groups
+    for group, values in {**variant.overrides, **_group_settings(variant.test_settings)}.items():
+        if group not in groups:
+            raise ConfigError(f"variant {name}: settings for model.{group}, which {variant.target} does not list in "
+                              f"config_groups ({', '.join(groups) or 'none'})")
+        known = {f.name for f in dataclasses.fields(groups[group])}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"variant {name}: model.{group}.{unknown[0]} is not a field of "
+                              f"{groups[group].__qualname__}; fields: {', '.join(sorted(known))}")
+    for group, cls in groups.items():  # all-or-nothing: a taken group name refuses the whole entry
+        current = config_groups().get(group)
+        if current is not None and current is not cls:
+            raise ConfigError(f"variant {name}: model.{group} is already {current.__module__}.{current.__qualname__}'s "
+                              "group; give the new group another name")
+    for group, cls in groups.items():
+        register_group(group, cls)
+    VARIANTS[name] = variant
+    return variant
+
+
+def unregister(name: str) -> None:
+    """Remove a variant, and the config groups no remaining variant uses (for tests of temporary variants)."""
+    variant = VARIANTS.pop(name)
+    in_use = {g for v in VARIANTS.values() for g in v.model_class().config_groups}
+    for group in set(variant.model_class().config_groups) - in_use:
+        unregister_group(group)
+
+
+def _group_settings(settings: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    return {k: v for k, v in settings.items() if isinstance(v, dict)}
+
+
 _SMALL_GRU = {"mom": {"router_hidden": 32}}
 
-VARIANTS: Dict[str, Variant] = {
-    "vanilla": Variant("architectures.gpt2:GPT2", "dense GPT-2 (the reference for every ratio)"),
+_BUILT_IN: Dict[str, Variant] = {
+    "vanilla": Variant("architectures.gpt2:GPT2", "dense GPT-2 (the reference for every ratio)",
+                       tags=("device_check", "probe")),
     "mod": Variant("architectures.mod:MoD", "Mixture-of-Depths: expert-choice top-k tokens per routed block",
-                   test_settings={"mod": {"capacity": 0.25}}),
+                   test_settings={"mod": {"capacity": 0.25}}, tags=("device_check", "probe")),
     "mode_staged": Variant("architectures.mod:MoDEStaged", "MoDE staged: MoD routing around blocks with an MoE MLP",
-                           test_settings={"moe": {"num_experts": 4}, "mod": {"capacity": 0.25}}),
+                           test_settings={"moe": {"num_experts": 4}, "mod": {"capacity": 0.25}}, tags=("probe",)),
     "mode_integrated": Variant("architectures.mod:MoDEIntegrated",
                                "MoDE integrated: MoE router over experts plus no-op experts",
-                               test_settings={"moe": {"num_experts": 4}, "mod": {"capacity": 0.25}}),
+                               test_settings={"moe": {"num_experts": 4}, "mod": {"capacity": 0.25}}, tags=("probe",)),
     "ffn_wider": Variant("architectures.combination:FFNWider", "GPT-2 with a wide FFN (combo.wide_ffn_ratio * d, default 32d)",
                          test_settings={"combo": {"wide_ffn_ratio": 8.0}}),
     "caa": Variant("architectures.combination:CombinationLM",
@@ -73,12 +142,12 @@ VARIANTS: Dict[str, Variant] = {
                              "cea_moe with the paper's wiring (Inner MoE on the keys/values of other positions)",
                              overrides={"combo": {"total_ffn_ratio": 8.0, "inner_wiring": "paper"}}),
     "moe": Variant("architectures.moe:MoEGPT", "GPT-2 with token-choice top-k MoE FFNs (Switch when k=1)",
-                   test_settings={"moe": {"num_experts": 4}}),
+                   test_settings={"moe": {"num_experts": 4}}, tags=("device_check", "probe")),
     "moe_dense_ffn": Variant("architectures.moe:MoEGPT",
                              "the CEA-MoE paper's baseline: dense FFN kept, a top-1 MoE layer (own residual) before it; "
                              "experts sized as cea_moe's (4 x 4d) so the two compare at equal expert capacity",
                              overrides={"moe": {"placement": "before_ffn", "num_experts": 4, "top_k": 1}}),
-    "mot": Variant("architectures.mot:MoT", "Mixture of Transformers: whole blocks as top-k experts"),
+    "mot": Variant("architectures.mot:MoT", "Mixture of Transformers: whole blocks as top-k experts", tags=("probe",)),
     "mot_seq": Variant("architectures.mot:MoT",
                        "MoT as in seed 002: sequence-level routing, uniform 1/k weights, gate with a hidden layer, "
                        "forced random activation (10%) next to the balance loss",
@@ -88,17 +157,19 @@ VARIANTS: Dict[str, Variant] = {
                        # tests/test_paper_options.py tests it
                        test_settings={"mot": {"gate_hidden": 16, "random_activation": 0.0}}),
     "depth_gate": Variant("architectures.depth_gate:DepthGate",
-                          "gate-weighted sum of layer outputs (blog-post 'MoD'; saves no compute)"),
+                          "gate-weighted sum of layer outputs (blog-post 'MoD'; saves no compute)", tags=("probe",)),
     "depth_gate_skip": Variant("architectures.depth_gate:DepthGate",
                                "hard depth gating that really skips: each token runs only its top-k layers (the blog's form)",
-                               overrides={"depth_gate": {"mode": "hard", "top_k": 2, "skip_compute": True}}),
+                               overrides={"depth_gate": {"mode": "hard", "top_k": 2, "skip_compute": True}},
+                               tags=("probe",)),
     "mom": Variant("architectures.mom:MixtureOfModules",
                    "Mixture-of-Modules: GRU routers assemble pooled attention/FFN modules (plain form, K=1, H=L)",
-                   test_settings=_SMALL_GRU),
+                   test_settings=_SMALL_GRU, tags=("probe",)),
     "mom_p": Variant("architectures.mom:MixtureOfModules", "MoM-P performant: K=2, H=6, chunked layout",
                      overrides={"mom": {"top_k": 2, "steps": 6, "layout": "chunked"}}, test_settings=_SMALL_GRU),
     "mom_e": Variant("architectures.mom:MixtureOfModules", "MoM-E efficient: K=3, H=1, chunked layout",
-                     overrides={"mom": {"top_k": 3, "steps": 1, "layout": "chunked"}}, test_settings=_SMALL_GRU),
+                     overrides={"mom": {"top_k": 3, "steps": 1, "layout": "chunked"}}, test_settings=_SMALL_GRU,
+                     tags=("device_check", "probe")),
     "mom_i": Variant("architectures.mom:MixtureOfModules", "MoM-I interpolated: K=3, H=2, chunked layout",
                      overrides={"mom": {"top_k": 3, "steps": 2, "layout": "chunked"}}, test_settings=_SMALL_GRU),
     "mom_official": Variant("architectures.mom:MixtureOfModules",
@@ -115,10 +186,19 @@ VARIANTS: Dict[str, Variant] = {
                            "parameter sharing as MoM: one attention + one FFN module reused at all L steps",
                            overrides={"mom": {"routing": "param_share", "n_attn": 1, "n_ffn": 1}}),
 }
+for _name, _variant in _BUILT_IN.items():
+    register(_name, _variant)
 
 
 def variant_names():
     return sorted(VARIANTS)
+
+
+def tagged(tag: str) -> List[str]:
+    """The variants carrying ``tag`` (``TAGS``), in registration order."""
+    if tag not in TAGS:
+        raise ConfigError(f"unknown variant tag {tag!r}; tags: {', '.join(TAGS)}")
+    return [name for name, variant in VARIANTS.items() if tag in variant.tags]
 
 
 def get_variant(name: str) -> Variant:
@@ -158,7 +238,17 @@ def preset_defaults(variant: str, prefix: str = "model") -> Dict[str, Any]:
     return out
 
 
+def _validate_variant(config: ModelConfig) -> None:
+    get_variant(config.variant).validate(config)
+
+
+set_variant_validator(_validate_variant)
+
+
 def build_model(config: ModelConfig):
-    """Resolve sizes, apply the variant preset, validate, and instantiate the model."""
+    """Resolve sizes, apply the variant preset, validate, instantiate the model and initialise its weights
+    (once, here: a model class only defines ``init_weights``)."""
     config = apply_preset(config).resolve()
-    return get_variant(config.variant).model_class()(config)
+    model = get_variant(config.variant).model_class()(config)
+    model.init_weights()
+    return model

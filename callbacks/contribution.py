@@ -30,7 +30,7 @@ import torch
 from architectures.config import ConfigError
 from architectures.contract import SubLayerState
 from callbacks.tensorboard import figure, log_figure, log_scalars
-from lightning_modules.lm import log_step
+from lightning_modules.steps import log_step
 
 # Tokens per logit-lens chunk: bounds the (tokens x vocab) logits held at once to ~256 MB in fp32.
 _LENS_ELEMENTS = 1 << 26
@@ -64,11 +64,6 @@ def lens_correct(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Te
         logits = model.head(h[start : start + chunk])
         hits.append(logits.argmax(-1) == y[start : start + chunk])
     return torch.cat(hits).view(B, -1).sum(1).double().cpu()
-
-
-def lens_accuracy(model, hidden: torch.Tensor, targets: torch.Tensor) -> float:
-    """Top-1 next-token accuracy of the logit lens at one residual state (B, T, d)."""
-    return float(lens_correct(model, hidden, targets).sum()) / max(1, targets.numel())
 
 
 BOOTSTRAP_SAMPLES = 1000

@@ -29,9 +29,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 
 from architectures.contract import RoutingSite
 from architectures.flops import COMPONENTS, Flops
-from callbacks.routing import all_reduce_sum
+from callbacks.common import all_reduce_sum, warn_if_longer_than_run
 from callbacks.tensorboard import log_scalars
-from lightning_modules.lm import batch_step, completes_step, is_logging_step, log_step, may_be_last_step
+from lightning_modules.steps import batch_step, completes_step, is_logging_step, log_step, may_be_last_step
 
 # Dense (no sparsity) peak FLOP/s per device name (lower case, exact), for names Lightning's table misses.
 PEAK_FLOPS: Dict[str, Dict[Union[torch.dtype, str], float]] = {
@@ -125,7 +125,7 @@ class FlopsCallback(L.Callback):
         step = batch_step(trainer)  # with gradient accumulation: every micro-batch of the step counts
         if not (self.due(trainer, step) or is_logging_step(trainer, step)):  # the monitor reads it on these
             return
-        from architectures.gpt2 import vanilla_flops
+        from architectures.flops import vanilla_flops
 
         model = pl_module.model
         B, T = shape
@@ -157,14 +157,6 @@ class FlopsCallback(L.Callback):
     def final_metrics(self) -> Dict[str, float]:
         keep = ("flops/forward", "flops/training", "flops/ratio_to_vanilla")
         return {k: v for k, v in self.latest.items() if k in keep}
-
-
-def warn_if_longer_than_run(trainer, field: str, every: int, what: str) -> None:
-    """Before training: an interval longer than the run would log only once, at the last step."""
-    max_steps = getattr(trainer, "max_steps", -1)
-    if max_steps is not None and 0 < max_steps < every:
-        rank_zero_warn(f"{field}={every} is longer than trainer.max_steps={max_steps}: {what} is logged only "
-                       f"at the last step; lower {field} for a curve")
 
 
 def peak_flops(device_name: str, dtype: Union[torch.dtype, str]) -> Optional[float]:

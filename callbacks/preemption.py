@@ -65,7 +65,7 @@ class PreemptionCheckpoint(L.Callback):
         self.requested = signum
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        from lightning_modules.lm import completes_step, is_logging_step
+        from lightning_modules.steps import completes_step, is_logging_step
 
         if not completes_step(trainer):
             return  # never stop inside a gradient-accumulation step

@@ -235,7 +235,7 @@ class ProbeMetrics(L.Callback):
 def distributed_summary(model, datamodule, blocks: int, rank: int, world: int, batch_size: int = 16) -> Dict[str, Any]:
     """Every rank evaluates its share of the blocks; sums are all-reduced and the per-token (level, compute)
     pairs gathered for the rank correlation, so every rank returns the summary of all the blocks."""
-    from callbacks.routing import all_reduce_sum
+    from callbacks.common import all_reduce_sum
     from datamodules.probe import FAMILIES, labelled_blocks
 
     tokens, levels, families = labelled_blocks(datamodule, blocks, rank, world)

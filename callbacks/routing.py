@@ -36,12 +36,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from architectures.contract import RoutingSite
+from callbacks.common import all_reduce_sum, warn_if_longer_than_run
 from callbacks.tensorboard import figure, log_figure, log_histogram, log_scalars, tag_part
-from lightning_modules.lm import batch_step, completes_step, log_step, may_be_last_step
+from lightning_modules.steps import batch_step, completes_step, log_step, may_be_last_step
 
 SKIP = "skip"
 # Per-site scalars after the E counts in the packed tensor.
@@ -166,13 +166,6 @@ def pack(trace: Sequence[RoutingSite], layout: Layout, dtype: torch.dtype) -> to
             valid = _valid(by_name[a], dtype) * _valid(by_name[b], dtype)
             parts.append(transition_counts(onehots[a], onehots[b], valid).reshape(-1))
     return torch.cat(parts)
-
-
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum in place across the default process group (a no-op outside distributed runs)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor
 
 
 @dataclass
@@ -324,8 +317,6 @@ class RoutingStatistics(L.Callback):
 
     # ------------------------------------------------------------------ hooks
     def on_fit_start(self, trainer, pl_module) -> None:
-        from callbacks.flops import warn_if_longer_than_run
-
         warn_if_longer_than_run(trainer, "callbacks.routing_every", self.every, "routing")
 
     def on_train_start(self, trainer, pl_module) -> None:

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import lightning as L
 import torch
 
-from lightning_modules.lm import completes_step, is_logging_step
+from lightning_modules.steps import completes_step, is_logging_step
 
 
 class StepRecorder(L.Callback):
@@ -173,7 +173,7 @@ def _callback(trainer, name: str):
 
 def flops_of_last_batch(module) -> Optional[Dict[str, Any]]:
     """Fallback without the FLOPs callback: this rank's last batch."""
-    from architectures.gpt2 import vanilla_flops
+    from architectures.flops import vanilla_flops
 
     out, shape = getattr(module, "last_output", None), getattr(module, "last_batch_shape", None)
     seq = shape[1] if shape else None

@@ -1,11 +1,11 @@
-"""Text corpora for language-model pre-training, by name.
+"""Text corpora for language-model pre-training: the ``Corpus`` base, the local corpora and file readers.
 
 A corpus yields documents (strings) and a fingerprint that identifies its content, so the token
 cache can be keyed by corpus + tokenizer. ``embedded`` needs no network and no files: it is the
 English prose that ships with Python itself (``pydoc_data.topics`` plus the docstrings of the
 standard-library modules, read with ``ast`` without importing them).
 
-Register a new corpus by adding a factory to ``CORPORA``.
+The corpora by name (``data.name``) are in ``datamodules/catalog.py``.
 """
 from __future__ import annotations
 
@@ -223,52 +223,3 @@ def hub_reachable(timeout: float = 3.0) -> bool:
             return True
     except OSError:
         return False
-
-
-CorpusFactory = Callable[..., Corpus]
-
-CORPORA: Dict[str, CorpusFactory] = {
-    "embedded": lambda **kw: EmbeddedCorpus(),
-    "text": lambda path=None, **kw: TextFilesCorpus(path or [], kw.get("text_key", "text")),
-}
-
-
-def corpus_names() -> List[str]:
-    return sorted(CORPORA)
-
-
-def get_corpus(name: str, **options) -> Corpus:
-    if name not in CORPORA:
-        raise DataError(f"data.name: unknown dataset {name!r}; valid datasets: {', '.join(corpus_names())}")
-    return CORPORA[name](**options)
-
-
-def _hub_corpus(name: str) -> CorpusFactory:
-    """Factory of a corpus in datamodules/hub.py, imported on use (hub.py imports this module)."""
-
-    def factory(**options) -> Corpus:
-        from datamodules import hub
-
-        return getattr(hub, name)(**options)
-
-    return factory
-
-
-CORPORA["openwebtext"] = _hub_corpus("openwebtext")
-CORPORA["slimpajama"] = _hub_corpus("slimpajama")
-
-
-def _probe_corpus(task: str) -> CorpusFactory:
-    """Generated routing-probe data (datamodules/probe.py), imported on use."""
-
-    def factory(**options) -> Corpus:
-        from datamodules.probe import ProbeCorpus
-
-        return ProbeCorpus(task, options.get("max_tokens"))
-
-    return factory
-
-
-for _task in ("probe", "probe/arith", "probe/recall", "probe/text",
-              "probe-v2", "probe-v2/arith", "probe-v2/recall", "probe-v2/text"):
-    CORPORA[_task] = _probe_corpus(_task)

@@ -32,6 +32,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from datamodules.corpora import Corpus, DataError, hub_reachable, jsonl_rows
+from datamodules.files import default_cache_dir
 
 OPENWEBTEXT_ID = "Skylion007/openwebtext"
 OPENWEBTEXT_REVISION = "refs/convert/parquet"
@@ -408,8 +409,6 @@ def fail_fast_offline(corpora: Sequence[HubCorpus], cache_dir: pathlib.Path) -> 
 # ---------------------------------------------------------------------------- factories
 def _cache_dir(cache_dir) -> pathlib.Path:
     if cache_dir is None:
-        from datamodules.lm import default_cache_dir
-
         return default_cache_dir()
     return pathlib.Path(cache_dir)
 

@@ -10,7 +10,6 @@
 """
 from __future__ import annotations
 
-import os
 import pathlib
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Union
@@ -21,14 +20,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from datamodules import token_cache
-from datamodules.corpora import Corpus, DataError, get_corpus
+from datamodules.catalog import get_corpus
+from datamodules.corpora import Corpus, DataError
+from datamodules.files import default_cache_dir
 from datamodules.tokenizer import TextTokenizer, ensure_tokenizer
 
 _GOLDEN = 2654435761  # Knuth's multiplicative hash: a fixed, seed-independent validation split
-
-
-def default_cache_dir() -> pathlib.Path:
-    return pathlib.Path(os.environ.get("DYNCOMP_CACHE", pathlib.Path.home() / ".cache" / "dyncomp"))
 
 
 @dataclass

@@ -344,7 +344,7 @@ class ProbeCorpus(Corpus):
         _atomic_npy(folder / "levels.npy", levels)
         _atomic_npy(folder / "families.npy", families)
         chunks = iter([(tokens.astype(token_cache.token_dtype(tokenizer.vocab_size)), self.episodes)])
-        return token_cache._write_chunks(chunks, tokenizer, folder, description)
+        return token_cache.write_chunks(chunks, tokenizer, folder, description)
 
 
 def _atomic_npy(path: pathlib.Path, array: np.ndarray) -> None:
@@ -396,9 +396,3 @@ def labelled_blocks(datamodule, count: int, rank: int = 0, world: int = 1):
             np.stack(levels) if levels else np.zeros(shape, np.int64),
             np.stack(families) if families else np.zeros(shape, np.int64))
 
-
-def probe_factory(task: str):
-    def factory(max_tokens: Optional[int] = None, **_) -> Corpus:
-        return ProbeCorpus(task, max_tokens)
-
-    return factory

@@ -22,6 +22,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from datamodules.corpora import DataError
+from datamodules.files import follow_umask
 from datamodules.tokenizer import TextTokenizer
 
 _ENCODE_BATCH_DOCS = 512
@@ -130,7 +131,7 @@ def build_tokens(
                 bar.update(len(batch))
                 yield np.asarray(ids, dtype=dtype), len(batch)
 
-    return _write_chunks(chunks(), tokenizer, folder, description, max_tokens, expected_bytes)
+    return write_chunks(chunks(), tokenizer, folder, description, max_tokens, expected_bytes)
 
 
 def build_tokens_from_dataset(
@@ -171,12 +172,12 @@ def build_tokens_from_dataset(
                     yield chunk.flatten().to_numpy(zero_copy_only=False).astype(dtype, copy=False), len(chunk)
 
         try:
-            return _write_chunks(chunks(), tokenizer, folder, description)
+            return write_chunks(chunks(), tokenizer, folder, description)
         finally:
             del mapped  # release the memory map before the scratch folder is removed
 
 
-def _write_chunks(
+def write_chunks(
     chunks: Iterable[Tuple[np.ndarray, int]],
     tokenizer: TextTokenizer,
     folder: pathlib.Path,
@@ -279,13 +280,6 @@ def _newest_mtime(path: pathlib.Path) -> float:
     except FileNotFoundError:  # removed meanwhile by its own build
         return time.time()
     return max(times)
-
-
-def follow_umask(path) -> None:
-    """``mkstemp`` creates files 0600; cache files get the permissions the user's umask gives new files."""
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)
 
 
 def open_tokens(folder: pathlib.Path) -> Optional[np.memmap]:

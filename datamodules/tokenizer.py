@@ -16,6 +16,7 @@ from typing import Iterable, Optional
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from datamodules.corpora import DataError, hub_reachable
+from datamodules.files import follow_umask
 
 EOT = "<|endoftext|>"
 BPE_VOCAB_SIZE = 4096
@@ -158,8 +159,6 @@ def _cached_bpe(path: pathlib.Path) -> Optional[Tokenizer]:
 
 
 def atomic_write_text(path: pathlib.Path, text: str) -> None:
-    from datamodules.token_cache import follow_umask
-
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp")
     follow_umask(tmp)
     with os.fdopen(fd, "w", encoding="utf-8") as handle:

@@ -34,7 +34,7 @@ import yaml
 
 from architectures import ModelConfig, build_model, variant_names
 from architectures.config import SIZES, ConfigError
-from architectures.gpt2 import vanilla_flops
+from architectures.flops import vanilla_flops
 from callbacks.flops import PEAK_BF16_TFLOPS, peak_bf16_flops  # noqa: F401  (one peak table for bench and training MFU)
 from experiments.compiling import GraphReport, compile_model, compiled_graphs, graph_report
 from experiments.minimal_gpt2 import minimal_from_config

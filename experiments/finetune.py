@@ -250,7 +250,7 @@ def tokenizer_source(spec: Optional[str], init_from: Optional[str]) -> Dict[str,
     """Where the run's tokenizer comes from: ``--tokenizer``, else the one a fine-tuned ``--init_from`` recorded,
     else the one in the pre-training run's config (config.yaml next to checkpoints/), else gpt2. The corpus
     (and its cache folder) is what a ``bpe`` tokenizer is trained on."""
-    from datamodules.lm import default_cache_dir
+    from datamodules.files import default_cache_dir
 
     record = finetune_record(init_from)
     if record and isinstance(record.get("tokenizer"), dict):
@@ -274,7 +274,7 @@ def tokenizer_source(spec: Optional[str], init_from: Optional[str]) -> Dict[str,
 
 
 def build_tokenizer(source: Dict[str, Any]):
-    from datamodules.corpora import get_corpus
+    from datamodules.catalog import get_corpus
     from datamodules.tokenizer import get_tokenizer
 
     cache_dir = pathlib.Path(source["cache_dir"])
@@ -330,7 +330,7 @@ def record_finetune(task: str, tokenizer: Dict[str, Any]):
 
 
 def _corpus_default_tokenizer(name: str, path, cache_dir: pathlib.Path) -> str:
-    from datamodules.corpora import get_corpus
+    from datamodules.catalog import get_corpus
 
     try:
         return get_corpus(name, path=path, cache_dir=cache_dir).default_tokenizer

@@ -13,8 +13,13 @@ from __future__ import annotations
 import argparse
 from typing import List, Optional, Sequence
 
-DEFAULT_VARIANTS = ["moe", "moe_dense_ffn", "cea_moe", "cea_moe_paper", "ffn_wider", "cea", "cea_paper", "mot",
-                    "mot_seq", "depth_gate", "depth_gate_skip", "mom", "mom_official", "mom_p", "mom_i", "mom_e"]
+
+
+def default_variants() -> List[str]:
+    """Every registered variant but the reference itself (the ratios are to vanilla)."""
+    from architectures import variant_names
+
+    return [name for name in variant_names() if name != "vanilla"]
 
 
 def describe(variant: str, size: str) -> dict:
@@ -42,9 +47,9 @@ def describe(variant: str, size: str) -> dict:
 def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
     parser = argparse.ArgumentParser(prog="python -m experiments.paper_options", description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="small")
-    parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
+    parser.add_argument("--variants", nargs="+", default=None, help="default: every registered variant")
     args = parser.parse_args(argv)
-    rows = [describe(v, args.size) for v in args.variants]
+    rows = [describe(v, args.size) for v in args.variants or default_variants()]
     for r in rows:
         line = f"{r['size']:6s} {r['variant']:16s} {r['params_non_embedding'] / 1e6:8.2f}M  FLOPs x{r['flops_ratio']:.3f}"
         if "depth" in r:

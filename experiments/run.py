@@ -40,7 +40,8 @@ from jsonargparse import ActionConfigFile, ArgumentParser, Namespace  # noqa: E4
 from architectures import ModelConfig, variant_names  # noqa: E402
 from architectures.config import ConfigError, SIZES, config_groups  # noqa: E402
 from callbacks import CallbacksConfig, config_from as callbacks_config  # noqa: E402
-from datamodules.corpora import DataError, corpus_names  # noqa: E402
+from datamodules.catalog import corpus_names  # noqa: E402
+from datamodules.corpora import DataError  # noqa: E402
 from experiments.storage import StorageError, atomic_checkpoint_io, check_writable, claim_next_version  # noqa: E402
 from experiments.storage import is_storage_error, release_if_empty, storage_message  # noqa: E402
 from datamodules.lm import DataConfig  # noqa: E402

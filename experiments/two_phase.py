@@ -70,8 +70,8 @@ def check_variant(variant: str) -> None:
     from architectures.registry import get_variant, variant_names
 
     cls = get_variant(variant).model_class()
-    if not hasattr(cls, "init_from_vanilla"):
-        usable = [n for n in variant_names() if hasattr(get_variant(n).model_class(), "init_from_vanilla")]
+    if not cls.two_phase_from_vanilla:
+        usable = [n for n in variant_names() if get_variant(n).model_class().two_phase_from_vanilla]
         raise ConfigError(f"model.variant: {variant!r} cannot start from a vanilla checkpoint; use one of {', '.join(usable)}")
 
 

@@ -47,10 +47,6 @@ def read_checkpoint(path, option: str = "ckpt_path") -> dict:
     return blob
 
 
-def vanilla_state_from(source: str) -> Dict[str, torch.Tensor]:
-    return read_source(source)[0]
-
-
 def read_source(source: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Optional[str]]]:
     """(state dict in this suite's names, {"variant", "tokenizer"} recorded with it; None where unknown)."""
     if source.startswith("hf:") or (pathlib.Path(source).is_dir() and (pathlib.Path(source) / "config.json").is_file()):

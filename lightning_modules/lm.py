@@ -19,6 +19,7 @@ from architectures import ModelConfig, build_model
 from architectures.config import ConfigError
 from architectures.contract import ModelOutput, first_nonfinite_site
 from lightning_modules.flops_budget import FlopsBudget
+from lightning_modules.steps import batch_step, completes_step, is_logging_step, log_step, may_be_last_step  # noqa: F401
 
 
 @dataclass
@@ -92,52 +93,6 @@ def make_adamw(params, **kwargs) -> torch.optim.AdamW:
 
 class NonFiniteLossError(FloatingPointError):
     pass
-
-
-def is_logging_step(trainer, completed_steps: int) -> bool:
-    """True on the steps whose metrics Lightning writes (every ``log_every_n_steps``) and on the last step.
-
-    ``completed_steps``: optimisation steps done once the current batch is trained (``global_step + 1``
-    inside ``training_step``, ``global_step`` in ``on_train_batch_end``). Only these steps may
-    synchronise the host with the device or make collectives: the other steps run without a host sync.
-    """
-    every = getattr(trainer, "log_every_n_steps", 0) or 0
-    return (every > 0 and completed_steps % every == 0) or may_be_last_step(trainer, completed_steps)
-
-
-def may_be_last_step(trainer, completed_steps: int) -> bool:
-    """``trainer.max_steps``, or the step that reaches the FLOPs budget (``--max_train_flops``; before that
-    step is counted, with gradient accumulation, the steps that may reach it: see ``FlopsBudget.may_end_at``).
-    What is measured or flushed "at the last step" is measured on these steps."""
-    max_steps = getattr(trainer, "max_steps", -1)
-    if max_steps is not None and completed_steps == max_steps:
-        return True
-    budget = getattr(getattr(trainer, "lightning_module", None), "flops_budget", None)
-    return isinstance(budget, FlopsBudget) and budget.may_end_at(completed_steps)
-
-
-def completes_step(trainer) -> bool:
-    """True for the batch that ends an optimisation step: every batch, unless gradients accumulate over
-    ``trainer.accumulate_grad_batches`` micro-batches (the small..large size presets do). Valid in
-    ``training_step`` and the batch hooks, where Lightning's own accumulation check is."""
-    if getattr(trainer, "accumulate_grad_batches", 1) <= 1:
-        return True
-    return not trainer.fit_loop.epoch_loop._should_accumulate()
-
-
-def batch_step(trainer) -> int:
-    """The optimisation step (1-based: steps completed once it is done) the current micro-batch belongs to;
-    in ``on_train_batch_end`` of the last micro-batch Lightning has already advanced ``global_step``."""
-    return trainer.global_step + (0 if completes_step(trainer) else 1)
-
-
-def log_step(trainer) -> int:
-    """The x-axis value Lightning gives the current batch's scalars (0-based index of the batch).
-
-    Every scalar of one batch (Lightning's ``train/*``, ``val/*``, the learning rate, and the
-    measurement callbacks') is written at this step, so one TensorBoard x value means one batch.
-    """
-    return max(0, trainer.global_step - 1)  # in on_train_batch_end and validation: the batch just trained
 
 
 def detached_trace(trace):
@@ -381,7 +336,7 @@ class LanguageModelModule(L.LightningModule):
         return "val/loss_causal" if self.causal_eval else "val/loss"
 
     def _log_causal_flops(self, prefix: str, metric: MeanMetric) -> None:
-        from architectures.gpt2 import vanilla_flops
+        from architectures.flops import vanilla_flops
 
         value = metric.compute()  # token-weighted mean over every rank's batches
         metric.reset()

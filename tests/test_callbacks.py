@@ -16,7 +16,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from architectures import ModelConfig, build_model
 from architectures.config import ConfigError
 from architectures.contract import ModelOutput, RoutingSite
-from architectures.gpt2 import vanilla_flops
+from architectures.flops import vanilla_flops
 from callbacks import CallbacksConfig, default_callbacks
 from callbacks.contribution import (ContributionCallback, check_probe, direct_logit_attribution,
                                     measure_contribution, ratios_from_values)

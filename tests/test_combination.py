@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from architectures import build_model
 from architectures.combination import CombinationLM, CombinationMoELM, FFNWider, strictly_causal_attention
-from architectures.config import CombinationConfig, ConfigError, ModelConfig
+from architectures.config import ConfigError, ModelConfig
+from architectures.combination import CombinationConfig
 from architectures.contract import KVCache
 from architectures.gpt2 import GPT2, CausalSelfAttention
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from datamodules import token_cache
-from datamodules.corpora import DataError, EmbeddedCorpus, TextFilesCorpus, get_corpus
+from datamodules.catalog import get_corpus
+from datamodules.corpora import DataError, EmbeddedCorpus, TextFilesCorpus
 from datamodules.lm import DataConfig, LMDataModule, PackedBlocks, ResumableShardSampler, validation_indices
 from datamodules.tokenizer import EOT, get_tokenizer
 

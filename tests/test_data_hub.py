@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from datamodules import hub, token_cache
-from datamodules.corpora import DataError, TextFilesCorpus, get_corpus
+from datamodules.catalog import get_corpus
+from datamodules.corpora import DataError, TextFilesCorpus
 from datamodules.lm import DataConfig, LMDataModule
 from datamodules.tokenizer import get_tokenizer
 from tests.conftest import TINY_RUN

@@ -7,8 +7,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from architectures import ModelConfig, build_model
-from architectures.config import ConfigError, DepthGateConfig
-from architectures.gpt2 import vanilla_flops
+from architectures.config import ConfigError
+from architectures.depth_gate import DepthGateConfig
+from architectures.flops import vanilla_flops
 from tests.conftest import TINY_RUN
 
 

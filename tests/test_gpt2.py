@@ -8,7 +8,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from architectures import ConfigError, ModelConfig, build_model
 from architectures.contract import RoutingSite, first_nonfinite_site
-from architectures.gpt2 import GPT2, config_from_hf, state_dict_from_hf, vanilla_flops
+from architectures.flops import vanilla_flops
+from architectures.gpt2 import config_from_hf, state_dict_from_hf
 
 
 def tiny(**kw) -> ModelConfig:
@@ -38,7 +39,7 @@ def test_matches_hugging_face_gpt2_logits():
                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(hf_config).eval()
-    ours = GPT2(config_from_hf(hf_config).resolve()).eval()
+    ours = build_model(config_from_hf(hf_config)).eval()
     ours.load_state_dict(state_dict_from_hf(hf.state_dict()))
     idx = torch.randint(0, 211, (3, 48))
     with torch.no_grad():

@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from architectures import ModelConfig, build_model
-from architectures.config import MoEConfig
-from architectures.dispatch import dense_reference, sorted_dispatch
+from architectures.moe import MoEConfig
+from architectures.dispatch import sorted_dispatch
+from tests.references import dense_reference
 from architectures.gpt2 import MLP
 from architectures.grouped_gemm import expert_dispatch, grouped_dispatch, use_grouped_mm
 

@@ -15,9 +15,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from architectures import ConfigError, KVCache, ModelConfig, build_model
-from architectures.config import MoDConfig, MoEConfig
-from architectures.gpt2 import GPT2
-from architectures.mod import RoutedBlock
+from architectures.mod import MoDConfig, RoutedBlock
+from architectures.moe import MoEConfig
 
 V, T = 97, 64
 TINY_RUN = [  # conftest.TINY_RUN's tiny CLI overrides (conftest is not importable as a module)
@@ -114,7 +113,7 @@ def test_selected_tokens_attend_causally_among_themselves_only():
 @pytest.mark.parametrize("routed", ["odd", "all"])
 def test_capacity_one_with_unit_router_weight_reproduces_vanilla_exactly(routed):
     torch.manual_seed(0)
-    vanilla = GPT2(tiny("vanilla").resolve())
+    vanilla = build_model(tiny("vanilla"))
     m = model(capacity=1.0, routed_blocks=routed, seed=5)
     missing, unexpected = m.load_state_dict(vanilla.state_dict(), strict=False)
     assert not unexpected and all(".router." in k or ".predictor." in k for k in missing)
@@ -289,7 +288,7 @@ def test_flops_match_flop_counter(variant, sampling, causal):
 def test_flops_scale_with_capacity_and_capacity_squared():
     d, hidden = 64, 256
     full, quarter = model(capacity=1.0).flops_per_token(None, T), model(capacity=0.25).flops_per_token(None, T)
-    vanilla = GPT2(tiny("vanilla").resolve()).flops_per_token(None, T)
+    vanilla = build_model(tiny("vanilla")).flops_per_token(None, T)
     assert full.attn_proj == vanilla.attn_proj and full.ffn == vanilla.ffn
     dense_scores = 4 * T * d
     assert quarter.attn_scores == pytest.approx(2 * dense_scores + 2 * dense_scores * 0.25 ** 2)

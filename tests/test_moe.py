@@ -9,9 +9,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from architectures import ModelConfig, build_model
-from architectures.config import ConfigError, MoEConfig
-from architectures.gpt2 import GPT2
-from architectures.moe import MoELayer, balance_loss, capacity_keep, z_loss
+from architectures.config import ConfigError
+from architectures.moe import MoEConfig, MoELayer, balance_loss, capacity_keep, z_loss
 from tests.conftest import TINY_RUN
 
 
@@ -190,9 +189,9 @@ def test_layer_flops_count_active_experts_only():
         x = torch.randn(2, 9, 16)
         with FlopCounterMode(display=False) as counter:
             r = layer(x)
-        per_token = layer.flops_per_token(r.site, 16)
+        per_token = layer.flops(r.site)
         assert per_token.forward * 18 == pytest.approx(counter.get_total_flops())
-    assert layer.flops_per_token(None, 16).ffn == pytest.approx(2 * 2 * 2 * 16 * 24)
+    assert layer.flops(None).ffn == pytest.approx(2 * 2 * 2 * 16 * 24)
 
 
 @pytest.mark.parametrize("kwargs,field", [
@@ -235,7 +234,7 @@ def test_trace_and_aux_losses_follow_the_contract():
 def test_one_expert_top1_equals_vanilla_with_the_same_weights():
     moe = _model(num_experts=1, top_k=1)
     torch.manual_seed(1)
-    vanilla = GPT2(ModelConfig(vocab_size=101, d_model=32, n_layer=4, n_head=4, block_size=32).resolve())
+    vanilla = build_model(ModelConfig(vocab_size=101, d_model=32, n_layer=4, n_head=4, block_size=32))
     state = {}
     for name, value in vanilla.state_dict().items():
         state[name.replace(".mlp.", ".moe.experts.0.")] = value
@@ -269,7 +268,7 @@ def test_flops_match_flop_counter(moe):
 
 
 def test_expected_flops_equal_vanilla_plus_router_for_switch():
-    from architectures.gpt2 import vanilla_flops
+    from architectures.flops import vanilla_flops
 
     model = _model(num_experts=8, top_k=1)
     cfg = model.config
@@ -330,7 +329,7 @@ def test_cli_short_run(tmp_path):
 
 def test_moe_layer_accepts_zero_tokens():
     """A routed block (MoDE) can hand the MoE layer no tokens at all; that must cost and return nothing."""
-    from architectures.config import MoEConfig
+    from architectures.moe import MoEConfig
     from architectures.moe import MoELayer
 
     layer = MoELayer(16, 32, MoEConfig(num_experts=4, top_k=2, dropless=False))
@@ -343,7 +342,7 @@ def test_moe_layer_accepts_zero_tokens():
 
 def test_switch_top1_router_learns_through_the_expert_output():
     """k=1: the output is scaled by the raw probability, so the LM loss alone trains the router."""
-    from architectures.config import MoEConfig
+    from architectures.moe import MoEConfig
 
     torch.manual_seed(0)
     layer = MoELayer(16, 32, MoEConfig(num_experts=4, top_k=1, balance_coef=0.0, z_loss_coef=0.0))

@@ -7,9 +7,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from architectures import ModelConfig, build_model
-from architectures.config import ConfigError, MoMConfig
-from architectures.dispatch import dense_reference
-from architectures.gpt2 import causal_attention, vanilla_flops
+from architectures.config import ConfigError
+from architectures.mom import MoMConfig
+from tests.references import dense_reference
+from architectures.flops import vanilla_flops
+from architectures.gpt2 import causal_attention
 from architectures.mom import MixtureOfModules, _Route, chunked_defaults
 from tests.conftest import TINY_RUN
 
@@ -306,7 +308,7 @@ def test_moe_routing_is_the_moe_variant_given_the_same_weights_and_routing(k):
     """Issue 12 §3.6: MoM's MoE special case as a per-step expert-pool restriction, exactly the ``moe`` variant.
 
     k >= 2 (both renormalise over the k picks); at k = 1 MoM's weight is 1 where Switch scales by p."""
-    from architectures.config import MoEConfig
+    from architectures.moe import MoEConfig
 
     E, L = 3, 4
     torch.manual_seed(0)

@@ -7,9 +7,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from architectures import KVCache, ModelConfig, build_model
-from architectures.config import ConfigError, MoTConfig
-from architectures.gpt2 import GPT2
-from architectures.mot import MoTLayer
+from architectures.config import ConfigError
+from architectures.mot import MoTConfig, MoTLayer
 from tests.conftest import TINY_RUN
 
 
@@ -66,7 +65,7 @@ def test_layer_matches_per_sequence_subset_reference_forward_and_grad(E, k, reno
 def test_one_expert_top1_equals_vanilla_block_and_model():
     mot = _model(num_experts=1, top_k=1)
     torch.manual_seed(1)
-    vanilla = GPT2(ModelConfig(vocab_size=101, d_model=32, n_layer=3, n_head=4, block_size=32).resolve())
+    vanilla = build_model(ModelConfig(vocab_size=101, d_model=32, n_layer=3, n_head=4, block_size=32))
     state = {k.replace("blocks.", "", 1): v for k, v in vanilla.state_dict().items()}
     new = {}
     for name in mot.state_dict():

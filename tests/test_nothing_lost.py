@@ -324,7 +324,7 @@ def test_validation_blocks_are_a_global_count_split_across_ranks(tmp_path):
 
 
 def test_causal_flops_are_the_causal_evaluations_own_share(tmp_path):
-    from architectures.gpt2 import vanilla_flops
+    from architectures.flops import vanilla_flops
 
     metrics, module, data = _validate(tmp_path, 1)
     blocks = torch.stack([data.val_sets["val"][i] for i in range(VAL_BATCHES * VAL_BATCH)])

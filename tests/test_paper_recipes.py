@@ -5,7 +5,7 @@ import pathlib
 
 import pytest
 
-from architectures.gpt2 import vanilla_flops
+from architectures.flops import vanilla_flops
 from experiments import sweep
 from experiments.run import model_config
 from tests.conftest import REPO

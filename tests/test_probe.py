@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from datamodules import probe
-from datamodules.corpora import DataError, get_corpus
+from datamodules.catalog import get_corpus
+from datamodules.corpora import DataError
 from datamodules.lm import DataConfig, LMDataModule
 from tests.conftest import REPO
 

@@ -114,14 +114,14 @@ def test_kv_cache_reorder_follows_rows_including_per_row_entries():
     cache.append("block0", k, -k)
     cache.append("block1.row0", torch.full((1, 2, 2, 1), 10.0), torch.zeros(1, 2, 2, 1))
     cache.append("block1.row2", torch.full((1, 2, 5, 1), 12.0), torch.zeros(1, 2, 5, 1))
-    cache.key_valid = {"block0": torch.tensor([[1, 0], [1, 1], [0, 1]], dtype=torch.bool)}
+    cache.state("key_valid")["block0"] = torch.tensor([[1, 0], [1, 1], [0, 1]], dtype=torch.bool)
     cache.offset = 4
     cache.reorder(torch.tensor([2, 2, 0, 1]))
     assert torch.equal(cache.layers["block0"][0], k[[2, 2, 0, 1]]) and torch.equal(cache.layers["block0"][1], -k[[2, 2, 0, 1]])
     assert sorted(cache.layers) == ["block0", "block1.row0", "block1.row1", "block1.row2"]
     assert cache.length("block1.row0") == cache.length("block1.row1") == 5 and cache.length("block1.row2") == 2
     assert cache.length("block1.row3") == 0  # old row 1 had processed nothing in block 1
-    assert cache.key_valid["block0"].tolist() == [[0, 1], [0, 1], [1, 0], [1, 1]] and cache.offset == 4
+    assert cache.state("key_valid")["block0"].tolist() == [[0, 1], [0, 1], [1, 0], [1, 1]] and cache.offset == 4
 
 
 def test_beam_search_with_enough_beams_is_exhaustive_search():

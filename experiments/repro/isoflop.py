@@ -115,11 +115,11 @@ def default_widths(d_model: int, n_head: int) -> List[int]:
 def run_geometry(ctx: Context) -> Tuple[Any, ModelConfig, int]:
     """(parsed run config, base model config with the tokenizer's vocabulary, tokens per optimisation step)."""
     from datamodules.lm import DataConfig, LMDataModule
-    from experiments.run import _as_dict, model_config
+    from experiments.run import model_config
 
     cfg = ctx.parse(ctx.argv(["--variant", "vanilla"]))
     block_size = model_config(cfg).resolve().block_size
-    vocab = LMDataModule(DataConfig(**_as_dict(cfg.data)), block_size=block_size, seed=cfg.seed).vocab_size
+    vocab = LMDataModule(DataConfig(**cfg.data.as_dict()), block_size=block_size, seed=cfg.seed).vocab_size
     base = model_config(cfg, vocab_size=vocab).resolve()
     devices = cfg.trainer.devices
     world = (int(devices) if str(devices).isdigit() else 1) * int(cfg.trainer.num_nodes or 1)

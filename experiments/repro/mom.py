@@ -12,7 +12,6 @@
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import pathlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -20,6 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from architectures.config import ConfigError
+from architectures.mom import MixtureOfModules
 from experiments.repro.common import (Context, figure, fmt, load_model, load_summary, markdown_table, mean_loss,
                                       validation_sequences)
 
@@ -27,58 +27,15 @@ SKIP = "skip"
 
 
 # ---------------------------------------------------------------------------- model access
-def mom_chunks(model) -> List[torch.nn.Module]:
-    chunks = getattr(model, "chunks", None)
-    if not chunks or not hasattr(chunks[0], "attn_router"):
+def mom_model(model) -> MixtureOfModules:
+    if not isinstance(model, MixtureOfModules):
         raise ConfigError(f"model.variant: {model.config.variant!r} is not a Mixture-of-Modules model")
-    return list(chunks)
+    return model
 
 
-@contextlib.contextmanager
 def removed_modules(model, attn: Sequence[int] = (), ffn: Sequence[int] = ()):
-    """Remove attention modules ``attn`` and FFN modules ``ffn`` (pool indices) from every chunk's pool.
-
-    The hook: ``register_forward_hook`` on each chunk's GRU router (``attn_router`` / ``ffn_router``)
-    replaces the logits it returns with the removed modules' entries set to -inf. The router's
-    softmax then gives them probability exactly 0, top-K never selects them, and the K weights are
-    renormalised over the remaining choices (SKIP included) exactly as for any other logits. The
-    GRU state is untouched, so later steps see the same recurrence. Leaving the context removes the
-    hooks. Fixed (non-learned) routing has no logits to mask and is refused, as is a removal that
-    leaves fewer than K choices.
-    """
-    handles = []
-    try:
-        for chunk in mom_chunks(model):
-            for kind, router, names, drop in (("attn", chunk.attn_router, chunk.attn_names, attn),
-                                              ("ffn", chunk.ffn_router, chunk.ffn_names, ffn)):
-                drop = sorted(set(int(i) for i in drop))
-                if not drop:
-                    continue
-                pool = len([n for n in names if n != SKIP])
-                if router is None:
-                    raise ConfigError(f"model.mom.routing: {model.config.mom.routing!r} routes {kind} modules "
-                                      "without a router; modules can only be removed from learned routing")
-                if drop[0] < 0 or drop[-1] >= pool:
-                    raise ConfigError(f"removed {kind} modules {drop} out of range for a pool of {pool}")
-                left = len(names) - len(drop)
-                if model.config.mom.top_k > left:
-                    raise ConfigError(f"removing {len(drop)} of {pool} {kind} modules leaves {left} choices, "
-                                      f"fewer than K={model.config.mom.top_k}")
-                mask = torch.zeros(len(names), dtype=torch.bool)
-                mask[drop] = True
-                handles.append(router.register_forward_hook(_mask_logits(mask)))
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _mask_logits(mask: torch.Tensor):
-    def hook(module, inputs, output):
-        logits, state = output
-        return logits.masked_fill(mask.to(logits.device), float("-inf")), state
-
-    return hook
+    """``MixtureOfModules.removed_modules``: the modules' router logits set to -inf while inside the context."""
+    return mom_model(model).removed_modules(attn, ffn)
 
 
 @torch.no_grad()
@@ -112,9 +69,9 @@ def module_usage(stats, kind: str) -> torch.Tensor:
 
 def removal_order(model, sequences: torch.Tensor, order: str) -> Tuple[List[int], List[int]]:
     """Module indices in the order they are removed: least used first ("usage") or last index first ("index")."""
-    chunk = mom_chunks(model)[0]
+    n_attn, n_ffn = mom_model(model).pool_sizes()
     if order == "index":
-        return list(range(chunk.n_attn - 1, -1, -1)), list(range(chunk.n_ffn - 1, -1, -1))
+        return list(range(n_attn - 1, -1, -1)), list(range(n_ffn - 1, -1, -1))
     if order != "usage":
         raise ConfigError(f"--order: unknown order {order!r}; use usage or index")
     stats = routing_stats(model, sequences)
@@ -220,10 +177,10 @@ def removal(ctx: Context, variant: str = "mom", options: Sequence[str] = (), run
             sequences: int = 64, order: str = "usage") -> Dict[str, Any]:
     run_dir = trained_run(ctx, variant, options, run)
     model = load_model(run_dir)
-    chunk = mom_chunks(model)[0]
+    n_a, n_f = mom_model(model).pool_sizes()
     data = validation_sequences(run_dir, model, sequences)
     attn_order, ffn_order = removal_order(model, data, order)
-    n_a, n_f, k = chunk.n_attn, chunk.n_ffn, model.config.mom.top_k
+    k = model.config.mom.top_k
     skip = 1 if model.config.mom.allow_skip else 0
     grid: Dict[Tuple[int, int], Optional[float]] = {}
     for keep_a in range(n_a, 0, -1):
@@ -244,7 +201,7 @@ def removal(ctx: Context, variant: str = "mom", options: Sequence[str] = (), run
     a_keep, f_keep = list(range(n_a, 0, -1)), list(range(n_f, 0, -1))
     sections = [
         f"Trained model: `{run_dir}` ({model.config.variant}, pool N_A={n_a}, N_F={n_f}, K={k}, "
-        f"H={chunk.steps}). Removal order: {order} (attention {attn_order}, FFN {ffn_order}: first listed is "
+        f"H={model.layout.steps}). Removal order: {order} (attention {attn_order}, FFN {ffn_order}: first listed is "
         f"removed first). Loss over the first {data.shape[0]} validation sequences.", "",
         "Validation loss (rows: attention modules kept, columns: FFN modules kept; '-' = fewer choices than K):", "",
         markdown_table(["N_A \\ N_F", *map(str, f_keep)], [[a, *(grid[(a, f)] for f in f_keep)] for a in a_keep]), "",
@@ -306,7 +263,7 @@ def transitions(ctx: Context, variant: str = "mom", options: Sequence[str] = (),
                 sequences: int = 64) -> Dict[str, Any]:
     run_dir = trained_run(ctx, variant, options, run)
     model = load_model(run_dir)
-    mom_chunks(model)
+    mom_model(model)
     data = validation_sequences(run_dir, model, sequences)
     stats = routing_stats(model, data)
     groups = group_transitions(stats)
@@ -375,17 +332,8 @@ def module_similarity(model, sequences: torch.Tensor) -> Dict[str, float]:
     Attention modules are compared by their QKV projections, FFN modules by their outputs, per token,
     averaged over tokens and module pairs: 1 means the modules compute the same function (homogeneous).
     """
-    chunk = mom_chunks(model)[0]
-    captured: List[torch.Tensor] = []
-    handle = chunk.register_forward_pre_hook(lambda module, args: captured.append(args[0].detach()))
-    try:
-        model.eval()
-        model(sequences[:, :-1])
-    finally:
-        handle.remove()
-    x = captured[0]
     out = {}
-    for kind, outputs in (("attn", [m.project(x) for m in chunk.attn_modules]), ("ffn", [m(x) for m in chunk.ffn_modules])):
+    for kind, outputs in mom_model(model).pool_outputs(sequences[:, :-1]).items():
         sims = [torch.nn.functional.cosine_similarity(a, b, dim=-1).mean().item()
                 for i, a in enumerate(outputs) for b in outputs[i + 1:]]
         out[kind] = sum(sims) / len(sims) if sims else None

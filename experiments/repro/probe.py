@@ -23,10 +23,10 @@ import statistics
 from typing import Any, Dict, List, Optional, Sequence
 
 from architectures.config import ConfigError
+from architectures.registry import tagged
 from experiments.repro.common import Context, budget_spent, budget_step_cap, figure, fmt, markdown_table
 
-VARIANTS = ("vanilla", "mod", "mode_staged", "mode_integrated", "moe", "mot", "depth_gate", "depth_gate_skip", "mom",
-            "mom_e")
+VARIANTS = tuple(tagged("probe"))  # the registry entries tagged "probe" (vanilla first)
 LEVELS = range(5)
 CHANCE = 0.1  # a digit answer among ten
 SOLVED = 0.6  # vanilla "solves" a level when its seed-mean accuracy reaches this

@@ -1,0 +1,21 @@
+"""Helpers shared by the measurement callbacks (they import this module, never each other for these)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum in place across the default process group (a no-op outside distributed runs)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def warn_if_longer_than_run(trainer, field: str, every: int, what: str) -> None:
+    """Before training: an interval longer than the run would log only once, at the last step."""
+    max_steps = getattr(trainer, "max_steps", -1)
+    if max_steps is not None and 0 < max_steps < every:
+        rank_zero_warn(f"{field}={every} is longer than trainer.max_steps={max_steps}: {what} is logged only "
+                       f"at the last step; lower {field} for a curve")

@@ -1,0 +1,136 @@
+"""The import graph between project files: no circles, nothing reaching upward, no private reach (issue 21 §6).
+
+Layers, lowest first; a module may import only from its own layer or a lower one:
+
+    architectures  <  datamodules  <  lightning_modules, callbacks  <  experiments
+
+``architectures/`` is plain PyTorch: it imports no Lightning (``lightning``, ``pytorch_lightning``,
+``torchmetrics``) and no other project layer. Every import counts, including the ones inside functions
+(a late import hides a circle from Python, not from the reader). A module may not import a name that starts
+with an underscore from another module. The graph is read with ``ast`` (nothing is imported).
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+from typing import Dict, List, Set, Tuple
+
+from tests.conftest import REPO
+
+LAYERS = {"architectures": 0, "datamodules": 1, "lightning_modules": 2, "callbacks": 2, "experiments": 3}
+LIGHTNING = ("lightning", "pytorch_lightning", "torchmetrics")
+
+
+def project_modules() -> Dict[str, pathlib.Path]:
+    out = {}
+    for package in LAYERS:
+        for path in sorted((REPO / package).rglob("*.py")):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def imports_of(path: pathlib.Path, module: str, modules: Dict[str, pathlib.Path]) -> List[Tuple[str, str, int]]:
+    """(imported project module or external top-level name, imported name or "", line) for every import."""
+    is_package = path.name == "__init__.py"
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, "", node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative import
+                anchor = module.split(".") if is_package else module.split(".")[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                target = f"{base}.{alias.name}"
+                # "from package import submodule" imports the submodule; "from module import name" the module
+                found.append((target, "", node.lineno) if target in modules else (base, alias.name, node.lineno))
+    return found
+
+
+def project_target(name: str, modules: Dict[str, pathlib.Path]) -> str:
+    """The project module an import resolves to ("" for an external package)."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def graph() -> Tuple[Dict[str, Set[str]], List[str]]:
+    modules = project_modules()
+    edges: Dict[str, Set[str]] = {m: set() for m in modules}
+    problems = []
+    for module, path in modules.items():
+        layer = LAYERS[module.split(".")[0]]
+        for name, imported, line in imports_of(path, module, modules):
+            where = f"{path.relative_to(REPO)}:{line}"
+            target = project_target(name, modules)
+            if not target:
+                if module.startswith("architectures") and name.split(".")[0] in LIGHTNING:
+                    problems.append(f"{where}: architectures/ imports {name} (plain PyTorch only)")
+                continue
+            if LAYERS[target.split(".")[0]] > layer:
+                problems.append(f"{where}: {module} reaches up to {target}")
+            if imported.startswith("_") and not imported.startswith("__") and target != module:
+                problems.append(f"{where}: {module} imports the private {target}.{imported}")
+            if target != module:
+                edges[module].add(target)
+    return edges, problems
+
+
+def cycles(edges: Dict[str, Set[str]]) -> List[List[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on_stack: Set[str] = set()
+    out: List[List[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(edges[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return out
+
+
+def test_the_project_import_graph_has_no_circles():
+    edges, _ = graph()
+    found = cycles(edges)
+    assert not found, "import circles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_no_module_reaches_up_a_layer_or_into_another_module_s_private_names():
+    _, problems = graph()
+    assert not problems, "\n".join(problems)
+
+
+def test_the_checker_sees_circles_upward_imports_and_private_names(tmp_path):
+    """The test of the test: a planted circle, an upward import and a private import are each reported."""
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(edges) == [["a", "b", "c"]]
+    modules = {"architectures.x": tmp_path / "x.py", "experiments.y": tmp_path / "y.py"}
+    (tmp_path / "x.py").write_text("import lightning\nfrom experiments.y import _helper\n")
+    found = imports_of(tmp_path / "x.py", "architectures.x", modules)
+    assert ("lightning", "", 1) in found and ("experiments.y", "_helper", 2) in found
+    assert project_target("experiments.y", modules) == "experiments.y"
