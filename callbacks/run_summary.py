@@ -208,7 +208,7 @@ def measured_summary(trainer, module, recorder: StepRecorder) -> Dict[str, Any]:
 
 def write_summary(path: pathlib.Path, summary: Dict[str, Any]) -> None:
     """Temp file and rename: a full disk leaves no truncated ``summary.json`` (and says so in one line)."""
-    from experiments.storage import write_text_atomic
+    from lightning_modules.storage import write_text_atomic
 
     write_text_atomic(path, json.dumps(summary, indent=2, default=float) + "\n")
 

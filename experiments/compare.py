@@ -366,7 +366,7 @@ def leaderboard(runs: Sequence[Run], group_by: Optional[Sequence[str]] = None) -
 # ---------------------------------------------------------------------------- outputs
 def _cell(value: Any, varies: bool = False) -> str:
     """An option's value; the values of an option that varies inside a group joined with " / "."""
-    from experiments.repro.common import fmt
+    from experiments.tables import fmt
 
     if varies:
         return " / ".join(_cell(v) for v in value)
@@ -375,7 +375,7 @@ def _cell(value: Any, varies: bool = False) -> str:
 
 def _stat_cell(stat: Dict[str, Optional[float]], runs: int, integer: bool = False) -> str:
     """'mean ± std' (a single run: the value alone), '(n=k)' when only k of the row's runs have the number."""
-    from experiments.repro.common import fmt
+    from experiments.tables import fmt
 
     if stat["mean"] is None:
         return "-"
@@ -388,7 +388,7 @@ def _stat_cell(stat: Dict[str, Optional[float]], runs: int, integer: bool = Fals
 
 
 def to_markdown(board: Dict[str, Any]) -> str:
-    from experiments.repro.common import markdown_table
+    from experiments.tables import markdown_table
 
     headers = [*board["options"], "n", *[h for _, h in METRICS], "Pareto"]
     integer = {"steps", "tokens", "parameters"}
@@ -430,7 +430,7 @@ def row_label(row: Dict[str, Any], options: Sequence[str]) -> str:
 def plot(board: Dict[str, Any], path: pathlib.Path) -> Optional[pathlib.Path]:
     """Validation loss vs training FLOPs, one point per configuration (error bars: std over seeds), the
     Pareto front drawn through its points. None when no configuration has both numbers."""
-    from experiments.repro.common import figure
+    from experiments.tables import figure
 
     rows = [r for r in board["rows"] if r["train_flops"]["mean"] is not None and r[HEADLINE]["mean"] is not None]
     if not rows:

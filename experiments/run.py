@@ -42,8 +42,8 @@ from architectures.config import ConfigError, SIZES, config_groups  # noqa: E402
 from callbacks import CallbacksConfig, config_from as callbacks_config  # noqa: E402
 from datamodules.catalog import corpus_names  # noqa: E402
 from datamodules.corpora import DataError  # noqa: E402
-from experiments.storage import StorageError, atomic_checkpoint_io, check_writable, claim_next_version  # noqa: E402
-from experiments.storage import is_storage_error, release_if_empty, storage_message  # noqa: E402
+from lightning_modules.storage import StorageError, atomic_checkpoint_io, check_writable, claim_next_version  # noqa: E402
+from lightning_modules.storage import is_storage_error, release_if_empty, storage_message  # noqa: E402
 from datamodules.lm import DataConfig  # noqa: E402
 from lightning_modules.flops_budget import validate_budget  # noqa: E402
 from lightning_modules.lm import OptimConfig  # noqa: E402

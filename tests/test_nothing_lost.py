@@ -18,7 +18,8 @@ import pytest
 import torch
 import yaml
 
-from experiments import run, storage
+from experiments import run
+from lightning_modules import storage
 from tests.conftest import REPO, TINY_RUN
 
 CORPUS = "It was the best of times, it was the worst of times. " * 80
