@@ -49,6 +49,8 @@ GROUP_ALIASES = {"variant": "model.variant", "size": "model.size", "data": "data
 METRICS = (("steps", "steps"), ("tokens", "tokens"), ("train_flops", "train FLOPs"), ("val_loss", "val loss"),
            ("val_loss_causal", "causal val loss"), ("flops_per_token", "fwd FLOPs/token"),
            ("step_time_s", "step s"), ("parameters", "params"))
+# Routing-probe runs (datamodules/probe.py) add their accuracy per difficulty level, when any run has it.
+PROBE_METRICS = tuple((f"probe_acc_L{level}", f"acc L{level}") for level in range(5))
 # The loss rows are ranked and plotted by: the causal loss where the run has one (routing that sees the future
 # cannot generate that way), else the loss; what summary.json's final_val_loss holds since it names its metric.
 HEADLINE = "headline_val_loss"
@@ -76,7 +78,8 @@ class Run:
         return {"steps": s.get("steps"), "tokens": s.get("tokens_seen"), "train_flops": train_flops_spent(s),
                 "val_loss": loss, "val_loss_causal": causal, "flops_per_token": per_token.get("forward"),
                 "step_time_s": s.get("median_step_time_s"), "parameters": s.get("parameters"),
-                HEADLINE: causal if causal is not None else loss}
+                HEADLINE: causal if causal is not None else loss,
+                **{key: val.get(f"probe/level{key[-1]}/acc") for key, _ in PROBE_METRICS}}
 
 
 def train_flops_spent(summary: Dict[str, Any]) -> Optional[float]:
@@ -299,6 +302,12 @@ def mean_std(values: Sequence[Optional[float]]) -> Dict[str, Optional[float]]:
             "n": len(present)}
 
 
+def metric_columns(runs: Sequence[Run]) -> List[Tuple[str, str]]:
+    """The measured columns of a table of these runs: ``METRICS``, and the probe accuracies where a run has them."""
+    probe = [(k, h) for k, h in PROBE_METRICS if any(r.metrics()[k] is not None for r in runs)]
+    return [*METRICS, *probe]
+
+
 def aggregate(group: Sequence[Run], options: Sequence[str]) -> Dict[str, Any]:
     """One leaderboard row: the group's options (all values where they vary), seeds and metric statistics."""
     per_run = [r.metrics() for r in group]
@@ -307,7 +316,8 @@ def aggregate(group: Sequence[Run], options: Sequence[str]) -> Dict[str, Any]:
     row["varies"] = [k for k in ("variant", *options) if _varies(group, "model.variant" if k == "variant" else k)]
     row["n"] = len(group)
     row["seeds"] = [r.seed for r in group]
-    row.update({key: mean_std([m[key] for m in per_run]) for key in (*[k for k, _ in METRICS], HEADLINE)})
+    row.update({key: mean_std([m[key] for m in per_run])
+                for key in (*[k for k, _ in METRICS], *[k for k, _ in PROBE_METRICS], HEADLINE)})
     row["runs"] = [str(r.folder) for r in group]
     return row
 
@@ -358,7 +368,8 @@ def leaderboard(runs: Sequence[Run], group_by: Optional[Sequence[str]] = None) -
     for row, on_front in zip(rows, front):
         row["pareto"] = on_front
     return {"group_by": keys or "configuration (every option but the seed and output paths)",
-            "options": ["variant", *columns], "metrics": [*[k for k, _ in METRICS], HEADLINE], "rows": rows,
+            "options": ["variant", *columns], "metrics": [*[k for k, _ in metric_columns(runs)], HEADLINE],
+            "headers": [h for _, h in metric_columns(runs)], "rows": rows,
             "runs": [{"run_dir": str(r.folder), "seed": r.seed, "variant": r.config.get("model.variant"), **r.metrics()}
                      for r in runs]}
 
@@ -390,16 +401,18 @@ def _stat_cell(stat: Dict[str, Optional[float]], runs: int, integer: bool = Fals
 def to_markdown(board: Dict[str, Any]) -> str:
     from experiments.tables import markdown_table
 
-    headers = [*board["options"], "n", *[h for _, h in METRICS], "Pareto"]
+    headers = [*board["options"], "n", *board["headers"], "Pareto"]
     integer = {"steps", "tokens", "parameters"}
+    measured = [k for k in board["metrics"] if k != HEADLINE]
     rows = [[*[_cell(r[k], k in r["varies"]) for k in board["options"]], r["n"],
-             *[_stat_cell(r[k], r["n"], k in integer) for k, _ in METRICS], "*" if r["pareto"] else ""]
+             *[_stat_cell(r[k], r["n"], k in integer) for k in measured], "*" if r["pareto"] else ""]
             for r in board["rows"]]
     note = ("Mean ± std (sample) over the n runs of each row (the seeds of one configuration, unless --group_by "
             "merges configurations; (n=k): only k of them have the number); train FLOPs: measured (routing-aware) "
             "training FLOPs spent; causal val loss: with the routing used in generation, for routing that sees the "
             "future; rows ranked by it where they have it, else by val loss; step s: median step time; Pareto *: "
-            "no other row has both fewer training FLOPs and a lower (causal where present) validation loss.")
+            "no other row has both fewer training FLOPs and a lower (causal where present) validation loss; acc L<k> "
+            "(routing probes only): next-token accuracy on the tokens of difficulty level k.")
     return markdown_table(headers, rows) + "\n\n" + note + "\n"
 
 

@@ -184,6 +184,21 @@ def test_aggregation_checked_by_hand_on_known_numbers(runs, tmp_path):
     assert "| 1.5000 ± 0.7071 | 5.0000 ± 1.4142 |" in markdown
 
 
+def test_probe_accuracy_columns_appear_only_for_probe_runs_and_are_seed_means(runs, tmp_path):
+    folders = copy_runs(runs, tmp_path)
+    assert "| acc L" not in compare.to_markdown(compare.compare([str(tmp_path / "runs")]))  # no probe run: no column
+    for (variant, seed), folder in folders.items():  # routing-probe metrics as callbacks/probe.py logs them
+        accs = {"vanilla": [(1.0, 0.8), (1.0, 0.6)], "mod": [(1.0, 0.9), (0.5, 0.7)]}[variant][seed - 1]
+        edit_summary(folder, val_metrics={"val/loss": 1.0, "probe/level0/acc": accs[0], "probe/level4/acc": accs[1]})
+    board = compare.compare([str(tmp_path / "runs")])
+    assert board["headers"][-2:] == ["acc L0", "acc L4"]  # levels no run has are left out
+    vanilla, mod = row_of(board, "vanilla"), row_of(board, "mod")
+    assert vanilla["probe_acc_L4"] == {"mean": pytest.approx(0.7), "std": pytest.approx(math.sqrt(0.02)), "n": 2}
+    assert mod["probe_acc_L0"]["mean"] == 0.75 and mod["probe_acc_L4"]["mean"] == pytest.approx(0.8)
+    markdown = compare.to_markdown(board)
+    assert "| acc L0 | acc L4 | Pareto |" in markdown and "0.7000 ± 0.1414" in markdown
+
+
 def test_pareto_front_by_hand():
     points = [(1.0, 3.0), (2.0, 2.0), (3.0, 2.5), (4.0, 1.0), (2.0, 2.0), (None, 0.5)]
     assert compare.pareto_front(points) == [True, True, False, True, True, False]
