@@ -8,7 +8,9 @@ its share; sums reduced across ranks) with causal routing where the variant has 
 * ``probe/level<L>/flops``: mean forward FLOPs spent per token of level L, read from the routing trace
   through the contract only (``token_flops``); ``probe/level<L>/token_share`` and ``compute_share``;
 * ``probe/spearman``: Spearman correlation between difficulty and compute over the labelled tokens
-  (absent when compute does not vary, e.g. vanilla);
+  (absent when compute does not vary, e.g. vanilla); ``probe/spearman_answers`` the same over the tokens of
+  level >= 1 only (the answers: level 0 also holds format tokens such as ``;``, so ``probe/spearman`` can be
+  positive for a router that only tells answers from format tokens, without grading the answers by depth);
 * ``probe/hard_token_share``, ``probe/hard_compute_share`` and their ratio ``probe/hard_compute_ratio``:
   the share of the labelled tokens, and of the compute spent on them, that falls on the hardest
   levels (``level >= HARD_FROM``); a ratio above 1 means the router favours hard tokens.
@@ -161,7 +163,14 @@ def spearman(level: np.ndarray, flops: np.ndarray) -> Dict[str, Optional[float]]
     return {"rho": float(result.statistic), "p": float(result.pvalue)}
 
 
-def summarize(stats: torch.Tensor, rank_corr: Dict[str, Optional[float]], family_names: Sequence[str]) -> Dict[str, Any]:
+def spearman_answers(level: np.ndarray, flops: np.ndarray) -> Dict[str, Optional[float]]:
+    """``spearman`` over the tokens of level >= 1 only: does compute grow with depth among the answers?"""
+    answers = np.asarray(level) >= 1
+    return spearman(np.asarray(level)[answers], np.asarray(flops)[answers])
+
+
+def summarize(stats: torch.Tensor, rank_corr: Dict[str, Optional[float]], family_names: Sequence[str],
+              answers_corr: Optional[Dict[str, Optional[float]]] = None) -> Dict[str, Any]:
     """Per-level table, hard-level shares and the correlation, from the reduced sums."""
 
     def table(block: torch.Tensor) -> Dict[str, Dict[str, float]]:
@@ -182,6 +191,7 @@ def summarize(stats: torch.Tensor, rank_corr: Dict[str, Optional[float]], family
         "levels": levels,
         "families": {name: table(stats[i + 1]) for i, name in enumerate(family_names)},
         "spearman": rank_corr["rho"], "spearman_p": rank_corr["p"],
+        "spearman_answers": (answers_corr or {}).get("rho"), "spearman_answers_p": (answers_corr or {}).get("p"),
         "hard_from": HARD_FROM, "hard_token_share": token_share, "hard_compute_share": compute_share,
         "hard_compute_ratio": compute_share / token_share if token_share > 0 else None,
     }
@@ -192,7 +202,7 @@ def scalars(summary: Dict[str, Any]) -> Dict[str, float]:
     for level, row in summary["levels"].items():
         for key in ("loss", "acc", "flops", "token_share", "compute_share"):
             out[f"probe/level{level}/{key}"] = row[key]
-    for key in ("spearman", "hard_token_share", "hard_compute_share", "hard_compute_ratio"):
+    for key in ("spearman", "spearman_answers", "hard_token_share", "hard_compute_share", "hard_compute_ratio"):
         if summary.get(key) is not None and math.isfinite(summary[key]):
             out[f"probe/{key}"] = summary[key]
     return out
@@ -206,7 +216,8 @@ def evaluate_probe(model, datamodule, blocks: int = 64, batch_size: int = 16, ra
     tokens, levels, families = labelled_blocks(datamodule, blocks, rank, world)
     per_token = probe_batches(model, tokens, levels, families, batch_size, causal=causal)
     stats = stats_tensor(per_token, len(FAMILIES))
-    return summarize(stats, spearman(per_token["level"], per_token["flops"]), FAMILIES)
+    return summarize(stats, spearman(per_token["level"], per_token["flops"]), FAMILIES,
+                     spearman_answers(per_token["level"], per_token["flops"]))
 
 
 # ---------------------------------------------------------------------------- the callback
@@ -243,7 +254,7 @@ def distributed_summary(model, datamodule, blocks: int, rank: int, world: int, b
     device = next(model.parameters()).device
     stats = all_reduce_sum(stats_tensor(per_token, len(FAMILIES)).to(device)).cpu()
     level, flops = _gather([per_token["level"], per_token["flops"]])
-    return summarize(stats, spearman(level, flops), FAMILIES)
+    return summarize(stats, spearman(level, flops), FAMILIES, spearman_answers(level, flops))
 
 
 def _gather(arrays: List[np.ndarray]) -> List[np.ndarray]:

@@ -374,6 +374,9 @@ def test_goal_figures_count_routed_families_and_the_hardest_level_vanilla_solves
     per_variant["vanilla"] = _aggregate([1.0, 0.85, 0.7, 0.5, 0.2])
     goals = goal_figures(per_variant)
     assert goals["families_positive"] == ["mod", "mom"] and goals["two_families_positive"]
+    assert goals["families_grading_answers"] == []  # no answers-only correlations given
+    per_variant["mom"].update(spearman_answers_seeds=list(up), spearman_answers_p_seeds=list(sig), spearman_answers_t_p=0.01)
+    assert goal_figures(per_variant)["families_grading_answers"] == ["mom"]
     assert not goals["learnable_met"]  # L1 0.85 < 0.9
 
 
@@ -391,3 +394,15 @@ def test_parallel_workers_train_the_same_runs_as_one_after_another(tmp_path, one
         assert a["val_loss"] == pytest.approx(b["val_loss"], abs=1e-6) and a["train_flops"] == b["train_flops"]
     again = main(["probe", "--out", str(tmp_path / "parallel"), "--jobs", "2", *common, *tail])  # reused, not retrained
     assert [r["run_dir"] for r in again["runs"]] == [r["run_dir"] for r in parallel["runs"]]
+
+
+def test_answers_only_correlation_separates_grading_from_telling_answers_from_format_tokens():
+    from callbacks.probe import spearman, spearman_answers
+
+    level = np.array([0, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4])
+    flat = np.array([1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2], dtype=float)  # more compute on every answer, no grading
+    assert spearman(level, flat)["rho"] > 0.5 and spearman_answers(level, flat)["rho"] is None
+    graded = np.array([1, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5], dtype=float)
+    assert spearman_answers(level, graded)["rho"] == pytest.approx(1.0)
+    inverse = np.array([1, 1, 1, 5, 5, 4, 4, 3, 3, 2, 2], dtype=float)
+    assert spearman(level, inverse)["rho"] > 0 and spearman_answers(level, inverse)["rho"] == pytest.approx(-1.0)
