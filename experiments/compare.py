@@ -130,12 +130,27 @@ def read_run(folder: pathlib.Path) -> Optional[Run]:
         warn(f"skipping {folder}: unfinished (no summary.json yet)")
         return None
     summary = _read_json(folder / "summary.json")
-    config = flatten(_read_yaml(folder / "config.yaml"))
+    config = without_unused_groups(flatten(_read_yaml(folder / "config.yaml")))
     stale = _unfinished_reason(config, summary)
     if stale:
         warn(f"skipping {folder}: unfinished ({stale})")
         return None
     return Run(folder, config, summary, _checkpoint_fingerprints(folder))
+
+
+def without_unused_groups(config: Dict[str, Any]) -> Dict[str, Any]:
+    """The config without the option groups its variant does not read (``model.mom.*`` of a MoD run: every
+    config.yaml holds every group at its defaults, which are no difference between runs). A variant the
+    registry does not know keeps all its options."""
+    from architectures.config import config_groups
+    from architectures.registry import VARIANTS
+
+    variant = VARIANTS.get(str(config.get("model.variant")))
+    if variant is None:
+        return config
+    used = set(getattr(variant.model_class(), "config_groups", {}) or {})
+    unused = {f"model.{group}." for group in config_groups() if group not in used}
+    return {k: v for k, v in config.items() if not any(k.startswith(prefix) for prefix in unused)}
 
 
 def _unfinished_reason(config: Dict[str, Any], summary: Dict[str, Any]) -> Optional[str]:
@@ -255,11 +270,39 @@ def refuse_incomparable(runs: Sequence[Run]) -> None:
 def differing_options(runs: Sequence[Run]) -> List[str]:
     """Config keys whose values differ between the runs (seed and output paths excluded)."""
     keys = sorted({k for r in runs for k in r.config if not _ignored(k)})
-    differ = [k for k in keys if len({_key(r.config.get(k)) for r in runs}) > 1]
+    differ = [k for k in keys if _differs(k, runs)]
     # model.preset follows the variant (the preset of each variant): it adds nothing to the variant column
     if all(r.config.get("model.preset") in (None, r.config.get("model.variant")) for r in runs):
         differ = [k for k in differ if k != "model.preset"]
     return differ
+
+
+def _differs(key: str, runs: Sequence[Run]) -> bool:
+    """An option differs when two runs hold different values. A group option (``model.<group>.<field>``) is
+    compared among the runs whose variant reads the group only (``without_unused_groups``), and also counts
+    when they all hold one value other than the group's default (a MoD row at capacity 0.25 next to vanilla)."""
+    group = _group_option(key)
+    values = {_key(r.config.get(key)) for r in runs if group is None or key in r.config}
+    if len(values) > 1:
+        return True
+    return group is not None and values != {_key(_group_default(*group))}
+
+
+def _group_option(key: str) -> Optional[Tuple[str, str]]:
+    from architectures.config import config_groups
+
+    parts = key.split(".")
+    return (parts[1], parts[2]) if len(parts) == 3 and parts[0] == "model" and parts[1] in config_groups() else None
+
+
+def _group_default(group: str, field: str) -> Any:
+    import dataclasses
+
+    from architectures.config import config_groups
+
+    default = config_groups()[group]()
+    value = getattr(default, field, None)
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
 
 
 def _ignored(key: str) -> bool:
