@@ -478,8 +478,11 @@ def _csv(value: Any) -> Any:
 
 
 def row_label(row: Dict[str, Any], options: Sequence[str]) -> str:
+    """The legend label: the variant and the options this row holds (options its variant does not read, and
+    --max_steps caps of FLOPs-budget runs, are left out: they tell the configurations apart in the table only)."""
     parts = [_cell(row["variant"], "variant" in row["varies"])]
-    parts += [f"{k.split('.')[-1]}={_cell(row[k], k in row['varies'])}" for k in options if k != "variant"]
+    parts += [f"{k.split('.')[-1]}={_cell(row[k], k in row['varies'])}" for k in options
+              if k not in ("variant", "trainer.max_steps", "val_every") and row.get(k) is not None]
     return " ".join(parts)
 
 
@@ -491,7 +494,7 @@ def plot(board: Dict[str, Any], path: pathlib.Path) -> Optional[pathlib.Path]:
     rows = [r for r in board["rows"] if r["train_flops"]["mean"] is not None and r[HEADLINE]["mean"] is not None]
     if not rows:
         return None
-    fig, axes = figure(1, 1, width=7.0, height=4.8)
+    fig, axes = figure(1, 1, width=6.4, height=4.8)
     ax = axes[0, 0]
     for i, r in enumerate(rows):
         ax.errorbar(r["train_flops"]["mean"], r[HEADLINE]["mean"], xerr=r["train_flops"]["std"] or 0.0,
@@ -506,8 +509,7 @@ def plot(board: Dict[str, Any], path: pathlib.Path) -> Optional[pathlib.Path]:
     ax.set_xlabel("training FLOPs spent (measured)")
     ax.set_ylabel("validation loss (causal where the run has one; mean ± std)")
     ax.set_title("Validation loss vs training compute")
-    ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)  # beside the axes
     fig.savefig(path, dpi=120, bbox_inches="tight")
     import matplotlib.pyplot as plt
 
