@@ -26,6 +26,7 @@ EXTERNAL_OPTIONS: Dict[str, str] = {
     "--gpus-per-node": "sbatch: GPUs per node (docs/experiments.md, SLURM)",
     "--signal": "sbatch: the requeue signal before the time limit (docs/experiments.md, Preemption)",
     "--logdir": "tensorboard: the log folder to serve",
+    "--model.wide.ffn_mult": "docs/adding-a-variant.md: the option of the worked example's variant, which is not shipped",
 }
 # Options of the project's commands that read sys.argv by hand (no parser to build), checked against their source.
 HAND_PARSED: Dict[str, str] = {"--step0": "experiments/weights.py"}
