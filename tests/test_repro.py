@@ -233,6 +233,12 @@ def test_head_to_head_end_to_end(tmp_path):
     assert vanilla["flops_ratio"] == 1.0 and vanilla["step_time_ratio"] == 1.0
     for r in result["runs"]:
         assert r["val_loss"] > 0 and r["memory_mb"] > 0 and r["bench_step_s"] > 0
+    # MoD's top-k sees the future: compared by its causal loss, at the causal evaluation's FLOPs (issue 20)
+    mod = result["runs"][1]
+    metrics = json.loads((pathlib.Path(mod["run_dir"]) / "summary.json").read_text())["val_metrics"]
+    assert mod["causal"] and mod["val_loss"] == metrics["val/loss_causal"] and mod["val_loss_noncausal"] == metrics["val/loss"]
+    assert mod["causal_flops_ratio"] == metrics["val/flops_causal_ratio_to_vanilla"]
+    assert not vanilla["causal"] and vanilla["causal_flops_ratio"] is None
     assert (tmp_path / "head_to_head.png").is_file()
 
 

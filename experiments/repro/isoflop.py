@@ -20,6 +20,8 @@ import torch
 
 from architectures import ModelConfig, build_model
 from architectures.config import ConfigError
+# val_loss: the training-time routing's val/loss (final_val_loss is the causal one for MoD since issue 20)
+from callbacks.run_summary import noncausal_val_loss
 from experiments.repro.common import Context, figure, fmt, markdown_table
 
 TOLERANCE = 0.05
@@ -147,7 +149,7 @@ def isoflop_experiment(ctx: Context, budgets: Optional[Sequence[float]] = None, 
             rows.append({"budget": budget, "variant": c.variant, "d_model": c.d_model, "n_layer": c.n_layer,
                          "parameters": s["parameters"], "steps": c.steps, "train_flops_per_token": c.flops_per_token,
                          "planned_flops": c.total_flops, "planned_deviation": c.deviation, "measured_flops": measured,
-                         "measured_deviation": measured / budget - 1.0, "val_loss": s["final_val_loss"],
+                         "measured_deviation": measured / budget - 1.0, "val_loss": noncausal_val_loss(s),
                          # routing decided as in generation (MoD); None for variants whose routing is causal
                          "val_loss_causal": s.get("val_metrics", {}).get("val/loss_causal"),
                          "forward_flops_per_token": s["flops_per_token"]["forward"],
