@@ -21,8 +21,6 @@ import statistics
 from typing import Any, Dict, List, Optional, Sequence
 
 from architectures.config import ConfigError
-# val_loss: the training-time routing's val/loss (final_val_loss is the causal one for MoD since issue 20)
-from callbacks.run_summary import noncausal_val_loss
 from experiments.repro.common import Context, figure, fmt, markdown_table
 
 VARIANTS = ("vanilla", "mod", "mode_staged", "mode_integrated", "moe", "mom", "mom_e", "depth_gate")
@@ -105,7 +103,7 @@ def run_row(c, seed: int, summary: Dict[str, Any]) -> Dict[str, Any]:
     detail = json.loads((pathlib.Path(summary["run_dir"]) / "probe.json").read_text())
     return {"variant": c.variant, "seed": seed, "steps": c.steps, "train_flops_per_token": c.flops_per_token,
             "planned_deviation": c.deviation, "measured_deviation": summary["flops_per_token"]["training"]
-            * summary["tokens_seen"] / c.budget - 1.0, "val_loss": noncausal_val_loss(summary),
+            * summary["tokens_seen"] / c.budget - 1.0, "val_loss": summary["final_val_loss"],
             "step_time_s": summary["median_step_time_s"], "probe": detail, "run_dir": summary["run_dir"]}
 
 
