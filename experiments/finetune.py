@@ -354,6 +354,8 @@ def make_trainer(cfg: Namespace, save_dir: pathlib.Path, name: str, version: str
     import lightning as L
     from lightning.pytorch.loggers import TensorBoardLogger
 
+    from experiments.storage import atomic_checkpoint_io
+
     devices = cfg.trainer.devices
     return L.Trainer(
         accelerator=cfg.trainer.accelerator,
@@ -364,6 +366,7 @@ def make_trainer(cfg: Namespace, save_dir: pathlib.Path, name: str, version: str
         gradient_clip_val=1.0,
         logger=TensorBoardLogger(save_dir=str(save_dir), name=name, version=version, default_hp_metric=False),
         enable_checkpointing=cfg.save_checkpoint,
+        plugins=[atomic_checkpoint_io()],  # synced temp file in the checkpoint folder, then renamed (issue 20)
         enable_progress_bar=cfg.trainer.enable_progress_bar,
         enable_model_summary=False,
         num_sanity_val_steps=0,

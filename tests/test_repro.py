@@ -243,6 +243,12 @@ def test_head_to_head_end_to_end(tmp_path):
         assert r["matched"] and r["budget"] == result["budget"] and r["train_flops"] >= result["budget"]
     assert result["runs"][1]["steps"] > 3  # MoD's cheaper steps buy more of them
     assert "not matched" not in (tmp_path / "results.md").read_text()
+    # MoD's top-k sees the future: compared by its causal loss, at the causal evaluation's FLOPs (issue 20)
+    mod = result["runs"][1]
+    metrics = json.loads((pathlib.Path(mod["run_dir"]) / "summary.json").read_text())["val_metrics"]
+    assert mod["causal"] and mod["val_loss"] == metrics["val/loss_causal"] and mod["val_loss_noncausal"] == metrics["val/loss"]
+    assert mod["causal_flops_ratio"] == metrics["val/flops_causal_ratio_to_vanilla"]
+    assert not vanilla["causal"] and vanilla["causal_flops_ratio"] is None
     assert (tmp_path / "head_to_head.png").is_file()
 
 
