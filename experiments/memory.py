@@ -84,9 +84,9 @@ def saved_activation_bytes(model: torch.nn.Module, idx: torch.Tensor, autocast: 
 def measure_activations(model: torch.nn.Module, policy: Any = "none", autocast: bool = False,
                         seq_len: int = MEASURE_T, seed: int = 0) -> Activations:
     """Per-token and per-step activation bytes of ``model`` under ``policy`` (CPU forward at batch 1 and 2)."""
-    vocab = model.config.vocab_size
+    vocab, seq_len = model.config.vocab_size, min(seq_len, model.config.block_size)
     gen = torch.Generator().manual_seed(seed)
-    batch = torch.randint(0, vocab, (2, seq_len + 1), generator=gen)
+    batch = torch.randint(0, vocab, (2, seq_len + 1), generator=gen).to(next(model.parameters()).device)
     previous = getattr(model, "checkpoint_policy", None)
     try:
         set_activation_checkpointing(model, policy)
@@ -188,15 +188,36 @@ def plan_model(model, micro_batch: int, seq_len: int, accumulate: int = 1, gpus:
                 activations_plain=plain, gpu_memory_gb=gpu_memory_gb)
 
 
+def build_for_measurement(config, seed: int = 0) -> torch.nn.Module:
+    """The model of ``config`` on the CPU in training mode, with cheap random weights: built on the meta
+    device, then every matrix filled with a tiled N(0, 0.02) pattern (2^20 values) and LayerNorms reset.
+    Only the activations' sizes are measured with it, and GPT-2's full init of a large model takes minutes
+    on a CPU."""
+    from architectures import build_model
+
+    with torch.device("meta"):
+        model = build_model(config)
+    model.to_empty(device="cpu")
+    pattern = torch.randn(2 ** 20, generator=torch.Generator().manual_seed(seed)) * 0.02
+    with torch.no_grad():
+        for param in model.parameters():
+            flat = param.view(-1)
+            for start in range(0, flat.numel(), pattern.numel()):
+                chunk = flat[start:start + pattern.numel()]
+                chunk.copy_(pattern[: chunk.numel()])
+        for module in model.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.reset_parameters()
+    return model.train()
+
+
 def plan_run_config(cfg, gpu_memory_gb: float = 80.0) -> Plan:
     """The plan of one parsed ``experiments.run`` configuration (the model built on the CPU)."""
-    from architectures import build_model
     from experiments.run import model_config
     from experiments.sweep import geometry
 
     mcfg = model_config(cfg).resolve()
-    torch.manual_seed(0)
-    model = build_model(mcfg).train()
+    model = build_for_measurement(mcfg)
     nodes, tasks, _ = geometry(cfg)
     precision = str(cfg.trainer.precision or "bf16-mixed")  # the default on a bf16-capable GPU
     return plan_model(model, int(cfg.data.batch_size), mcfg.block_size, int(cfg.trainer.accumulate_grad_batches or 1),

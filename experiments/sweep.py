@@ -25,7 +25,9 @@ Launchers: ``local`` runs the jobs one after another here; ``slurm`` submits eac
 configuration: parameters, tokens (max_steps x batch x accumulation x devices x nodes x T), training
 FLOPs (tokens x the model's analytic ``flops_per_token().training``, the model built on the meta
 device, routing at its configured capacity) and GPU-hours at ``--mfu`` of ``--peak_tflops`` (default
-40% of 989.5 TFLOP/s, an H100/H200 SXM in dense bf16): a planning estimate, not a measurement.
+40% of 989.5 TFLOP/s, an H100/H200 SXM in dense bf16): a planning estimate, not a measurement; and the
+memory plan per job (``experiments.memory``: peak per GPU from measured activations, whether it fits
+``--gpu_memory_gb``, else the largest micro-batch that does at the same global batch; docs/scale.md).
 Paper-scale recipes live in ``experiments/configs/paper/`` (see the README).
 
 Every configuration is parsed and validated exactly as ``experiments.run`` does (unknown variants,
@@ -133,13 +135,23 @@ def load_grid(path: Optional[str], items: Sequence[str]) -> Tuple[List[List[str]
 
 def validate(configurations: Sequence[Sequence[str]]) -> List[Any]:
     """Parse and check every configuration as ``experiments.run`` would; all before any job starts."""
+    from architectures.registry import preset_defaults
     from experiments.run import build_parser, expand_aliases, validate_up_front
 
     parser = build_parser()
     parsed = []
     for argv in configurations:
         try:
-            cfg = parser.parse_args(expand_aliases(list(argv)))
+            options = expand_aliases(list(argv))
+            # the variant's registry preset as defaults, as experiments.run parses it (parse_with_presets),
+            # then the parser's own defaults back for the next configuration
+            preset = preset_defaults(parser.parse_args(options, defaults=True).model.variant)
+            before = {key: parser.get_default(key) for key in preset}
+            parser.set_defaults(preset)
+            try:
+                cfg = parser.parse_args(options)
+            finally:
+                parser.set_defaults(before)
         except (SystemExit, argparse.ArgumentError) as exit_:  # run's parser raises, not exits (issue 14)
             raise ConfigError(f"invalid run options: {shlex.join(argv)}") from exit_
         validate_up_front(cfg)
@@ -188,6 +200,13 @@ def estimate(cfg) -> Dict[str, Any]:
             "gpus": nodes * tasks, "flops_per_token": flops_per_token, "flops": tokens * flops_per_token}
 
 
+def memory_plans(parsed: Sequence[Any], gpu_memory_gb: float = 80.0) -> List[Dict[str, Any]]:
+    """The memory plan (``experiments.memory``) of every parsed configuration: peak per GPU and what fits."""
+    from experiments.memory import plan_run_config
+
+    return [plan_run_config(cfg, gpu_memory_gb).row() for cfg in parsed]
+
+
 def gpu_hours(flops: float, peak_tflops: float, mfu: float) -> float:
     return flops / (peak_tflops * 1e12 * mfu) / 3600.0
 
@@ -220,6 +239,8 @@ def main(argv: Optional[Sequence[str]] = None) -> List[List[str]]:
     parser.add_argument("--sbatch_args", default="", help="extra sbatch options for every job, one string")
     parser.add_argument("--peak_tflops", type=float, default=989.5, help="--dry_run estimate: GPU peak (bf16 dense)")
     parser.add_argument("--mfu", type=float, default=0.4, help="--dry_run estimate: assumed model FLOPs utilisation")
+    parser.add_argument("--gpu_memory_gb", type=float, default=80.0,
+                        help="--dry_run memory plan: GPU memory per device in GiB (docs/scale.md)")
     args = parser.parse_args(argv)
     grid, file_common, sbatch = load_grid(args.grid_file, args.grid)
     configurations = [[*file_common, *common, *config] for config in grid]
@@ -233,6 +254,10 @@ def main(argv: Optional[Sequence[str]] = None) -> List[List[str]]:
         for row in rows:
             row["gpu_hours"] = gpu_hours(row["flops"], args.peak_tflops, args.mfu)
         print_estimates(rows, args.peak_tflops, args.mfu)
+        from experiments.memory import print_plans
+
+        plans = memory_plans(parsed, args.gpu_memory_gb)
+        print_plans(plans, [f"{cfg.model.variant}" for cfg in parsed], lambda line: print(line, file=sys.stderr))
         return jobs
     failed = []
     for job in jobs:

@@ -113,3 +113,107 @@ def test_no_checkpointing_without_grad_or_with_a_cache():
         plain = model.generate(prompt, 4, greedy=True)
     model.checkpoint_policy = None
     assert torch.equal(plain, model.generate(prompt, 4, greedy=True))
+
+
+# ---------------------------------------------------------------------------- the memory plan
+SLOW = pytest.mark.slow
+PLAN_CASES = [pytest.param("vanilla", "none", marks=SLOW), pytest.param("moe", "none", marks=SLOW),
+              pytest.param("moe", "blocks", marks=SLOW), ("mod", "every_k:2"), ("mom_e", "blocks")]
+
+
+@pytest.mark.parametrize("name,policy", PLAN_CASES)
+def test_memory_plan_matches_the_measured_cpu_peak_at_two_batch_sizes(name, policy):
+    """The plan (activations measured at T=64, batch 1 and 2, scaled) against MemTracker's peak of real
+    training steps at T=128, batch 8 and 16: within 10%."""
+    from architectures import ModelConfig
+    from experiments.memory import measured_cpu_peak, plan_model
+    from lightning_modules.lm import make_adamw, parameter_groups
+
+    torch.manual_seed(0)
+    vocab = 512
+    model = build_model(ModelConfig(variant=name, vocab_size=vocab, d_model=64, n_layer=4, n_head=2, block_size=128))
+    optimizer = make_adamw(parameter_groups(model, 0.1), lr=1e-4)
+    measured_cpu_peak(model, optimizer, torch.randint(0, vocab, (2, 129)))  # AdamW state exists, as in training
+    set_activation_checkpointing(model, policy)
+    for batch in (8, 16):
+        plan = plan_model(model, batch, 128, checkpointing=policy)
+        measured = measured_cpu_peak(model, optimizer, torch.randint(0, vocab, (batch, 129)))
+        assert plan.peak() == pytest.approx(measured, rel=0.10), (batch, plan.peak() / measured)
+
+
+def test_largest_fitting_micro_batch_keeps_the_global_batch():
+    from architectures import ModelConfig
+    from experiments.memory import GiB, plan_model
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(variant="vanilla", vocab_size=512, d_model=64, n_layer=2, n_head=2, block_size=128))
+    roomy = plan_model(model, 16, 128, accumulate=2)
+    assert roomy.fits and roomy.row()["fitting_micro_batch"] == 16
+    limit = roomy.peak(5) / GiB  # room for 5 sequences: 4 is the largest divisor of 32 that fits
+    tight = plan_model(model, 16, 128, accumulate=2, gpu_memory_gb=limit)
+    row = tight.row()
+    assert not row["fits"] and row["fitting_micro_batch"] == 4 and row["fitting_accumulate"] == 8
+    assert tight.peak(4) <= limit * GiB < tight.peak(8)
+    assert plan_model(model, 16, 128, gpu_memory_gb=1e-6).largest_fitting_micro_batch() == 0
+
+
+def test_checkpointing_lowers_the_planned_activations_and_ddp_adds_gradient_buckets():
+    from architectures import ModelConfig
+    from experiments.memory import plan_model
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(variant="vanilla", vocab_size=512, d_model=64, n_layer=4, n_head=2, block_size=128))
+    plain = plan_model(model, 16, 128, gpus=8)
+    ckpt = plan_model(model, 16, 128, gpus=8, checkpointing="blocks")
+    assert ckpt.activation_bytes(16) < plain.activation_bytes(16) == ckpt.activation_bytes(16, plain=True)
+    assert plain.ddp_buckets == plain.gradients == 4 * sum(p.numel() for p in model.parameters())
+    assert plan_model(model, 16, 128, gpus=1).ddp_buckets == 0
+
+
+def test_bench_plan_and_checkpointing_report(capsys, one_thread):
+    from experiments import bench
+
+    common = ["--variants", "vanilla,moe", "--size", "tiny", "--vocab_size", "256", "--batch_size", "2",
+              "--seq_len", "32", "--no_hf", "--no_minimal"]
+    rows = bench.main([*common, "--plan", "--activation_checkpointing", "blocks", "--gpu_memory_gb", "40"])
+    assert set(rows) == {"vanilla", "moe"} and all(r["fits"] and r["checkpointing"] == "blocks" for r in rows.values())
+    assert "memory plan per GPU" in capsys.readouterr().out
+    results = bench.main([*common, "--steps", "1", "--warmup", "0", "--activation_checkpointing", "every_k:2"])
+    for name in ("vanilla", "moe"):
+        r = results[name]
+        assert r["checkpointing"] == "every_k:2" and 0 < r["saved_activation_mb_checkpointed"] < r["saved_activation_mb"]
+    assert "without / with checkpointing (every_k:2)" in capsys.readouterr().out
+
+
+def test_bench_rejects_a_bad_checkpointing_value(capsys):
+    from experiments import bench
+
+    with pytest.raises(SystemExit) as exit_:
+        bench.parse_args(["--activation_checkpointing", "layers"])
+    assert exit_.value.code == 2 and "--activation_checkpointing: unknown value 'layers'" in capsys.readouterr().err
+
+
+def test_run_rejects_a_bad_checkpointing_value_up_front(tmp_path, capsys):
+    from experiments.run import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli(argv=["--activation_checkpointing", "every_k:0", "--log_dir", str(tmp_path)])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: activation_checkpointing: unknown value 'every_k:0'; use one of none, blocks, every_k:N "
+        "(N a positive integer)")
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_run_trains_with_checkpointing(tmp_path):
+    import json
+
+    from experiments.run import main
+    from tests.conftest import TINY_RUN
+
+    common = ["--max_steps", "3", "--val_every", "3", *TINY_RUN, "--variant", "mod", "--model.mod.capacity", "0.5"]
+    plain = json.loads((main([*common, "--log_dir", str(tmp_path / "a")]) / "summary.json").read_text())
+    ckpt = json.loads((main([*common, "--log_dir", str(tmp_path / "b"), "--activation_checkpointing", "blocks"])
+                       / "summary.json").read_text())
+    assert ckpt["final_val_loss"] == pytest.approx(plain["final_val_loss"], rel=1e-5)
