@@ -14,7 +14,7 @@ of one forward+loss, from ``torch._dynamo.explain``, and the recompilations over
 report adds MFU: training FLOPs/s (analytic, 3x forward) over the GPU's dense bf16 peak
 (``callbacks.flops.PEAK_BF16_TFLOPS``, keyed by device name, shared with training's MFU; ``--peak_tflops`` overrides).
 
-Memory: on CUDA the peak allocated bytes of the step; on CPU the bytes of parameters, gradients,
+Memory: on CUDA the peak allocated bytes of the step, less what the other contenders keep on the GPU; on CPU the bytes of parameters, gradients,
 AdamW state and the activations saved for backward (measured with saved-tensor hooks; not with
 ``--compile``, where the hooks would change the graph: then weights, gradients and AdamW state only).
 ``--activation_checkpointing`` applies to the variants; the report gives each variant's saved
@@ -186,6 +186,8 @@ class Contender:
         sync(self.device)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
+            # what the other contenders keep on the GPU (their weights, gradients, AdamW state), not ours
+            others = torch.cuda.memory_allocated() - self.resident_bytes()
         graphs_before = compiled_graphs() if self.compiled else 0
         start = self.clock()
         if measure_memory and self.device.type == "cpu" and not self.compiled:
@@ -200,12 +202,18 @@ class Contender:
         if self.compiled and self.warm:  # a graph compiled after warm-up is a recompilation
             self.recompiles += compiled_graphs() - graphs_before
         if measure_memory:
-            if self.device.type == "cuda":
-                self.memory_bytes = torch.cuda.max_memory_allocated()
+            if self.device.type == "cuda":  # this model's peak: the process's peak less the others' memory
+                self.memory_bytes = torch.cuda.max_memory_allocated() - others
             else:
                 params = sum(p.numel() * p.element_size() for p in self.model.parameters())
                 self.memory_bytes = 4 * params + activation_bytes  # weights + grads + 2 Adam moments
         return elapsed
+
+    def resident_bytes(self) -> int:
+        """Weights, gradients and optimizer state this contender holds between steps."""
+        tensors = [*self.model.parameters(), *(p.grad for p in self.model.parameters() if p.grad is not None),
+                   *(v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor))]
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
     def forward_loss_saving(self, batch: torch.Tensor):
         """(loss, bytes saved for backward): storages saved by autograd, parameters excluded, plus the

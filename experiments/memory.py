@@ -26,6 +26,8 @@ Routing that depends on the data (MoE loads, MoM choices) is measured on random 
 from __future__ import annotations
 
 import dataclasses
+import gc
+import json
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -36,7 +38,7 @@ from architectures.checkpointing import parse_policy, set_activation_checkpointi
 GiB = 2 ** 30
 #: sequence length of the CPU measurement (activations per token do not depend on it with the
 #: CPU's flash attention kernel; tests/test_scale.py checks it)
-MEASURE_T = 64
+MEASURE_T = 16
 
 
 @dataclasses.dataclass
@@ -188,6 +190,9 @@ def plan_model(model, micro_batch: int, seq_len: int, accumulate: int = 1, gpus:
                 activations_plain=plain, gpu_memory_gb=gpu_memory_gb)
 
 
+_MEASURED: Dict[str, "Plan"] = {}
+
+
 def build_for_measurement(config, seed: int = 0) -> torch.nn.Module:
     """The model of ``config`` on the CPU in training mode, with cheap random weights: built on the meta
     device, then every matrix filled with a tiled N(0, 0.02) pattern (2^20 values) and LayerNorms reset.
@@ -198,6 +203,7 @@ def build_for_measurement(config, seed: int = 0) -> torch.nn.Module:
     with torch.device("meta"):
         model = build_model(config)
     model.to_empty(device="cpu")
+    model.lm_head.weight = model.wte.weight  # to_empty unties them; the real model is tied
     pattern = torch.randn(2 ** 20, generator=torch.Generator().manual_seed(seed)) * 0.02
     with torch.no_grad():
         for param in model.parameters():
@@ -217,11 +223,19 @@ def plan_run_config(cfg, gpu_memory_gb: float = 80.0) -> Plan:
     from experiments.sweep import geometry
 
     mcfg = model_config(cfg).resolve()
-    model = build_for_measurement(mcfg)
     nodes, tasks, _ = geometry(cfg)
     precision = str(cfg.trainer.precision or "bf16-mixed")  # the default on a bf16-capable GPU
-    return plan_model(model, int(cfg.data.batch_size), mcfg.block_size, int(cfg.trainer.accumulate_grad_batches or 1),
-                      nodes * tasks, precision, str(cfg.activation_checkpointing), gpu_memory_gb)
+    key = json.dumps([dataclasses.asdict(mcfg), precision, str(cfg.activation_checkpointing)], sort_keys=True, default=str)
+    if key not in _MEASURED:  # jobs that differ only in steps, data or init share one measurement
+        model = build_for_measurement(mcfg)
+        _MEASURED[key] = plan_model(model, 1, mcfg.block_size, precision=precision,
+                                    checkpointing=str(cfg.activation_checkpointing))
+        del model
+        gc.collect()
+    return dataclasses.replace(_MEASURED[key], micro_batch=int(cfg.data.batch_size),
+                               accumulate=int(cfg.trainer.accumulate_grad_batches or 1), gpus=nodes * tasks,
+                               ddp_buckets=_MEASURED[key].gradients if nodes * tasks > 1 else 0.0,
+                               gpu_memory_gb=gpu_memory_gb)
 
 
 def print_plans(rows: List[Dict[str, Any]], labels: List[str], say: Callable[[str], None]) -> None:

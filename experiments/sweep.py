@@ -239,6 +239,8 @@ def main(argv: Optional[Sequence[str]] = None) -> List[List[str]]:
     parser.add_argument("--sbatch_args", default="", help="extra sbatch options for every job, one string")
     parser.add_argument("--peak_tflops", type=float, default=989.5, help="--dry_run estimate: GPU peak (bf16 dense)")
     parser.add_argument("--mfu", type=float, default=0.4, help="--dry_run estimate: assumed model FLOPs utilisation")
+    parser.add_argument("--no_plan", action="store_true",
+                        help="--dry_run without the memory plan (which builds every model on the CPU: ~1 min per job)")
     parser.add_argument("--gpu_memory_gb", type=float, default=80.0,
                         help="--dry_run memory plan: GPU memory per device in GiB (docs/scale.md)")
     args = parser.parse_args(argv)
@@ -254,10 +256,11 @@ def main(argv: Optional[Sequence[str]] = None) -> List[List[str]]:
         for row in rows:
             row["gpu_hours"] = gpu_hours(row["flops"], args.peak_tflops, args.mfu)
         print_estimates(rows, args.peak_tflops, args.mfu)
-        from experiments.memory import print_plans
+        if not args.no_plan:
+            from experiments.memory import print_plans
 
-        plans = memory_plans(parsed, args.gpu_memory_gb)
-        print_plans(plans, [f"{cfg.model.variant}" for cfg in parsed], lambda line: print(line, file=sys.stderr))
+            plans = memory_plans(parsed, args.gpu_memory_gb)
+            print_plans(plans, [f"{cfg.model.variant}" for cfg in parsed], lambda line: print(line, file=sys.stderr))
         return jobs
     failed = []
     for job in jobs:

@@ -217,3 +217,21 @@ def test_run_trains_with_checkpointing(tmp_path):
     ckpt = json.loads((main([*common, "--log_dir", str(tmp_path / "b"), "--activation_checkpointing", "blocks"])
                        / "summary.json").read_text())
     assert ckpt["final_val_loss"] == pytest.approx(plain["final_val_loss"], rel=1e-5)
+
+
+def test_device_check_runs_a_checkpointed_medium_vanilla_against_the_plan():
+    """The GPU command line of the checkpointed phase (it cannot run here) and its CPU-side plan code."""
+    from experiments import bench, device_check
+
+    args = device_check.parse_args(["--out", "x"])
+    argv = device_check.bench_argv(args, ["vanilla"], False, "checkpointed")
+    parsed_ok = argv[argv.index("--size") + 1] == "medium" and argv[argv.index("--activation_checkpointing") + 1] == "blocks"
+    assert parsed_ok and "--device" in argv and argv[argv.index("--seq_len") + 1] == "1024"
+    assert device_check.CHECKPOINTED in device_check.PHASES and device_check.CHECKPOINTED in device_check.QUICK_PHASES
+    quick = bench.parse_args(device_check.bench_argv(device_check.parse_args(["--out", "x", "--quick"]), ["vanilla"],
+                                                     False, "checkpointed"))
+    results = {"vanilla": {"memory_mb": 10.0}}
+    device_check.add_planned_peak(results, quick, 32)
+    r = results["vanilla"]
+    assert 0 < r["planned_peak_mb"] < r["planned_peak_no_checkpointing_mb"]
+    assert r["planned_over_measured"] == pytest.approx(r["planned_peak_mb"] / 10.0)
