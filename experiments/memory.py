@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+from collections import Counter
 import json
 from typing import Any, Callable, Dict, List, Optional
 
@@ -98,9 +99,25 @@ def measure_activations(model: torch.nn.Module, policy: Any = "none", autocast: 
         model.checkpoint_policy = previous
     per_token = (sum(two.values()) - sum(one.values())) / seq_len
     fixed = max(0.0, sum(one.values()) - per_token * seq_len)
-    largest = max(two.values(), default=0) / (2 * seq_len)
-    unit = max(checkpointed_unit_bytes(model, policy, batch, autocast), default=0) / (2 * seq_len) if checkpointed else 0.0
+    largest = max(batch_dependent(one.values(), two.values()), default=0) / (2 * seq_len)
+    unit = 0.0
+    if checkpointed:  # per unit, the growth from batch 1 to 2 (the unit's bf16 weight copies excluded)
+        one_unit, two_unit = (checkpointed_unit_bytes(model, policy, batch[:b], autocast) for b in (1, 2))
+        unit = max((b - a for a, b in zip(one_unit, two_unit)), default=0) / seq_len
     return Activations(per_token, fixed, largest, unit)
+
+
+def batch_dependent(one, two) -> List[int]:
+    """Sizes of the storages of the batch-2 forward that the batch-1 forward has no storage of the same size
+    of (the per-step ones, such as autocast's weight copies, occur in both)."""
+    left = Counter(one)
+    out = []
+    for size in two:
+        if left[size]:
+            left[size] -= 1
+        else:
+            out.append(size)
+    return out
 
 
 def checkpointed_unit_bytes(model, policy: Any, idx: torch.Tensor, autocast: bool = False) -> List[int]:

@@ -235,3 +235,19 @@ def test_device_check_runs_a_checkpointed_medium_vanilla_against_the_plan():
     r = results["vanilla"]
     assert 0 < r["planned_peak_mb"] < r["planned_peak_no_checkpointing_mb"]
     assert r["planned_over_measured"] == pytest.approx(r["planned_peak_mb"] / 10.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", sorted((__import__("tests.conftest", fromlist=["REPO"]).REPO / "experiments" / "configs"
+                                            / "paper").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_paper_recipe_fits_its_gpus_by_the_plan(recipe, monkeypatch):
+    """Each job of each paper recipe fits 80 GiB per GPU as planned (models built on the CPU: ~1 min per job)."""
+    from experiments import sweep
+    from tests.conftest import REPO
+
+    monkeypatch.chdir(REPO)
+    configurations, common, _ = sweep.load_grid(str(recipe), [])
+    parsed = sweep.validate([[*common, *c] for c in configurations])
+    for cfg, row in zip(parsed, sweep.memory_plans(parsed, 80.0)):
+        assert row["fits"], (cfg.model.variant, row)
+        assert row["micro_batch"] * row["accumulate"] * row["gpus"] == 16 * 4 * 8  # the global batch is kept
