@@ -251,3 +251,18 @@ def test_every_paper_recipe_fits_its_gpus_by_the_plan(recipe, monkeypatch):
     for cfg, row in zip(parsed, sweep.memory_plans(parsed, 80.0)):
         assert row["fits"], (cfg.model.variant, row)
         assert row["micro_batch"] * row["accumulate"] * row["gpus"] == 16 * 4 * 8  # the global batch is kept
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["vanilla", "moe"])
+def test_checkpointing_under_compile_gives_the_eager_gradients(name):
+    torch.manual_seed(0)
+    plain = build_model(VARIANTS[name].test_config(name)).train()
+    compiled = set_activation_checkpointing(copy.deepcopy(plain), "blocks")
+    compiled.compile(backend="aot_eager")
+    idx = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(1))
+    out_a, grads_a = forward_backward(plain, idx)
+    out_b, grads_b = forward_backward(compiled, idx)
+    torch.testing.assert_close(out_b.logits, out_a.logits, rtol=1e-5, atol=1e-6)
+    for key in grads_a:
+        torch.testing.assert_close(grads_b[key], grads_a[key], rtol=1e-4, atol=1e-6, msg=key)
