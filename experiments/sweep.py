@@ -202,9 +202,17 @@ def estimate(cfg) -> Dict[str, Any]:
 
 def memory_plans(parsed: Sequence[Any], gpu_memory_gb: float = 80.0) -> List[Dict[str, Any]]:
     """The memory plan (``experiments.memory``) of every parsed configuration: peak per GPU and what fits."""
+    import concurrent.futures
+    import multiprocessing
+
     from experiments.memory import plan_run_config
 
-    return [plan_run_config(cfg, gpu_memory_gb).row() for cfg in parsed]
+    # one fresh process per job: a process that built a model does not get its memory back (measured:
+    # ~1 GiB per GPT-2 small model stays with it), and a recipe builds several large ones
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context, max_tasks_per_child=1) as pool:
+        plans = list(pool.map(plan_run_config, parsed, [gpu_memory_gb] * len(parsed)))
+    return [plan.row() for plan in plans]
 
 
 def gpu_hours(flops: float, peak_tflops: float, mfu: float) -> float:
