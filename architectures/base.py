@@ -38,6 +38,8 @@ class ForwardState:
     * ``trace`` / ``aux``: routing sites and named aux losses, in the order the blocks ran.
     * ``hidden``: set by a body whose head does not read the last stream (depth gating's mix).
     * ``options``: variant-specific switches a model hands its blocks (e.g. MoD's test hook).
+    * ``checkpoint``: the activation-checkpointing policy of this call (None: off); ``units`` counts the
+      units run so far (``architectures.checkpointing``).
     """
 
     cache: Optional[KVCache]
@@ -49,6 +51,8 @@ class ForwardState:
     aux: Dict[str, torch.Tensor] = field(default_factory=dict)
     hidden: Optional[torch.Tensor] = None
     options: Dict[str, Any] = field(default_factory=dict)
+    checkpoint: Optional[Any] = None
+    units: int = 0
 
     @classmethod
     def standalone(cls) -> "ForwardState":
@@ -59,6 +63,21 @@ class ForwardState:
         """Snapshot the residual stream after a sub-update (no-op unless residuals were asked for)."""
         if self.residuals is not None:
             self.residuals.append(SubLayerState(tag, layer, x))
+
+    def run(self, fn, *args):
+        """``fn(state, *args)`` as one checkpointing unit: recomputed in backward when the policy says so."""
+        if self.checkpoint is None:
+            return fn(self, *args)
+        unit, self.units = self.units, self.units + 1
+        if not self.checkpoint.applies(unit):
+            return fn(self, *args)
+        from architectures.checkpointing import run_checkpointed
+
+        return run_checkpointed(fn, self, args)
+
+    def block(self, block, x: torch.Tensor) -> torch.Tensor:
+        """``block(x, state)`` as one checkpointing unit."""
+        return self.run(lambda state, x: block(x, state), x)
 
     def report(self, site: Optional[RoutingSite], aux: Optional[Dict[str, torch.Tensor]] = None) -> None:
         if site is not None:
@@ -95,6 +114,8 @@ class LanguageModel(nn.Module):
     #: {group name: dataclass} of the config groups this model reads (``model.<group>.<field>``); registering a
     #: variant of this class adds them to ``ModelConfig`` (CLI options, config.yaml, validation).
     config_groups: ClassVar[Dict[str, type]] = {}
+    #: activation checkpointing (``architectures.checkpointing.set_activation_checkpointing``); None: off
+    checkpoint_policy: Optional[Any] = None
 
     @property
     def has_causal_routing(self) -> bool:
@@ -184,7 +205,8 @@ class LanguageModel(nn.Module):
         x = self.embed(idx, offset)
         valid = attention_mask[:, -T:].to(torch.bool) if attention_mask is not None else None
         state = ForwardState(cache=cache, valid=valid, causal=self._causal or cache is not None,
-                             residuals=[] if return_residuals else None, offset=offset)
+                             residuals=[] if return_residuals else None, offset=offset,
+                             checkpoint=self.checkpoint_policy if cache is None and torch.is_grad_enabled() else None)
         state.record("embed", -1, x)
         x = self.body(x, state)
         if cache is not None:
@@ -201,7 +223,7 @@ class LanguageModel(nn.Module):
     def body(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
         """The variant's layers: by default every block of ``self.blocks`` in order, ``block(x, state)``."""
         for block in self.blocks:
-            x = block(x, state)
+            x = state.block(block, x)
         return x
 
     # ------------------------------------------------------------------ FLOPs, composed from the blocks

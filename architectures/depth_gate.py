@@ -103,13 +103,15 @@ class DepthGate(LanguageModel):
         ran, pairs = [], []
         for i, block in enumerate(self.blocks):
             if self.skips:  # only the tokens that chose layer i go through it
-                after_attn, x, n, p = run_on_subset(block, x, runs[..., i], state.cache, f"block{i}")
+                after_attn, x, n, p = state.run(
+                    lambda s, x, chosen, block=block, key=f"block{i}": run_on_subset(block, x, chosen, s.cache, key),
+                    x, runs[..., i])
                 state.record("mha", i, after_attn)
                 state.record("ffn", i, x)
                 ran.append(n)
                 pairs.append(p)
             else:
-                x = block(x, state)
+                x = state.block(block, x)
             mixed = mixed + dense[..., i : i + 1] * x
         extras = {"layer_tokens": torch.tensor(ran), "score_pairs": torch.tensor(pairs)} if self.skips else {}
         state.report(RoutingSite(

@@ -426,17 +426,22 @@ class MoMChunk(nn.Module):
 
     def forward(self, x: torch.Tensor, run: ForwardState) -> torch.Tensor:
         attn_state = ffn_state = None
-        for step in range(self.steps):
-            layer = self.first_layer + step
-            route, attn_state = self.route("attn", self.attn_router, x, step, attn_state, run)
-            x = x + self.assemble_attention(x, route, run.cache, f"chunk{self.index}.step{step}")
-            run.record("mha", layer, x)
-            route, ffn_state = self.route("ffn", self.ffn_router, x, step, ffn_state, run)
-            x = x + self.assemble_ffn(x, route)
-            run.record("ffn", layer, x)
+        for step in range(self.steps):  # each step one activation-checkpointing unit
+            x, attn_state, ffn_state = run.run(self.assembly_step, x, attn_state, ffn_state, step)
         if self.anchor is not None:
-            x = self.anchor(x, run)
+            x = run.block(self.anchor, x)
         return x
+
+    def assembly_step(self, run: ForwardState, x: torch.Tensor, attn_state, ffn_state, step: int):
+        """Step h: route and assemble attention, then the FFN; returns x and both GRU states."""
+        layer = self.first_layer + step
+        route, attn_state = self.route("attn", self.attn_router, x, step, attn_state, run)
+        x = x + self.assemble_attention(x, route, run.cache, f"chunk{self.index}.step{step}")
+        run.record("mha", layer, x)
+        route, ffn_state = self.route("ffn", self.ffn_router, x, step, ffn_state, run)
+        x = x + self.assemble_ffn(x, route)
+        run.record("ffn", layer, x)
+        return x, attn_state, ffn_state
 
     def flops(self, sites: Dict[str, RoutingSite], T: int, queries: Optional[int] = None) -> F_.Flops:
         """This chunk's sites: attention projections (QKV + output) once per (token, chosen real module);
@@ -496,8 +501,12 @@ class MixtureOfModules(LanguageModel):
         validate_mom_config(config)
 
     def body(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
-        for module in self.flop_blocks():
-            x = module(x, state)
+        for module in self.bottom:
+            x = state.block(module, x)
+        for chunk in self.chunks:  # checkpointed per assembly step inside
+            x = chunk(x, state)
+        for module in self.top:
+            x = state.block(module, x)
         for kind, parts in state.options.pop("mom_balance", {}).items():  # balance_form "official"
             state.aux[f"mom.{kind}/balance"] = self.config.mom.balance_coef * official_balance_loss(parts)
         return x

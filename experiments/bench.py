@@ -14,9 +14,12 @@ of one forward+loss, from ``torch._dynamo.explain``, and the recompilations over
 report adds MFU: training FLOPs/s (analytic, 3x forward) over the GPU's dense bf16 peak
 (``callbacks.flops.PEAK_BF16_TFLOPS``, keyed by device name, shared with training's MFU; ``--peak_tflops`` overrides).
 
-Memory: on CUDA the peak allocated bytes of the step; on CPU the bytes of parameters, gradients,
+Memory: on CUDA the peak allocated bytes of the step, less what the other contenders keep on the GPU; on CPU the bytes of parameters, gradients,
 AdamW state and the activations saved for backward (measured with saved-tensor hooks; not with
 ``--compile``, where the hooks would change the graph: then weights, gradients and AdamW state only).
+``--activation_checkpointing`` applies to the variants; the report gives each variant's saved
+activations without and with checkpointing (the given policy, else ``blocks``). ``--plan`` prints the
+memory plan (``experiments.memory``) per variant instead of timing.
 Optionally (``--generate N``) it also times ``generate()`` with a KV cache, in new tokens/s.
 """
 from __future__ import annotations
@@ -36,6 +39,7 @@ from architectures import ModelConfig, build_model, variant_names
 from architectures.config import SIZES, ConfigError
 from architectures.flops import vanilla_flops
 from callbacks.flops import PEAK_BF16_TFLOPS, peak_bf16_flops  # noqa: F401  (one peak table for bench and training MFU)
+from architectures.checkpointing import parse_policy, set_activation_checkpointing, watch_checkpoint_inputs
 from experiments.compiling import GraphReport, compile_model, compiled_graphs, graph_report
 from experiments.minimal_gpt2 import minimal_from_config
 from lightning_modules.lm import make_adamw, parameter_groups
@@ -70,6 +74,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                              "on a CPU shared with other jobs it does not count the time they take")
     parser.add_argument("--generate", type=int, default=0, help="also time generate() of N new tokens")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--activation_checkpointing", default="none",
+                        help="none | blocks | every_k:N for the variants (not the references); docs/scale.md")
+    parser.add_argument("--plan", action="store_true",
+                        help="print the memory plan per variant at these settings (--gpu_memory_gb) and exit")
+    parser.add_argument("--gpu_memory_gb", type=float, default=80.0, help="GPU memory the plan checks against")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
@@ -84,6 +93,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         parser.error("--device cuda: no CUDA device is available here; use --device cpu")
     if args.steps <= 0 or args.batch_size <= 0:
         parser.error("--steps and --batch_size must be positive")
+    try:
+        parse_policy(args.activation_checkpointing, "--activation_checkpointing")
+    except ConfigError as err:
+        parser.error(str(err))
     if "vanilla" not in args.variant_list:
         args.variant_list.insert(0, "vanilla")  # every ratio is relative to vanilla
     if not args.no_hf and HF_REFERENCE not in args.variant_list:
@@ -138,6 +151,7 @@ class Contender:
         else:
             self.model = build_model(base_config(args, name))
             self.config = self.model.config
+            set_activation_checkpointing(self.model, args.activation_checkpointing)
         self.device = torch.device(args.device)
         self.model.to(self.device).train()
         self.autocast = args.precision == "bf16-mixed"
@@ -172,13 +186,12 @@ class Contender:
         sync(self.device)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
+            # what the other contenders keep on the GPU (their weights, gradients, AdamW state), not ours
+            others = torch.cuda.memory_allocated() - self.resident_bytes()
         graphs_before = compiled_graphs() if self.compiled else 0
         start = self.clock()
         if measure_memory and self.device.type == "cpu" and not self.compiled:
-            saved = []
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.untyped_storage()) or t, lambda t: t):
-                loss = self.forward_loss(batch)
-            activation_bytes = sum({s.data_ptr(): s.nbytes() for s in saved}.values())
+            loss, activation_bytes = self.forward_loss_saving(batch)
         else:
             loss = self.forward_loss(batch)
             activation_bytes = 0
@@ -189,12 +202,44 @@ class Contender:
         if self.compiled and self.warm:  # a graph compiled after warm-up is a recompilation
             self.recompiles += compiled_graphs() - graphs_before
         if measure_memory:
-            if self.device.type == "cuda":
-                self.memory_bytes = torch.cuda.max_memory_allocated()
+            if self.device.type == "cuda":  # this model's peak: the process's peak less the others' memory
+                self.memory_bytes = torch.cuda.max_memory_allocated() - others
             else:
                 params = sum(p.numel() * p.element_size() for p in self.model.parameters())
                 self.memory_bytes = 4 * params + activation_bytes  # weights + grads + 2 Adam moments
         return elapsed
+
+    def resident_bytes(self) -> int:
+        """Weights, gradients and optimizer state this contender holds between steps."""
+        tensors = [*self.model.parameters(), *(p.grad for p in self.model.parameters() if p.grad is not None),
+                   *(v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor))]
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+    def forward_loss_saving(self, batch: torch.Tensor):
+        """(loss, bytes saved for backward): storages saved by autograd, parameters excluded, plus the
+        inputs checkpointed units keep (``experiments.memory``)."""
+        params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        saved: Dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() not in params:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with watch_checkpoint_inputs(skip=params) as inputs, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = self.forward_loss(batch)
+        for t in inputs:
+            saved.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return loss, sum(saved.values())
+
+    def saved_activation_mb(self, batch: torch.Tensor, policy: str) -> float:
+        """Saved-for-backward MB of one forward + loss under ``policy`` (the model's own policy restored)."""
+        previous = getattr(self.model, "checkpoint_policy", None)
+        set_activation_checkpointing(self.model, policy)
+        try:
+            return self.forward_loss_saving(batch)[1] / 2**20
+        finally:
+            self.model.checkpoint_policy = previous
 
     def flops_per_token(self, seq_len: int) -> float:
         if self.name in REFERENCES:
@@ -237,6 +282,10 @@ def run(args) -> Dict[str, Dict[str, float]]:
         return torch.randint(0, args.vocab_size, (args.batch_size, seq_len + 1), generator=gen).to(device)
 
     batches = [new_batch() for _ in range(4)]
+    checkpointed = args.activation_checkpointing if parse_policy(args.activation_checkpointing) else "blocks"
+    saved_mb = {c.name: {"none": c.saved_activation_mb(batches[0], "none"),
+                         checkpointed: c.saved_activation_mb(batches[0], checkpointed)}
+                for c in contenders if c.name not in REFERENCES}
     if args.compile:
         for c in contenders:
             c.report_graphs_then_compile(batches[0])
@@ -266,6 +315,9 @@ def run(args) -> Dict[str, Dict[str, float]]:
             "params": sum(p.numel() for p in c.model.parameters()),
         }
         results[c.name]["mfu"] = mfu(results[c.name], tokens / median, args)
+        if c.name in saved_mb:  # the saved activations without and with checkpointing (``checkpointing``)
+            results[c.name].update(saved_activation_mb=saved_mb[c.name]["none"], checkpointing=checkpointed,
+                                    saved_activation_mb_checkpointed=saved_mb[c.name][checkpointed])
         if c.graphs is not None:
             results[c.name].update(graphs=c.graphs.graphs, graph_breaks=c.graphs.graph_breaks,
                                     break_reasons=c.graphs.reasons, recompiles=c.recompiles)
@@ -308,6 +360,10 @@ def print_table(results: Dict[str, Dict[str, float]], args, seq_len: int) -> Non
               f"{r['time_over_flops_ratio']:>7.3f}")
     if any(r["mfu"] is not None for r in results.values()):
         print("MFU: " + ", ".join(f"{n} {r['mfu']:.1%}" for n, r in results.items() if r["mfu"] is not None))
+    print(f"saved activations MB per step, without / with checkpointing "
+          f"({next((r['checkpointing'] for r in results.values() if 'checkpointing' in r), '-')}): "
+          + ", ".join(f"{n} {r['saved_activation_mb']:.1f} / {r['saved_activation_mb_checkpointed']:.1f}"
+                      for n, r in results.items() if "saved_activation_mb" in r))
     if args.compile:
         for name, r in results.items():
             print(f"{name:<16}graphs {r['graphs']}  graph breaks {r['graph_breaks']}  recompiles over "
@@ -319,8 +375,27 @@ def print_table(results: Dict[str, Dict[str, float]], args, seq_len: int) -> Non
             print(f"vanilla speed vs {ref}: {results['vanilla'][key]:.3f}x (>= 1 means ours is faster)")
 
 
+def plan(args) -> Dict[str, Dict[str, object]]:
+    """``--plan``: the memory plan of every variant at the bench's batch, length, precision and checkpointing."""
+    from experiments.memory import plan_model, print_plans
+
+    seq_len = args.seq_len or SIZES[args.size]["block_size"]
+    rows = {}
+    for name in args.variant_list:
+        if name in REFERENCES:
+            continue
+        torch.manual_seed(args.seed)
+        model = build_model(base_config(args, name)).train()
+        rows[name] = plan_model(model, args.batch_size, seq_len, precision=args.precision,
+                                checkpointing=args.activation_checkpointing, gpu_memory_gb=args.gpu_memory_gb).row()
+    print_plans(list(rows.values()), list(rows), print)
+    return rows
+
+
 def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
     args = parse_args(argv)
+    if args.plan:
+        return plan(args)
     results = run(args)
     seq_len = args.seq_len or SIZES[args.size]["block_size"]
     print_table(results, args, seq_len)

@@ -2,7 +2,9 @@
 
 1. ``experiments.bench`` of vanilla, mod, moe (E=8, top-1) and mom_e at ``small``, T=1024, bf16-mixed,
    eager and then compiled (``--compile``: graph breaks and recompilations per variant);
-2. a 50-step ``experiments.run --variant mod --size small --trainer.precision bf16-mixed`` on a local
+2. ``medium`` vanilla at T=1024, batch 16, bf16 with ``--activation_checkpointing blocks``, alone in its
+   bench process: its CUDA peak next to the memory plan's prediction (``experiments.memory``);
+3. a 50-step ``experiments.run --variant mod --size small --trainer.precision bf16-mixed`` on a local
    text file (written from the embedded corpus, byte tokenizer: no network, no tokenizer training).
 
 Writes ``DIR/device_check.json`` (every number) and ``DIR/device_check.md`` (the table and the goals:
@@ -28,10 +30,12 @@ STATIC = [v for v in VARIANTS if not get_variant(v).model_class().may_skip_param
 DYNAMIC = [v for v in VARIANTS if v not in STATIC]
 # (phase name, variants, compiled)
 RUN = ("run", [], False)  # the 50-step training run; before the dynamic compiles
-PHASES = [("eager", VARIANTS, False), ("compiled", STATIC, True), RUN, ("compiled", DYNAMIC, True)]
+# medium vanilla with every block checkpointed, alone in its bench process: its CUDA peak against the memory plan
+CHECKPOINTED = ("checkpointed", ["vanilla"], False)
+PHASES = [("eager", VARIANTS, False), ("compiled", STATIC, True), CHECKPOINTED, RUN, ("compiled", DYNAMIC, True)]
 # --quick compiles only the static-shape variants: the data-dependent ones recompile for many seconds on a
 # CPU core (tests/test_compile.py covers them)
-QUICK_PHASES = [("eager", VARIANTS, False), ("compiled", STATIC, True), RUN]
+QUICK_PHASES = [("eager", VARIANTS, False), ("compiled", STATIC, True), CHECKPOINTED, RUN]
 GOALS = {
     "vanilla compiled MFU >= 0.45": ("compiled", "vanilla", "mfu", 0.45, "min"),
     "mod step-time ratio / FLOPs ratio <= 1.10": ("compiled", "mod", "time_over_flops_ratio", 1.10, "max"),
@@ -50,8 +54,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def bench_argv(args, variants: List[str], compiled: bool) -> List[str]:
+def bench_argv(args, variants: List[str], compiled: bool, phase: str = "eager") -> List[str]:
     common = ["--variants", ",".join(variants), "--no_hf", "--no_minimal", "--steps", str(args.steps)]
+    if phase == "checkpointed":
+        common += ["--activation_checkpointing", "blocks"]
+        if not args.quick:  # medium (355M) at T=1024, batch 16, bf16
+            return common + ["--size", "medium", "--seq_len", "1024", "--batch_size", str(args.batch_size),
+                             "--warmup", "2", "--device", "cuda", "--precision", "bf16-mixed"]
     if args.quick:
         shape = ["--size", "tiny", "--seq_len", "32", "--batch_size", "2", "--vocab_size", "256",
                  "--set", "d_model=32", "--set", "n_layer=4", "--set", "n_head=2", "--warmup", "1",
@@ -62,10 +71,10 @@ def bench_argv(args, variants: List[str], compiled: bool) -> List[str]:
     return common + shape + (["--compile"] if compiled else [])
 
 
-def run_phase(args, variants: List[str], compiled: bool) -> Dict[str, Dict[str, Any]]:
+def run_phase(args, variants: List[str], compiled: bool, phase: str = "eager") -> Dict[str, Dict[str, Any]]:
     from experiments import bench, compiling
 
-    bench_args = bench.parse_args(bench_argv(args, variants, compiled))
+    bench_args = bench.parse_args(bench_argv(args, variants, compiled, phase))
     default_backend = compiling.DEFAULT_BACKEND
     if args.quick:
         compiling.DEFAULT_BACKEND = "aot_eager"  # inductor's C++ build costs ~30 s per model on a CPU core
@@ -75,7 +84,27 @@ def run_phase(args, variants: List[str], compiled: bool) -> Dict[str, Dict[str, 
         compiling.DEFAULT_BACKEND = default_backend
     seq_len = bench_args.seq_len or 1024
     bench.print_table(results, bench_args, seq_len)
+    if phase == "checkpointed":
+        add_planned_peak(results, bench_args, seq_len)
     return results
+
+
+def add_planned_peak(results: Dict[str, Dict[str, Any]], bench_args, seq_len: int) -> None:
+    """The memory plan's peak (``experiments.memory``, measured on the CPU) next to the measured one
+    (``memory_mb``: CUDA peak allocated of the step; on the CPU smoke path the bench's CPU figure)."""
+    from experiments import bench
+    from experiments.memory import build_for_measurement, plan_model
+
+    for name, r in results.items():
+        if name in bench.REFERENCES:
+            continue
+        model = build_for_measurement(bench.base_config(bench_args, name))
+        plan = plan_model(model, bench_args.batch_size, seq_len, precision=bench_args.precision,
+                          checkpointing=bench_args.activation_checkpointing)
+        r["planned_peak_mb"] = plan.peak() / 2**20
+        r["planned_peak_no_checkpointing_mb"] = plan.peak(plain=True) / 2**20
+        r["planned_over_measured"] = r["planned_peak_mb"] / r["memory_mb"] if r["memory_mb"] else None
+        del model
 
 
 def write_text_corpus(path: pathlib.Path, max_chars: int) -> pathlib.Path:
@@ -137,6 +166,16 @@ def markdown(report: Dict[str, Any]) -> str:
                          f"{fmt(r.get('mfu'), '.1%')} | {fmt(r['step_time_ratio'], '.3f')} | {fmt(r['flops_ratio'], '.3f')} | "
                          f"{fmt(r['time_over_flops_ratio'], '.3f')} | {r.get('graphs', '-')} | "
                          f"{r.get('graph_breaks', '-')} | {r.get('recompiles', '-')} |")
+    checkpointed = report["phases"].get("checkpointed", {})
+    if checkpointed:
+        lines += ["", "Memory plan vs measured (activation checkpointing `blocks`; measured: CUDA peak allocated "
+                  "of one step, on the CPU path the bench's CPU figure):", "",
+                  "| variant | measured MB | planned MB | planned / measured | planned without checkpointing MB |",
+                  "|---|---|---|---|---|"]
+        for name, r in checkpointed.items():
+            lines.append(f"| {name} | {fmt(r.get('memory_mb'), '.0f')} | {fmt(r.get('planned_peak_mb'), '.0f')} | "
+                         f"{fmt(r.get('planned_over_measured'), '.3f')} | "
+                         f"{fmt(r.get('planned_peak_no_checkpointing_mb'), '.0f')} |")
     lines += ["", "| goal | value | met |", "|---|---|---|"]
     for goal, v in report["goals"].items():
         lines.append(f"| {goal} | {fmt(v['value'], '.3f')} | {v['met']} |")
@@ -170,7 +209,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             run = training_run(args, out)
         else:
             try:
-                results = run_phase(args, variants, compiled)
+                results = run_phase(args, variants, compiled, name)
                 phase = phases.setdefault(name, {})
                 phase.update({k: v for k, v in results.items() if k in variants or k not in phase})
             except Exception as err:  # a failing phase must not hide the others' numbers

@@ -38,6 +38,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace  # noqa: E402
 
 from architectures import ModelConfig, variant_names  # noqa: E402
+from architectures.checkpointing import parse_policy, set_activation_checkpointing  # noqa: E402
 from architectures.config import ConfigError, SIZES, config_groups  # noqa: E402
 from callbacks import CallbacksConfig, config_from as callbacks_config  # noqa: E402
 from datamodules.catalog import corpus_names  # noqa: E402
@@ -111,6 +112,9 @@ def build_parser() -> ArgumentParser:
                         "split across the ranks, so the loss is the same for any number of processes")
     parser.add_argument("--compile", type=bool, default=False,
                         help="torch.compile the model in place (names and checkpoints unchanged)")
+    parser.add_argument("--activation_checkpointing", type=str, default="none",
+                        help="none | blocks | every_k:N: recompute the blocks' activations in backward "
+                        "(routing replayed exactly; docs/scale.md)")
     parser.add_class_arguments(ModelConfig, "model")
     parser.add_class_arguments(DataConfig, "data")
     parser.add_class_arguments(OptimConfig, "optim")
@@ -152,6 +156,7 @@ def validate_up_front(cfg: Namespace) -> None:
         raise ConfigError(f"init_min_share: must be in [0, 1], got {cfg.init_min_share}")
     if cfg.val_batches <= 0:
         raise ConfigError(f"val_batches: must be a positive integer, got {cfg.val_batches}")
+    parse_policy(cfg.activation_checkpointing)
     DataConfig(**_as_dict(cfg.data)).validate()
     OptimConfig(**_as_dict(cfg.optim)).validate()
     callbacks_config(cfg).validate(model_config(cfg).resolve().block_size)
@@ -334,6 +339,7 @@ def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
     if cfg.init_from:
         load_initial_weights(module.model, cfg.init_from, strict=cfg.init_strict, min_share=cfg.init_min_share,
                              tokenizer=data.fingerprints()["tokenizer"])
+    set_activation_checkpointing(module.model, cfg.activation_checkpointing)
     compile_model(module.model, cfg.compile)
 
     root = pathlib.Path(cfg.log_dir) / f"{mcfg.variant}-{mcfg.size}"

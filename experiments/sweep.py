@@ -25,7 +25,9 @@ Launchers: ``local`` runs the jobs one after another here; ``slurm`` submits eac
 configuration: parameters, tokens (max_steps x batch x accumulation x devices x nodes x T), training
 FLOPs (tokens x the model's analytic ``flops_per_token().training``, the model built on the meta
 device, routing at its configured capacity) and GPU-hours at ``--mfu`` of ``--peak_tflops`` (default
-40% of 989.5 TFLOP/s, an H100/H200 SXM in dense bf16): a planning estimate, not a measurement.
+40% of 989.5 TFLOP/s, an H100/H200 SXM in dense bf16): a planning estimate, not a measurement; and the
+memory plan per job (``experiments.memory``: peak per GPU from measured activations, whether it fits
+``--gpu_memory_gb``, else the largest micro-batch that does at the same global batch; docs/scale.md).
 Paper-scale recipes live in ``experiments/configs/paper/`` (see docs/scale.md).
 
 Every configuration is parsed and validated exactly as ``experiments.run`` does (unknown variants,
@@ -133,26 +135,28 @@ def load_grid(path: Optional[str], items: Sequence[str]) -> Tuple[List[List[str]
 
 def validate(configurations: Sequence[Sequence[str]]) -> List[Any]:
     """Parse and check every configuration as ``experiments.run`` would; all before any job starts."""
+    from architectures.registry import preset_defaults
     from experiments.run import build_parser, expand_aliases, validate_up_front
 
     parser = build_parser()
     parsed = []
     for argv in configurations:
         try:
-            cfg = parser.parse_args(expand_aliases(list(argv)))
+            options = expand_aliases(list(argv))
+            # the variant's registry preset as defaults, as experiments.run parses it (parse_with_presets),
+            # then the parser's own defaults back for the next configuration
+            preset = preset_defaults(parser.parse_args(options, defaults=True).model.variant)
+            before = {key: parser.get_default(key) for key in preset}
+            parser.set_defaults(preset)
+            try:
+                cfg = parser.parse_args(options)
+            finally:
+                parser.set_defaults(before)
         except (SystemExit, argparse.ArgumentError) as exit_:  # run's parser raises, not exits (issue 14)
             raise ConfigError(f"invalid run options: {shlex.join(argv)}") from exit_
         validate_up_front(cfg)
         parsed.append(cfg)
     return parsed
-
-
-def geometry(cfg) -> Tuple[int, int, bool]:
-    """(nodes, tasks per node, uses GPUs) of a parsed run configuration."""
-    nodes = int(cfg.trainer.num_nodes or 1)
-    devices = str(cfg.trainer.devices)
-    tasks = int(devices) if devices.isdigit() else 1
-    return nodes, tasks, str(cfg.trainer.accelerator) != "cpu"
 
 
 def commands(configurations: Sequence[Sequence[str]], parsed: Sequence[Any], launcher: str,
@@ -162,6 +166,8 @@ def commands(configurations: Sequence[Sequence[str]], parsed: Sequence[Any], lau
         if launcher == "local":
             out.append([sys.executable, "-m", "experiments.run", *argv])
             continue
+        from experiments.memory import geometry
+
         nodes, tasks, gpus = geometry(cfg)
         allocation = [f"--job-name=dyncomp-{cfg.model.variant}-{i}", f"--nodes={nodes}", f"--ntasks-per-node={tasks}"]
         if gpus:
@@ -180,12 +186,29 @@ def estimate(cfg) -> Dict[str, Any]:
     mcfg = model_config(cfg).resolve()
     with torch.device("meta"):
         model = build_model(mcfg)
+    from experiments.memory import geometry
+
     nodes, tasks, _ = geometry(cfg)
     accumulate = int(cfg.trainer.accumulate_grad_batches or 1)
     tokens = int(cfg.trainer.max_steps) * int(cfg.data.batch_size) * accumulate * nodes * tasks * mcfg.block_size
     flops_per_token = model.flops_per_token(None, mcfg.block_size).training
     return {"variant": mcfg.variant, "parameters": model.num_parameters(), "tokens": tokens,
             "gpus": nodes * tasks, "flops_per_token": flops_per_token, "flops": tokens * flops_per_token}
+
+
+def memory_plans(parsed: Sequence[Any], gpu_memory_gb: float = 80.0) -> List[Dict[str, Any]]:
+    """The memory plan (``experiments.memory``) of every parsed configuration: peak per GPU and what fits."""
+    import concurrent.futures
+    import multiprocessing
+
+    from experiments.memory import plan_run_config
+
+    # one fresh process per job: a process that built a model does not get its memory back (measured:
+    # ~1 GiB per GPT-2 small model stays with it), and a recipe builds several large ones
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context, max_tasks_per_child=1) as pool:
+        plans = list(pool.map(plan_run_config, parsed, [gpu_memory_gb] * len(parsed)))
+    return [plan.row() for plan in plans]
 
 
 def gpu_hours(flops: float, peak_tflops: float, mfu: float) -> float:
@@ -220,6 +243,10 @@ def main(argv: Optional[Sequence[str]] = None) -> List[List[str]]:
     parser.add_argument("--sbatch_args", default="", help="extra sbatch options for every job, one string")
     parser.add_argument("--peak_tflops", type=float, default=989.5, help="--dry_run estimate: GPU peak (bf16 dense)")
     parser.add_argument("--mfu", type=float, default=0.4, help="--dry_run estimate: assumed model FLOPs utilisation")
+    parser.add_argument("--no_plan", action="store_true",
+                        help="--dry_run without the memory plan (which builds every model on the CPU: ~1 min per job)")
+    parser.add_argument("--gpu_memory_gb", type=float, default=80.0,
+                        help="--dry_run memory plan: GPU memory per device in GiB (docs/scale.md)")
     args = parser.parse_args(argv)
     grid, file_common, sbatch = load_grid(args.grid_file, args.grid)
     configurations = [[*file_common, *common, *config] for config in grid]
@@ -233,6 +260,11 @@ def main(argv: Optional[Sequence[str]] = None) -> List[List[str]]:
         for row in rows:
             row["gpu_hours"] = gpu_hours(row["flops"], args.peak_tflops, args.mfu)
         print_estimates(rows, args.peak_tflops, args.mfu)
+        if not args.no_plan:
+            from experiments.memory import print_plans
+
+            plans = memory_plans(parsed, args.gpu_memory_gb)
+            print_plans(plans, [f"{cfg.model.variant}" for cfg in parsed], lambda line: print(line, file=sys.stderr))
         return jobs
     failed = []
     for job in jobs:

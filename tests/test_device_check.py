@@ -13,7 +13,11 @@ from experiments import device_check
 def test_quick_device_check_writes_table_json_and_run(tmp_path, one_thread):
     report = device_check.main(["--out", str(tmp_path), "--quick", "--steps", "1", "--run_steps", "2"])
     saved = json.loads((tmp_path / "device_check.json").read_text())
-    assert saved["phases"].keys() == {"eager", "compiled"} and not saved["skipped"]
+    assert saved["phases"].keys() == {"eager", "compiled", "checkpointed"} and not saved["skipped"]
+    checkpointed = saved["phases"]["checkpointed"]["vanilla"]  # the plan next to the measured figure
+    assert checkpointed["checkpointing"] == "blocks" and checkpointed["planned_peak_mb"] > 0
+    assert checkpointed["planned_peak_mb"] < checkpointed["planned_peak_no_checkpointing_mb"]
+    assert "Memory plan vs measured" in (tmp_path / "device_check.md").read_text()
     assert set(saved["phases"]["eager"]) == set(device_check.VARIANTS)
     compiled = saved["phases"]["compiled"]
     assert set(compiled) == {"vanilla", "mod"}  # --quick compiles the static-shape variants only

@@ -26,7 +26,7 @@ def test_the_four_recipes_exist():
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
 def test_recipe_dry_run_prints_jobs_and_estimate(recipe, capsys, monkeypatch):
     monkeypatch.chdir(REPO)  # the recipes name --config files relative to the repository
-    jobs = sweep.main([str(recipe), "--dry_run"])
+    jobs = sweep.main([str(recipe), "--dry_run", "--no_plan"])  # the memory plan: tests/test_scale.py
     captured = capsys.readouterr()
     assert jobs and all(job[0] == "sbatch" and "--gpus-per-node=8" in job for job in jobs)
     assert len(captured.out.strip().splitlines()) == len(jobs)  # stdout: the commands only
