@@ -241,10 +241,9 @@ def test_device_check_runs_a_checkpointed_medium_vanilla_against_the_plan():
 @pytest.mark.parametrize("recipe", sorted((__import__("tests.conftest", fromlist=["REPO"]).REPO / "experiments" / "configs"
                                             / "paper").glob("*.yaml")), ids=lambda p: p.stem)
 def test_every_paper_recipe_fits_its_gpus_by_the_plan(recipe, monkeypatch):
-    """The largest job of each paper recipe (by parameters; its activations per token are the largest too, at
-    the recipes' common micro-batch and sequence length) fits 80 GiB per GPU as planned. Planning builds the
-    model on the CPU (~1 min per job), so the whole 21-job table (docs/scale.md, from `sweep --dry_run`) would
-    cost 20 minutes of the suite."""
+    """The largest job of each paper recipe (by parameters) fits 80 GiB per GPU as planned. Planning builds the
+    model on the CPU (~1 min per job), so the whole 21-job table (docs/scale.md, from `sweep --dry_run`, where
+    every job fits) would cost 20 minutes of the suite: here one job per recipe, not every job."""
     from experiments import sweep
     from tests.conftest import REPO
 
