@@ -15,7 +15,7 @@ import contextlib
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, Iterator, List, Optional
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -92,6 +92,11 @@ class LanguageModel(nn.Module):
     #: True when the default (training / eval) routing is not causal: a token's routing may depend on
     #: later tokens (MoD's sequence top-k). Causal evaluation then needs ``causal_routing()``.
     routing_sees_future: bool = False
+    #: the ``ModelConfig`` option groups (``mod``, ``moe``, ...) this class reads; options set in any other
+    #: group would be silently ignored, so the command lines refuse them (``registry.check_groups_used``)
+    config_groups_used: Tuple[str, ...] = ()
+    #: ``group.field`` options of a used group that this class overrides (refused the same way)
+    config_fields_ignored: Tuple[str, ...] = ()
 
     @property
     def has_causal_routing(self) -> bool:

@@ -274,6 +274,7 @@ class CombinationLM(LanguageModel):
     """``caa`` / ``cea``: Outer-FFN of width r*W after MHA, dense Inner-FFN of width (1-r)*W inside it."""
 
     may_skip_parameters = False  # dense: every parameter gets a gradient every step
+    config_groups_used = ("combo",)
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
@@ -340,6 +341,9 @@ class CombinationMoELM(CombinationLM):
     """``cea_moe``: the Inner-FFN is an MoE layer; the Outer-FFN stays dense."""
 
     may_skip_parameters = True  # an Inner expert may get no token
+    config_groups_used = ("combo", "moe")  # the Inner MoE takes its loss and capacity settings from moe
+    # ... but its size and placement from combo (inner_moe_config): these moe options would be ignored
+    config_fields_ignored = ("moe.num_experts", "moe.top_k", "moe.expert_ffn_ratio", "moe.layers", "moe.placement")
 
     @staticmethod
     def inner_moe_config(config: ModelConfig):

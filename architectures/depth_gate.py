@@ -41,6 +41,8 @@ from architectures.routing import fp32_linear, token_topk
 class DepthGate(LanguageModel):
     """GPT-2 whose output is a gate-weighted mix of its layer outputs. Saves no compute."""
 
+    config_groups_used = ("depth_gate",)
+
     def __init__(self, config: ModelConfig):
         super().__init__(config)
         self.blocks = nn.ModuleList([Block(config, i) for i in range(config.n_layer)])

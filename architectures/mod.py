@@ -350,6 +350,7 @@ class MoD(LanguageModel):
     may_skip_parameters = False
 
     uses_mod_router = True
+    config_groups_used = ("mod",)
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
@@ -400,6 +401,7 @@ class MoDEStaged(MoD):
     """
 
     may_skip_parameters = True  # an expert may get no token
+    config_groups_used = ("mod", "moe")
     # routed blocks keep their MoE under the name "mlp", the other MoE layers under "moe"
     upcycle_rules = MoEGPT.upcycle_rules + ((r"(blocks\.\d+)\.mlp\.experts\.\d+\.(.*)", r"\1.mlp.\2"),)
 
@@ -429,6 +431,7 @@ class MoDEIntegrated(MoD):
     uses_mod_router = False
     may_skip_parameters = True
     upcycle_rules = MoEGPT.upcycle_rules
+    config_groups_used = ("mod", "moe")
     routing_sees_future = False  # token choice; the no-op budget counts earlier positions only
 
     def _moe_chain(self, config: ModelConfig, routed: List[int]) -> Dict[int, Tuple[str, int]]:

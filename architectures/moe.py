@@ -240,6 +240,7 @@ class MoEGPT(LanguageModel):
 
     # --init_from a vanilla model: every expert starts as the layer's dense MLP (sparse upcycling)
     upcycle_rules = ((r"(blocks\.\d+)\.moe\.experts\.\d+\.(.*)", r"\1.mlp.\2"),)
+    config_groups_used = ("moe",)
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)

@@ -433,6 +433,8 @@ class MoMChunk(nn.Module):
 class MixtureOfModules(LanguageModel):
     """GPT-2 embeddings/head around bottom vanilla layers, MoM chunks and top vanilla layers."""
 
+    config_groups_used = ("mom",)
+
     def __init__(self, config: ModelConfig):
         super().__init__(config)
         self.layout = validate_mom_config(config)

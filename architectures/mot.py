@@ -331,6 +331,7 @@ class MoT(LanguageModel):
 
     # --init_from a vanilla model: every expert block starts as the vanilla block of its layer
     upcycle_rules = ((r"(blocks\.\d+)\.experts\.\d+\.(.*)", r"\1.\2"),)
+    config_groups_used = ("mot",)
 
     @property
     def routing_sees_future(self) -> bool:  # sequence routing reads the whole sequence's mean

@@ -39,6 +39,11 @@ class Corpus:
     def fingerprint(self) -> str:
         raise NotImplementedError
 
+    def cache_is_complete(self, folder: pathlib.Path) -> bool:
+        """Whether the files this corpus writes beside a verified token cache (``write_tokens``) are intact;
+        False makes ``prepare_data`` rebuild the cache."""
+        return True
+
     def validation_sets(self) -> Optional[Dict[str, "Corpus"]]:
         """Named held-out corpora (e.g. SlimPajama's out-of-distribution subsets).
 
@@ -237,6 +242,22 @@ def corpus_names() -> List[str]:
     return sorted(CORPORA)
 
 
+#: The ``DataConfig`` options that reach each corpus (the others are refused by ``ignored_data_options``).
+_HUB_OPTIONS = ("path", "hub_id", "revision", "streaming", "max_tokens", "num_proc")
+CORPUS_OPTIONS: Dict[str, Tuple[str, ...]] = {"embedded": (), "text": ("path",), "openwebtext": _HUB_OPTIONS,
+                                              "slimpajama": _HUB_OPTIONS}
+CORPUS_SPECIFIC = _HUB_OPTIONS  # options some corpus reads and others ignore
+
+
+def ignored_data_options(name: str, options: Dict[str, object]) -> List[Tuple[str, List[str]]]:
+    """``(option, datasets that read it)`` for each corpus-specific option set (not None / False / empty)
+    that dataset ``name`` would silently ignore, e.g. ``path`` for the generated probe data."""
+    read = CORPUS_OPTIONS.get(name, CORPUS_SPECIFIC)
+    return [(option, [n for n in corpus_names() if option in CORPUS_OPTIONS.get(n, CORPUS_SPECIFIC)])
+            for option in CORPUS_SPECIFIC
+            if option not in read and options.get(option) not in (None, False, [], (), "")]
+
+
 def get_corpus(name: str, **options) -> Corpus:
     if name not in CORPORA:
         raise DataError(f"data.name: unknown dataset {name!r}; valid datasets: {', '.join(corpus_names())}")
@@ -271,3 +292,4 @@ def _probe_corpus(task: str) -> CorpusFactory:
 
 for _task in ("probe", "probe/arith", "probe/recall", "probe/text"):
     CORPORA[_task] = _probe_corpus(_task)
+    CORPUS_OPTIONS[_task] = ("max_tokens",)  # generated: the number of episodes

@@ -260,13 +260,15 @@ def find_split_file(task: GlueTask, root: pathlib.Path, split: str) -> pathlib.P
     for folder in folders:
         if not folder.is_dir():
             continue
-        for stem in stems:
-            for pattern in (f"{stem}.tsv", f"{stem}.parquet", f"{stem}-*.parquet", f"{stem}.jsonl"):
-                found = sorted(folder.glob(pattern))
-                if len(found) > 1:
-                    raise DataError(f"{folder}: several {split} files {[f.name for f in found]}; keep one")
-                if found:
-                    return found[0]
+        # every name the split may have (dev.tsv and val.jsonl alike): two files would be a silent choice
+        found = sorted({f for stem in stems
+                        for pattern in (f"{stem}.tsv", f"{stem}.parquet", f"{stem}-*.parquet", f"{stem}.jsonl")
+                        for f in folder.glob(pattern)})
+        if len(found) > 1:
+            raise DataError(f"{folder}: several {task.slug} {split} files ({', '.join(f.name for f in found)}); keep one "
+                            "(move the others out of the folder)")
+        if found:
+            return found[0]
     expected = ", ".join(f"{s}.tsv" for s in stems) + f", {stems[0]}-*.parquet, {stems[0]}.jsonl"
     searched = ", ".join(str(f) for f in folders if f.is_dir()) or f"{root} (missing)"
     raise DataError(f"data.path: no {task.slug} {split} file in {searched}; expected one of {expected}")

@@ -139,6 +139,16 @@ def validate_up_front(cfg: Namespace) -> None:
         raise ConfigError("eval_only: needs --init_from (the checkpoint to evaluate)")
     if cfg.eval_only and len(task_list(cfg.task)) > 1:
         raise ConfigError("eval_only: evaluates one fine-tuned task checkpoint; pass --task glue/<task>, not glue/all")
+    from architectures.registry import apply_preset, check_options_used
+    from experiments.weights import check_source
+
+    check_options_used(apply_preset(ModelConfig.from_dict(_as_dict(cfg.model))))
+    if cfg.init_from:
+        check_source(cfg.init_from)  # a missing file or an unreachable Hub model: now, not after the data
+
+
+def _as_dict(ns) -> Dict[str, Any]:
+    return ns.as_dict() if isinstance(ns, Namespace) else dict(ns)
 
 
 def check_task_files(cfg: Namespace, tasks: List[str]) -> None:
