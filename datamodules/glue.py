@@ -254,6 +254,10 @@ def dataset_split(task: GlueTask, dataset, where: str, drop_empty: bool = False)
 
 
 # ---------------------------------------------------------------------------- locating files
+class AmbiguousFiles(DataError):
+    """Two files could hold the same split: refused rather than picking one silently."""
+
+
 def find_split_file(task: GlueTask, root: pathlib.Path, split: str) -> pathlib.Path:
     folders = [root / task.folder, root / task.name, root]
     stems = _FILE_STEMS[split]
@@ -265,7 +269,7 @@ def find_split_file(task: GlueTask, root: pathlib.Path, split: str) -> pathlib.P
                         for pattern in (f"{stem}.tsv", f"{stem}.parquet", f"{stem}-*.parquet", f"{stem}.jsonl")
                         for f in folder.glob(pattern)})
         if len(found) > 1:
-            raise DataError(f"{folder}: several {task.slug} {split} files ({', '.join(f.name for f in found)}); keep one "
+            raise AmbiguousFiles(f"{folder}: several {task.slug} {split} files ({', '.join(f.name for f in found)}); keep one "
                             "(move the others out of the folder)")
         if found:
             return found[0]
@@ -293,6 +297,8 @@ def check_files(tasks: Sequence[str], path: Optional[str], splits: Sequence[str]
         for split in wanted:
             try:
                 find_split_file(spec, root, split)
+            except AmbiguousFiles:
+                raise
             except DataError as err:
                 problems.append((f"{spec.slug} {split}", str(err)))
     if problems:
