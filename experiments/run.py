@@ -28,7 +28,7 @@ import os
 import pathlib
 import re
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 # Keep stdout clean and start-up fast before the heavy imports.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -169,6 +169,39 @@ def check_sources_up_front(cfg: Namespace) -> None:
         mcfg = model_config(cfg).resolve()
         model = {k: v for k, v in _flatten(dataclasses.asdict(mcfg)).items() if k != "vocab_size"}  # from the tokenizer
         resolve_ckpt(cfg, run_root(cfg.log_dir, mcfg), {"model": model}, notes=False)
+
+
+def without_ignored_options(argv: Sequence[str], parser: ArgumentParser) -> Tuple[List[str], Optional[str], List[str]]:
+    """(``argv`` without the model options its variant does not use, the variant, the dropped option names).
+
+    For commands built for several variants at once (sweeps, reproduction grids); a command line a user
+    typed is refused instead (``check_options_used``). Options from ``--config`` files are not dropped."""
+    from architectures.registry import get_variant, uses_option
+
+    argv, canonical = list(argv), expand_aliases(list(argv))  # item for item
+    try:
+        variant = parser.parse_args(canonical).model.variant
+        used = get_variant(variant).model_class().config_groups_used
+    except (SystemExit, argparse.ArgumentError, ConfigError, TypeError, ValueError):
+        return argv, None, []  # validation reports it
+
+    def ignored(head: str) -> bool:  # "--model.mod.capacity", or a whole group "--model.mod"
+        group, _, field = head.removeprefix("--model.").partition(".")
+        if not head.startswith("--model.") or group not in config_groups():
+            return False
+        return not uses_option(variant, f"{group}.{field}") if field else group not in used
+
+    kept, dropped, skip = [], [], False
+    for i, (item, name) in enumerate(zip(argv, canonical)):
+        head = name.partition("=")[0]
+        if skip:
+            skip = False
+        elif ignored(head):
+            dropped.append(head)
+            skip = "=" not in item and i + 1 < len(argv)  # "--key value": drop the value too
+        else:
+            kept.append(item)
+    return kept, variant, dropped
 
 
 def run_root(log_dir: str, mcfg: ModelConfig) -> pathlib.Path:

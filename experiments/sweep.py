@@ -153,38 +153,15 @@ def drop_ignored_options(configurations: Sequence[Sequence[str]]) -> List[List[s
     """Remove from each configuration the model options its variant does not use (a grid over
     ``model.mod.capacity`` and ``variant=vanilla,mod`` gives vanilla no capacity), then the duplicates
     this makes; both are said on stderr. ``experiments.run`` itself refuses such options."""
-    from architectures.config import config_groups
-    from architectures.registry import get_variant, uses_option
-    from experiments.run import build_parser, expand_aliases
-
-    def unused(variant: str, head: str) -> bool:  # head: "--model.mod.capacity" or a whole group "--model.mod"
-        group, _, field = head.removeprefix("--model.").partition(".")
-        if not head.startswith("--model.") or group not in config_groups():
-            return False
-        return not uses_option(variant, f"{group}.{field}") if field else \
-            group not in get_variant(variant).model_class().config_groups_used
+    from experiments.run import build_parser, without_ignored_options
 
     parser = build_parser()
     out: List[List[str]] = []
     dropped: Dict[str, set] = {}
     for argv in configurations:
-        argv, canonical = list(argv), expand_aliases(list(argv))  # item for item
-        try:
-            variant = parser.parse_args(canonical).model.variant
-            get_variant(variant)
-        except (SystemExit, argparse.ArgumentError, ConfigError, TypeError, ValueError):
-            out.append(argv)  # validate() reports it
-            continue
-        kept, skip = [], False
-        for i, (item, name) in enumerate(zip(argv, canonical)):
-            head = name.partition("=")[0]
-            if skip:
-                skip = False
-            elif unused(variant, head):
-                dropped.setdefault(variant, set()).add(head)
-                skip = "=" not in item and i + 1 < len(argv)  # "--key value": drop the value too
-            else:
-                kept.append(item)
+        kept, variant, names = without_ignored_options(argv, parser)
+        if names:
+            dropped.setdefault(variant, set()).update(names)
         out.append(kept)
     unique = [argv for i, argv in enumerate(out) if argv not in out[:i]]
     for variant, options in sorted(dropped.items()):
