@@ -15,7 +15,7 @@ import contextlib
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, Iterable, Iterator, List, Optional
+from typing import Any, ClassVar, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -112,10 +112,14 @@ class LanguageModel(nn.Module):
     #: later tokens (MoD's sequence top-k). Causal evaluation then needs ``causal_routing()``.
     routing_sees_future: bool = False
     #: {group name: dataclass} of the config groups this model reads (``model.<group>.<field>``); registering a
-    #: variant of this class adds them to ``ModelConfig`` (CLI options, config.yaml, validation).
+    #: variant of this class adds them to ``ModelConfig`` (CLI options, config.yaml, validation). Options set
+    #: in any other group would be silently ignored, so the command lines refuse them
+    #: (``registry.check_options_used``).
     config_groups: ClassVar[Dict[str, type]] = {}
     #: activation checkpointing (``architectures.checkpointing.set_activation_checkpointing``); None: off
     checkpoint_policy: Optional[Any] = None
+    #: ``group.field`` options of a read group that this class overrides (refused the same way)
+    config_fields_ignored: ClassVar[Tuple[str, ...]] = ()
 
     @property
     def has_causal_routing(self) -> bool:

@@ -384,6 +384,8 @@ class CombinationMoELM(CombinationLM):
 
     config_groups = {"combo": CombinationConfig, "moe": MoEConfig}  # moe: the Inner MoE's other settings
     may_skip_parameters = True  # an Inner expert may get no token
+    # the Inner MoE takes its size and placement from combo (inner_moe_config): these moe options would be ignored
+    config_fields_ignored = ("moe.num_experts", "moe.top_k", "moe.expert_ffn_ratio", "moe.layers", "moe.placement")
 
     @staticmethod
     def inner_moe_config(config: ModelConfig):

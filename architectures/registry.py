@@ -245,6 +245,41 @@ def _validate_variant(config: ModelConfig) -> None:
 set_variant_validator(_validate_variant)
 
 
+def uses_option(variant: str, key: str) -> bool:
+    """Whether ``variant`` reads the option ``key`` (``"group.field"``): its model class reads the group
+    (``config_groups``) and does not override the field (``config_fields_ignored``)."""
+    cls = get_variant(variant).model_class()
+    return key.split(".")[0] in cls.config_groups and key not in cls.config_fields_ignored
+
+
+def ignored_options(config: ModelConfig) -> List[Tuple[str, Any]]:
+    """``(group.field, value)`` of every group option the variant would silently ignore although it was set
+    away from its default (the variant's preset, else the dataclass default), e.g. ``mod.capacity`` for vanilla."""
+    overrides = get_variant(config.variant).overrides
+    out = []
+    for group, group_cls in config_groups().items():
+        default = group_cls()
+        for f in dataclasses.fields(group_cls):
+            key = f"{group}.{f.name}"
+            value = getattr(getattr(config, group), f.name)
+            if value != overrides.get(group, {}).get(f.name, getattr(default, f.name)) and not uses_option(config.variant, key):
+                out.append((key, value))
+    return out
+
+
+def check_options_used(config: ModelConfig) -> None:
+    """Refuse options the variant would ignore: one line naming the option and the variants that read it."""
+    ignored = ignored_options(config)
+    if not ignored:
+        return
+    key, value = ignored[0]
+    users = [name for name in variant_names() if uses_option(name, key)]
+    more = f" (also ignored: {', '.join('model.' + k for k, _ in ignored[1:])})" if len(ignored) > 1 else ""
+    raise ConfigError(f"model.{key}: the {config.variant} variant does not use this option (set to {value!r}); "
+                      f"it applies to {', '.join(users) or 'no variant'}; drop it or choose one of those "
+                      f"variants{more}")
+
+
 def build_model(config: ModelConfig):
     """Resolve sizes, apply the variant preset, validate, instantiate the model and initialise its weights
     (once, here: a model class only defines ``init_weights``)."""

@@ -433,21 +433,40 @@ def save_stats(trainer, stats: RoutingStats, step: int) -> Optional[pathlib.Path
 
 def load_stats(run_dir) -> List[Tuple[int, RoutingStats]]:
     """The records of ``routing/stats.jsonl`` as ``RoutingStats`` (the last record wins for a repeated step)."""
+    from datamodules.corpora import DataError, jsonl_rows
+
     path = pathlib.Path(run_dir) / STATS_FILE
     by_step: Dict[int, RoutingStats] = {}
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        record = json.loads(line)
-        sites = {}
-        for name, site in record["sites"].items():
-            layout = SiteLayout(name, "", tuple(site["choices"]), "", 0, False, False)
-            sites[name] = SiteStats(layout, torch.tensor(site["counts"], dtype=torch.float64), site["tokens"],
-                                    site["slots"], site["dropped"], site["processed"], None)
-        transitions = [Transition(t["group"], t["source"], t["target"], torch.tensor(t["counts"], dtype=torch.float64))
-                       for t in record["transitions"]]
-        by_step[int(record["step"])] = RoutingStats(sites, transitions)
+    for line_no, record in jsonl_rows(path):  # not UTF-8 / not JSON: a DataError naming the file and line
+        try:
+            step, stats = int(record["step"]), _stats_from_record(record)
+        except KeyError as err:
+            raise DataError(f"{path}:{line_no}: not a routing statistics record: no {err.args[0]!r} field (written by "
+                            "another version, or edited); delete the line or the file") from None
+        except (AttributeError, TypeError, ValueError, RuntimeError) as err:
+            reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
+            raise DataError(f"{path}:{line_no}: not a routing statistics record ({reason}); delete the line or the "
+                            "file") from None
+        by_step[step] = stats
     return sorted(by_step.items())
+
+
+def _stats_from_record(record: dict) -> RoutingStats:
+    sites = {}
+    for name, site in record["sites"].items():
+        layout = SiteLayout(name, "", tuple(site["choices"]), "", 0, False, False)
+        counts = torch.tensor(site["counts"], dtype=torch.float64)
+        if counts.shape != (len(layout.choices),):
+            raise ValueError(f"site {name}: {tuple(counts.shape)} counts for {len(layout.choices)} choices")
+        sites[name] = SiteStats(layout, counts, float(site["tokens"]), float(site["slots"]), float(site["dropped"]),
+                                float(site["processed"]), None)
+    transitions = []
+    for t in record["transitions"]:
+        counts = torch.tensor(t["counts"], dtype=torch.float64)
+        if counts.dim() != 2:
+            raise ValueError(f"transition {t['source']} -> {t['target']}: counts are not a matrix")
+        transitions.append(Transition(t["group"], t["source"], t["target"], counts))
+    return RoutingStats(sites, transitions)
 
 
 def kept_weights(site: RoutingSite) -> torch.Tensor:

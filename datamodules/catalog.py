@@ -1,11 +1,12 @@
 """The corpora by name: ``data.name`` -> a factory of the ``Corpus``.
 
-Register a new corpus by adding a factory to ``CORPORA``. This module sits above every corpus module
+Register a new corpus by adding a factory to ``CORPORA`` and the ``DataConfig`` options it reads to
+``CORPUS_OPTIONS`` (the others are refused: ``ignored_data_options``). This module sits above every corpus module
 (``corpora``, ``hub``, ``probe``), so none of them needs to import another to be listed.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 from datamodules import hub
 from datamodules.corpora import Corpus, DataError, EmbeddedCorpus, TextFilesCorpus
@@ -19,9 +20,16 @@ CORPORA: Dict[str, CorpusFactory] = {
     "openwebtext": hub.openwebtext,
     "slimpajama": hub.slimpajama,
 }
+#: The ``DataConfig`` options that reach each corpus (the others are refused by ``ignored_data_options``).
+_HUB_OPTIONS = ("path", "hub_id", "revision", "streaming", "max_tokens", "num_proc")
+CORPUS_OPTIONS: Dict[str, Tuple[str, ...]] = {"embedded": (), "text": ("path",), "openwebtext": _HUB_OPTIONS,
+                                              "slimpajama": _HUB_OPTIONS}
+CORPUS_SPECIFIC = _HUB_OPTIONS  # options some corpus reads and others ignore
+
 for _task in ("probe", "probe/arith", "probe/recall", "probe/text",
               "probe-v2", "probe-v2/arith", "probe-v2/recall", "probe-v2/text"):
     CORPORA[_task] = lambda _task=_task, **options: ProbeCorpus(_task, options.get("max_tokens"))
+    CORPUS_OPTIONS[_task] = ("max_tokens",)  # generated: the number of episodes
 
 
 def corpus_names() -> List[str]:
@@ -32,3 +40,12 @@ def get_corpus(name: str, **options) -> Corpus:
     if name not in CORPORA:
         raise DataError(f"data.name: unknown dataset {name!r}; valid datasets: {', '.join(corpus_names())}")
     return CORPORA[name](**options)
+
+
+def ignored_data_options(name: str, options: Dict[str, object]) -> List[Tuple[str, List[str]]]:
+    """``(option, datasets that read it)`` for each corpus-specific option set (not None / False / empty)
+    that dataset ``name`` would silently ignore, e.g. ``path`` for the generated probe data."""
+    read = CORPUS_OPTIONS.get(name, CORPUS_SPECIFIC)
+    return [(option, [n for n in corpus_names() if option in CORPUS_OPTIONS.get(n, CORPUS_SPECIFIC)])
+            for option in CORPUS_SPECIFIC
+            if option not in read and options.get(option) not in (None, False, [], (), "")]

@@ -39,6 +39,11 @@ class Corpus:
     def fingerprint(self) -> str:
         raise NotImplementedError
 
+    def cache_is_complete(self, folder: pathlib.Path) -> bool:
+        """Whether the files this corpus writes beside a verified token cache (``write_tokens``) are intact;
+        False makes ``prepare_data`` rebuild the cache."""
+        return True
+
     def validation_sets(self) -> Optional[Dict[str, "Corpus"]]:
         """Named held-out corpora (e.g. SlimPajama's out-of-distribution subsets).
 

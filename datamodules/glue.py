@@ -254,19 +254,25 @@ def dataset_split(task: GlueTask, dataset, where: str, drop_empty: bool = False)
 
 
 # ---------------------------------------------------------------------------- locating files
+class AmbiguousFiles(DataError):
+    """Two files could hold the same split: refused rather than picking one silently."""
+
+
 def find_split_file(task: GlueTask, root: pathlib.Path, split: str) -> pathlib.Path:
     folders = [root / task.folder, root / task.name, root]
     stems = _FILE_STEMS[split]
     for folder in folders:
         if not folder.is_dir():
             continue
-        for stem in stems:
-            for pattern in (f"{stem}.tsv", f"{stem}.parquet", f"{stem}-*.parquet", f"{stem}.jsonl"):
-                found = sorted(folder.glob(pattern))
-                if len(found) > 1:
-                    raise DataError(f"{folder}: several {split} files {[f.name for f in found]}; keep one")
-                if found:
-                    return found[0]
+        # every name the split may have (dev.tsv and val.jsonl alike): two files would be a silent choice
+        found = sorted({f for stem in stems
+                        for pattern in (f"{stem}.tsv", f"{stem}.parquet", f"{stem}-*.parquet", f"{stem}.jsonl")
+                        for f in folder.glob(pattern)})
+        if len(found) > 1:
+            raise AmbiguousFiles(f"{folder}: several {task.slug} {split} files ({', '.join(f.name for f in found)}); keep one "
+                            "(move the others out of the folder)")
+        if found:
+            return found[0]
     expected = ", ".join(f"{s}.tsv" for s in stems) + f", {stems[0]}-*.parquet, {stems[0]}.jsonl"
     searched = ", ".join(str(f) for f in folders if f.is_dir()) or f"{root} (missing)"
     raise DataError(f"data.path: no {task.slug} {split} file in {searched}; expected one of {expected}")
@@ -291,6 +297,8 @@ def check_files(tasks: Sequence[str], path: Optional[str], splits: Sequence[str]
         for split in wanted:
             try:
                 find_split_file(spec, root, split)
+            except AmbiguousFiles:
+                raise
             except DataError as err:
                 problems.append((f"{spec.slug} {split}", str(err)))
     if problems:

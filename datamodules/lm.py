@@ -167,7 +167,8 @@ class LMDataModule(L.LightningDataModule):
     def prepare_data(self) -> None:
         for split, corpus in self._corpora().items():
             folder = self._folder(corpus)
-            if token_cache.open_tokens(folder) is None:
+            # the token cache verifies its own files; a corpus verifies what it writes beside them (probe labels)
+            if token_cache.open_tokens(folder) is None or not corpus.cache_is_complete(folder):
                 description = f"tokenising {corpus.name}/{split}"
                 write_tokens = getattr(corpus, "write_tokens", None)  # hub corpora: batched datasets.map
                 if write_tokens is not None:
@@ -195,7 +196,10 @@ class LMDataModule(L.LightningDataModule):
         tokens = self._open(self.corpus)
         total = (len(tokens) - 1) // self.block_size
         if total < 2:
-            raise DataError(f"dataset {self.corpus.name!r} has {len(tokens)} tokens: fewer than two blocks of {self.block_size + 1}")
+            source = ", ".join(self.config.paths) or f"the token cache {self._folder(self.corpus)}"
+            raise DataError(f"dataset {self.corpus.name!r} ({source}) has {len(tokens)} tokens: fewer than two blocks "
+                            f"of {self.block_size + 1} (a training and a validation block); use more text or a "
+                            "smaller --model.block_size")
         named = self.corpus.validation_sets()
         if named:
             self.train_set = self._blocks(self.corpus, tokens)

@@ -341,10 +341,32 @@ class ProbeCorpus(Corpus):
 
         tokens, levels, families = self.generate(tokenizer)
         folder.mkdir(parents=True, exist_ok=True)
+        token_cache.invalidate(folder)  # a rebuild (corrupt labels): the old meta.json must not vouch for new files
         _atomic_npy(folder / "levels.npy", levels)
         _atomic_npy(folder / "families.npy", families)
+        checksums = {name: _sha256(folder / name) for name in LABEL_FILES}
         chunks = iter([(tokens.astype(token_cache.token_dtype(tokenizer.vocab_size)), self.episodes)])
-        return token_cache.write_chunks(chunks, tokenizer, folder, description)
+        return token_cache.write_chunks(chunks, tokenizer, folder, description, extra_meta={"labels_sha256": checksums})
+
+    def cache_is_complete(self, folder: pathlib.Path) -> bool:
+        """The labels beside the token cache load, have one entry per token and match the sha256 recorded
+        at build time (caches built before checksums were recorded: the first two checks only)."""
+        from datamodules import token_cache
+
+        try:
+            meta = token_cache.read_meta(folder)
+            open_labels(folder, int(meta["num_tokens"]))
+        except (DataError, KeyError, TypeError, ValueError, OSError):
+            return False
+        recorded = meta.get("labels_sha256") or {}
+        return all(_sha256(folder / name) == digest for name, digest in recorded.items())
+
+
+LABEL_FILES = ("levels.npy", "families.npy")
+
+
+def _sha256(path: pathlib.Path) -> str:
+    return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
 
 
 def _atomic_npy(path: pathlib.Path, array: np.ndarray) -> None:
@@ -357,11 +379,15 @@ def _atomic_npy(path: pathlib.Path, array: np.ndarray) -> None:
 def open_labels(folder: pathlib.Path, num_tokens: int) -> Tuple[np.ndarray, np.ndarray]:
     """(levels, families) memmaps beside a probe token cache, checked against the token count."""
     out = []
-    for name in ("levels.npy", "families.npy"):
+    for name in LABEL_FILES:
         path = pathlib.Path(folder) / name
         if not path.is_file():
             raise DataError(f"{path}: probe labels are missing; delete {folder} and run again to regenerate it")
-        array = np.load(path, mmap_mode="r")
+        try:
+            array = np.load(path, mmap_mode="r")
+        except (ValueError, OSError) as err:  # truncated or overwritten
+            raise DataError(f"{path}: probe labels are unreadable ({err}); delete {folder} and run again to "
+                            "regenerate it") from None
         if array.shape != (num_tokens,):
             raise DataError(f"{path}: {array.shape[0]} labels for {num_tokens} tokens; delete {folder} to regenerate")
         out.append(array)

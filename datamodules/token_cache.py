@@ -184,7 +184,9 @@ def write_chunks(
     description: str,
     max_tokens: Optional[int] = None,
     expected_bytes: Optional[int] = None,
+    extra_meta: Optional[dict] = None,
 ) -> pathlib.Path:
+    """``extra_meta``: more fields for ``meta.json`` (e.g. checksums of files written beside the tokens)."""
     folder.mkdir(parents=True, exist_ok=True)
     remove_orphans(folder)
     dtype = token_dtype(tokenizer.vocab_size)
@@ -227,6 +229,7 @@ def write_chunks(
         }
         if max_tokens is not None:
             meta["max_tokens"] = max_tokens
+        meta.update(extra_meta or {})
         os.replace(tmp, folder / "tokens.bin")
     except BaseException:
         pathlib.Path(tmp_name).unlink(missing_ok=True)

@@ -25,18 +25,19 @@ Optionally (``--generate N``) it also times ``generate()`` with a KV cache, in n
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 import yaml
 
 from architectures import ModelConfig, build_model, variant_names
-from architectures.config import SIZES, ConfigError
+from architectures.config import SIZES, ConfigError, config_groups
 from architectures.flops import vanilla_flops
 from callbacks.flops import PEAK_BF16_TFLOPS, peak_bf16_flops  # noqa: F401  (one peak table for bench and training MFU)
 from architectures.checkpointing import parse_policy, set_activation_checkpointing, watch_checkpoint_inputs
@@ -99,6 +100,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         parser.error(str(err))
     if "vanilla" not in args.variant_list:
         args.variant_list.insert(0, "vanilla")  # every ratio is relative to vanilla
+    check_overrides(args.set, [v for v in args.variant_list if v not in REFERENCES], args.size)
     if not args.no_hf and HF_REFERENCE not in args.variant_list:
         args.variant_list.append(HF_REFERENCE)
     if not args.no_minimal and MINIMAL_REFERENCE not in args.variant_list:
@@ -106,18 +108,50 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
+def parse_override(item: str) -> Tuple[List[str], Any]:
+    """``GROUP.FIELD=VALUE`` or ``FIELD=VALUE`` -> (path, value), checked against ``ModelConfig``'s fields."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key or not raw.strip():
+        raise ConfigError(f"--set {item}: expected FIELD=VALUE or GROUP.FIELD=VALUE (e.g. --set mod.capacity=0.25)")
+    path = key.split(".")
+    groups = config_groups()
+    top = {f.name for f in dataclasses.fields(ModelConfig)} - set(groups) - {"variant", "preset"}
+    if len(path) == 1 and path[0] in top:
+        pass
+    elif len(path) == 2 and path[0] in groups and path[1] in {f.name for f in dataclasses.fields(groups[path[0]])}:
+        pass
+    else:
+        raise ConfigError(f"--set {key}: no such model config field; fields: {', '.join(sorted(top))}, or "
+                          f"GROUP.FIELD with GROUP one of {', '.join(groups)}")
+    try:
+        value = yaml.safe_load(raw)  # 512 -> int, 0.25 -> float, true -> bool, [1, 3] -> list
+    except yaml.YAMLError:
+        raise ConfigError(f"--set {item}: {raw!r} is not a value (a number, true/false, a string or a [list])") from None
+    return path, value
+
+
 def apply_overrides(config: ModelConfig, overrides: List[str]) -> ModelConfig:
     for item in overrides:
-        key, _, raw = item.partition("=")
-        value = yaml.safe_load(raw)  # 512 -> int, 0.25 -> float, true -> bool, [1, 3] -> list
+        (*path, leaf), value = parse_override(item)
         target = config
-        *path, leaf = key.split(".")
         for part in path:
             target = getattr(target, part)
-        if not hasattr(target, leaf):
-            raise ConfigError(f"--set {key}: no such model config field")
         setattr(target, leaf, value)
     return config
+
+
+def check_overrides(overrides: List[str], variants: List[str], size: str = "tiny") -> None:
+    """Before any timing: every ``--set`` parses, its value is valid for each variant, and some benchmarked
+    variant reads it (the same ``--set`` applies to every variant, vanilla included)."""
+    from architectures.registry import apply_preset, uses_option
+
+    for item in overrides:
+        path, _ = parse_override(item)
+        if len(path) == 2 and not any(uses_option(v, ".".join(path)) for v in variants):
+            raise ConfigError(f"--set {item}: none of the benchmarked variants ({', '.join(variants)}) uses "
+                              f"model.{'.'.join(path)}; add a variant that does to --variants")
+    for variant in variants:
+        apply_preset(apply_overrides(ModelConfig(variant=variant, size=size), overrides)).resolve()
 
 
 def base_config(args, variant: str) -> ModelConfig:
@@ -407,8 +441,6 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    from experiments.run import cli
+
+    cli(main)  # a user mistake: one "error:" line, exit status 2

@@ -141,6 +141,16 @@ def validate_up_front(cfg: Namespace) -> None:
         raise ConfigError("eval_only: needs --init_from (the checkpoint to evaluate)")
     if cfg.eval_only and len(task_list(cfg.task)) > 1:
         raise ConfigError("eval_only: evaluates one fine-tuned task checkpoint; pass --task glue/<task>, not glue/all")
+    from architectures.registry import apply_preset, check_options_used
+    from experiments.weights import check_source
+
+    check_options_used(apply_preset(ModelConfig.from_dict(_as_dict(cfg.model))))
+    if cfg.init_from:
+        check_source(cfg.init_from)  # a missing file or an unreachable Hub model: now, not after the data
+
+
+def _as_dict(ns) -> Dict[str, Any]:
+    return ns.as_dict() if isinstance(ns, Namespace) else dict(ns)
 
 
 def check_task_files(cfg: Namespace, tasks: List[str]) -> None:
@@ -290,15 +300,11 @@ def resolve_tokenizer(spec: Optional[str], init_from: Optional[str]):
 
 
 def check_init_from(cfg: Namespace, tasks: List[str]) -> None:
-    """Before the tokenizer and the data are built: a missing ``--init_from``, and with ``--eval_only`` a
-    checkpoint fine-tuned on another task (or, for GLUE, one with no classification head), each get their
-    own line instead of surfacing later as a tokenizer or head error."""
-    if not cfg.init_from or _is_hf(cfg.init_from):
-        return
-    if not pathlib.Path(cfg.init_from).exists():
-        raise FileNotFoundError(f"init_from: {cfg.init_from} does not exist; pass a checkpoint file (.ckpt), "
-                                "hf:<id> or a Hugging Face folder")
-    if not cfg.eval_only:
+    """Before the tokenizer and the data are built, with ``--eval_only``: a checkpoint fine-tuned on another
+    task (or, for GLUE, one with no classification head) gets its own line instead of surfacing later as a
+    tokenizer or head error. (A missing or unreadable ``--init_from`` was refused by ``validate_up_front``:
+    ``weights.check_source``.)"""
+    if not cfg.init_from or _is_hf(cfg.init_from) or not cfg.eval_only:
         return
     if cfg.max_steps is not None or cfg.epochs is not None:
         print("warning: --eval_only trains nothing, so --max_steps / --epochs are ignored", file=sys.stderr)

@@ -30,7 +30,7 @@ import errno
 import os
 import pathlib
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 # Keep stdout clean and start-up fast before the heavy imports.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -40,8 +40,9 @@ from jsonargparse import ActionConfigFile, ArgumentParser, Namespace  # noqa: E4
 from architectures import ModelConfig, variant_names  # noqa: E402
 from architectures.checkpointing import parse_policy, set_activation_checkpointing  # noqa: E402
 from architectures.config import ConfigError, SIZES, config_groups  # noqa: E402
+from architectures.registry import check_options_used  # noqa: E402
 from callbacks import CallbacksConfig, config_from as callbacks_config  # noqa: E402
-from datamodules.catalog import corpus_names  # noqa: E402
+from datamodules.catalog import corpus_names, ignored_data_options  # noqa: E402
 from datamodules.corpora import DataError  # noqa: E402
 from lightning_modules.storage import StorageError, atomic_checkpoint_io, check_writable, claim_next_version  # noqa: E402
 from lightning_modules.storage import is_storage_error, release_if_empty, storage_message  # noqa: E402
@@ -161,6 +162,70 @@ def validate_up_front(cfg: Namespace) -> None:
     OptimConfig(**_as_dict(cfg.optim)).validate()
     callbacks_config(cfg).validate(model_config(cfg).resolve().block_size)
     model_config(cfg).resolve()
+    check_options_used(model_config(cfg))
+    check_data_options(cfg.data)
+
+
+def check_data_options(data: Namespace) -> None:
+    """Refuse data options the dataset does not read (``--data probe/arith --data.path X`` would ignore the path)."""
+    ignored = ignored_data_options(data.name, _as_dict(data))
+    if ignored:
+        option, users = ignored[0]
+        raise DataError(f"data.{option}: dataset {data.name!r} does not read this option; it applies to "
+                        f"{', '.join(users)}; drop it or choose one of those datasets")
+
+
+def check_sources_up_front(cfg: Namespace) -> None:
+    """The argument errors about files and the Hub, found in seconds: before the corpus and tokenizer are
+    built (which takes minutes for a large corpus). ``--init_from`` must be readable (or cached / reachable
+    on the Hub), ``--ckpt_path`` must exist, be readable and match the command's model settings; the data
+    and tokenizer fingerprints are compared again once they are known (``train``)."""
+    if cfg.init_from:
+        from experiments.weights import check_source
+
+        check_source(cfg.init_from)
+    if cfg.ckpt_path:
+        mcfg = model_config(cfg).resolve()
+        model = {k: v for k, v in _flatten(dataclasses.asdict(mcfg)).items() if k != "vocab_size"}  # from the tokenizer
+        resolve_ckpt(cfg, run_root(cfg.log_dir, mcfg), {"model": model}, notes=False)
+
+
+def without_ignored_options(argv: Sequence[str], parser: ArgumentParser) -> Tuple[List[str], Optional[str], List[str]]:
+    """(``argv`` without the model options its variant does not use, the variant, the dropped option names).
+
+    For commands built for several variants at once (sweeps, reproduction grids); a command line a user
+    typed is refused instead (``check_options_used``). Options from ``--config`` files are not dropped."""
+    from architectures.registry import get_variant, uses_option
+
+    argv, canonical = list(argv), expand_aliases(list(argv))  # item for item
+    try:
+        variant = parser.parse_args(canonical).model.variant
+        used = get_variant(variant).model_class().config_groups
+    except (SystemExit, argparse.ArgumentError, ConfigError, TypeError, ValueError):
+        return argv, None, []  # validation reports it
+
+    def ignored(head: str) -> bool:  # "--model.mod.capacity", or a whole group "--model.mod"
+        group, _, field = head.removeprefix("--model.").partition(".")
+        if not head.startswith("--model.") or group not in config_groups():
+            return False
+        return not uses_option(variant, f"{group}.{field}") if field else group not in used
+
+    kept, dropped, skip = [], [], False
+    for i, (item, name) in enumerate(zip(argv, canonical)):
+        head = name.partition("=")[0]
+        if skip:
+            skip = False
+        elif ignored(head):
+            dropped.append(head)
+            skip = "=" not in item and i + 1 < len(argv)  # "--key value": drop the value too
+        else:
+            kept.append(item)
+    return kept, variant, dropped
+
+
+def run_root(log_dir: str, mcfg: ModelConfig) -> pathlib.Path:
+    """``<log_dir>/<variant>-<size>``: the folder that holds this variant-size's run folders."""
+    return pathlib.Path(log_dir) / f"{mcfg.variant}-{mcfg.size}"
 
 
 def _as_dict(ns) -> Dict[str, Any]:
@@ -213,11 +278,14 @@ def run_version(cfg: Namespace, root: pathlib.Path, ckpt_path: Optional[str] = N
     return version
 
 
-def resolve_ckpt(cfg: Namespace, root: pathlib.Path, expected: Optional[Dict[str, Any]] = None) -> Optional[str]:
-    """The checkpoint to resume, checked against the command (``expected``: ``run_fingerprints``).
+def resolve_ckpt(cfg: Namespace, root: pathlib.Path, expected: Optional[Dict[str, Any]] = None,
+                 notes: bool = True) -> Optional[str]:
+    """The checkpoint to resume, checked against the command (``expected``: ``run_fingerprints``, or only
+    its ``model`` part before the data are known).
 
     ``last`` takes the newest ``last.ckpt`` under ``root`` among the runs trained with the same model,
-    data and tokenizer (others are skipped, and named); an explicit path must match too."""
+    data and tokenizer (others are skipped, and named unless ``notes`` is False); an explicit path must
+    match too."""
     if cfg.ckpt_path is None:
         return None
     if cfg.ckpt_path != "last":
@@ -229,14 +297,15 @@ def resolve_ckpt(cfg: Namespace, root: pathlib.Path, expected: Optional[Dict[str
         return cfg.ckpt_path
     candidates = sorted(root.glob("*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True)
     if not candidates:
-        raise FileNotFoundError(f"--ckpt_path last: no last.ckpt under {root}")
+        raise FileNotFoundError(f"--ckpt_path last: no last.ckpt under {root}; start a new run without --ckpt_path, "
+                                "or give the --log_dir, --variant and --size of the run to resume")
     if expected is None:
         return str(candidates[0])
     skipped = []
     for candidate in candidates:
         differences = checkpoint_differences(str(candidate), expected)
         if not differences:
-            for folder, why in skipped:
+            for folder, why in skipped if notes else ():
                 print(f"note: --ckpt_path last: skipped newer {folder} (different {why})", file=sys.stderr)
             return str(candidate)
         skipped.append((candidate.parent.parent, "; ".join(differences)))
@@ -265,6 +334,8 @@ def checkpoint_differences(path: str, expected: Dict[str, Any]) -> List[str]:
     out = [f"model.{k} ({saved_model.get(k)!r} in the checkpoint, {v!r} now)"
            for k, v in expected["model"].items() if saved_model.get(k) != v]
     saved = next((v["fingerprints"] for v in blob.values() if isinstance(v, dict) and "fingerprints" in v), None)
+    if "data" not in expected:  # up front, before the data are built: the model check only
+        return out
     if saved is None:  # checkpoints written before fingerprints were saved: the model check is all we have
         print(f"warning: {path} records no data/tokenizer fingerprints; only the model settings were checked",
               file=sys.stderr)
@@ -315,6 +386,7 @@ def main(argv: Optional[Sequence[str]] = None) -> pathlib.Path:
     parser = build_parser()
     cfg = parse_with_presets(parser, expand_aliases(list(sys.argv[1:] if argv is None else argv)))
     validate_up_front(cfg)
+    check_sources_up_front(cfg)
     return train(cfg, parser)
 
 

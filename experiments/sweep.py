@@ -31,7 +31,10 @@ memory plan per job (``experiments.memory``: peak per GPU from measured activati
 Paper-scale recipes live in ``experiments/configs/paper/`` (see docs/scale.md).
 
 Every configuration is parsed and validated exactly as ``experiments.run`` does (unknown variants,
-sizes, datasets, options or values) before the first job starts; an empty grid is an error.
+sizes, datasets, options or values) before the first job starts; an empty grid is an error. Model options
+of a group the configuration's variant does not use (``model.mod.capacity`` for ``vanilla``), which
+``experiments.run`` refuses, are instead dropped from that configuration and the duplicates this makes
+removed, both noted on stderr, so a grid may cross variants with one variant's options.
 """
 from __future__ import annotations
 
@@ -105,6 +108,21 @@ def parse_grid_args(items: Sequence[str]) -> Dict[str, List[Any]]:
     return grid
 
 
+def read_grid_file(file: pathlib.Path) -> Any:
+    """The YAML document of a grid file; a file that is not UTF-8 or not YAML is one line naming where."""
+    from datamodules.corpora import read_utf8
+
+    text = read_utf8(file)  # DataError "<file>:<line>: not UTF-8 text (byte ... at byte offset ...)"
+    try:
+        return yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{file}:{mark.line + 1}" if mark is not None else str(file)
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{where}: not a valid YAML grid file ({problem}); see python -m experiments.sweep --help "
+                          "for the format") from None
+
+
 def load_grid(path: Optional[str], items: Sequence[str]) -> Tuple[List[List[str]], List[str], List[str]]:
     """(configurations, common options, sbatch options) from a YAML file and/or ``--grid`` items."""
     common: List[str] = []
@@ -114,7 +132,7 @@ def load_grid(path: Optional[str], items: Sequence[str]) -> Tuple[List[List[str]
         file = pathlib.Path(path)
         if not file.is_file():
             raise FileNotFoundError(f"grid file {file} not found")
-        spec = yaml.safe_load(file.read_text()) or {}
+        spec = read_grid_file(file)
         if not isinstance(spec, dict):
             raise ConfigError(f"{file}: expected a mapping with 'grid' (and optionally 'options', 'sbatch')")
         unknown = set(spec) - {"grid", "options", "sbatch"}
@@ -131,6 +149,30 @@ def load_grid(path: Optional[str], items: Sequence[str]) -> Tuple[List[List[str]
     if not grids:
         raise ConfigError("grid: the grid is empty (give a GRID.yaml or --grid KEY=VALUES)")
     return expand(grids), common, sbatch
+
+
+def drop_ignored_options(configurations: Sequence[Sequence[str]]) -> List[List[str]]:
+    """Remove from each configuration the model options its variant does not use (a grid over
+    ``model.mod.capacity`` and ``variant=vanilla,mod`` gives vanilla no capacity), then the duplicates
+    this makes; both are said on stderr. ``experiments.run`` itself refuses such options."""
+    from experiments.run import build_parser, without_ignored_options
+
+    parser = build_parser()
+    out: List[List[str]] = []
+    dropped: Dict[str, set] = {}
+    for argv in configurations:
+        kept, variant, names = without_ignored_options(argv, parser)
+        if names:
+            dropped.setdefault(variant, set()).update(names)
+        out.append(kept)
+    unique = [argv for i, argv in enumerate(out) if argv not in out[:i]]
+    for variant, options in sorted(dropped.items()):
+        print(f"note: sweep: {variant} does not use {', '.join(sorted(options))}; dropped from its configurations",
+              file=sys.stderr)
+    if len(unique) < len(out):
+        print(f"note: sweep: {len(out) - len(unique)} duplicate configuration(s) removed; {len(unique)} remain",
+              file=sys.stderr)
+    return unique
 
 
 def validate(configurations: Sequence[Sequence[str]]) -> List[Any]:
@@ -249,7 +291,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[List[str]]:
                         help="--dry_run memory plan: GPU memory per device in GiB (docs/scale.md)")
     args = parser.parse_args(argv)
     grid, file_common, sbatch = load_grid(args.grid_file, args.grid)
-    configurations = [[*file_common, *common, *config] for config in grid]
+    configurations = drop_ignored_options([[*file_common, *common, *config] for config in grid])
     parsed = validate(configurations)
     jobs = commands(configurations, parsed, args.launcher, [*sbatch, *shlex.split(args.sbatch_args)],
                     pathlib.Path(args.sbatch))

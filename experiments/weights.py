@@ -67,6 +67,53 @@ def read_source(source: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Optiona
     return state, meta
 
 
+_HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+
+
+def check_source(source: str) -> None:
+    """Fail in seconds on an ``--init_from`` that cannot be loaded, before any data is built: a missing,
+    truncated or foreign file, a Hugging Face folder without weights, or a Hub model that is neither cached
+    nor reachable. (Whether its tensors fit the model is checked when it is loaded.)"""
+    path = pathlib.Path(source)
+    if source.startswith("hf:"):
+        name = source.removeprefix("hf:")
+        if pathlib.Path(name).is_dir():
+            return check_source(name)
+        from datamodules.corpora import hub_reachable
+
+        if not _hf_cached(name) and not hub_reachable():
+            raise FileNotFoundError(_hf_offline_message(name))
+        return
+    if path.is_dir() and (path / "config.json").is_file():
+        if not any((path / w).is_file() for w in _HF_WEIGHTS):
+            raise FileNotFoundError(f"init_from: {path} has config.json but no weights ({' or '.join(_HF_WEIGHTS)})")
+        return
+    if not path.exists():
+        raise FileNotFoundError(f"init_from: {source} does not exist; pass a checkpoint file (.ckpt), hf:<id> or a "
+                                "Hugging Face folder")
+    if not path.is_file():
+        raise FileNotFoundError(f"init_from: {source} is neither a checkpoint file, 'hf:<id>' nor a Hugging Face folder")
+    read_checkpoint(path, "init_from")
+
+
+def _hf_cached(name: str) -> bool:
+    """Whether the Hugging Face cache holds ``name``'s config and weights (no network)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    def cached(filename: str) -> bool:
+        return isinstance(try_to_load_from_cache(name, filename), str)
+
+    try:
+        return cached("config.json") and any(cached(w) for w in _HF_WEIGHTS)
+    except ValueError:  # not a valid repo id
+        return False
+
+
+def _hf_offline_message(name: str) -> str:
+    return (f"init_from: Hugging Face model {name!r} is not cached and the Hub is unreachable (or HF_HUB_OFFLINE=1); "
+            "pass a local folder with config.json + model.safetensors")
+
+
 def _hf_state(source: str) -> Dict[str, torch.Tensor]:
     from transformers import GPT2LMHeadModel
 
@@ -77,12 +124,13 @@ def _hf_state(source: str) -> Dict[str, torch.Tensor]:
         try:
             hf = GPT2LMHeadModel.from_pretrained(source, local_files_only=True)
         except OSError as err:
-            raise FileNotFoundError(
-                f"init_from: Hugging Face model {source!r} is not cached and the Hub is unreachable; "
-                "pass a local folder with config.json + model.safetensors"
-            ) from err
+            raise FileNotFoundError(_hf_offline_message(source)) from err
     else:
-        hf = GPT2LMHeadModel.from_pretrained(source)
+        try:
+            hf = GPT2LMHeadModel.from_pretrained(source)
+        except OSError as err:  # e.g. no such model on the Hub, or a folder without weights
+            reason = (str(err).strip().splitlines() or ["unreadable"])[0][:200]
+            raise FileNotFoundError(f"init_from: cannot load Hugging Face model {source!r} ({reason})") from None
     return state_dict_from_hf(hf.state_dict())
 
 

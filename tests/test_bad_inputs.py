@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from experiments import finetune, run
+from experiments import analyze, bench, finetune, run, sweep
 from tests.conftest import REPO, TINY_RUN
 
 SECONDS = 30  # generous for a loaded 2-core CI machine; the failures themselves take well under 5 s
@@ -58,6 +58,23 @@ def inputs(tmp_path_factory) -> pathlib.Path:
     (root / "glue_parquet" / "sst2").mkdir(parents=True)
     (root / "glue_parquet" / "sst2" / "train-00000.parquet").write_bytes(b"not parquet at all")
     (root / "glue_parquet" / "sst2" / "validation.jsonl").write_text('{"sentence": "ok", "label": 1}\n')
+    # issue 20: a GLUE folder with two validation files; a one-token corpus; sweep grids that are not
+    # YAML / not UTF-8; routing statistics without sites, with a broken line, not UTF-8
+    (root / "glue_two" / "RTE").mkdir(parents=True)
+    (root / "glue_two" / "RTE" / "train.tsv").write_text("index\tsentence1\tsentence2\tlabel\n0\ta\tb\tentailment\n")
+    for name in ("val.jsonl", "validation.jsonl"):
+        (root / "glue_two" / "RTE" / name).write_text('{"premise": "a", "hypothesis": "b", "label": 0}\n')
+    (root / "tiny.txt").write_text("a")
+    (root / "hf_no_weights").mkdir()
+    (root / "hf_no_weights" / "config.json").write_text('{"model_type": "gpt2"}')
+    (root / "vanilla_with_moe.yaml").write_text("model:\n  moe:\n    top_k: 2\n")
+    (root / "grid_bad.yaml").write_text("grid: [unclosed\n  variant: vanilla\n")
+    (root / "grid_latin1.yaml").write_bytes(b"grid:\n  variant: [caf\xe9]\n")
+    for name, lines in (("stats_nosites", b'{"step": 1, "transitions": []}\n'),
+                        ("stats_broken", b'{"step": 1, "sites": {}, "transitions": []}\n{"step": 2, "si\n'),
+                        ("stats_latin1", b'{"step": 1, "sites": {"caf\xe9": 1}}\n')):
+        (root / name / "routing").mkdir(parents=True)
+        (root / name / "routing" / "stats.jsonl").write_bytes(lines)
     # one real checkpoint (block_size 64) to resume with the wrong settings, and a truncated copy
     ckpt_run = run.main(["--data", "text", "--data.path", str(root / "good.txt"), "--tokenizer", "bytes",
                          "--max_steps", "1", "--val_every", "1", "--log_dir", str(root / "ckpt_runs"),
@@ -122,13 +139,52 @@ CASES = [
     ("ckpt-other-size", "run", _good("--ckpt_path", "{d}/last.ckpt", "--size", "small"), r"model\.size \('tiny'"),
     ("ckpt-other-data", "run", lambda d: [*_text("latin1.jsonl")(d)[:-4], "--data.path", str(d / "nokey.jsonl"),
                                           "--tokenizer", "bytes", "--ckpt_path", str(d / "last.ckpt")], r"different data \(text:text-"),
-    ("init_from-missing", "run", _good("--init_from", "{d}/none.ckpt"), r"init_from: .*none\.ckpt is neither"),
+    ("init_from-missing", "run", _good("--init_from", "{d}/none.ckpt"), r"init_from: .*none\.ckpt does not exist"),
     ("init_from-truncated", "run", _good("--init_from", "{d}/truncated.ckpt"), r"init_from: .*truncated\.ckpt is not a readable"),
     ("init_from-not-a-checkpoint", "run", _good("--init_from", "{d}/notes.ckpt"), r"init_from: .*notes\.ckpt is not a readable"),
     # issue 20: an unwritable log dir is found before the data are prepared (a folder below a file: even root
     # cannot write there; read-only and permission cases are in tests/test_nothing_lost.py)
     ("log_dir-below-a-file", "run", _good("--log_dir", "{d}/good.txt/runs"),
      r"log_dir: cannot write to .*good\.txt/runs\S* \(Not a directory\); make it writable or choose another --log_dir"),
+    # issue 20: argument errors found before the data, options that would be ignored, one-line errors
+    ("init_from-hf-offline", "run", _good("--init_from", "hf:dyncomp-tests/not-cached"),
+     r"init_from: Hugging Face model 'dyncomp-tests/not-cached' is not cached and the Hub is unreachable"),
+    ("init_from-hf-folder-without-weights", "run", _good("--init_from", "{d}/hf_no_weights"),
+     r"init_from: .*hf_no_weights has config\.json but no weights"),
+    ("unused-group-option", "run", lambda d: ["--model.mod.capacity", "0.5"],
+     r"model\.mod\.capacity: the vanilla variant does not use this option \(set to 0\.5\); it applies to mod, "
+     r"mode_integrated, mode_staged"),
+    ("unused-group-option-in-yaml", "run", lambda d: ["--config", str(d / "vanilla_with_moe.yaml")],
+     r"model\.moe\.top_k: the vanilla variant does not use this option"),
+    ("overridden-field-cea_moe", "run", lambda d: ["--variant", "cea_moe", "--model.moe.num_experts", "16"],
+     r"model\.moe\.num_experts: the cea_moe variant does not use this option"),
+    ("probe-with-path", "run", lambda d: ["--data", "probe/arith", "--data.path", str(d / "good.txt")],
+     r"data\.path: dataset 'probe/arith' does not read this option; it applies to openwebtext, slimpajama, text"),
+    ("probe-v2-with-path", "run", lambda d: ["--data", "probe-v2/recall", "--data.path", str(d / "good.txt")],
+     r"data\.path: dataset 'probe-v2/recall' does not read this option; it applies to openwebtext, slimpajama, text"),
+    ("text-with-max_tokens", "run", _good("--data.max_tokens", "1000"), r"data\.max_tokens: dataset 'text' does not read"),
+    ("text-too-small", "run", _text("tiny.txt"),
+     r"dataset 'text' \(.*tiny\.txt\) has 2 tokens: fewer than two blocks of 65 .*smaller --model\.block_size"),
+    ("sweep-grid-not-yaml", "sweep", lambda d: [str(d / "grid_bad.yaml"), "--dry_run"],
+     r"grid_bad\.yaml:2: not a valid YAML grid file"),
+    ("sweep-grid-not-utf8", "sweep", lambda d: [str(d / "grid_latin1.yaml"), "--dry_run"],
+     r"grid_latin1\.yaml:2: not UTF-8 text"),
+    ("bench-set-unknown-field", "bench", lambda d: ["--set", "foo.bar=1"], r"--set foo\.bar: no such model config field"),
+    ("bench-set-without-value", "bench", lambda d: ["--set", "d_model"], r"--set d_model: expected FIELD=VALUE"),
+    ("bench-set-unused", "bench", lambda d: ["--set", "mod.capacity=0.5"],
+     r"--set mod\.capacity=0\.5: none of the benchmarked variants \(vanilla\) uses model\.mod\.capacity"),
+    ("analyze-stats-without-sites", "analyze", lambda d: ["routing", str(d / "stats_nosites")],
+     r"stats_nosites/routing/stats\.jsonl:1: not a routing statistics record: no 'sites' field"),
+    ("analyze-stats-broken-line", "analyze", lambda d: ["routing", str(d / "stats_broken")],
+     r"stats_broken/routing/stats\.jsonl:2: not valid JSON"),
+    ("analyze-stats-not-utf8", "analyze", lambda d: ["routing", str(d / "stats_latin1")],
+     r"stats_latin1/routing/stats\.jsonl:1: not UTF-8 text"),
+    ("ft-glue-two-validation-files", "finetune", _ft("--task", "glue/rte", "--data.path", "{d}/glue_two"),
+     r"RTE: several glue/rte validation files \(val\.jsonl, validation\.jsonl\); keep one"),
+    ("ft-unused-group-option", "finetune", _ft("--task", "glue/sst2", "--data.path", "{d}/glue", "--model.mot.top_k", "1"),
+     r"model\.mot\.top_k: the vanilla variant does not use this option"),
+    ("ft-init_from-hf-offline", "finetune", _ft("--task", "glue/sst2", "--data.path", "{d}/glue", "--init_from",
+                                                "hf:dyncomp-tests/not-cached"), r"init_from: Hugging Face model .* is not cached"),
     ("ft-unknown-task", "finetune", _ft("--task", "summarise"), r"task: unknown task 'summarise'"),
     ("ft-max_train_examples-0", "finetune", _ft("--task", "glue/sst2", "--data.max_train_examples", "0"),
      r"data\.max_train_examples: must be a positive integer"),
@@ -151,21 +207,31 @@ CASES = [
     ("ft-eval_only-no-head", "finetune", _ft("--task", "glue/sst2", "--data.path", "{d}/glue", "--eval_only", "true",
                                              "--init_from", "{d}/last.ckpt"), r"has no trained glue/sst2 classification head"),
 ]
-SUBPROCESS_CASES = {"text-not-utf8", "ckpt-truncated", "ft-max_train_examples-0"}
+SUBPROCESS_CASES = {"text-not-utf8", "ckpt-truncated", "ft-max_train_examples-0", "bench-set-unknown-field",
+                    "analyze-stats-without-sites"}
+LEAVES_A_VALID_TOKEN_CACHE = {"text-too-small"}  # the corpus was tokenised correctly; it is only too short
+ENTRIES = {"run": run.main, "finetune": finetune.main, "sweep": sweep.main, "bench": bench.main, "analyze": analyze.main}
+# options that keep a bench row quick should today's code run it instead of refusing it
+QUICK_BENCH = ["--steps", "1", "--warmup", "0", "--no_hf", "--no_minimal", "--device", "cpu", "--size", "tiny"]
 
 
 def _argv(command: str, build, inputs: pathlib.Path, out: pathlib.Path):
     if command == "run":
         return [*TINY_RUN, "--max_steps", "2", "--log_dir", str(out / "logs"), "--data.cache_dir", str(out / "cache"),
                 *build(inputs)]
-    return [*TINY_FINETUNE, "--max_steps", "1", "--log_dir", str(out / "logs"), *build(inputs)]
+    if command == "finetune":
+        return [*TINY_FINETUNE, "--max_steps", "1", "--log_dir", str(out / "logs"), *build(inputs)]
+    return [*build(inputs), *(QUICK_BENCH if command == "bench" else [])]
 
 
-def _left_behind(out: pathlib.Path):
+def _left_behind(out: pathlib.Path, name: str = ""):
     """Files a later run could take for a valid run, checkpoint or token cache."""
     valid_looking = {"config.yaml", "summary.json", "results.json", "glue_results.json", "meta.json"}
-    return [p for p in out.rglob("*") if p.is_file() and (p.name in valid_looking or p.suffix == ".ckpt"
-                                                          or p.name.startswith("tokens.bin"))]
+    found = [p for p in out.rglob("*") if p.is_file() and (p.name in valid_looking or p.suffix == ".ckpt"
+                                                           or p.name.startswith("tokens.bin"))]
+    if name in LEAVES_A_VALID_TOKEN_CACHE:
+        found = [p for p in found if p.parent.parent.name != "tokens"]
+    return found
 
 
 def _assert_one_line(stderr: str, pattern: str):
@@ -182,14 +248,13 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(name, command, build, p
                                                          monkeypatch):
     monkeypatch.setenv("DYNCOMP_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    entry = run.main if command == "run" else finetune.main
     start = time.time()
     with pytest.raises(SystemExit) as exit_info:
-        run.cli(entry, _argv(command, build, inputs, tmp_path))
+        run.cli(ENTRIES[command], _argv(command, build, inputs, tmp_path))
     assert time.time() - start < SECONDS
     assert exit_info.value.code == 2
     _assert_one_line(capsys.readouterr().err, pattern)
-    assert _left_behind(tmp_path) == []
+    assert _left_behind(tmp_path, name) == []
 
 
 @pytest.mark.parametrize("name,command,build,pattern", [c for c in CASES if c[0] in SUBPROCESS_CASES],
@@ -201,7 +266,7 @@ def test_bad_input_end_to_end_in_a_subprocess(name, command, build, pattern, inp
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     _assert_one_line(proc.stderr, pattern)
-    assert _left_behind(tmp_path) == []
+    assert _left_behind(tmp_path, name) == []
 
 
 def test_disk_full_while_building_the_cache_says_where_and_how_much(inputs, tmp_path, capsys, monkeypatch):
@@ -235,3 +300,69 @@ def test_disk_full_while_building_the_cache_says_where_and_how_much(inputs, tmp_
                      rf"disk full while building the token cache in {tmp_path}/cache/tokens/.*: 0\.0 KiB written, "
                      rf"[\d,.]+ [MKG]iB free, needs up to {size:.1f} KiB in all")
     assert _left_behind(tmp_path) == []
+
+
+# ---------------------------------------------------------------------------- issue 20: errors before the data
+# Argument errors of experiments.run that need no corpus or tokenizer: each must be reported before either
+# is built (building them takes minutes for a large corpus; these used to come after it, 54-121 s in).
+BEFORE_THE_DATA = ["init_from-missing", "init_from-truncated", "init_from-not-a-checkpoint", "init_from-hf-offline",
+                   "init_from-hf-folder-without-weights", "ckpt-missing", "ckpt-truncated", "ckpt-not-a-checkpoint",
+                   "ckpt-last-nothing", "ckpt-other-block_size", "ckpt-other-variant", "ckpt-other-size",
+                   "unused-group-option", "unused-group-option-in-yaml", "overridden-field-cea_moe", "probe-with-path",
+                   "text-with-max_tokens"]
+
+
+@pytest.mark.parametrize("name,command,build,pattern", [c for c in CASES if c[0] in BEFORE_THE_DATA],
+                         ids=[c[0] for c in CASES if c[0] in BEFORE_THE_DATA])
+def test_argument_errors_come_before_the_corpus_and_tokenizer(name, command, build, pattern, inputs, tmp_path, capsys,
+                                                              monkeypatch):
+    from datamodules import lm
+
+    def data_preparation(*args, **kwargs):
+        raise AssertionError("the data module was built before the argument error was found")
+
+    monkeypatch.setattr(lm.LMDataModule, "__init__", data_preparation)
+    monkeypatch.setenv("DYNCOMP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    start = time.time()
+    with pytest.raises(SystemExit) as exit_info:
+        run.cli(run.main, _argv(command, build, inputs, tmp_path))
+    assert time.time() - start < 15  # the checks themselves take well under a second
+    assert exit_info.value.code == 2
+    _assert_one_line(capsys.readouterr().err, pattern)
+
+
+SLOW_ARGUMENT_ERRORS = [  # the issue's measurements: 121 s, 101 s, 54-64 s before the error
+    (["--init_from", "hf:dyncomp-tests/not-cached"], r"init_from: Hugging Face model .* is not cached"),
+    (["--ckpt_path", "last"], r"--ckpt_path last: no last\.ckpt under"),
+    (["--init_from", "{d}/none.ckpt"], r"init_from: .*none\.ckpt does not exist"),
+    (["--ckpt_path", "{d}/none.ckpt"], r"ckpt_path: .*none\.ckpt does not exist"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra,pattern", SLOW_ARGUMENT_ERRORS, ids=["hf-offline", "ckpt-last", "init-missing", "ckpt-missing"])
+def test_argument_errors_end_a_fresh_process_within_seconds_without_preparing_data(extra, pattern, tmp_path):
+    """As a user runs it: the default corpus and tokenizer (whose preparation writes the cache folder),
+    a fresh process and cache. The cache folder must never have been created, and the process must end
+    within seconds: its CPU time (load-independent: ~5 s, nearly all importing torch and Lightning) under
+    15 s, its wall time under 90 s even on a CI machine loaded many times over (the wall bound catches
+    waits on the network, which cost no CPU time)."""
+    env = dict(os.environ, DYNCOMP_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    env.pop("DYNCOMP_RUN_VERSION", None)
+    argv = [a.format(d=tmp_path) for a in extra]
+    start, cpu_before = time.time(), _children_cpu_seconds()
+    proc = subprocess.run([sys.executable, "-m", "experiments.run", "--max_steps", "2", "--log_dir",
+                           str(tmp_path / "logs"), *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    elapsed, cpu = time.time() - start, _children_cpu_seconds() - cpu_before
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    _assert_one_line(proc.stderr, pattern)
+    assert not (tmp_path / "cache").exists(), "data preparation started before the argument error"
+    assert cpu < 15 and elapsed < 90, f"the argument error came after {cpu:.1f} CPU s, {elapsed:.1f} s wall clock"
+
+
+def _children_cpu_seconds() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime

@@ -60,8 +60,12 @@ class Context:
         steps = self.steps if steps is None else steps
         budget_options = [] if budget is None else ["--max_train_flops", repr(float(budget))]
         # One validation + checkpoint at the end: last.ckpt is the final model, evaluated offline.
-        return ["--size", self.size, "--max_steps", str(steps), *budget_options, "--val_every", str(steps),
+        argv = ["--size", self.size, "--max_steps", str(steps), *budget_options, "--val_every", str(steps),
                 "--seed", str(self.seed), "--log_dir", str(self.log_dir), *self.run_options, *options]
+        from experiments.run import without_ignored_options
+
+        # common options may hold one variant's settings (e.g. the probe grid's model.mom.router_hidden)
+        return without_ignored_options(argv, self.parser())[0]
 
     # ------------------------------------------------------------------ validation before any run
     def parser(self):
