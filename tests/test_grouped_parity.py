@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from architectures import ModelConfig, build_model
 from architectures import flops as F_
-from architectures.config import MoEConfig
+from architectures.moe import MoEConfig
 from architectures.dispatch import dense_reference, sorted_dispatch
 from architectures.gpt2 import MLP
 from architectures.grouped_gemm import alignment_padding_rows, expert_dispatch, grouped_dispatch, grouped_mm_op
