@@ -12,7 +12,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from architectures import ModelConfig, build_model
 from architectures import flops as F_
 from architectures.moe import MoEConfig
-from architectures.dispatch import dense_reference, sorted_dispatch
+from architectures.dispatch import sorted_dispatch
+from tests.references import dense_reference
 from architectures.gpt2 import MLP
 from architectures.grouped_gemm import alignment_padding_rows, expert_dispatch, grouped_dispatch, grouped_mm_op
 
