@@ -360,7 +360,7 @@ def make_trainer(cfg: Namespace, save_dir: pathlib.Path, name: str, version: str
     import lightning as L
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from experiments.storage import atomic_checkpoint_io
+    from lightning_modules.storage import atomic_checkpoint_io
 
     devices = cfg.trainer.devices
     return L.Trainer(
