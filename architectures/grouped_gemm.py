@@ -105,17 +105,11 @@ def use_grouped_mm(x: torch.Tensor, experts: Sequence) -> bool:
     return x.is_cuda and _cuda_grouped_mm_capable(x.device.index or 0) and _bf16_compute(x)
 
 
-def expert_dispatch(
-    x: torch.Tensor,
-    selected: torch.Tensor,
-    weights: torch.Tensor,
-    experts: Sequence,
-    keep: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+def expert_dispatch(x: torch.Tensor, selected: torch.Tensor, weights: torch.Tensor, experts: Sequence,
+                    keep: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``sorted_dispatch``'s contract; the grouped-GEMM path where it applies."""
-    if use_grouped_mm(x, experts):
-        return grouped_dispatch(x, selected, weights, experts, keep)
-    return sorted_dispatch(x, selected, weights, experts, keep)
+    dispatch = grouped_dispatch if use_grouped_mm(x, experts) else sorted_dispatch
+    return dispatch(x, selected, weights, experts, keep)
 
 
 def _stacked(experts, linear: str, dtype: torch.dtype):

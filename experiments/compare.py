@@ -42,6 +42,8 @@ from architectures.config import ConfigError
 # that do not change what it computed.
 IGNORED = ("seed", "log_dir", "version", "ckpt_path", "config", "__path__", "data.cache_dir", "data.num_workers",
            "trainer.default_root_dir")
+# Options that are only caps in runs a FLOPs budget stopped (experiments.repro sizes them per variant).
+BUDGET_CAPS = ("trainer.max_steps", "val_every")
 # Short names accepted by --group_by (as on experiments.run's command line).
 GROUP_ALIASES = {"variant": "model.variant", "size": "model.size", "data": "data.name", "tokenizer": "data.tokenizer",
                  "max_steps": "trainer.max_steps", "batch_size": "data.batch_size"}
@@ -271,6 +273,9 @@ def differing_options(runs: Sequence[Run]) -> List[str]:
     """Config keys whose values differ between the runs (seed and output paths excluded)."""
     keys = sorted({k for r in runs for k in r.config if not _ignored(k)})
     differ = [k for k in keys if _differs(k, runs)]
+    # runs that a FLOPs budget stopped: --max_steps (and the validation interval set to it) was only a cap
+    if all(r.summary.get("stopped_by") == "max_train_flops" for r in runs):
+        differ = [k for k in differ if k not in BUDGET_CAPS]
     # model.preset follows the variant (the preset of each variant): it adds nothing to the variant column
     if all(r.config.get("model.preset") in (None, r.config.get("model.variant")) for r in runs):
         differ = [k for k in differ if k != "model.preset"]

@@ -199,6 +199,18 @@ def test_probe_accuracy_columns_appear_only_for_probe_runs_and_are_seed_means(ru
     assert "| acc L0 | acc L4 | Pareto |" in markdown and "0.7000 ± 0.1414" in markdown
 
 
+def test_step_caps_of_runs_a_flops_budget_stopped_are_no_difference(runs, tmp_path):
+    folders = copy_runs(runs, tmp_path)
+    for (variant, seed), folder in folders.items():  # budget runs: each variant with its own --max_steps cap
+        edit_config(folder, "trainer.max_steps", {"vanilla": 40, "mod": 70}[variant])
+        edit_summary(folder, stopped_by="max_train_flops", max_train_flops=1e9)
+    assert compare.differing_options(compare.read_runs(folders.values())) == ["model.mod.capacity", "model.variant"]
+    stopped = folders[("mod", 1)]  # one run the cap stopped (finished at its cap): the cap is a difference
+    edit_summary(stopped, stopped_by="max_steps")
+    edit_config(stopped, "trainer.max_steps", json.loads((stopped / "summary.json").read_text())["steps"])
+    assert "trainer.max_steps" in compare.differing_options(compare.read_runs(folders.values()))
+
+
 def test_pareto_front_by_hand():
     points = [(1.0, 3.0), (2.0, 2.0), (3.0, 2.5), (4.0, 1.0), (2.0, 2.0), (None, 0.5)]
     assert compare.pareto_front(points) == [True, True, False, True, True, False]
