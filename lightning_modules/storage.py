@@ -16,7 +16,7 @@ import os
 import pathlib
 import re
 import tempfile
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 # errnos that mean "this place cannot be written": the user must free space or choose another folder
 STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EFBIG}
@@ -103,18 +103,16 @@ def fsync_folder(folder: pathlib.Path) -> None:
         os.close(fd)
 
 
-def atomic_torch_save(obj: Any, path: Any, what: str = "save checkpoint") -> None:
-    """``torch.save`` to a temp file beside ``path``, fsync, rename: ``path`` is whole or untouched."""
-    import torch
-
-    path = pathlib.Path(path)
+def _write_atomic(path: pathlib.Path, write: Callable[[Any], None], mode: str, what: str, hint: str = "") -> None:
+    """``write(handle)`` into a temp file beside ``path``, fsync, rename, sync the folder: ``path`` is whole or
+    untouched. A full disk or a permission / read-only error is a ``StorageError`` (one line, ``hint`` added)."""
     tmp: Optional[str] = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         os.fchmod(fd, 0o666 & ~_UMASK)
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(obj, handle)
+        with os.fdopen(fd, mode) as handle:
+            write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
@@ -122,8 +120,7 @@ def atomic_torch_save(obj: Any, path: Any, what: str = "save checkpoint") -> Non
         fsync_folder(path.parent)
     except OSError as err:
         if err.errno in STORAGE_ERRNOS:
-            raise StorageError(storage_message(path, err, what)
-                               + (", then resume with --ckpt_path last" if "checkpoint" in what else "")) from None
+            raise StorageError(storage_message(path, err, what) + hint) from None
         raise
     finally:
         if tmp is not None:
@@ -131,6 +128,14 @@ def atomic_torch_save(obj: Any, path: Any, what: str = "save checkpoint") -> Non
                 os.unlink(tmp)
             except OSError:
                 pass
+
+
+def atomic_torch_save(obj: Any, path: Any, what: str = "save checkpoint") -> None:
+    """``torch.save`` to a temp file beside ``path``, fsync, rename: ``path`` is whole or untouched."""
+    import torch
+
+    hint = ", then resume with --ckpt_path last" if "checkpoint" in what else ""
+    _write_atomic(pathlib.Path(path), lambda handle: torch.save(obj, handle), "wb", what, hint)
 
 
 def atomic_checkpoint_io():
@@ -148,23 +153,4 @@ def atomic_checkpoint_io():
 
 def write_text_atomic(path: pathlib.Path, text: str, what: str = "write") -> None:
     """Small files (summary.json): temp file beside ``path``, then rename; a storage error is one line."""
-    tmp: Optional[str] = None
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        os.fchmod(fd, 0o666 & ~_UMASK)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-        tmp = None
-    except OSError as err:
-        if err.errno in STORAGE_ERRNOS:
-            raise StorageError(storage_message(path, err, what)) from None
-        raise
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+    _write_atomic(pathlib.Path(path), lambda handle: handle.write(text), "w", what)
