@@ -76,7 +76,8 @@ class FlopsBudget:
         self.spent += step
         self.steps_counted = completed
         self.dearest_step = max(self.dearest_step, step)
-        if completed == warmup_steps:
+        # the cosine starts here (later than at warmup_steps only after a resume that changed optim.warmup_steps)
+        if self.warmup_fraction is None and completed >= warmup_steps:
             self.warmup_fraction = self.fraction()
         if self.stop_step is None and self.exhausted:
             self.stop_step = completed
@@ -114,7 +115,7 @@ class FlopsBudget:
         runs, after the step was counted."""
         if warmup_steps <= 0:
             return self.fraction()
-        start = self.warmup_fraction if self.warmup_fraction is not None else self.fraction()
+        start = self.warmup_fraction if self.warmup_fraction is not None else 0.0
         if start >= 1.0:
             return 1.0
         return min(1.0, max(0.0, (self.fraction() - start) / (1.0 - start)))

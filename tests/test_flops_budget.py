@@ -208,6 +208,8 @@ def test_resume_keeps_the_count_and_stops_at_the_same_step(tmp_path, one_thread)
     curve = dict(_summary(first)["train_loss_curve"]) | dict(resumed["train_loss_curve"])
     for step, loss in straight["train_loss_curve"]:
         assert curve[step] == pytest.approx(loss, abs=1e-6), step  # same LR at every step: same trajectory
+    again = _summary(_budget_run(tmp_path / "b", "mod", budget, "--ckpt_path", "last"))  # a finished run: no more steps
+    assert again["steps"] == 6 and again["train_flops"] == resumed["train_flops"]
 
 
 def test_a_run_without_budget_cannot_be_resumed_with_one(tmp_path, one_thread):
