@@ -55,6 +55,7 @@ class FlopsBudget:
         self.warmup_fraction: Optional[float] = None  # ``fraction()`` when the LR warmup ended
         self.dearest_step = 0.0  # the largest global count of one step so far
         self._pending = 0.0  # this rank's micro-batches of the running step
+        self._announced: Optional[int] = None  # the latest step announced as possibly the last before it was counted
 
     # ------------------------------------------------------------------ counting
     def add(self, model, trace: Optional[Sequence[Any]], shape) -> None:
@@ -65,6 +66,8 @@ class FlopsBudget:
 
     def close_step(self, trainer, completed: int, warmup_steps: int = 0) -> None:
         """At the step's last micro-batch, before its logging decisions: add every rank's count; stop at the budget."""
+        if self.stop_step is None and self._may_reach(completed):
+            self._announced = completed  # its measurement started as a last step's: it stays one (see may_end_at)
         step = self._pending
         self._pending = 0.0
         if trainer.world_size > 1:  # the same sum on every rank: every rank takes the same decision
@@ -73,7 +76,8 @@ class FlopsBudget:
         self.spent += step
         self.steps_counted = completed
         self.dearest_step = max(self.dearest_step, step)
-        if completed == warmup_steps:
+        # the cosine starts here (later than at warmup_steps only after a resume that changed optim.warmup_steps)
+        if self.warmup_fraction is None and completed >= warmup_steps:
             self.warmup_fraction = self.fraction()
         if self.stop_step is None and self.exhausted:
             self.stop_step = completed
@@ -88,15 +92,18 @@ class FlopsBudget:
         return min(1.0, self.spent / self.max_flops)
 
     def may_end_at(self, completed: int) -> bool:
-        """Whether step ``completed`` is (once counted) or may be (before) the step that reaches the budget.
+        """Whether step ``completed`` is or may be the step that reaches the budget.
 
-        Exact once the step is counted; for a step not counted yet (the earlier micro-batches of a step under
-        gradient accumulation, whose callbacks must already know) true when the budget left is within
-        ``END_MARGIN`` of the dearest steps so far, so the last step is always among the measured ones."""
-        if self.stop_step is not None:
-            return completed == self.stop_step
+        Before the step is counted (the earlier micro-batches of a step under gradient accumulation, whose
+        callbacks must already know): true when the budget left is within ``END_MARGIN`` of the dearest steps
+        so far, so the last step is always among the measured ones. The answer never changes within a step
+        (a callback that began to measure the step at its first micro-batch must end at its last): once
+        counted, true for the step that reached the budget and for a step announced before it was counted."""
         if completed <= self.steps_counted:
-            return False
+            return completed == self.stop_step or completed == self._announced
+        return self.stop_step is None and self._may_reach(completed)
+
+    def _may_reach(self, completed: int) -> bool:
         left = self.max_flops - self.spent
         return self.dearest_step > 0 and left <= (completed - self.steps_counted) * END_MARGIN * self.dearest_step
 
@@ -108,7 +115,7 @@ class FlopsBudget:
         runs, after the step was counted."""
         if warmup_steps <= 0:
             return self.fraction()
-        start = self.warmup_fraction if self.warmup_fraction is not None else self.fraction()
+        start = self.warmup_fraction if self.warmup_fraction is not None else 0.0
         if start >= 1.0:
             return 1.0
         return min(1.0, max(0.0, (self.fraction() - start) / (1.0 - start)))

@@ -85,6 +85,61 @@ def test_command_line_budget_error_is_one_line_and_exit_2():
     assert proc.stderr.strip().splitlines()[-1].startswith("error: max_train_flops: must be a positive")
 
 
+# ---------------------------------------------------------------------------- the counter on its own
+class _Model:
+    """flops_per_token of a model whose routing spends ``costs[i]`` training FLOPs per token on the i-th batch."""
+
+    def __init__(self, costs):
+        self.costs = list(costs)
+
+    def flops_per_token(self, trace, seq_len):
+        from architectures.flops import Flops
+
+        return Flops(ffn=self.costs.pop(0) / 3.0)  # training = 3 x forward
+
+
+def _steps(budget, costs, accumulate=1, warmup=0):
+    """Drive a FlopsBudget like training_step does; per step: (may_end before counting, after, stopped)."""
+    from types import SimpleNamespace
+
+    from lightning_modules.flops_budget import FlopsBudget
+
+    trainer = SimpleNamespace(world_size=1, should_stop=False)
+    counter, model, out = FlopsBudget(budget), _Model(costs), []
+    step = 0
+    while not trainer.should_stop and model.costs:
+        step += 1
+        before = counter.may_end_at(step)  # what the callbacks see at the step's first micro-batch
+        for _ in range(accumulate):
+            counter.add(model, None, (1, 1))
+        counter.close_step(trainer, step, warmup)
+        out.append((before, counter.may_end_at(step), trainer.should_stop))
+    return counter, out
+
+
+def test_counter_stops_at_the_first_step_reaching_the_budget_and_sums_micro_batches():
+    counter, steps = _steps(10.0, [1, 2, 3, 4, 5, 6, 7, 8], accumulate=2)  # steps cost 3, 7, 11, 15
+    assert counter.stop_step == 2 and counter.spent == 10.0 and len(steps) == 2 and steps[-1][2]
+    counter, steps = _steps(10.5, [3, 3, 3, 3, 3])
+    assert counter.stop_step == 4 and counter.spent == 12.0 and counter.fraction() == 1.0
+
+
+def test_counter_announces_the_possible_last_steps_and_never_changes_its_answer_within_a_step():
+    counter, steps = _steps(10.5, [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1])
+    assert counter.stop_step == 11
+    for before, after, stopped in steps:
+        assert before == after  # a callback that began measuring at the first micro-batch also measures the last
+    assert [before for before, _, _ in steps] == [False] * 9 + [True] * 2  # left <= 2 x the dearest step
+
+
+def test_counter_schedule_progress_starts_after_the_warmup():
+    counter, _ = _steps(10.0, [2, 2, 2, 2, 2], warmup=1)
+    assert counter.warmup_fraction == pytest.approx(0.2)
+    assert counter.schedule_progress(5, 1) == 1.0
+    counter, _ = _steps(10.0, [2, 2, 2], warmup=1)
+    assert counter.schedule_progress(3, 1) == pytest.approx((0.6 - 0.2) / 0.8)
+
+
 # ---------------------------------------------------------------------------- the stop, the count, the schedule
 def _budget_run(tmp_path, variant, budget, *extra, max_steps=40):
     return main(["--variant", variant, "--max_steps", str(max_steps), "--max_train_flops", repr(budget),
@@ -153,6 +208,8 @@ def test_resume_keeps_the_count_and_stops_at_the_same_step(tmp_path, one_thread)
     curve = dict(_summary(first)["train_loss_curve"]) | dict(resumed["train_loss_curve"])
     for step, loss in straight["train_loss_curve"]:
         assert curve[step] == pytest.approx(loss, abs=1e-6), step  # same LR at every step: same trajectory
+    again = _summary(_budget_run(tmp_path / "b", "mod", budget, "--ckpt_path", "last"))  # a finished run: no more steps
+    assert again["steps"] == 6 and again["train_flops"] == resumed["train_flops"]
 
 
 def test_a_run_without_budget_cannot_be_resumed_with_one(tmp_path, one_thread):

@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
         sub.add_argument("--no_reuse", action="store_true", help="retrain runs that already finished")
         sub.add_argument("--jobs", type=int, default=1,
-                         help="runs trained at once, each in its own process (probe; default 1: one after another)")
+                         help="runs trained at once, each in its own process (probe, mod_isoflop, head_to_head, mom_kh; "
+                              "the other experiments train one after another; default 1)")
         return sub
 
     p = add("mom_kh", "MoM validation loss over K x H")
