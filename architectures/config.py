@@ -234,6 +234,17 @@ def _redefine_model_config(groups: Dict[str, type]) -> None:
     dataclass(cls)
 
 
+def flatten(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+    """A nested config dict as ``{"model.mod.capacity": 0.125, ...}`` (tuples as lists, as YAML writes them)."""
+    flat: Dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
+    return flat
+
+
 def layer_selection(spec: Union[str, List[int]], n_layer: int, field_name: str) -> List[int]:
     """Turn "all" / "odd" / "even" / [indices] into a sorted list of layer indices, validated."""
     if isinstance(spec, str):

@@ -208,28 +208,33 @@ def solve_episode(family: str, data: bytes, generator: str = "v1") -> Dict[int, 
     return _solve_text(text)
 
 
-def _solve_arith(text: str) -> Dict[int, Tuple[int, int]]:
-    out, start = {}, 0
+def _arith_segments(text: str, answer_len: int) -> Iterator[Tuple[int, int, List[int]]]:
+    """(first byte, position of '=', operands) of every complete segment ``operands=answer;`` whose answer
+    has ``answer_len`` bytes (empty v2 slots are not operands)."""
+    start = 0
     while True:
         eq = text.find("=", start)
-        if eq < 0 or eq + 2 >= len(text) or text[eq + 2] != ";":
-            return out
-        operands = [int(c) for c in text[start:eq]]
+        end = eq + answer_len + 1  # the ';'
+        if eq < 0 or end >= len(text) or text[end] != ";":
+            return
+        yield start, eq, [int(c) for c in text[start:eq] if c != BLANK]
+        start = end + 1
+
+
+def _solve_arith(text: str) -> Dict[int, Tuple[int, int]]:
+    out = {}
+    for _, eq, operands in _arith_segments(text, answer_len=1):
         total = 0
         for x in operands:  # one addition per operand after the first
             total = (total + x) % 10
         out[eq + 1] = (ord(_DIGITS[total]), len(operands) - 1)
         out[eq + 2] = (ord(";"), 0)
-        start = eq + 3
+    return out
 
 
 def _solve_arith_v2(text: str) -> Dict[int, Tuple[int, int]]:
-    out, start = {}, 0
-    while True:
-        eq = text.find("=", start)
-        if eq < 0 or eq + 3 >= len(text) or text[eq + 3] != ";":
-            return out
-        operands = [int(c) for c in text[start:eq] if c != BLANK]
+    out = {}
+    for start, eq, operands in _arith_segments(text, answer_len=2):
         total = 0
         for x in operands:  # one addition per operand after the first
             total += x
@@ -237,7 +242,7 @@ def _solve_arith_v2(text: str) -> Dict[int, Tuple[int, int]]:
             raise ValueError(f"arith v2 segment at {start}: {text[start:eq + 4]!r} does not hold its sum")
         out[eq + 2] = (ord(_DIGITS[total % 10]), len(operands) - 1)
         out[eq + 3] = (ord(";"), 0)
-        start = eq + 4
+    return out
 
 
 def _solve_recall(text: str) -> Dict[int, Tuple[int, int]]:

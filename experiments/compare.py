@@ -36,7 +36,7 @@ import statistics
 import sys
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from architectures.config import ConfigError
+from architectures.config import ConfigError, flatten
 
 # Options that do not make a different configuration: the seed, and where the run read or wrote files
 # that do not change what it computed.
@@ -196,23 +196,13 @@ def _read_yaml(path: pathlib.Path) -> Dict[str, Any]:
 
 def _checkpoint_fingerprints(folder: pathlib.Path) -> Optional[Dict[str, str]]:
     """The data/tokenizer fingerprints ``LMDataModule`` saved in the run's last checkpoint (None without one)."""
-    from experiments.weights import read_checkpoint
+    from experiments.weights import read_checkpoint, saved_fingerprints
 
     path = folder / "checkpoints" / "last.ckpt"
     if not path.is_file():
         return None
     blob = read_checkpoint(path, option="checkpoint")  # a truncated file: one line naming it
-    return next((v["fingerprints"] for v in blob.values() if isinstance(v, dict) and "fingerprints" in v), None)
-
-
-def flatten(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
-    flat: Dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
+    return saved_fingerprints(blob)
 
 
 def warn(message: str) -> None:

@@ -39,7 +39,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser, Namespace  # noqa: E4
 
 from architectures import ModelConfig, variant_names  # noqa: E402
 from architectures.checkpointing import parse_policy, set_activation_checkpointing  # noqa: E402
-from architectures.config import ConfigError, SIZES, config_groups  # noqa: E402
+from architectures.config import ConfigError, SIZES, config_groups, flatten  # noqa: E402
 from architectures.registry import check_options_used  # noqa: E402
 from callbacks import CallbacksConfig, config_from as callbacks_config  # noqa: E402
 from datamodules.catalog import corpus_names, ignored_data_options  # noqa: E402
@@ -186,7 +186,7 @@ def check_sources_up_front(cfg: Namespace) -> None:
         check_source(cfg.init_from)
     if cfg.ckpt_path:
         mcfg = model_config(cfg).resolve()
-        model = {k: v for k, v in _flatten(dataclasses.asdict(mcfg)).items() if k != "vocab_size"}  # from the tokenizer
+        model = {k: v for k, v in flatten(dataclasses.asdict(mcfg)).items() if k != "vocab_size"}  # from the tokenizer
         resolve_ckpt(cfg, run_root(cfg.log_dir, mcfg), {"model": model}, notes=False)
 
 
@@ -316,24 +316,24 @@ def resolve_ckpt(cfg: Namespace, root: pathlib.Path, expected: Optional[Dict[str
 
 def run_fingerprints(mcfg: ModelConfig, data) -> Dict[str, Any]:
     """What a resumed run must share with the command: every resolved model field, data and tokenizer."""
-    return {"model": _flatten(dataclasses.asdict(mcfg.resolve())), **data.fingerprints()}
+    return {"model": flatten(dataclasses.asdict(mcfg.resolve())), **data.fingerprints()}
 
 
 def checkpoint_differences(path: str, expected: Dict[str, Any]) -> List[str]:
     """Human-readable differences between the checkpoint's fingerprints and ``expected`` (empty: same)."""
-    from experiments.weights import read_checkpoint
+    from experiments.weights import read_checkpoint, saved_fingerprints
 
     blob = read_checkpoint(path, "ckpt_path")
     model = (blob.get("hyper_parameters") or {}).get("model")
     if not model:
         return ["model (the checkpoint holds no hyper_parameters.model; not written by experiments.run)"]
     try:
-        saved_model = _flatten(dataclasses.asdict(ModelConfig.from_dict(model).resolve()))
+        saved_model = flatten(dataclasses.asdict(ModelConfig.from_dict(model).resolve()))
     except (ConfigError, TypeError, ValueError) as err:
         return [f"model ({err})"]
     out = [f"model.{k} ({saved_model.get(k)!r} in the checkpoint, {v!r} now)"
            for k, v in expected["model"].items() if saved_model.get(k) != v]
-    saved = next((v["fingerprints"] for v in blob.values() if isinstance(v, dict) and "fingerprints" in v), None)
+    saved = saved_fingerprints(blob)
     if "data" not in expected:  # up front, before the data are built: the model check only
         return out
     if saved is None:  # checkpoints written before fingerprints were saved: the model check is all we have
@@ -348,16 +348,6 @@ def checkpoint_differences(path: str, expected: Dict[str, Any]) -> List[str]:
                 was, now = f"{was} = {saved['data_source']}", f"{now} = {expected.get('data_source')}"
             out.append(f"{label} ({was} in the checkpoint, {now} now)")
     return out
-
-
-def _flatten(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
-    flat: Dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
-    return flat
 
 
 def refuse_foreign_run_folder(run_dir: pathlib.Path, ckpt_path: Optional[str]) -> None:

@@ -47,6 +47,11 @@ def read_checkpoint(path, option: str = "ckpt_path") -> dict:
     return blob
 
 
+def saved_fingerprints(blob: dict) -> Optional[Dict[str, str]]:
+    """The data/tokenizer fingerprints ``LMDataModule`` saved in a checkpoint (None: it records none)."""
+    return next((v["fingerprints"] for v in blob.values() if isinstance(v, dict) and "fingerprints" in v), None)
+
+
 def read_source(source: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Optional[str]]]:
     """(state dict in this suite's names, {"variant", "tokenizer"} recorded with it; None where unknown)."""
     if source.startswith("hf:") or (pathlib.Path(source).is_dir() and (pathlib.Path(source) / "config.json").is_file()):
@@ -57,7 +62,7 @@ def read_source(source: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Optiona
     blob = read_checkpoint(path, "init_from")
     state = blob.get("state_dict", blob)
     model = (blob.get("hyper_parameters") or {}).get("model") or {}
-    saved = next((v["fingerprints"] for v in blob.values() if isinstance(v, dict) and "fingerprints" in v), {})
+    saved = saved_fingerprints(blob) or {}
     meta = {"variant": model.get("variant") if isinstance(model, dict) else None, "tokenizer": saved.get("tokenizer")}
     # Lightning checkpoints prefix the LanguageModelModule attribute name.
     state = {k.removeprefix("model."): v for k, v in state.items()

@@ -115,9 +115,9 @@ class Context:
         done: Dict[int, pathlib.Path] = {}
         todo = []
         for i, argv in enumerate(argvs):
-            previous = self._index().get(json.dumps(["experiments.run", *argv]))
-            if self.reuse and previous and (pathlib.Path(previous) / "summary.json").is_file():
-                done[i] = pathlib.Path(previous)
+            previous = self.finished("experiments.run", argv)
+            if previous is not None:
+                done[i] = previous
             elif argv not in [argvs[j] for j in todo]:
                 todo.append(i)
         context = multiprocessing.get_context("spawn")  # a fresh interpreter per worker: no forked torch state
@@ -129,9 +129,7 @@ class Context:
             for future in concurrent.futures.as_completed(futures):
                 i = futures[future]
                 done[i] = pathlib.Path(future.result())
-                index = self._index()
-                index[json.dumps(["experiments.run", *argvs[i]])] = str(done[i])
-                self._write_index(index)
+                self.remember("experiments.run", argvs[i], done[i])
         for i, argv in enumerate(argvs):  # duplicates of a configuration share its run
             if i not in done:
                 done[i] = done[next(j for j in todo if argvs[j] == argv)]
@@ -139,16 +137,26 @@ class Context:
 
     def cached(self, command: str, argv: Sequence[str], produce: Callable[[], pathlib.Path]) -> pathlib.Path:
         """``produce()``'s run folder, or the folder an earlier identical command left with a summary.json."""
-        key = json.dumps([command, *argv])
-        previous = self._index().get(key)
-        if self.reuse and previous and (pathlib.Path(previous) / "summary.json").is_file():
-            return self.record_run(pathlib.Path(previous))
+        previous = self.finished(command, argv)
+        if previous is not None:
+            return self.record_run(previous)
         print(f"[repro] python -m {command} {' '.join(argv)}", file=sys.stderr, flush=True)
         run_dir = pathlib.Path(produce())
-        index = self._index()
-        index[key] = str(run_dir)
-        self._write_index(index)
+        self.remember(command, argv, run_dir)
         return self.record_run(run_dir)
+
+    def finished(self, command: str, argv: Sequence[str]) -> Optional[pathlib.Path]:
+        """The folder an earlier identical command left with a summary.json (None: train it; or ``--no_reuse``)."""
+        previous = self._index().get(json.dumps([command, *argv]))
+        if self.reuse and previous and (pathlib.Path(previous) / "summary.json").is_file():
+            return pathlib.Path(previous)
+        return None
+
+    def remember(self, command: str, argv: Sequence[str], run_dir: pathlib.Path) -> None:
+        """Record in ``runs.json`` which folder the command's run went to."""
+        index = self._index()
+        index[json.dumps([command, *argv])] = str(run_dir)
+        self._write_index(index)
 
     def record_run(self, run_dir: pathlib.Path) -> pathlib.Path:
         """Add a run folder to this experiment's run table (``run_table``)."""
