@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from experiments import analyze, bench, finetune, run, sweep
+from experiments import analyze, bench, compare, finetune, repro, run, sweep
 from tests.conftest import REPO, TINY_RUN
 
 SECONDS = 30  # generous for a loaded 2-core CI machine; the failures themselves take well under 5 s
@@ -206,11 +206,19 @@ CASES = [
                                                   "--init_from", "{d}/none.ckpt"), r"init_from: .*none\.ckpt does not exist"),
     ("ft-eval_only-no-head", "finetune", _ft("--task", "glue/sst2", "--data.path", "{d}/glue", "--eval_only", "true",
                                              "--init_from", "{d}/last.ckpt"), r"has no trained glue/sst2 classification head"),
+    # this session's options and commands: the FLOPs budget, activation checkpointing, the leaderboard, --jobs
+    ("max_train_flops-0", "run", lambda d: ["--max_train_flops", "0"], r"max_train_flops: must be a positive, finite"),
+    ("activation_checkpointing-bad", "run", lambda d: ["--activation_checkpointing", "every_k:0"],
+     r"activation_checkpointing: unknown value 'every_k:0'"),
+    ("compare-no-runs", "compare", lambda d: [str(d / "no_runs_here")], r"no run folders matched .*no_runs_here"),
+    ("repro-jobs-0", "repro", lambda d: ["probe", "--out", str(d / "repro_out"), "--quick", "--jobs", "0"],
+     r"--jobs: must be a positive integer, got 0"),
 ]
 SUBPROCESS_CASES = {"text-not-utf8", "ckpt-truncated", "ft-max_train_examples-0", "bench-set-unknown-field",
-                    "analyze-stats-without-sites"}
+                    "analyze-stats-without-sites", "compare-no-runs"}
 LEAVES_A_VALID_TOKEN_CACHE = {"text-too-small"}  # the corpus was tokenised correctly; it is only too short
-ENTRIES = {"run": run.main, "finetune": finetune.main, "sweep": sweep.main, "bench": bench.main, "analyze": analyze.main}
+ENTRIES = {"run": run.main, "finetune": finetune.main, "sweep": sweep.main, "bench": bench.main, "analyze": analyze.main,
+           "compare": compare.main, "repro": repro.main}
 # options that keep a bench row quick should today's code run it instead of refusing it
 QUICK_BENCH = ["--steps", "1", "--warmup", "0", "--no_hf", "--no_minimal", "--device", "cpu", "--size", "tiny"]
 
