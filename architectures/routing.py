@@ -252,11 +252,11 @@ class Router(nn.Module):
 
     ``router(x, state, *carry, name=, group=, step=, valid=, relay=, **pick_options) -> Decision``: logits
     (``logits``: the subclass's ``scores`` with autocast off, so bf16 autocast never rounds a routing
-    decision), then ``pick`` (a rule object of this module) builds the site and reports it.
-    ``removed``: optional (C,) bool of choices taken out (logit -inf; MoM's ``removed_modules``).
+    decision), then ``pick`` (one of the pick rules below) chooses and reports the site through the
+    ``report`` it is handed, exactly once. ``removed``: optional (C,) bool of choices taken out (logit -inf;
+    MoM's ``removed_modules``).
     """
 
-    kind = "token_choice"
     removed: Optional[torch.Tensor] = None
 
     def setup(self, pick: Any, choice_names: Sequence[str]) -> None:
