@@ -15,7 +15,7 @@ import contextlib
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, ClassVar, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 import torch
 import torch.nn as nn
@@ -53,6 +53,7 @@ class ForwardState:
     options: Dict[str, Any] = field(default_factory=dict)
     checkpoint: Optional[Any] = None
     units: int = 0
+    reported: Set[str] = field(default_factory=set)  # site names reported so far (each at most once)
 
     @classmethod
     def standalone(cls) -> "ForwardState":
@@ -80,7 +81,14 @@ class ForwardState:
         return self.run(lambda state, x: block(x, state), x)
 
     def report(self, site: Optional[RoutingSite], aux: Optional[Dict[str, torch.Tensor]] = None) -> None:
+        """Append ``site`` to the trace and ``aux`` to the losses. A second site of the same name in one
+        forward raises: each routing decision reports exactly once (the ``Router`` modules report for
+        their blocks, ``architectures.routing``)."""
         if site is not None:
+            if site.name in self.reported:
+                raise ValueError(f"routing site {site.name!r} reported twice in one forward: each routing decision "
+                                 "reports exactly one site, under a name unique in the model")
+            self.reported.add(site.name)
             self.trace.append(site)
         if aux:
             self.aux.update(aux)

@@ -159,16 +159,19 @@ class InnerPath(nn.Module):
             self.v_proj = nn.Linear(d_model, d_model, bias=bias)
             self.c_proj = nn.Linear(d_model, d_model, bias=bias)
 
-    def transform(self, h: torch.Tensor, valid, site_name: str, step: int) -> Tuple[torch.Tensor, Optional[MoEResult]]:
-        """InnerFFN(h): the dense MLP's output or the MoE's update (tokens with no expert get 0)."""
+    def transform(self, h: torch.Tensor, valid, site_name: str, step: int,
+                  state=None) -> Tuple[torch.Tensor, Optional[MoEResult]]:
+        """InnerFFN(h): the dense MLP's output or the MoE's update (tokens with no expert get 0); an MoE's
+        router reports its site to ``state``."""
         if isinstance(self.ffn, MoELayer):
-            result = self.ffn(h, valid, site_name, INNER_SITE, step)
+            result = self.ffn(h, valid, site_name, INNER_SITE, step, state=state)
             return result.output, result
         return self.ffn(h), None
 
-    def values(self, h: torch.Tensor, valid, site_name: str, step: int) -> Tuple[torch.Tensor, Optional[MoEResult]]:
+    def values(self, h: torch.Tensor, valid, site_name: str, step: int,
+               state=None) -> Tuple[torch.Tensor, Optional[MoEResult]]:
         if isinstance(self.ffn, MoELayer):
-            result = self.ffn(h, valid, site_name, INNER_SITE, step)
+            result = self.ffn(h, valid, site_name, INNER_SITE, step, state=state)
             return self.v_proj(result.output), result
         return self.v_proj(self.ffn(h)), None
 
@@ -188,9 +191,10 @@ class CombinationAttention(CausalSelfAttention):
         valid: Optional[torch.Tensor] = None,
         site_name: str = "",
         step: int = 0,
+        state=None,
     ) -> Tuple[torch.Tensor, Optional[MoEResult]]:
         if self.inner is not None and self.inner.wiring != "additive":
-            return self.paper_forward(h, cache, cache_key, valid, site_name, step)
+            return self.paper_forward(h, cache, cache_key, valid, site_name, step, state)
         q, k, v = (self.split_heads(t) for t in self.c_attn(h).chunk(3, dim=-1))
         if cache is not None:
             k, v = cache.append(cache_key, k, v)
@@ -198,7 +202,7 @@ class CombinationAttention(CausalSelfAttention):
         out = self.c_proj(self.merge_heads(causal_attention(q, k, v, p)))
         moe = None
         if self.inner is not None:
-            values, moe = self.inner.values(h, valid, site_name, step)
+            values, moe = self.inner.values(h, valid, site_name, step, state)
             v_inner = self.split_heads(values)
             if cache is not None:
                 # K is shared with the direct path: cache only the Inner values (zero-width key).
@@ -206,11 +210,11 @@ class CombinationAttention(CausalSelfAttention):
             out = out + self.inner.c_proj(self.merge_heads(strictly_causal_attention(q, k, v_inner, p)))
         return self.resid_drop(out), moe
 
-    def paper_forward(self, h, cache, cache_key, valid, site_name, step):
+    def paper_forward(self, h, cache, cache_key, valid, site_name, step, state=None):
         """The paper's wiring (module docstring): other positions' K/V from h + InnerFFN(h), own from h."""
         d = h.shape[-1]
         q, k_self, v_self = (self.split_heads(t) for t in self.c_attn(h).chunk(3, dim=-1))
-        inner, moe = self.inner.transform(h, valid, site_name, step)
+        inner, moe = self.inner.transform(h, valid, site_name, step, state)
         bias = self.c_attn.bias[d:] if self.c_attn.bias is not None else None
         k, v = (self.split_heads(t) for t in F.linear(h + inner.to(h.dtype), self.c_attn.weight[d:], bias).chunk(2, dim=-1))
         if cache is not None:
@@ -263,10 +267,8 @@ class CombinationBlock(nn.Module):
     def forward(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
         # the mask only tells an Inner MoE which tokens to route and count (right padding, as vanilla)
         layer = self.index
-        update, moe = self.attn(self.ln_1(x), state.cache, f"block{layer}", state.valid,
-                                f"block{layer}.{INNER_SITE}", layer)
-        if moe is not None:
-            state.report(moe.site, moe.aux_losses)
+        update, _ = self.attn(self.ln_1(x), state.cache, f"block{layer}", state.valid,
+                              f"block{layer}.{INNER_SITE}", layer, state)  # an Inner MoE's router reports
         x = x + update
         state.record("mha", layer, x)
         if self.outer > 0:

@@ -33,10 +33,9 @@ import torch.nn as nn
 from architectures import flops as F_
 from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ModelConfig, tracks_explicit
-from architectures.contract import RoutingSite
 from architectures.gpt2 import Block
 from architectures.mot import run_on_subset
-from architectures.routing import fp32_linear, token_topk
+from architectures.routing import LinearRouter, SoftGate, TopK
 
 
 @tracks_explicit
@@ -61,7 +60,12 @@ class DepthGate(LanguageModel):
     def __init__(self, config: ModelConfig):
         super().__init__(config)
         self.blocks = nn.ModuleList([Block(config, i) for i in range(config.n_layer)])
-        self.gate = nn.Linear(config.d_model, config.n_layer, bias=False)
+        cfg = config.depth_gate
+        # k=1: w / w.sum() is identically 1 and gives the gate no gradient; the straight-through
+        # p / stopgrad(p) is 1 forward too but passes d loss / d p through (as MoM's K=1 routers)
+        pick = (TopK(cfg.top_k, "token_choice" if cfg.skip_compute else "soft_gate", renormalize=True,
+                     straight_through=True) if cfg.mode == "hard" else SoftGate())
+        self.gate = LinearRouter(config.d_model, config.n_layer, pick, [f"layer{i}" for i in range(config.n_layer)])
 
     @staticmethod
     def validate_config(config: ModelConfig) -> None:
@@ -77,23 +81,10 @@ class DepthGate(LanguageModel):
     def skips(self) -> bool:
         return self.config.depth_gate.skip_compute
 
-    def gate_weights(self, x0: torch.Tensor):
-        """(logits, probs, selected, weights) from the embedded tokens x0 (B, T, d)."""
-        logits = fp32_linear(x0, self.gate.weight)
-        if self.config.depth_gate.mode == "hard":
-            # k=1: w / w.sum() is identically 1 and gives the gate no gradient; the straight-through
-            # p / stopgrad(p) is 1 forward too but passes d loss / d p through (as MoM's K=1 routers)
-            probs, weights, selected = token_topk(logits, self.config.depth_gate.top_k, renormalize=True,
-                                                  straight_through=True)
-        else:
-            probs = logits.softmax(dim=-1)
-            L = probs.shape[-1]
-            selected = torch.arange(L, device=probs.device).expand(*probs.shape[:-1], L)
-            weights = probs
-        return logits, probs, selected, weights
-
     def body(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
-        logits, probs, selected, weights = self.gate_weights(x)
+        # the gate reads the embedded tokens and reports the "depth_gate" site; extras once the layers ran
+        route = self.gate(x, state, name="depth_gate", group="depth_gate")
+        probs, selected, weights = route.probs, route.selected, route.weights
         # dense per-layer weight (B, T, L): zeros for layers outside the hard top-k
         dense = torch.zeros_like(probs).scatter(-1, selected, weights).to(x.dtype)
         runs = torch.zeros(probs.shape, dtype=torch.bool, device=x.device).scatter(-1, selected, True)
@@ -113,12 +104,8 @@ class DepthGate(LanguageModel):
             else:
                 x = state.block(block, x)
             mixed = mixed + dense[..., i : i + 1] * x
-        extras = {"layer_tokens": torch.tensor(ran), "score_pairs": torch.tensor(pairs)} if self.skips else {}
-        state.report(RoutingSite(
-            name="depth_gate", kind="token_choice" if self.skips else "soft_gate",
-            choice_names=[f"layer{i}" for i in range(len(self.blocks))], selected=selected, weights=weights,
-            group="depth_gate", probs=probs, logits=logits, valid=state.valid, extras=extras,
-        ))
+        if self.skips:
+            route.site.extras.update(layer_tokens=torch.tensor(ran), score_pairs=torch.tensor(pairs))
         state.hidden = mixed  # the head reads the gated mix, not the last layer
         return x
 

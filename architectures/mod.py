@@ -42,7 +42,7 @@ from architectures.config import ConfigError, ModelConfig, layer_selection, trac
 from architectures.contract import RoutingSite
 from architectures.gpt2 import MLP, Block, CausalSelfAttention
 from architectures.moe import MoEBlock, MoEConfig, MoEGPT, MoELayer, expert_hidden, validate_moe_config
-from architectures.routing import capacity_tokens, expert_choice_topk, fp32_linear
+from architectures.routing import Decision, ExpertChoice, LinearRouter, capacity_tokens
 
 
 @tracks_explicit
@@ -164,7 +164,7 @@ class RoutedBlock(nn.Module):
             self.mlp: nn.Module = MLP(d, config.ffn_hidden, config.bias, config.dropout)
         else:
             self.mlp = MoELayer(d, expert_hidden(config), config.moe, config.bias, config.dropout)
-        self.router = nn.Linear(d, 1, bias=False)
+        self.router = LinearRouter(d, 1, ExpertChoice(self.cfg.capacity), ["skip", "block"])
         self.predictor: Optional[nn.Module] = None
         if self.cfg.sampling == "predictor":
             h = self.cfg.predictor_hidden
@@ -178,7 +178,7 @@ class RoutedBlock(nn.Module):
     # -------------------------------------------------------------- routing
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         # fp32 with autocast off, so that top-k ranks are not decided by bf16 ties
-        return fp32_linear(x, self.router.weight).squeeze(-1)
+        return self.router.logits(x).squeeze(-1)
 
     def predictor_logits(self, x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device_type=x.device.type, enabled=False):
@@ -193,14 +193,15 @@ class RoutedBlock(nn.Module):
         return logits > 0
 
     def forward(self, x: torch.Tensor, ctx: ForwardState) -> torch.Tensor:
-        logits = self.router_logits(x)
-        fixed = ctx.options.get("fixed_router_weight")
-        weight = logits if fixed is None else torch.full_like(logits, fixed)
+        """The router picks (the sequence top-k, or the causal decision) and reports the block's site."""
+        route = self.router(x, ctx, name=self.name, group="mod", step=self.step,
+                            decide=lambda logits: self.causal_decision(x, logits),
+                            fixed_weight=ctx.options.get("fixed_router_weight"))
         if ctx.causal:
-            return self._forward_causal(x, logits, weight, ctx)
-        return self._forward_topk(x, logits, weight, ctx)
+            return self._forward_causal(x, route, ctx)
+        return self._forward_topk(x, route, ctx)
 
-    def _forward_topk(self, x, logits, weight, ctx: ForwardState) -> torch.Tensor:
+    def _forward_topk(self, x, route: Decision, ctx: ForwardState) -> torch.Tensor:
         """Each row takes its own k_b = max(1, floor(c * real length)) best tokens, in position order
         (``routing.expert_choice_topk``).
 
@@ -210,7 +211,7 @@ class RoutedBlock(nn.Module):
         depend on its batch-mates or on right padding.
         """
         B, T, d = x.shape
-        _, idx, real = expert_choice_topk(logits.detach(), self.cfg.capacity, ctx.valid)
+        idx, real, logits, weight = route.idx, route.real, route.logits, route.weights
         k_max = idx.shape[1]
         flat = (idx + torch.arange(B, device=x.device).unsqueeze(1) * T).reshape(-1)
         write = None if real is None else real.reshape(-1)
@@ -218,14 +219,12 @@ class RoutedBlock(nn.Module):
         pairs = float(B * k_max * k_max)
         extras = {"attn_pairs": torch.tensor(pairs), "processed": torch.tensor(float(B * k_max))}
         extras.update(self._sampling_losses(x, logits, chosen, ctx))
-        self._record(ctx, chosen, weight, logits, extras)
+        route.site.extras.update(extras)
         return chosen.out
 
-    def _forward_causal(self, x, logits, weight, ctx: ForwardState) -> torch.Tensor:
+    def _forward_causal(self, x, route: Decision, ctx: ForwardState) -> torch.Tensor:
         B, T, d = x.shape
-        decided = self.causal_decision(x, logits)
-        if ctx.valid is not None:
-            decided = decided & ctx.valid
+        decided, weight = route.chosen, route.weights
         flat = decided.reshape(-1).nonzero().squeeze(-1)
         counts = decided.sum(dim=1).tolist()
         pairs = [0.0]
@@ -245,8 +244,8 @@ class RoutedBlock(nn.Module):
         else:
             chosen = self._skip_all(x, ctx)
         # with a cache each query also scores the row's earlier keys: not derivable from this trace alone
-        extras = {"attn_pairs": torch.tensor(pairs[0])} if ctx.cache is not None else {}
-        self._record(ctx, chosen, weight, logits, extras)
+        if ctx.cache is not None:
+            route.site.extras["attn_pairs"] = torch.tensor(pairs[0])
         return chosen.out
 
     # -------------------------------------------------------------- compute on the processed tokens
@@ -262,7 +261,7 @@ class RoutedBlock(nn.Module):
         x_sel = xf.index_select(0, flat).view(*shape, d)
         r = weight.reshape(-1).index_select(0, flat).view(*shape, 1).to(x.dtype)
         a = self.attn.resid_drop(self.attn.c_proj(attend(self.attn.c_attn(self.ln_1(x_sel)))))
-        m, moe_site = self._ffn(self.ln_2(x_sel + a), valid_sel, flat, B, T, ctx, write)
+        m = self._ffn(self.ln_2(x_sel + a), valid_sel, flat, B, T, ctx, write)
         h = (x_sel + r * a).reshape(-1, d)
         y = h + r.reshape(-1, 1) * m.reshape(-1, d)
         if write is not None:
@@ -272,33 +271,28 @@ class RoutedBlock(nn.Module):
             ctx.record("mha", self.index, xf.index_copy(0, flat, h).view(B, T, d))
             ctx.record("ffn", self.index, out)
         mask = torch.zeros(B * T, dtype=torch.bool, device=x.device).index_fill(0, flat, True).view(B, T)
-        return _Chosen(out, mask, moe_site)
+        return _Chosen(out, mask)
 
     def _skip_all(self, x, ctx: ForwardState) -> "_Chosen":
         """No token chose the block (possible only with causal decisions): nothing runs."""
         B, T, _ = x.shape
         ctx.record("mha", self.index, x)
         ctx.record("ffn", self.index, x)
-        moe_site = None
-        if isinstance(self.mlp, MoELayer):
-            E, k = self.mlp.num_choices, self.mlp.top_k
-            zeros = x.new_zeros(B, T, E, dtype=torch.float32)
-            moe_site = RoutingSite(
-                name=f"block{self.index}.moe", kind="token_choice", choice_names=list(self.mlp.choice_names),
-                selected=torch.zeros(B, T, k, dtype=torch.long, device=x.device), weights=zeros[..., :k],
-                group="moe", step=self.moe_step, probs=zeros,
-                dropped=torch.zeros(B, T, k, dtype=torch.bool, device=x.device),
-                valid=torch.zeros(B, T, dtype=torch.bool, device=x.device), logits=zeros,
-            )
-        return _Chosen(x, torch.zeros(B, T, dtype=torch.bool, device=x.device), moe_site)
+        if isinstance(self.mlp, MoELayer):  # its site still reports: every token invalid
+            self.mlp.router.report_idle(ctx, (B, T), self.mlp.top_k, x.device, name=f"block{self.index}.moe",
+                                        group="moe", step=self.moe_step)
+        return _Chosen(x, torch.zeros(B, T, dtype=torch.bool, device=x.device))
 
     def _ffn(self, z, valid_sel, flat, B, T, ctx: ForwardState, write=None):
         if not isinstance(self.mlp, MoELayer):
-            return self.mlp(z), None
-        res = self.mlp(z, valid=valid_sel, site_name=f"block{self.index}.moe", group="moe", step=self.moe_step)
-        ctx.aux.update(res.aux_losses)
-        site = res.site if write is None else _select_tokens(res.site, write)
-        return res.output, expand_site(site, flat if write is None else flat[write], B, T)
+            return self.mlp(z)
+
+        def relay(site: RoutingSite) -> RoutingSite:  # the MoE site re-laid on the (B, T) grid before it reports
+            site = site if write is None else _select_tokens(site, write)
+            return expand_site(site, flat if write is None else flat[write], B, T)
+
+        return self.mlp(z, valid=valid_sel, site_name=f"block{self.index}.moe", group="moe", step=self.moe_step,
+                        state=ctx, relay=relay).output
 
     # -------------------------------------------------------------- causal predictors and the trace
     def _sampling_losses(self, x, logits, chosen: "_Chosen", ctx: ForwardState) -> Dict[str, torch.Tensor]:
@@ -314,17 +308,6 @@ class RoutedBlock(nn.Module):
         ctx.aux[f"{self.name}/{name}"] = coef * masked_mean(bce, ctx.valid)
         agree = ((decision.detach() > 0) == chosen.mask).to(torch.float32)
         return {"causal_agreement": masked_mean(agree, ctx.valid)}
-
-    def _record(self, ctx: ForwardState, chosen: "_Chosen", weight, logits, extras) -> None:
-        mask = chosen.mask
-        ctx.trace.append(RoutingSite(
-            name=self.name, kind="expert_choice", choice_names=["skip", "block"],
-            selected=mask.long().unsqueeze(-1),
-            weights=(weight.detach() * mask).unsqueeze(-1),
-            group="mod", step=self.step, valid=ctx.valid, logits=logits.detach(), extras=extras,
-        ))
-        if chosen.moe_site is not None:
-            ctx.trace.append(chosen.moe_site)
 
     # -------------------------------------------------------------- FLOPs
     def flops(self, sites: Dict[str, RoutingSite], T: int, queries: Optional[int] = None) -> F_.Flops:
@@ -355,10 +338,10 @@ class RoutedBlock(nn.Module):
 
 
 class _Chosen:
-    __slots__ = ("out", "mask", "moe_site")
+    __slots__ = ("out", "mask")
 
-    def __init__(self, out, mask, moe_site):
-        self.out, self.mask, self.moe_site = out, mask, moe_site
+    def __init__(self, out, mask):
+        self.out, self.mask = out, mask
 
 
 # ---------------------------------------------------------------------------- models

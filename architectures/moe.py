@@ -38,7 +38,8 @@ from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ModelConfig, layer_selection, tracks_explicit
 from architectures.contract import KVCache, RoutingSite
 from architectures.routing import (  # noqa: F401  (re-exported: the MoE layer's routing pieces)
-    balance_loss, capacity_keep, fp32_linear, noop_budget_keep, sorted_dispatch, token_topk, z_loss,
+    LinearRouter, Switch, balance_loss, capacity_keep, fp32_linear, noop_budget_keep, sorted_dispatch, token_topk,
+    z_loss,
 )
 from architectures.grouped_gemm import expert_dispatch
 from architectures.gpt2 import MLP, Block, CausalSelfAttention
@@ -107,9 +108,11 @@ class MoELayer(nn.Module):
         self.top_k = cfg.top_k
         # most a row's (token, slot) assignments that may go to no-op experts (MoDE's compute budget)
         self.noop_share = noop_share if noop_experts else None
-        self.router = nn.Linear(d_model, cfg.num_experts + noop_experts, bias=False)
-        self.experts = nn.ModuleList([MLP(d_model, hidden, bias, dropout) for _ in range(cfg.num_experts)])
         self.choice_names = [f"expert{i}" for i in range(cfg.num_experts)] + ["skip"] * noop_experts
+        pick = Switch(cfg.num_experts, cfg.top_k, cfg.renormalize, cfg.dropless, cfg.capacity_factor, cfg.balance_coef,
+                      cfg.z_loss_coef, self.noop_share)
+        self.router = LinearRouter(d_model, cfg.num_experts + noop_experts, pick, self.choice_names)
+        self.experts = nn.ModuleList([MLP(d_model, hidden, bias, dropout) for _ in range(cfg.num_experts)])
 
     @property
     def num_choices(self) -> int:
@@ -148,70 +151,18 @@ class MoELayer(nn.Module):
                 expert.c_proj.bias.mul_(scale)
         return f"router near-uniform, expert outputs x {scale:g}"
 
-    def capacity(self, n_tokens: int) -> int:
-        return max(1, math.ceil(self.cfg.capacity_factor * n_tokens * self.top_k / self.num_experts))
-
-    def route(self, x: torch.Tensor, valid: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None,
-              site_name: str = "moe"):
-        """fp32 router: (logits, probs, weights, selected), shapes (..., E_total) and (..., k).
-
-        With a no-op budget (``noop_share``), tokens past their row's budget choose among the real
-        experts only (``noop_budget_keep``); the running count travels on the cache when decoding.
-        """
-        logits = fp32_linear(x, self.router.weight)
-        probs, weights, selected = token_topk(logits, self.top_k)
-        if self.noop_share is not None and x.dim() == 3:
-            weights, selected = self._enforce_noop_budget(probs, weights, selected, valid, cache, site_name)
-        if self.cfg.renormalize and self.cfg.top_k > 1:
-            # never at k=1: w/w = 1 would give the router no gradient through the output (Switch
-            # scales the expert output by the raw probability)
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return logits, probs, weights, selected
-
-    def _enforce_noop_budget(self, probs, weights, selected, valid, cache, site_name):
-        B, T, _ = probs.shape
-        valid = torch.ones(B, T, dtype=torch.bool, device=probs.device) if valid is None else valid.to(torch.bool)
-        wants = (selected >= self.num_experts).sum(-1)
-        budgets = None if cache is None else cache.state("noop_budget")
-        keep, state = noop_budget_keep(wants, valid, self.noop_share, self.top_k,
-                                       None if budgets is None else budgets.get(site_name))
-        if budgets is not None:
-            budgets[site_name] = state
-        real_only = probs.masked_fill(torch.arange(probs.shape[-1], device=probs.device) >= self.num_experts, -1.0)
-        real_w, real_sel = real_only.topk(self.top_k, dim=-1)
-        real_w = probs.gather(-1, real_sel)
-        over = (~keep).unsqueeze(-1)
-        return torch.where(over, real_w, weights), torch.where(over, real_sel, selected)
-
     def forward(self, x: torch.Tensor, valid: Optional[torch.Tensor] = None, site_name: str = "moe",
-                group: str = "moe", step: int = 0, cache: Optional[KVCache] = None) -> MoEResult:
+                group: str = "moe", step: int = 0, cache: Optional[KVCache] = None,
+                state: Optional[ForwardState] = None, relay=None) -> MoEResult:
+        """The router reports the site (``relay``: re-laid first) and its aux losses to ``state`` (standalone:
+        a throwaway state); ``valid``: the tokens of ``x`` that are real (not taken from ``state``)."""
         B, T, d = x.shape
         N = B * T
-        logits, probs, weights, selected = self.route(x, valid, cache, site_name)
-        valid_flat = (torch.ones(N, dtype=torch.bool, device=x.device) if valid is None
-                      else valid.reshape(N).to(torch.bool))
-        sel_flat, w_flat = selected.reshape(N, self.top_k), weights.reshape(N, self.top_k)
-        keep = None if valid is None else valid_flat.unsqueeze(-1).expand(N, self.top_k)
-        dropped = torch.zeros(N, self.top_k, dtype=torch.bool, device=x.device)
-        if not self.cfg.dropless:
-            fits = capacity_keep(sel_flat, self.num_experts, self.capacity(int(valid_flat.sum())), valid_flat, T)
-            dropped = ~fits
-            keep = fits if keep is None else keep & fits
-        out = expert_dispatch(x.reshape(N, d), sel_flat, w_flat.to(x.dtype), self.experts, keep)
-        aux: Dict[str, torch.Tensor] = {}
-        probs_flat = probs.reshape(N, probs.shape[-1])  # explicit width: N may be 0
-        if self.cfg.balance_coef > 0:
-            aux[f"{site_name}/balance"] = self.cfg.balance_coef * balance_loss(
-                probs_flat, sel_flat, self.num_experts, valid_flat)
-        if self.cfg.z_loss_coef > 0:
-            aux[f"{site_name}/z_loss"] = self.cfg.z_loss_coef * z_loss(logits.reshape(N, logits.shape[-1]), valid_flat)
-        site = RoutingSite(
-            name=site_name, kind="token_choice", choice_names=list(self.choice_names),
-            selected=selected, weights=weights, group=group, step=step, probs=probs,
-            dropped=dropped.view(B, T, self.top_k), valid=None if valid is None else valid.to(torch.bool),
-            logits=logits,
-        )
-        return MoEResult(output=out.view(B, T, out.shape[-1]), site=site, aux_losses=aux)
+        state = ForwardState.standalone() if state is None else state
+        route = self.router(x, state, name=site_name, group=group, step=step, valid=valid, relay=relay, cache=cache)
+        sel_flat, w_flat = route.selected.reshape(N, self.top_k), route.weights.reshape(N, self.top_k)
+        out = expert_dispatch(x.reshape(N, d), sel_flat, w_flat.to(x.dtype), self.experts, route.keep)
+        return MoEResult(output=out.view(B, T, out.shape[-1]), site=route.site, aux_losses=route.aux)
 
     def flops(self, site: Optional[RoutingSite]) -> F_.Flops:
         """Per token, of this sub-layer (its cost does not depend on T): router (all tokens) + the experts
@@ -273,8 +224,7 @@ class MoEBlock(nn.Module):
         state.record("mha", self.index, x)
         moe_in = self.ln_moe(x) if self.dense_hidden else self.ln_2(x)
         result = self.moe(moe_in, state.valid, site_name=self.site_name, group=self.group, step=self.step,
-                          cache=state.cache)
-        state.report(result.site, result.aux_losses)
+                          cache=state.cache, state=state)
         x = x + result.output
         if self.dense_hidden:
             x = x + self.mlp(self.ln_2(x))

@@ -75,7 +75,7 @@ from architectures.config import ConfigError, ModelConfig, tracks_explicit
 from architectures.contract import KVCache, RoutingSite
 from architectures.dispatch import sorted_dispatch
 from architectures.gpt2 import MLP, Block, CausalSelfAttention
-from architectures.routing import balance_loss, token_topk
+from architectures.routing import FixedChoice, GRURouter, TopK, balance_loss
 
 
 @tracks_explicit
@@ -262,22 +262,6 @@ class FFNModule(nn.Module):
         return self.mlp(self.ln_2(x))
 
 
-class GRURouter(nn.Module):
-    """``h = GRUCell(x, h_prev)``, ``logits = W_o h``; run in fp32 outside autocast."""
-
-    def __init__(self, d_model: int, hidden: int, n_choices: int, bias: bool = False):
-        super().__init__()
-        self.cell = nn.GRUCell(d_model, hidden)
-        self.out = nn.Linear(hidden, n_choices, bias=bias)
-
-    def forward(self, x: torch.Tensor, state: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-        dtype = self.cell.weight_ih.dtype
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            state = self.cell(x.to(dtype), state)
-            logits = self.out(state).float()
-        return logits, state
-
-
 def official_balance_loss(parts: List[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """The official code's ``load_balancing_loss_func`` over one router kind (coefficient not applied).
 
@@ -330,10 +314,14 @@ class MoMChunk(nn.Module):
         self.attn_modules = nn.ModuleList([AttentionModule(config) for _ in range(self.n_attn)])
         self.ffn_modules = nn.ModuleList([FFNModule(config) for _ in range(self.n_ffn)])
         learned = _LEARNED[m.routing]
-        self.attn_router = (GRURouter(config.d_model, m.router_hidden, len(self.attn_names), m.router_bias)
-                            if learned["attn"] else None)
-        self.ffn_router = (GRURouter(config.d_model, m.router_hidden, len(self.ffn_names), m.router_bias)
-                           if learned["ffn"] else None)
+        # K over the pool + SKIP at temperature tau, renormalised over the K (straight-through at K = 1); the
+        # site holds detached copies
+        pick = TopK(m.top_k, temperature=m.temperature, renormalize=True, straight_through=m.straight_through,
+                    balance=self.balance if m.balance_coef > 0 else None, all_paths=m.all_paths, detach=True)
+        self.attn_router = (GRURouter(config.d_model, m.router_hidden, len(self.attn_names), pick, self.attn_names,
+                                      m.router_bias) if learned["attn"] else None)
+        self.ffn_router = (GRURouter(config.d_model, m.router_hidden, len(self.ffn_names), pick, self.ffn_names,
+                                     m.router_bias) if learned["ffn"] else None)
         self.anchor = (Block(config, first_layer + layout.steps, f"chunk{index}.anchor") if layout.anchor
                        else None)
         self.resid_drop = nn.Dropout(config.dropout)
@@ -365,37 +353,29 @@ class MoMChunk(nn.Module):
             return 0
         return step  # vanilla order; "moe" fixes attention at module h
 
-    def route(self, kind: str, router: Optional[GRURouter], x: torch.Tensor, step: int,
+    def route(self, kind: str, router, x: torch.Tensor, step: int,
               state: Optional[torch.Tensor], run: ForwardState) -> Tuple[_Route, Optional[torch.Tensor]]:
+        """The step's router decides and reports the site ``mom.chunk{c}.{kind}.step{h}``; a site without a
+        router reports its fixed module (one slot, weight 1)."""
         B, T, d = x.shape
-        names = self.attn_names if kind == "attn" else self.ffn_names
         group = f"mom.chunk{self.index}.{kind}"
-        site = dict(name=f"{group}.step{step}", kind="token_choice", choice_names=names, group=group, step=step,
-                    valid=run.valid)
+        site = dict(name=f"{group}.step{step}", group=group, step=step)
         if router is None:
             module = self._fixed_module(kind, step)
-            selected = torch.full((B * T, 1), module, dtype=torch.long, device=x.device)
-            weights = torch.ones(B * T, 1, device=x.device)
-            run.trace.append(RoutingSite(selected=selected.view(B, T, 1), weights=weights.view(B, T, 1), **site))
-            return _Route(selected, weights, fixed=module), state
-        logits, state = router(x.reshape(B * T, d), state)
-        allowed = self.allowed_choices(kind, step, len(names), x.device)
-        probs, weights, selected = token_topk(logits, self.cfg.top_k, self.cfg.temperature, renormalize=True,
-                                              straight_through=self.cfg.straight_through, allowed=allowed)
-        valid = run.valid.reshape(-1) if run.valid is not None else torch.ones(B * T, dtype=torch.bool, device=x.device)
-        picked = selected
-        if self.cfg.all_paths:  # every class, weighted by the full distribution (SKIP's share adds nothing)
-            selected = torch.arange(len(names), device=x.device).expand(B * T, len(names))
-            weights = probs
-        if self.cfg.balance_coef > 0 and self.cfg.balance_form == "official":
-            run.options.setdefault("mom_balance", {}).setdefault(kind, []).append((probs, valid))
-        elif self.cfg.balance_coef > 0:
-            loss = balance_loss(probs, picked, len(names), valid)
-            run.aux[f"{site['name']}/balance"] = loss * (self.cfg.balance_coef * self.balance_scale)
-        run.trace.append(RoutingSite(
-            selected=selected.view(B, T, -1), weights=weights.detach().view(B, T, -1),
-            probs=probs.detach().view(B, T, -1), logits=logits.detach().view(B, T, -1), **site))
-        return _Route(selected, weights), state
+            route = FixedChoice(self.attn_names if kind == "attn" else self.ffn_names)(run, module, (B, T), x.device, **site)
+            return _Route(route.selected, route.weights, fixed=module), state
+        allowed = self.allowed_choices(kind, step, len(router.choice_names), x.device)
+        route = router(x.reshape(B * T, d), run, state, allowed=allowed, grid=(B, T), **site)
+        return _Route(route.selected, route.weights), route.carry
+
+    def balance(self, run: ForwardState, name: str, probs, picked, valid) -> Dict[str, torch.Tensor]:
+        """Switch loss over all classes (SKIP included) per site, or the official form's parts per router kind
+        (summed over the steps in ``MixtureOfModules.body``)."""
+        if self.cfg.balance_form == "official":
+            run.options.setdefault("mom_balance", {}).setdefault(name.split(".")[-2], []).append((probs, valid))
+            return {}
+        loss = balance_loss(probs, picked, probs.shape[-1], valid)
+        return {f"{name}/balance": loss * (self.cfg.balance_coef * self.balance_scale)}
 
     # ------------------------------------------------------------------ assembly
     def assemble_attention(self, x: torch.Tensor, route: _Route, cache: Optional[KVCache], cache_key: str) -> torch.Tensor:
@@ -523,14 +503,14 @@ class MixtureOfModules(LanguageModel):
     def removed_modules(self, attn: Sequence[int] = (), ffn: Sequence[int] = ()) -> Iterator[None]:
         """Remove attention modules ``attn`` and FFN modules ``ffn`` (pool indices) from every chunk's pool.
 
-        A forward hook on each chunk's GRU router replaces the logits it returns with the removed modules'
-        entries set to -inf: the softmax gives them probability exactly 0, top-K never selects them, and
+        Each chunk's GRU router gets the removed modules as ``removed`` (``Router.logits`` sets their logits to
+        -inf): the softmax gives them probability exactly 0, top-K never selects them, and
         the K weights are renormalised over the remaining choices (SKIP included) as for any other logits.
-        The GRU state is untouched, so later steps see the same recurrence. Leaving the context removes
-        the hooks. Fixed (non-learned) routing has no logits to mask and is refused, as is a removal that
+        The GRU state is untouched, so later steps see the same recurrence. Leaving the context restores
+        the full pools. Fixed (non-learned) routing has no logits to mask and is refused, as is a removal that
         leaves fewer than K choices.
         """
-        handles = []
+        masked = []
         try:
             for chunk in self.chunks:
                 for kind, router, names, drop in (("attn", chunk.attn_router, chunk.attn_names, attn),
@@ -550,11 +530,12 @@ class MixtureOfModules(LanguageModel):
                                           f"fewer than K={self.config.mom.top_k}")
                     mask = torch.zeros(len(names), dtype=torch.bool)
                     mask[drop] = True
-                    handles.append(router.register_forward_hook(_mask_logits(mask)))
+                    router.removed = mask
+                    masked.append(router)
             yield
         finally:
-            for handle in handles:
-                handle.remove()
+            for router in masked:
+                router.removed = None
 
     @torch.no_grad()
     def pool_outputs(self, idx: torch.Tensor) -> Dict[str, List[torch.Tensor]]:
@@ -659,13 +640,3 @@ def _shape_hint(state: Dict[str, torch.Tensor], config: ModelConfig) -> str:
 def _describe(layout: MoMLayout) -> str:
     anchor = " + anchor" if layout.anchor else ""
     return f"bottom {layout.bottom} + {layout.chunks} x ({layout.slots} slots{anchor}) + top {layout.top}"
-
-
-def _mask_logits(mask: torch.Tensor):
-    """Forward hook of a GRU router: the masked choices' logits become -inf (``removed_modules``)."""
-
-    def hook(module, inputs, output):
-        logits, state = output
-        return logits.masked_fill(mask.to(logits.device), float("-inf")), state
-
-    return hook

@@ -48,7 +48,7 @@ from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ModelConfig, layer_selection, tracks_explicit
 from architectures.contract import KVCache, RoutingSite
 from architectures.gpt2 import Block
-from architectures.routing import balance_loss, fp32_linear, token_topk
+from architectures.routing import LinearRouter, MLPRouter, TopK, balance_loss
 
 
 @tracks_explicit
@@ -169,20 +169,6 @@ def run_on_subset(block: Block, x: torch.Tensor, chosen: torch.Tensor, cache: Op
     return after_attn, after, seg.tokens.numel(), score_pairs(seg, B, cache, name)
 
 
-class GateMLP(nn.Module):
-    """The seed's gate with a hidden layer: d -> hidden (GELU) -> E, in fp32 with autocast off."""
-
-    def __init__(self, d_model: int, hidden: int, num_experts: int):
-        super().__init__()
-        self.fc = nn.Linear(d_model, hidden)
-        self.out = nn.Linear(hidden, num_experts, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            h = F.gelu(F.linear(x.float(), self.fc.weight.float(), self.fc.bias.float()))
-            return F.linear(h, self.out.weight.float())
-
-
 class MoTLayer(nn.Module):
     """E expert blocks behind a top-k gate (per token, or per sequence with ``mot.routing = "sequence"``)."""
 
@@ -193,7 +179,12 @@ class MoTLayer(nn.Module):
         self.config = config
         self.index, self.step, self.site_name = index, step, f"layer{index}.mot"
         d, E = config.d_model, cfg.num_experts
-        self.gate = GateMLP(d, cfg.gate_hidden, E) if cfg.gate_hidden else nn.Linear(d, E, bias=False)
+        # a linear gate, or the seed's gate MLP (d -> gate_hidden -> E); k > 1 weights renormalised over the
+        # k picks (at k = 1 the raw probability keeps the gate learning)
+        pick = TopK(cfg.top_k, renormalize=cfg.renormalize and cfg.top_k > 1, adjust=self.seed_rules,
+                    balance=self.balance if cfg.balance_coef > 0 else None)
+        names = [f"expert{i}" for i in range(E)]
+        self.gate = MLPRouter(d, cfg.gate_hidden, E, pick, names) if cfg.gate_hidden else LinearRouter(d, E, pick, names)
         self.experts = nn.ModuleList([Block(config) for _ in range(cfg.num_experts)])
         if cfg.aggregation == "concat":
             self.combine = nn.Linear(cfg.top_k * d, d, bias=False)
@@ -208,8 +199,8 @@ class MoTLayer(nn.Module):
     def forward(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
         """The block protocol: mix, report the site and losses, snapshot mha / ffn."""
         x, after_attn, site, losses = self.mix(x, state.valid, state.cache, f"block{self.index}",
-                                               state.residuals is not None, self.site_name, self.step, state.causal)
-        state.report(site, losses)
+                                               state.residuals is not None, self.site_name, self.step, state.causal,
+                                               state)
         if state.residuals is not None:
             state.record("mha", self.index, after_attn)
         state.record("ffn", self.index, x)
@@ -236,21 +227,29 @@ class MoTLayer(nn.Module):
             cache.state("mot_prefix")[name] = (total[:, -1], count[:, -1])
         return total / count.clamp(min=1)
 
-    def route(self, x: torch.Tensor, valid=None, cache: Optional[KVCache] = None, causal: bool = False, name: str = ""):
-        logits = self.gate(self.gate_input(x, valid, cache, causal, name)) if self.cfg.gate_hidden else \
-            fp32_linear(self.gate_input(x, valid, cache, causal, name), self.gate.weight)
+    def route(self, x: torch.Tensor, state: ForwardState, valid=None, cache: Optional[KVCache] = None,
+              causal: bool = False, name: str = "", site_name: str = "mot", step: int = 0):
+        """The gate decides on ``gate_input`` and reports the layer's site (and balance loss) to ``state``."""
+        return self.gate(self.gate_input(x, valid, cache, causal, name), state, name=site_name, group="mot", step=step,
+                         valid=valid)
+
+    def seed_rules(self, probs, weights, selected):
+        """The seed's rules on the gate's pick: random activation (training) and uniform 1/k weights."""
         k = self.cfg.top_k
-        renormalize = self.cfg.renormalize and k > 1  # at k = 1 the raw probability keeps the gate learning
-        probs, weights, selected = token_topk(logits, k, renormalize=renormalize)
         if self.training and self.cfg.random_activation > 0:
             selected = self.force_random(selected)
             weights = probs.gather(-1, selected)
-            weights = weights / weights.sum(-1, keepdim=True) if renormalize else weights
+            weights = weights / weights.sum(-1, keepdim=True) if self.cfg.renormalize and k > 1 else weights
         if self.cfg.weights == "uniform":
             # the seed's 1/k exactly, forward; the probability's gradient still reaches the gate
             chosen = probs.gather(-1, selected)
             weights = 1.0 / k + (chosen - chosen.detach())  # exactly 1/k: p - p is 0
-        return logits, probs, weights, selected
+        return weights, selected
+
+    def balance(self, state, site_name, probs, selected, valid_flat) -> Dict[str, torch.Tensor]:
+        N = valid_flat.numel()
+        return {f"{site_name}/balance": self.cfg.balance_coef * balance_loss(
+            probs.reshape(N, -1), selected.reshape(N, self.cfg.top_k), self.cfg.num_experts, valid_flat)}
 
     def force_random(self, selected: torch.Tensor) -> torch.Tensor:
         """With probability ``random_activation`` per routed unit (token, or sequence), the last slot goes to
@@ -268,12 +267,16 @@ class MoTLayer(nn.Module):
         return torch.cat([selected[..., :-1], last.unsqueeze(-1)], dim=-1)
 
     # ------------------------------------------------------------------ mixing
-    def mix(self, x, valid=None, cache=None, cache_prefix="", want_attn=False, site_name="mot", step=0, causal=None):
-        """Returns (new x, x after the attention updates only or None, RoutingSite, aux losses)."""
+    def mix(self, x, valid=None, cache=None, cache_prefix="", want_attn=False, site_name="mot", step=0, causal=None,
+            state: Optional[ForwardState] = None):
+        """Returns (new x, x after the attention updates only or None, RoutingSite, aux losses); the gate
+        reports the site and losses to ``state`` (standalone: a throwaway state)."""
         B, T, d = x.shape
         N, k = B * T, self.cfg.top_k
         causal = cache is not None if causal is None else causal
-        logits, probs, weights, selected = self.route(x, valid, cache, causal, cache_prefix)
+        state = ForwardState.standalone() if state is None else state
+        route = self.route(x, state, valid, cache, causal, cache_prefix, site_name, step)
+        weights, selected = route.weights, route.selected
         x_flat, w_flat = x.reshape(N, d), weights.reshape(N * k)
         full, attn, slots = [], [], []
         pairs = 0
@@ -288,18 +291,8 @@ class MoTLayer(nn.Module):
             attn.append(a * w)
             slots.append(seg.slots)
         combine = lambda parts: self.aggregate(x, torch.cat(slots) if slots else None, parts)
-        valid_flat = (torch.ones(N, dtype=torch.bool, device=x.device) if valid is None
-                      else valid.reshape(N).to(torch.bool))
-        aux = {}
-        if self.cfg.balance_coef > 0:
-            aux[f"{site_name}/balance"] = self.cfg.balance_coef * balance_loss(
-                probs.reshape(N, -1), selected.reshape(N, k), self.cfg.num_experts, valid_flat)
-        site = RoutingSite(name=site_name, kind="token_choice",
-                           choice_names=[f"expert{i}" for i in range(self.cfg.num_experts)],
-                           selected=selected, weights=weights, group="mot", step=step, probs=probs,
-                           valid=None if valid is None else valid.to(torch.bool), logits=logits,
-                           extras={"score_pairs": torch.tensor(float(pairs))})
-        return combine(full), (combine(attn) if want_attn else None), site, aux
+        route.site.extras["score_pairs"] = torch.tensor(float(pairs))
+        return combine(full), (combine(attn) if want_attn else None), route.site, route.aux
 
     def aggregate(self, x: torch.Tensor, slots: Optional[torch.Tensor], parts) -> torch.Tensor:
         """x plus the weighted updates: summed per token, or (``concat``) laid out by slot and mixed by W_c."""

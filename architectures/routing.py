@@ -11,15 +11,29 @@ capacity priority, balance-loss normalisation, SKIP handling) is written once.
 * ``noop_budget_keep``: a causal per-row budget for no-op / SKIP choices.
 * ``balance_loss`` / ``z_loss``: Switch balance loss (real experts only) and ST-MoE z-loss.
 * ``sorted_dispatch`` (gather / scatter by expert, from ``dispatch.py``), re-exported here.
+
+The ``Router`` modules (torchtitan's layering: router -> reorderer -> experts; here the router) put these
+together, so a routed block cannot get the protocol wrong: a router owns the scoring parameters (a linear
+map, a gate MLP, a GRU cell + output), computes its logits in fp32 with autocast off (``Router.logits``,
+one place), picks with one of the pick rules below, builds the block's ``RoutingSite`` (name, kind,
+choices, valid mask from the ``ForwardState`` unless given) and reports it with its aux losses, once per
+call: ``decision = self.router(x, state, name=..., group=..., step=...)``. ``ForwardState.report`` refuses a
+second site of the same name in one forward. Pick rules: ``Switch`` (MoE: top-k, no-op budget,
+renormalisation, capacity, balance + z-loss), ``TopK`` (MoT, MoM, hard depth gating), ``ExpertChoice``
+(MoD), ``SoftGate`` (soft depth gating); ``FixedChoice`` reports a routerless site (MoM's fixed modules).
+A caller adds only what it measures while running (``decision.site.extras``).
 """
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
+from architectures.contract import RoutingSite
 from architectures.dispatch import sorted_dispatch  # noqa: F401  (the gather / scatter of the library)
 
 
@@ -179,3 +193,305 @@ def z_loss(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return (lse.square() * w).sum() / w.sum().clamp(min=1)
 
 
+
+
+# ---------------------------------------------------------------------------- the Router modules
+FROM_STATE: Any = object()  # ``valid`` not given: the ForwardState's (B, T) mask of real tokens
+
+
+@dataclass
+class Decision:
+    """What a router decided, for the block to act on. ``site`` is already reported (in the trace).
+
+    ``weights`` / ``selected`` / ``probs`` / ``logits``: the live tensors (gradients flow through them; a
+    site may hold detached copies). ``keep``: (N, k) assignments that run (valid and within capacity),
+    None for all. ``carry``: a recurrent router's state for the next step. ``idx`` / ``real``: expert
+    choice's gathered positions (``expert_choice_topk``); ``chosen``: its (B, T) bool choice.
+    """
+
+    site: RoutingSite
+    logits: Optional[torch.Tensor]
+    probs: Optional[torch.Tensor]
+    weights: torch.Tensor
+    selected: torch.Tensor
+    aux: Dict[str, torch.Tensor]
+    keep: Optional[torch.Tensor] = None
+    carry: Optional[torch.Tensor] = None
+    chosen: Optional[torch.Tensor] = None
+    idx: Optional[torch.Tensor] = None
+    real: Optional[torch.Tensor] = None
+
+
+def report_site(state, kind: str, choice_names: Sequence[str], name: str, selected: torch.Tensor,
+                weights: torch.Tensor, *, group: str = "", step: int = 0, valid=FROM_STATE,
+                probs: Optional[torch.Tensor] = None, logits: Optional[torch.Tensor] = None,
+                dropped: Optional[torch.Tensor] = None, extras: Optional[Dict[str, torch.Tensor]] = None,
+                aux: Optional[Dict[str, torch.Tensor]] = None,
+                relay: Optional[Callable[[RoutingSite], RoutingSite]] = None) -> RoutingSite:
+    """Build one ``RoutingSite`` and report it (with ``aux``) to ``state``; returns the reported site.
+
+    ``valid``: the state's mask unless given (a router on gathered tokens passes its own); ``relay``: a
+    site transform applied before reporting (MoDE staged re-lays its MoE site on the full (B, T) grid).
+    """
+    valid = state.valid if valid is FROM_STATE else valid
+    site = RoutingSite(name=name, kind=kind, choice_names=list(choice_names), selected=selected, weights=weights,
+                       group=group, step=step, probs=probs, dropped=dropped,
+                       valid=None if valid is None else valid.to(torch.bool), logits=logits, extras=extras or {})
+    if relay is not None:
+        site = relay(site)
+    state.report(site, aux)
+    return site
+
+
+def _valid_flat(valid: Optional[torch.Tensor], N: int, device) -> torch.Tensor:
+    return torch.ones(N, dtype=torch.bool, device=device) if valid is None else valid.reshape(N).to(torch.bool)
+
+
+class Router(nn.Module):
+    """Base of the routers: scoring parameters (the subclass), fp32 logits, a pick rule, one reported site.
+
+    ``router(x, state, *carry, name=, group=, step=, valid=, relay=, **pick_options) -> Decision``: logits
+    (``logits``: the subclass's ``scores`` with autocast off, so bf16 autocast never rounds a routing
+    decision), then ``pick`` (one of the pick rules below) chooses and reports the site through the
+    ``report`` it is handed, exactly once. ``removed``: optional (C,) bool of choices taken out (logit -inf;
+    MoM's ``removed_modules``).
+    """
+
+    removed: Optional[torch.Tensor] = None
+
+    def setup(self, pick: Any, choice_names: Sequence[str]) -> None:
+        self.pick, self.choice_names = pick, list(choice_names)
+
+    def scores(self, x: torch.Tensor, *carry):
+        raise NotImplementedError
+
+    def logits(self, x: torch.Tensor, *carry):
+        """``scores`` in fp32 with autocast off: logits, or (logits, carry) for a recurrent router."""
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            out = self.scores(x, *carry)
+        if self.removed is None:
+            return out
+        logits, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, ())
+        logits = logits.masked_fill(self.removed.to(logits.device), float("-inf"))
+        return (logits, *rest) if rest else logits
+
+    def forward(self, x: torch.Tensor, state, *carry, name: str, group: str = "", step: int = 0,
+                valid=FROM_STATE, relay=None, **options) -> Decision:
+        out = self.logits(x, *carry)
+        logits, new_carry = out if isinstance(out, tuple) else (out, None)
+        report = lambda selected, weights, aux=None, **fields: report_site(  # noqa: E731
+            state, self.pick.kind, self.choice_names, name, selected, weights, group=group, step=step,
+            valid=valid, aux=aux, relay=relay, **fields)
+        decision = self.pick(logits, state, state.valid if valid is FROM_STATE else valid, report, name=name, **options)
+        decision.carry = new_carry
+        return decision
+
+    def report_idle(self, state, shape: Tuple[int, int], k: int, device, *, name: str, group: str = "",
+                    step: int = 0) -> RoutingSite:
+        """The site of a token-choice layer that no token reached (MoDE staged, every token skipped its
+        block): all-zero choices, every token invalid, so it counts nothing."""
+        B, T = shape
+        zeros = torch.zeros(B, T, len(self.choice_names), dtype=torch.float32, device=device)
+        none = torch.zeros(B, T, dtype=torch.bool, device=device)
+        return report_site(state, "token_choice", self.choice_names, name,
+                           torch.zeros(B, T, k, dtype=torch.long, device=device), zeros[..., :k], group=group,
+                           step=step, probs=zeros, dropped=torch.zeros(B, T, k, dtype=torch.bool, device=device),
+                           valid=none, logits=zeros)
+
+
+class LinearRouter(Router, nn.Linear):
+    """A bias-free linear router (MoE, MoD, MoT, depth gating): ``nn.Linear`` parameters (``weight``; the
+    suite's init and old checkpoints see a linear layer), logits ``x @ W^T`` in fp32."""
+
+    def __init__(self, d_model: int, n_choices: int, pick: Any, choice_names: Sequence[str]):
+        nn.Linear.__init__(self, d_model, n_choices, bias=False)
+        self.setup(pick, choice_names)
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+
+class MLPRouter(Router):
+    """A gate with a hidden layer (MoT's seed form): d -> hidden (GELU) -> E, in fp32."""
+
+    def __init__(self, d_model: int, hidden: int, n_choices: int, pick: Any, choice_names: Sequence[str]):
+        super().__init__()
+        self.fc = nn.Linear(d_model, hidden)
+        self.out = nn.Linear(hidden, n_choices, bias=False)
+        self.setup(pick, choice_names)
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(F.linear(x.float(), self.fc.weight.float(), self.fc.bias.float()))
+        return F.linear(h, self.out.weight.float())
+
+
+class GRURouter(Router):
+    """MoM's recurrent router: ``h = GRUCell(x, h_prev)``, ``logits = W_o h``; the carry is h."""
+
+    def __init__(self, d_model: int, hidden: int, n_choices: int, pick: Any, choice_names: Sequence[str],
+                 bias: bool = False):
+        super().__init__()
+        self.cell = nn.GRUCell(d_model, hidden)
+        self.out = nn.Linear(hidden, n_choices, bias=bias)
+        self.setup(pick, choice_names)
+
+    def scores(self, x: torch.Tensor, state: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+        state = self.cell(x.to(self.cell.weight_ih.dtype), state)
+        return self.out(state).float(), state
+
+
+# ---------------------------------------------------------------------------- pick rules
+class Switch:
+    """MoE's token choice: top-k over the E experts + no-op experts; with ``noop_share`` a causal per-row
+    budget for the no-op choices (``noop_budget_keep``; tokens past it choose among the real experts, the
+    running count on the cache when decoding); weights renormalised over k (k > 1 only: at k = 1, w / w = 1
+    would give the router no gradient through the output); a capacity limit per expert unless dropless
+    (``capacity_keep``); the balance loss over the real experts and the z-loss (coefficients applied)."""
+
+    kind = "token_choice"
+
+    def __init__(self, num_experts: int, top_k: int, renormalize: bool, dropless: bool, capacity_factor: float,
+                 balance_coef: float, z_loss_coef: float, noop_share: Optional[float] = None):
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.dropless, self.capacity_factor = dropless, capacity_factor
+        self.balance_coef, self.z_loss_coef, self.noop_share = balance_coef, z_loss_coef, noop_share
+
+    def capacity(self, n_tokens: int) -> int:
+        return max(1, math.ceil(self.capacity_factor * n_tokens * self.top_k / self.num_experts))
+
+    def __call__(self, logits, state, valid, report, name: str, cache=None) -> Decision:
+        B, T, _ = logits.shape
+        N, k = B * T, self.top_k
+        probs, weights, selected = token_topk(logits, k)
+        if self.noop_share is not None:
+            weights, selected = self.noop_budget(probs, weights, selected, valid, cache, name)
+        if self.renormalize and k > 1:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        valid_flat = _valid_flat(valid, N, logits.device)
+        sel_flat = selected.reshape(N, k)
+        keep = None if valid is None else valid_flat.unsqueeze(-1).expand(N, k)
+        dropped = torch.zeros(N, k, dtype=torch.bool, device=logits.device)
+        if not self.dropless:
+            fits = capacity_keep(sel_flat, self.num_experts, self.capacity(int(valid_flat.sum())), valid_flat, T)
+            dropped = ~fits
+            keep = fits if keep is None else keep & fits
+        aux: Dict[str, torch.Tensor] = {}
+        if self.balance_coef > 0:
+            aux[f"{name}/balance"] = self.balance_coef * balance_loss(
+                probs.reshape(N, probs.shape[-1]), sel_flat, self.num_experts, valid_flat)  # explicit width: N may be 0
+        if self.z_loss_coef > 0:
+            aux[f"{name}/z_loss"] = self.z_loss_coef * z_loss(logits.reshape(N, logits.shape[-1]), valid_flat)
+        site = report(selected, weights, aux, probs=probs, dropped=dropped.view(B, T, k), logits=logits)
+        return Decision(site, logits, probs, weights, selected, aux, keep=keep)
+
+    def noop_budget(self, probs, weights, selected, valid, cache, name):
+        B, T, _ = probs.shape
+        valid = torch.ones(B, T, dtype=torch.bool, device=probs.device) if valid is None else valid.to(torch.bool)
+        wants = (selected >= self.num_experts).sum(-1)
+        budgets = None if cache is None else cache.state("noop_budget")
+        keep, state = noop_budget_keep(wants, valid, self.noop_share, self.top_k,
+                                       None if budgets is None else budgets.get(name))
+        if budgets is not None:
+            budgets[name] = state
+        real_only = probs.masked_fill(torch.arange(probs.shape[-1], device=probs.device) >= self.num_experts, -1.0)
+        real_w, real_sel = real_only.topk(self.top_k, dim=-1)
+        real_w = probs.gather(-1, real_sel)
+        over = (~keep).unsqueeze(-1)
+        return torch.where(over, real_w, weights), torch.where(over, real_sel, selected)
+
+
+class TopK:
+    """Token-choice top-k (``token_topk``: temperature, renormalised / straight-through weights, a mask of
+    allowed choices per call) for MoT, MoM and hard depth gating.
+
+    ``adjust(probs, weights, selected) -> (weights, selected)``: a family's rule applied to the pick
+    (MoT's random activation and uniform weights). ``balance(state, name, probs, selected, valid_flat)
+    -> aux dict``: the family's balance loss on the pick (before ``all_paths``). ``all_paths``: every
+    choice, weighted by the full distribution (MoM's ``routing_all_possible_path``). ``detach``: the site
+    holds detached weights, probs and logits. ``grid``: (B, T) to lay flat (N, .) tensors out in the site.
+    """
+
+    def __init__(self, k: int, kind: str = "token_choice", temperature: float = 1.0, renormalize: bool = False,
+                 straight_through: bool = False, adjust: Optional[Callable] = None,
+                 balance: Optional[Callable] = None, all_paths: bool = False, detach: bool = False):
+        self.k, self.kind, self.temperature, self.renormalize = k, kind, temperature, renormalize
+        self.straight_through, self.adjust, self.balance = straight_through, adjust, balance
+        self.all_paths, self.detach = all_paths, detach
+
+    def __call__(self, logits, state, valid, report, name: str, allowed=None, grid=None) -> Decision:
+        probs, weights, selected = token_topk(logits, self.k, self.temperature, renormalize=self.renormalize,
+                                              straight_through=self.straight_through, allowed=allowed)
+        if self.adjust is not None:
+            weights, selected = self.adjust(probs, weights, selected)
+        aux: Dict[str, torch.Tensor] = {}
+        if self.balance is not None:
+            N = selected.numel() // selected.shape[-1]
+            aux = self.balance(state, name, probs, selected, _valid_flat(valid, N, logits.device))
+        if self.all_paths:
+            selected = torch.arange(probs.shape[-1], device=probs.device).expand(*probs.shape)
+            weights = probs
+        shown = [t.detach() if self.detach else t for t in (selected, weights, probs, logits)]
+        if grid is not None:
+            shown = [t.view(*grid, -1) for t in shown]
+        site = report(shown[0], shown[1], aux, probs=shown[2], logits=shown[3])
+        return Decision(site, logits, probs, weights, selected, aux)
+
+
+class SoftGate:
+    """A dense distribution over every choice (soft depth gating): each choice selected, weighted by its
+    probability; nothing skipped."""
+
+    kind = "soft_gate"
+
+    def __call__(self, logits, state, valid, report, name: str) -> Decision:
+        probs = logits.softmax(dim=-1)
+        L = probs.shape[-1]
+        selected = torch.arange(L, device=probs.device).expand(*probs.shape[:-1], L)
+        site = report(selected, probs, probs=probs, logits=logits)
+        return Decision(site, logits, probs, probs, selected, {})
+
+
+class ExpertChoice:
+    """MoD's expert choice over each sequence (``expert_choice_topk`` on the detached scores, k from each
+    row's real length); under causal routing (``state.causal``) the caller's causal decision
+    ``decide(logits) -> (B, T) bool`` instead (predictor or router sign), padding never chosen. The site:
+    choices {skip, block}, weight = the router output (or ``fixed_weight``, a test hook) on chosen tokens,
+    detached logits."""
+
+    kind = "expert_choice"
+
+    def __init__(self, capacity: float):
+        self.capacity = capacity
+
+    def __call__(self, logits, state, valid, report, name: str, decide: Callable = None,
+                 fixed_weight: Optional[float] = None) -> Decision:
+        logits = logits.squeeze(-1)
+        weight = logits if fixed_weight is None else torch.full_like(logits, fixed_weight)
+        idx = real = None
+        if state.causal:
+            chosen = decide(logits)
+            if valid is not None:
+                chosen = chosen & valid
+        else:
+            chosen, idx, real = expert_choice_topk(logits.detach(), self.capacity, valid)
+        site = report(chosen.long().unsqueeze(-1), (weight.detach() * chosen).unsqueeze(-1), logits=logits.detach())
+        return Decision(site, logits, None, weight, chosen.long().unsqueeze(-1), {}, chosen=chosen, idx=idx, real=real)
+
+
+class FixedChoice:
+    """A routerless site (MoM's fixed modules): every token takes ``choice`` with weight 1. Not a module
+    (it has no parameters and decides nothing); it still reports its site, once per call."""
+
+    kind = "token_choice"
+
+    def __init__(self, choice_names: Sequence[str]):
+        self.choice_names = list(choice_names)
+
+    def __call__(self, state, choice: int, shape: Tuple[int, int], device, *, name: str, group: str = "",
+                 step: int = 0) -> Decision:
+        B, T = shape
+        selected = torch.full((B * T, 1), choice, dtype=torch.long, device=device)
+        weights = torch.ones(B * T, 1, device=device)
+        site = report_site(state, self.kind, self.choice_names, name, selected.view(B, T, 1), weights.view(B, T, 1),
+                           group=group, step=step, valid=state.valid)
+        return Decision(site, None, None, weights, selected, {})

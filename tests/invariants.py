@@ -162,25 +162,29 @@ def _sites_per_block(model, idx: torch.Tensor, attention_mask: Optional[torch.Te
     """Forward once; returns (output, {block name: sites it reported}, sites reported outside any block,
     {module name: times it was called}).
 
-    A block is a module called with the ``ForwardState`` (the block protocol); a site counts for the
-    innermost block that was running when it was appended to the trace.
+    A block is a module called with the ``ForwardState`` (the block protocol) that is not a router (a
+    ``Router`` is called with the state to report for its block); a site counts for the innermost block
+    that was running when it was appended to the trace.
     """
     names = {module: name for name, module in model.named_modules()}
+    routers = set(router_modules(model).values())
     stack: List[list] = []
     per_block: Dict[str, List[str]] = {}
     calls: Dict[str, int] = {}
 
-    def find_state(args, kwargs):
+    def find_state(module, args, kwargs):
+        if module in routers:
+            return None
         return next((a for a in (*args, *kwargs.values()) if isinstance(a, ForwardState)), None)
 
     def before(module, args, kwargs):
         calls[names[module]] = calls.get(names[module], 0) + 1
-        state = find_state(args, kwargs)
+        state = find_state(module, args, kwargs)
         if state is not None:
             stack.append([module, len(state.trace)])
 
     def after(module, args, kwargs, output):
-        state = find_state(args, kwargs)
+        state = find_state(module, args, kwargs)
         if state is None or not stack or stack[-1][0] is not module:
             return
         _, start = stack.pop()

@@ -1,9 +1,13 @@
 """Tests of the tests: each bug class the invariant suite must catch, planted in a toy variant.
 
 The toy is a routed GPT-2 (each block behind a token-choice router over {block, skip}) registered
-temporarily in the registry and built through ``build_model``, like any variant. The clean toy passes
-every check of ``tests/invariants.py``; each mutant (one planted bug) must fail the check that covers
-its class, so a check weakened until it can no longer fail is noticed here.
+temporarily in the registry and built through ``build_model``, like any variant. The clean toy routes
+with the suite's ``Router`` (``architectures.routing``) and passes every check of ``tests/invariants.py``;
+each mutant (one planted bug) must fail the check that covers its class, so a check weakened until it can
+no longer fail is noticed here. The router-protocol bugs (bf16 logits, no site, two sites, a repeated
+name, no valid mask) cannot be written with the ``Router`` (it computes fp32 logits with autocast off,
+reports its one site with the state's valid mask, and ``ForwardState.report`` refuses a repeated name), so
+those mutants route by hand, as a variant that bypasses the ``Router`` would.
 """
 from __future__ import annotations
 
@@ -20,10 +24,13 @@ from architectures.contract import RoutingSite
 from architectures.flops import Flops
 from architectures.gpt2 import Block
 from architectures.registry import VARIANTS, Variant
-from architectures.routing import fp32_linear, token_topk
+from architectures.routing import LinearRouter, TopK, fp32_linear, token_topk
 from tests import invariants
 
 V, T = 97, 32
+#: bugs planted in a block that routes by hand (the ``Router`` cannot make them)
+BY_HAND = {"bf16_router", "bf16_router_weight", "collapse", "no_site", "two_sites", "same_name", "same_name_reported",
+           "no_valid"}
 
 
 class ToyRoutedBlock(nn.Module):
@@ -33,7 +40,7 @@ class ToyRoutedBlock(nn.Module):
         super().__init__()
         self.index, self.bugs = index, bugs
         self.block = Block(config, index)
-        self.router = nn.Linear(config.d_model, 2, bias=False)
+        self.router = LinearRouter(config.d_model, 2, TopK(1, straight_through=True), ["block", "skip"])
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         if "bf16_router" in self.bugs:  # autocast runs the projection in bf16; the cast hides it from a dtype check
@@ -48,19 +55,28 @@ class ToyRoutedBlock(nn.Module):
     def forward(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
         if "lookahead_in_training" in self.bugs and self.training:
             x = x + 0.5 * torch.roll(x, -1, dims=1)  # each position reads the next one
+        if self.bugs & BY_HAND:
+            weights, selected = self.route_by_hand(x, state)
+        else:  # the Router: fp32 logits, top-1 straight-through, one site reported with the valid mask
+            route = self.router(x, state, name=f"block{self.index}.toy")
+            weights, selected = route.weights, route.selected
+        run = (selected == 0).to(x.dtype) * weights.to(x.dtype)
+        return x + run * (self.block(x, state) - x)
+
+    def route_by_hand(self, x: torch.Tensor, state: ForwardState):
         logits = self.logits(x)
         probs, weights, selected = token_topk(logits, 1, straight_through=True)
-        run = (selected == 0).to(x.dtype) * weights.to(x.dtype)
-        x = x + run * (self.block(x, state) - x)
         site = RoutingSite(
-            name="toy" if "same_name" in self.bugs else f"block{self.index}.toy", kind="token_choice",
-            choice_names=["block", "skip"], selected=selected, weights=weights, probs=probs, logits=logits,
-            valid=None if "no_valid" in self.bugs else state.valid)
-        if not ("no_site" in self.bugs and self.index == 1):
+            name="toy" if self.bugs & {"same_name", "same_name_reported"} else f"block{self.index}.toy",
+            kind="token_choice", choice_names=["block", "skip"], selected=selected, weights=weights, probs=probs,
+            logits=logits, valid=None if "no_valid" in self.bugs else state.valid)
+        if "same_name" in self.bugs:  # appended past ForwardState.report, which would refuse the repeated name
+            state.trace.append(site)
+        elif not ("no_site" in self.bugs and self.index == 1):
             state.report(site)
         if "two_sites" in self.bugs:
             state.report(RoutingSite(**{**vars(site), "name": f"block{self.index}.toy.again"}))
-        return x
+        return weights, selected
 
     def flops(self, sites, T: int, queries=None) -> Flops:
         return self.block.flops(sites, T, queries)
@@ -149,6 +165,23 @@ def test_the_check_for_each_bug_class_fails_on_a_toy_variant_with_that_bug(toy, 
     with pytest.raises(AssertionError, match=message):
         with torch.no_grad():
             check(model)
+
+
+def test_a_repeated_site_name_is_refused_when_it_is_reported(toy):
+    """``ForwardState.report`` raises on a second site of one name in a forward (before any check runs)."""
+    with pytest.raises(ValueError, match=r"routing site 'toy' reported twice in one forward"):
+        toy("same_name_reported")(tokens())
+
+
+def test_a_router_called_twice_under_one_name_raises(toy):
+    """The ``Router`` reports on every call, so a block that decides twice under one name cannot go unnoticed."""
+    block = toy().blocks[0]
+    state = ForwardState.standalone()
+    x = torch.randn(2, 5, block.router.in_features)
+    route = block.router(x, state, name="block0.toy")
+    assert state.trace == [route.site] and route.site.logits.dtype == torch.float32
+    with pytest.raises(ValueError, match="reported twice"):
+        block.router(x, state, name="block0.toy")
 
 
 def test_the_lookahead_in_training_mode_is_invisible_in_eval_mode(toy):

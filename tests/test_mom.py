@@ -239,8 +239,8 @@ def test_gru_state_is_carried_across_steps():
     h, attn_sites = None, [s for s in out.trace if s.group.endswith(".attn")]
     for step, site in enumerate(attn_sites):
         x = states[2 * step].reshape(-1, d)  # the stream entering step h's attention
-        fresh, _ = router(x, None)
-        carried, h = router(x, h)
+        fresh, _ = router.logits(x, None)
+        carried, h = router.logits(x, h)
         torch.testing.assert_close(site.logits.reshape(-1, site.num_choices), carried)
         if step == 0:
             assert torch.equal(carried, fresh)  # zeros at step 1
@@ -250,7 +250,7 @@ def test_gru_state_is_carried_across_steps():
     ffn_sites = [s for s in out.trace if s.group.endswith(".ffn")]
     h = None
     for step, site in enumerate(ffn_sites):
-        logits, h = chunk.ffn_router(states[2 * step + 1].reshape(-1, d), h)
+        logits, h = chunk.ffn_router.logits(states[2 * step + 1].reshape(-1, d), h)
         torch.testing.assert_close(site.logits.reshape(-1, site.num_choices), logits)
 
 
@@ -286,20 +286,20 @@ def test_layer_skip_chooses_only_module_h_or_skip_and_moe_fixes_attention():
     assert model.chunks[0].attn_router is None and model.chunks[0].ffn_router is not None
 
 
-class _MoERouterOfStep(torch.nn.Module):
-    """Stands in for MoM's GRU FFN router: at step h, the ``moe`` variant's layer-h router on its LayerNorm."""
+class _MoERouterOfStep:
+    """Stands in for the scores of MoM's GRU FFN router: at step h, the ``moe`` variant's layer-h router on its
+    LayerNorm (the GRU router's pick rule and site are kept)."""
 
     def __init__(self, moe_model, n_choices):
-        super().__init__()
         self.moe_model, self.n_choices = moe_model, n_choices
 
-    def forward(self, x, state):
+    def __call__(self, x, state):
         step = 0 if state is None else int(state[0])
         block = self.moe_model.blocks[step]
         E = block.moe.num_experts
         # other steps' experts would win: only the pool restriction keeps them out
         logits = torch.full((x.shape[0], self.n_choices), 50.0)
-        logits[:, step * E:(step + 1) * E] = block.moe.router(block.ln_2(x)).float()
+        logits[:, step * E:(step + 1) * E] = block.moe.router.logits(block.ln_2(x))
         return logits, torch.full((1,), step + 1)
 
 
@@ -327,7 +327,7 @@ def test_moe_routing_is_the_moe_variant_given_the_same_weights_and_routing(k):
             for e in range(E):
                 chunk.ffn_modules[h * E + e].ln_2.load_state_dict(block.ln_2.state_dict())
                 chunk.ffn_modules[h * E + e].mlp.load_state_dict(block.moe.experts[e].state_dict())
-    chunk.ffn_router = _MoERouterOfStep(moe, len(chunk.ffn_names))
+    chunk.ffn_router.scores = _MoERouterOfStep(moe, len(chunk.ffn_names))
     idx = tokens(B=2, T=16)
     with torch.no_grad():
         want, got = moe(idx), model(idx)

@@ -80,14 +80,14 @@ def test_a_recomputation_that_routes_differently_raises():
     model = set_activation_checkpointing(build_model(VARIANTS["mod"].test_config("mod")), "blocks")
     block = model.blocks[model.routed[0]]
     calls = []
-    original = block.router_logits
+    original = block.router.scores
 
     def flaky(x):  # the second call (the recomputation) ranks the tokens the other way round
         calls.append(1)
         logits = original(x)
         return logits if len(calls) == 1 else -logits
 
-    block.router_logits = flaky
+    block.router.scores = flaky
     out = model(torch.randint(0, V, (2, T)))
     with pytest.raises(RoutingMismatch, match="block"):
         (out.logits.sum() + out.aux_loss).backward()
