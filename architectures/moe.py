@@ -21,8 +21,9 @@ capacity are marked ``dropped``.
 Capacity applies per forward call, so in KV-cache decoding (a few tokens per call) it rarely binds:
 the usual train/inference difference of capacity-limited MoE. ``dropless=True`` (the default) has none.
 
-Dispatch: ``architectures.dispatch.sorted_dispatch`` (one argsort by expert, one index_select, each
-expert once on its contiguous segment, one index_add), so FLOPs follow the routing.
+Experts: ``architectures.experts.GroupedExperts``, the E MLPs as stacked (E, ., .) parameters
+(``experts.c_fc.weight`` ...). Dispatch: one argsort by expert, one index_select, each expert with tokens once
+on its contiguous segment (or two grouped matmuls on CUDA bf16), one index_add, so FLOPs follow the routing.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ from architectures.contract import KVCache, RoutingSite
 from architectures.routing import (  # noqa: F401  (re-exported: the MoE layer's routing pieces)
     balance_loss, capacity_keep, fp32_linear, noop_budget_keep, sorted_dispatch, token_topk, z_loss,
 )
-from architectures.grouped_gemm import expert_dispatch
+from architectures.experts import GroupedExperts
 from architectures.gpt2 import MLP, Block, CausalSelfAttention
 
 
@@ -93,7 +94,7 @@ class MoEResult:
 
 
 class MoELayer(nn.Module):
-    """E GPT-2 MLP experts (+ optional no-op experts) behind a token-choice top-k router."""
+    """E GPT-2 MLP experts (stacked parameters) (+ optional no-op experts) behind a token-choice top-k router."""
 
     def __init__(self, d_model: int, hidden: int, cfg: MoEConfig, bias: bool = True, dropout: float = 0.0,
                  noop_experts: int = 0, noop_share: Optional[float] = None):
@@ -108,7 +109,7 @@ class MoELayer(nn.Module):
         # most a row's (token, slot) assignments that may go to no-op experts (MoDE's compute budget)
         self.noop_share = noop_share if noop_experts else None
         self.router = nn.Linear(d_model, cfg.num_experts + noop_experts, bias=False)
-        self.experts = nn.ModuleList([MLP(d_model, hidden, bias, dropout) for _ in range(cfg.num_experts)])
+        self.experts = GroupedExperts(cfg.num_experts, d_model, hidden, bias, dropout)
         self.choice_names = [f"expert{i}" for i in range(cfg.num_experts)] + ["skip"] * noop_experts
 
     @property
@@ -142,10 +143,7 @@ class MoELayer(nn.Module):
         self.router.weight.copy_(weight)
         sums_to_one = self.cfg.renormalize and self.top_k > 1
         scale = (1.0 if sums_to_one else self.num_choices / self.top_k) if replaces_ffn else 0.0
-        for expert in self.experts:
-            expert.c_proj.weight.mul_(scale)
-            if expert.c_proj.bias is not None:
-                expert.c_proj.bias.mul_(scale)
+        self.experts.scale_outputs(scale)
         return f"router near-uniform, expert outputs x {scale:g}"
 
     def capacity(self, n_tokens: int) -> int:
@@ -197,7 +195,7 @@ class MoELayer(nn.Module):
             fits = capacity_keep(sel_flat, self.num_experts, self.capacity(int(valid_flat.sum())), valid_flat, T)
             dropped = ~fits
             keep = fits if keep is None else keep & fits
-        out = expert_dispatch(x.reshape(N, d), sel_flat, w_flat.to(x.dtype), self.experts, keep)
+        out = self.experts(x.reshape(N, d), sel_flat, w_flat.to(x.dtype), keep)
         aux: Dict[str, torch.Tensor] = {}
         probs_flat = probs.reshape(N, probs.shape[-1])  # explicit width: N may be 0
         if self.cfg.balance_coef > 0:
@@ -301,8 +299,9 @@ class MoEGPT(LanguageModel):
     """
 
     config_groups = {"moe": MoEConfig}
-    # --init_from a vanilla model: every expert starts as the layer's dense MLP (sparse upcycling)
-    upcycle_rules = ((r"(blocks\.\d+)\.moe\.experts\.\d+\.(.*)", r"\1.mlp.\2"),)
+    # --init_from a vanilla model: every expert starts as the layer's dense MLP (sparse upcycling; the
+    # stacked expert tensors get the dense one broadcast over E)
+    upcycle_rules = ((r"(blocks\.\d+)\.moe\.experts\.(.*)", r"\1.mlp.\2"),)
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)

@@ -70,13 +70,14 @@ def cosine_decay(progress: float, min_ratio: float) -> float:
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> List[Dict[str, Any]]:
-    """Decay matrices (linear / embedding weights); never biases, LayerNorm or scalar gates."""
+    """Decay matrices (linear / embedding weights); never biases (stacked experts' (E, out) biases included),
+    LayerNorm or scalar gates."""
     decay, no_decay, seen = [], [], set()
-    for param in model.parameters():
+    for name, param in model.named_parameters():
         if not param.requires_grad or id(param) in seen:
             continue
         seen.add(id(param))
-        (decay if param.dim() >= 2 else no_decay).append(param)
+        (decay if param.dim() >= 2 and not name.endswith("bias") else no_decay).append(param)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
