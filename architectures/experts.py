@@ -13,7 +13,8 @@ Both dispatch paths use these parameters directly (nothing is re-stacked per for
   sorted by expert (``sort_by_expert``), then one matmul pair per expert WITH tokens on its contiguous slice.
   The per-expert weights come from ONE ``unbind(0)`` per forward: indexing ``w[e]`` per expert would make a
   full-size (E, ., .) zero gradient per expert in backward. An idle expert costs nothing and still gets a
-  zero gradient (its rows of the one stacked gradient), so its dispatch time does not grow with idle experts;
+  zero gradient (its rows of the one stacked gradient), so its dispatch time does not grow with idle experts
+  (under autocast the stacks are cast once per forward, as on the grouped path);
 * the grouped GEMM (``architectures.grouped_gemm.grouped_dispatch``): the weights as a transposed view (and,
   under bf16 autocast, cast to bf16), see that module for when it is chosen (``DYNCOMP_GROUPED_MM``).
 
@@ -90,7 +91,7 @@ class GroupedExperts(nn.Module):
         runs = [(e, start, count) for e, (start, count) in enumerate(zip(_starts(counts), counts[:-1])) if count]
         if not runs and torch.is_grad_enabled():
             runs = [(0, 0, 0)]  # nothing routed: one empty call still gives every expert a (zero) gradient
-        fc, proj = self._unbound("c_fc"), self._unbound("c_proj")
+        fc, proj = self._unbound("c_fc", x.device.type), self._unbound("c_proj", x.device.type)
         pieces = [self._mlp(tokens[start : start + count], fc, proj, e) for e, start, count in runs]
         if not pieces:
             return x.new_zeros(N, x.shape[-1])
@@ -98,11 +99,16 @@ class GroupedExperts(nn.Module):
         outputs = outputs * weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(outputs.dtype)
         return outputs.new_zeros(N, outputs.shape[-1]).index_add(0, token_index, outputs)
 
-    def _unbound(self, linear: str):
-        """Per-expert (weight, bias) views from one ``unbind`` each (one stacked gradient in backward)."""
+    def _unbound(self, linear: str, device_type: str):
+        """Per-expert (weight, bias) views from one ``unbind`` each (one stacked gradient in backward). Under
+        autocast the stack is cast once, as on the grouped path (per expert, the bf16 copies saved for backward
+        would depend on which experts got tokens, and the memory plan measures them as fixed)."""
         layer = getattr(self, linear)
-        biases = layer.bias.unbind(0) if layer.bias is not None else [None] * self.num_experts
-        return layer.weight.unbind(0), biases
+        weight, bias = layer.weight, layer.bias
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
+        return weight.unbind(0), bias.unbind(0) if bias is not None else [None] * self.num_experts
 
     @staticmethod
     def _mlp(x: torch.Tensor, fc, proj, e: int) -> torch.Tensor:
