@@ -162,3 +162,30 @@ def stack_legacy_experts(model: nn.Module, state: Dict[str, torch.Tensor]) -> Di
         if isinstance(module, GroupedExperts):
             stack_legacy_keys(state, f"{name}.", module.num_experts)
     return state
+
+
+def legacy_parameter_names(model: nn.Module) -> Dict[str, List[str]]:
+    """{stacked parameter name: its per-expert names in the old layout}, in the old order of
+    ``model.named_parameters()`` (expert by expert: ``0.c_fc.weight, 0.c_fc.bias, 0.c_proj.weight, ...``):
+    how optimizer state saved before the stacking lines up with the parameters now."""
+    out: Dict[str, List[str]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, GroupedExperts):
+            for linear in LINEARS:
+                for kind, param in getattr(module, linear).named_parameters():
+                    out[f"{name}.{linear}.{kind}"] = [f"{name}.{i}.{linear}.{kind}" for i in range(module.num_experts)]
+    return out
+
+
+def legacy_order(model: nn.Module) -> List[str]:
+    """``model``'s parameter names as the old per-expert layout ordered them (tied parameters once)."""
+    stacked, order = legacy_parameter_names(model), []
+    for name, _ in model.named_parameters():
+        prefix = name.rsplit(".", 2)[0] + "."
+        if name not in stacked:
+            order.append(name)
+        elif name.endswith("c_fc.weight"):  # the first stacked tensor of a module: all its experts, expert-major
+            names = [n for s, ns in stacked.items() if s.startswith(prefix) for n in ns]
+            order += sorted(names, key=lambda n: int(n[len(prefix):].split(".")[0]))
+    return order
+

@@ -225,6 +225,8 @@ class Contender:
         # the same optimizer as training (lightning_modules.lm), so step times are what a run sees
         self.optimizer = make_adamw(parameter_groups(self.model, 0.1), lr=1e-4)
         self.times: List[float] = []
+        self.split: List[Tuple[float, float]] = []  # (forward + backward, AdamW step) seconds of the timed steps
+        self.last_split = (0.0, 0.0)
         self.memory_bytes = 0
         self.last_trace = None
 
@@ -258,9 +260,12 @@ class Contender:
             loss = self.forward_loss(batch)
             activation_bytes = 0
         loss.backward()
+        sync(self.device)
+        backward_done = self.clock()
         self.optimizer.step()
         sync(self.device)
         elapsed = self.clock() - start
+        self.last_split = (backward_done - start, elapsed - (backward_done - start))
         if self.compiled and self.warm:  # a graph compiled after warm-up is a recompilation
             self.recompiles += compiled_graphs() - graphs_before
         if measure_memory:
@@ -440,6 +445,7 @@ def run(args) -> Dict[str, Dict[str, float]]:
         order = contenders if rep % 2 == 0 else contenders[::-1]  # alternate order: no position bias
         for c in order:
             c.times.append(c.step(batches[rep % len(batches)]))
+            c.split.append(c.last_split)
     if args.compile:
         for _ in range(args.recompile_steps):  # fresh tokens: the routing differs every step
             batch = new_batch()
@@ -454,6 +460,8 @@ def run(args) -> Dict[str, Dict[str, float]]:
             "median_step_s": median,
             "tokens_per_s": tokens / median,
             "memory_mb": c.memory_bytes / 2**20,
+            "forward_backward_s": statistics.median(t[0] for t in c.split),
+            "optimizer_s": statistics.median(t[1] for t in c.split),
             "flops_per_token": c.flops_per_token(seq_len),
             "params": sum(p.numel() for p in c.model.parameters()),
         }
@@ -502,6 +510,8 @@ def print_table(results: Dict[str, Dict[str, float]], args, seq_len: int) -> Non
         print(f"{name:<16}{1000 * r['median_step_s']:>10.1f}{r['tokens_per_s']:>10.0f}{r['memory_mb']:>9.1f}"
               f"{r['flops_per_token'] / 1e9:>11.4f}{r['step_time_ratio']:>8.3f}{r['flops_ratio']:>9.3f}"
               f"{r['time_over_flops_ratio']:>7.3f}")
+    print("forward + backward / AdamW step, median ms: " + ", ".join(
+        f"{n} {1000 * r['forward_backward_s']:.1f} / {1000 * r['optimizer_s']:.1f}" for n, r in results.items()))
     if any(r["mfu"] is not None for r in results.values()):
         print("MFU: " + ", ".join(f"{n} {r['mfu']:.1%}" for n, r in results.items() if r["mfu"] is not None))
     print(f"saved activations MB per step, without / with checkpointing "

@@ -2,18 +2,20 @@
 biases, and a dispatch whose work does not grow with the number of idle experts."""
 from __future__ import annotations
 
+import copy
 import math
 import re
 from collections import Counter
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from architectures import ModelConfig, build_model
 from architectures.experts import GroupedExperts, StackedLinear
 from experiments.weights import load_initial_weights
-from lightning_modules.lm import parameter_groups
+from lightning_modules.lm import LanguageModelModule, make_adamw, parameter_groups
 
 SHAPE = dict(vocab_size=101, d_model=32, n_layer=4, n_head=4, block_size=32)
 #: every user of MoELayer, with the prefix its experts sit under
@@ -126,3 +128,51 @@ def test_the_loop_runs_one_matmul_pair_per_expert_with_tokens_whatever_the_idle_
     assert many_back["mm"] == few_back["mm"] == 2 * 2 * 3 and many_back["stack"] == 4
     grows = {op for op in many_back | few_back if many_back[op] != few_back[op]}
     assert grows <= {"zeros", "expand"}, grows
+
+
+def old_layout_optimizer_state(module, optimizer):
+    """What the old code's AdamW state dict was: a model whose MoE experts are an ``nn.ModuleList`` of GPT-2
+    MLPs (built here, for its parameter order and groups), each expert's moments its rows of the stacked ones."""
+    from architectures.gpt2 import MLP
+
+    old = copy.deepcopy(module.model)
+    stacked = {}
+    for layer in old.modules():
+        if isinstance(getattr(layer, "experts", None), GroupedExperts):
+            new = layer.experts
+            d, hidden = new.c_fc.weight.shape[2], new.c_fc.weight.shape[1]
+            layer.experts = torch.nn.ModuleList([MLP(d, hidden) for _ in range(len(new))])
+            stacked[id(layer)] = new
+    own = dict(module.model.named_parameters())
+    old_optimizer = make_adamw(parameter_groups(old, 0.1), lr=1e-3)
+    for name, param in old.named_parameters():
+        match = re.fullmatch(r"(.*\.experts)\.(\d+)\.(c_fc|c_proj)\.(weight|bias)", name)
+        source = optimizer.state[own[f"{match[1]}.{match[3]}.{match[4]}" if match else name]]
+        old_optimizer.state[param] = {k: (v if k == "step" else v[int(match[2])].clone()) if match else v
+                                      for k, v in source.items()}
+    return old_optimizer.state_dict()
+
+
+def test_adamw_state_of_an_old_checkpoint_is_restacked_for_resume():
+    module = LanguageModelModule(model=dict(variant="moe", **SHAPE))
+    optimizer = module.configure_optimizers()["optimizer"]
+    idx = torch.randint(0, SHAPE["vocab_size"], (4, 17))
+    out = module.model(idx[:, :-1])
+    (F.cross_entropy(out.logits.reshape(-1, SHAPE["vocab_size"]), idx[:, 1:].reshape(-1)) + out.aux_loss).backward()
+    optimizer.step()
+    checkpoint = {"state_dict": {f"model.{k}": v for k, v in unstacked(module.model.state_dict()).items()},
+                  "optimizer_states": [old_layout_optimizer_state(module, optimizer)]}
+    assert len(checkpoint["optimizer_states"][0]["state"]) > len(optimizer.state_dict()["state"])
+    fresh = LanguageModelModule(model=dict(variant="moe", **SHAPE))
+    fresh.on_load_checkpoint(checkpoint)  # Lightning calls it before restoring the optimizer
+    fresh.load_state_dict(checkpoint["state_dict"])
+    restored = fresh.configure_optimizers()["optimizer"]
+    restored.load_state_dict(checkpoint["optimizer_states"][0])
+    want = optimizer.state_dict()
+    got = restored.state_dict()
+    assert [g["params"] for g in got["param_groups"]] == [g["params"] for g in want["param_groups"]]
+    for index, moments in want["state"].items():
+        for key, value in moments.items():
+            torch.testing.assert_close(got["state"][index][key], value, rtol=0, atol=0)
+    for name, value in module.model.state_dict().items():
+        assert torch.equal(fresh.model.state_dict()[name], value), name
