@@ -66,7 +66,7 @@ class GroupedExperts(nn.Module):
         self.c_fc = StackedLinear(num_experts, d_model, hidden, bias)
         self.c_proj = StackedLinear(num_experts, hidden, d_model, bias)
         self.drop = nn.Dropout(dropout)
-        self._register_load_state_dict_pre_hook(self._stack_legacy_keys)
+        self.register_load_state_dict_pre_hook(_stack_legacy_keys)
 
     def __len__(self) -> int:
         return self.num_experts
@@ -131,8 +131,10 @@ class GroupedExperts(nn.Module):
         if self.c_proj.bias is not None:
             self.c_proj.bias.mul_(scale)
 
-    def _stack_legacy_keys(self, state_dict, prefix, *args) -> None:
-        stack_legacy_keys(state_dict, prefix, self.num_experts)
+
+def _stack_legacy_keys(module: GroupedExperts, state_dict, prefix: str, *args) -> None:
+    """``load_state_dict`` pre-hook: an old checkpoint's per-expert keys become the stacked ones."""
+    stack_legacy_keys(state_dict, prefix, module.num_experts)
 
 
 def _starts(counts: List[int]) -> List[int]:
