@@ -87,12 +87,13 @@ class GroupedExperts(nn.Module):
         counts = counts.tolist()
         order = order[: N * k - counts[-1]]  # the assignments no expert computes sort last
         token_index = order if k == 1 else torch.div(order, k, rounding_mode="floor")  # flat = token * k + slot
-        tokens = x.index_select(0, token_index)
-        runs = [(e, start, count) for e, (start, count) in enumerate(zip(_starts(counts), counts[:-1])) if count]
+        # one split (not a slice per expert: torch.compile's symbolic sizes handle it) into each expert's tokens
+        slices = x.index_select(0, token_index).split(counts[:-1])
+        runs = [e for e, count in enumerate(counts[:-1]) if count]
         if not runs and torch.is_grad_enabled():
-            runs = [(0, 0, 0)]  # nothing routed: one empty call still gives every expert a (zero) gradient
+            runs = [0]  # nothing routed: one empty call still gives every expert a (zero) gradient
         fc, proj = self._unbound("c_fc", x.device.type), self._unbound("c_proj", x.device.type)
-        pieces = [self._mlp(tokens[start : start + count], fc, proj, e) for e, start, count in runs]
+        pieces = [self._mlp(slices[e], fc, proj, e) for e in runs]
         if not pieces:
             return x.new_zeros(N, x.shape[-1])
         outputs = self.drop(torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0])
@@ -135,14 +136,6 @@ class GroupedExperts(nn.Module):
 def _stack_legacy_keys(module: GroupedExperts, state_dict, prefix: str, *args) -> None:
     """``load_state_dict`` pre-hook: an old checkpoint's per-expert keys become the stacked ones."""
     stack_legacy_keys(state_dict, prefix, module.num_experts)
-
-
-def _starts(counts: List[int]) -> List[int]:
-    starts, total = [], 0
-    for count in counts:
-        starts.append(total)
-        total += count
-    return starts
 
 
 def stack_legacy_keys(state: Dict[str, torch.Tensor], prefix: str, num_experts: int) -> None:
