@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from architectures.config import ConfigError, ModelConfig
 from architectures.contract import KVCache, ModelOutput, RoutingSite, SubLayerState, sum_aux
+from architectures.experts import StackedLinear
 from architectures import flops as F_
 from architectures.flops import Flops
 
@@ -167,7 +168,7 @@ class LanguageModel(nn.Module):
                         nn.init.zeros_(param)
                     else:
                         nn.init.normal_(param, mean=0.0, std=std)
-            elif isinstance(module, nn.Linear):
+            elif isinstance(module, (nn.Linear, StackedLinear)):  # stacked experts: each expert as a Linear
                 nn.init.normal_(module.weight, mean=0.0, std=std)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
@@ -276,7 +277,8 @@ class LanguageModel(nn.Module):
             self._causal = previous
 
     #: (regex over this model's parameter names, source template) pairs for sparse upcycling from a
-    #: vanilla checkpoint, e.g. (r"(blocks\.\d+)\.moe\.experts\.\d+\.(.*)", r"\1.mlp.\2")
+    #: vanilla checkpoint, e.g. (r"(blocks\.\d+)\.moe\.experts\.(.*)", r"\1.mlp.\2") (stacked experts:
+    #: the dense tensor is broadcast over E)
     upcycle_rules: tuple = ()
     #: True when ``vanilla_state_mapping`` lays a whole vanilla model onto this one's modules (the MoM paper's
     #: phase 2): ``experiments.two_phase`` accepts only these variants.
@@ -288,7 +290,8 @@ class LanguageModel(nn.Module):
         Default: identical names (every variant whose blocks keep GPT-2's names: tensors that do not
         exist here, or whose shapes differ, are left to the caller to report), plus sparse upcycling
         (Komatsuzaki et al. 2023) by ``upcycle_rules``: every expert copy of a dense sub-layer starts as
-        that sub-layer. MoM overrides it with the paper's layer -> module mapping.
+        that sub-layer; a stacked target (E experts in one (E, ...) tensor) gets the dense tensor broadcast
+        over its first dimension. MoM overrides it with the paper's layer -> module mapping.
         """
         own = self.state_dict()
         mapping = {name: value for name, value in vanilla_state.items() if name in own}
@@ -296,6 +299,8 @@ class LanguageModel(nn.Module):
             for pattern, source in self.upcycle_rules:
                 match = re.fullmatch(pattern, name)
                 value = vanilla_state.get(match.expand(source)) if match else None
+                if value is not None and value.shape == tensor.shape[1:] and tensor.dim() == value.dim() + 1:
+                    value = value.expand_as(tensor)  # stacked experts: every expert a view of the dense tensor
                 if value is not None and value.shape == tensor.shape:
                     mapping[name] = value
         return mapping

@@ -257,7 +257,7 @@ class CombinationBlock(nn.Module):
         if inner.wiring == "additive":
             writers = [inner.c_proj]
         else:
-            writers = [e.c_proj for e in inner.ffn.experts] if isinstance(inner.ffn, MoELayer) else [inner.ffn.c_proj]
+            writers = [inner.ffn.experts.c_proj] if isinstance(inner.ffn, MoELayer) else [inner.ffn.c_proj]
         for layer in writers:
             layer.weight.zero_()
             if layer.bias is not None:

@@ -1,24 +1,22 @@
 """Grouped-GEMM MoE experts: all experts' FFNs as two grouped matmuls with routing-independent shapes.
 
-``expert_dispatch`` is what ``MoELayer`` calls. It has the contract of
-``architectures.dispatch.sorted_dispatch`` (weighted sum of the chosen experts' outputs per token) and
-picks the path by itself:
+``architectures.experts.GroupedExperts`` (the stacked expert parameters) picks its path by itself:
 
 - ``grouped_dispatch`` on CUDA (compute capability >= 8.0) in bf16 (bf16 tensors, or bf16 autocast),
-  when the experts are GPT-2 ``MLP`` modules and the grouped matmul op exists
-  (``torch.nn.functional.grouped_mm``, else ``torch._grouped_mm``). No tensor shape depends on the
-  routing and nothing is read back to the host, so ``torch.compile`` traces it as one graph and the
-  step never waits on a ``.tolist()``;
-- ``sorted_dispatch`` (one matmul pair per expert on its contiguous slice) everywhere else.
+  when the grouped matmul op exists (``torch.nn.functional.grouped_mm``, else ``torch._grouped_mm``). No
+  tensor shape depends on the routing and nothing is read back to the host, so ``torch.compile`` traces it
+  as one graph and the step never waits on a ``.tolist()``. The stacked (E, out, in) parameters enter as a
+  transposed view (cast to bf16 under autocast): nothing is re-stacked per forward;
+- ``GroupedExperts.loop`` (one matmul pair per expert with tokens, on its contiguous slice) everywhere else.
 
 The environment variable ``DYNCOMP_GROUPED_MM`` overrides the choice: ``0`` always loops, ``1`` uses
 the grouped path wherever the op runs (CPU too: PyTorch >= 2.9 has a CPU kernel; tests use it).
 
-Layout: the (token, slot) assignments are sorted by expert and each expert's rows start at a multiple
-of ``ALIGN_ROWS`` (bf16 grouped GEMM needs 16-byte aligned group boundaries in the weight-gradient
-GEMM, whose contraction runs over the rows), in a buffer of ``N*k + E*ALIGN_ROWS`` rows, the worst
-case, so its size is static. Padding rows and assignments that no expert computes (dropped by
-capacity, no-op experts, padding tokens) are zero and get no gradient.
+Layout: the (token, slot) assignments are sorted by expert (``sort_by_expert``, shared with the loop) and
+each expert's rows start at a multiple of ``ALIGN_ROWS`` (bf16 grouped GEMM needs 16-byte aligned group
+boundaries in the weight-gradient GEMM, whose contraction runs over the rows), in a buffer of
+``N*k + E*ALIGN_ROWS`` rows, the worst case, so its size is static. Padding rows and assignments that no
+expert computes (dropped by capacity, no-op experts, padding tokens) are zero and get no gradient.
 
 FLOPs: importing this module registers ``grouped_mm_flops`` for ``aten._grouped_mm`` with
 ``torch.utils.flop_counter``, so ``FlopCounterMode`` counts the grouped path (it counted 0 before). It counts
@@ -26,18 +24,16 @@ what the kernel multiplies: the routed rows plus each expert's alignment padding
 ``ALIGN_ROWS`` zero rows per expert with tokens), which the analytic figure (``MoELayer.flops_per_token``:
 routed assignments only) leaves out; ``alignment_padding_rows`` gives that difference.
 
-Gradients: an expert that no token chose gets a zero gradient on both paths (its weights are in the
-stacked operand here; the loop runs it on an empty slice), see ``dispatch.sorted_dispatch``.
+Gradients: an expert that no token chose gets a zero gradient on both paths (its rows of the one stacked
+parameter's gradient).
 """
 from __future__ import annotations
 
 import os
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
-
-from architectures.dispatch import sorted_dispatch
 
 ALIGN_ROWS = 8  # 16 bytes of bf16
 
@@ -93,11 +89,9 @@ def _bf16_compute(x: torch.Tensor) -> bool:
     return torch.is_autocast_enabled(x.device.type) and torch.get_autocast_dtype(x.device.type) == torch.bfloat16
 
 
-def use_grouped_mm(x: torch.Tensor, experts: Sequence) -> bool:
+def use_grouped_mm(x: torch.Tensor) -> bool:
     """The automatic choice (see the module docstring)."""
-    from architectures.gpt2 import MLP
-
-    if grouped_mm_op() is None or not experts or not all(isinstance(e, MLP) for e in experts):
+    if grouped_mm_op() is None:
         return False
     override = os.environ.get("DYNCOMP_GROUPED_MM")
     if override is not None:
@@ -105,21 +99,32 @@ def use_grouped_mm(x: torch.Tensor, experts: Sequence) -> bool:
     return x.is_cuda and _cuda_grouped_mm_capable(x.device.index or 0) and _bf16_compute(x)
 
 
-def expert_dispatch(x: torch.Tensor, selected: torch.Tensor, weights: torch.Tensor, experts: Sequence,
-                    keep: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``sorted_dispatch``'s contract; the grouped-GEMM path where it applies."""
-    dispatch = grouped_dispatch if use_grouped_mm(x, experts) else sorted_dispatch
-    return dispatch(x, selected, weights, experts, keep)
+def sort_by_expert(selected: torch.Tensor, keep: Optional[torch.Tensor], num_experts: int):
+    """(key, order, counts) of the flat (token, slot) assignments: ``key`` their expert id, ``num_experts`` for
+    those no expert computes (no-op ids, dropped slots); ``order`` a stable sort by key; ``counts`` (E + 1,)
+    assignments per key. Static shapes (no ``bincount``), so the grouped path traces as one graph."""
+    key = selected.reshape(-1).clamp(max=num_experts)
+    if keep is not None:
+        key = torch.where(keep.reshape(-1), key, torch.full_like(key, num_experts))
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=key.device)
+    return key, torch.argsort(key, stable=True), counts.scatter_add_(0, key, torch.ones_like(key))
 
 
-def _stacked(experts, linear: str, dtype: torch.dtype):
-    """(E, in, out) weights and an (E + 1, out) bias table whose last row (no expert) is zero."""
-    layers = [getattr(e, linear) for e in experts]
-    weight = torch.stack([layer.weight for layer in layers]).transpose(1, 2).to(dtype)
-    out_features = layers[0].weight.shape[0]
-    biases = [layer.bias if layer.bias is not None else layer.weight.new_zeros(out_features) for layer in layers]
-    bias = torch.stack([*biases, layers[0].weight.new_zeros(out_features)]).to(dtype)
-    return weight, bias
+def _operands(linear, dtype: torch.dtype):
+    """(E, in, out) weight as a transposed view of the (E, out, in) parameter (cast only under autocast), and
+    the (E, out) bias or None."""
+    weight = linear.weight.transpose(1, 2).to(dtype)
+    return weight, None if linear.bias is None else linear.bias.to(dtype)
+
+
+def _add_bias(out: torch.Tensor, bias: Optional[torch.Tensor], row_expert: torch.Tensor,
+              live: torch.Tensor) -> torch.Tensor:
+    """``out`` + each row's expert bias; rows of no expert (id E: padding, past offs[-1]) add none. The mask
+    is a ``where``, not a product: their gradient rows may hold garbage (uninitialised rows x 0 = NaN), which
+    a ``where`` drops and a product would carry into the last expert's bias gradient."""
+    if bias is None:
+        return out
+    return out + torch.where(live, bias.index_select(0, row_expert.clamp(max=bias.shape[0] - 1)), 0)
 
 
 def alignment_padding_rows(counts: torch.Tensor) -> int:
@@ -132,20 +137,17 @@ def grouped_dispatch(
     x: torch.Tensor,
     selected: torch.Tensor,
     weights: torch.Tensor,
-    experts: Sequence,
+    experts,
     keep: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """``sorted_dispatch`` for GPT-2 ``MLP`` experts via two grouped matmuls (shapes independent of routing)."""
+    """``GroupedExperts.forward`` via two grouped matmuls (shapes independent of the routing). ``experts``: an
+    ``architectures.experts.GroupedExperts`` (stacked ``c_fc`` / ``c_proj`` parameters and ``drop``)."""
     N, k = selected.shape
     E = len(experts)
     grouped_mm = grouped_mm_op()
     dtype = torch.bfloat16 if _bf16_compute(x) else x.dtype
-    key = selected.reshape(-1).clamp(max=E)  # E: no real expert (no-op id or dropped)
-    if keep is not None:
-        key = torch.where(keep.reshape(-1), key, torch.full_like(key, E))
-    order = torch.argsort(key, stable=True)
+    key, order, counts = sort_by_expert(selected, keep, E)
     sorted_key = key.index_select(0, order)
-    counts = torch.zeros(E + 1, dtype=torch.long, device=x.device).scatter_add_(0, key, torch.ones_like(key))
     starts = torch.cumsum(counts, 0) - counts  # first sorted position of each expert
     padded = (counts[:E] + ALIGN_ROWS - 1) // ALIGN_ROWS * ALIGN_ROWS
     padded_ends = torch.cumsum(padded, 0)
@@ -161,13 +163,13 @@ def grouped_dispatch(
     offs = padded_ends.to(torch.int32)
     row_expert = torch.full((rows,), E, dtype=torch.long, device=x.device).index_copy(0, row, sorted_key)
 
-    fc_w, fc_b = _stacked(experts, "c_fc", dtype)
-    proj_w, proj_b = _stacked(experts, "c_proj", dtype)
+    fc_w, fc_b = _operands(experts.c_fc, dtype)
+    proj_w, proj_b = _operands(experts.c_proj, dtype)
     live = (row_expert < E).unsqueeze(-1)  # rows of real assignments (not padding, not past offs[-1])
-    hidden = grouped_mm(buffer, fc_w, offs=offs) + fc_b.index_select(0, row_expert)
+    hidden = _add_bias(grouped_mm(buffer, fc_w, offs=offs), fc_b, row_expert, live)
     hidden = torch.where(live, F.gelu(hidden, approximate="tanh"), 0)  # rows past offs[-1] are uninitialised
-    out = grouped_mm(hidden, proj_w, offs=offs) + proj_b.index_select(0, row_expert)
-    out = experts[0].drop(out)
+    out = _add_bias(grouped_mm(hidden, proj_w, offs=offs), proj_b, row_expert, live)
+    out = experts.drop(out)
     out = torch.where(active, out.index_select(0, row), 0)  # rows past offs[-1] are never read
     out = out * weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(out.dtype)
     return out.new_zeros(N, out.shape[-1]).index_add(0, token_index, out)

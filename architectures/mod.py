@@ -411,7 +411,7 @@ class MoDEStaged(MoD):
     config_groups = {"mod": MoDConfig, "moe": MoEConfig}
     may_skip_parameters = True  # an expert may get no token
     # routed blocks keep their MoE under the name "mlp", the other MoE layers under "moe"
-    upcycle_rules = MoEGPT.upcycle_rules + ((r"(blocks\.\d+)\.mlp\.experts\.\d+\.(.*)", r"\1.mlp.\2"),)
+    upcycle_rules = MoEGPT.upcycle_rules + ((r"(blocks\.\d+)\.mlp\.experts\.(.*)", r"\1.mlp.\2"),)
 
     def _moe_chain(self, config: ModelConfig, routed: List[int]) -> Dict[int, Tuple[str, int]]:
         order = sorted(set(layer_selection(config.moe.layers, config.n_layer, "model.moe.layers")) | set(routed))

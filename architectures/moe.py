@@ -21,8 +21,9 @@ capacity are marked ``dropped``.
 Capacity applies per forward call, so in KV-cache decoding (a few tokens per call) it rarely binds:
 the usual train/inference difference of capacity-limited MoE. ``dropless=True`` (the default) has none.
 
-Dispatch: ``architectures.dispatch.sorted_dispatch`` (one argsort by expert, one index_select, each
-expert once on its contiguous segment, one index_add), so FLOPs follow the routing.
+Experts: ``architectures.experts.GroupedExperts``, the E MLPs as stacked (E, ., .) parameters
+(``experts.c_fc.weight`` ...). Dispatch: one argsort by expert, one index_select, each expert with tokens once
+on its contiguous segment (or two grouped matmuls on CUDA bf16), one index_add, so FLOPs follow the routing.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ from architectures.routing import (  # noqa: F401  (re-exported: the MoE layer's
     LinearRouter, Switch, balance_loss, capacity_keep, fp32_linear, noop_budget_keep, sorted_dispatch, token_topk,
     z_loss,
 )
-from architectures.grouped_gemm import expert_dispatch
+from architectures.experts import GroupedExperts
 from architectures.gpt2 import MLP, Block, CausalSelfAttention
 
 
@@ -94,7 +95,7 @@ class MoEResult:
 
 
 class MoELayer(nn.Module):
-    """E GPT-2 MLP experts (+ optional no-op experts) behind a token-choice top-k router."""
+    """E GPT-2 MLP experts (stacked parameters) (+ optional no-op experts) behind a token-choice top-k router."""
 
     def __init__(self, d_model: int, hidden: int, cfg: MoEConfig, bias: bool = True, dropout: float = 0.0,
                  noop_experts: int = 0, noop_share: Optional[float] = None):
@@ -112,7 +113,7 @@ class MoELayer(nn.Module):
         pick = Switch(cfg.num_experts, cfg.top_k, cfg.renormalize, cfg.dropless, cfg.capacity_factor, cfg.balance_coef,
                       cfg.z_loss_coef, self.noop_share)
         self.router = LinearRouter(d_model, cfg.num_experts + noop_experts, pick, self.choice_names)
-        self.experts = nn.ModuleList([MLP(d_model, hidden, bias, dropout) for _ in range(cfg.num_experts)])
+        self.experts = GroupedExperts(cfg.num_experts, d_model, hidden, bias, dropout)
 
     @property
     def num_choices(self) -> int:
@@ -145,10 +146,7 @@ class MoELayer(nn.Module):
         self.router.weight.copy_(weight)
         sums_to_one = self.cfg.renormalize and self.top_k > 1
         scale = (1.0 if sums_to_one else self.num_choices / self.top_k) if replaces_ffn else 0.0
-        for expert in self.experts:
-            expert.c_proj.weight.mul_(scale)
-            if expert.c_proj.bias is not None:
-                expert.c_proj.bias.mul_(scale)
+        self.experts.scale_outputs(scale)
         return f"router near-uniform, expert outputs x {scale:g}"
 
     def forward(self, x: torch.Tensor, valid: Optional[torch.Tensor] = None, site_name: str = "moe",
@@ -161,7 +159,7 @@ class MoELayer(nn.Module):
         state = ForwardState.standalone() if state is None else state
         route = self.router(x, state, name=site_name, group=group, step=step, valid=valid, relay=relay, cache=cache)
         sel_flat, w_flat = route.selected.reshape(N, self.top_k), route.weights.reshape(N, self.top_k)
-        out = expert_dispatch(x.reshape(N, d), sel_flat, w_flat.to(x.dtype), self.experts, route.keep)
+        out = self.experts(x.reshape(N, d), sel_flat, w_flat.to(x.dtype), route.keep)
         return MoEResult(output=out.view(B, T, out.shape[-1]), site=route.site, aux_losses=route.aux)
 
     def flops(self, site: Optional[RoutingSite]) -> F_.Flops:
@@ -251,8 +249,9 @@ class MoEGPT(LanguageModel):
     """
 
     config_groups = {"moe": MoEConfig}
-    # --init_from a vanilla model: every expert starts as the layer's dense MLP (sparse upcycling)
-    upcycle_rules = ((r"(blocks\.\d+)\.moe\.experts\.\d+\.(.*)", r"\1.mlp.\2"),)
+    # --init_from a vanilla model: every expert starts as the layer's dense MLP (sparse upcycling; the
+    # stacked expert tensors get the dense one broadcast over E)
+    upcycle_rules = ((r"(blocks\.\d+)\.moe\.experts\.(.*)", r"\1.mlp.\2"),)
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)

@@ -53,7 +53,8 @@ PRECISIONS = ("32-true", "bf16-mixed")
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m experiments.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", default="vanilla",
-                        help=f"comma-separated; valid: {', '.join(variant_names())}, {', '.join(REFERENCES)}")
+                        help=f"comma-separated; valid: {', '.join(variant_names())}, {', '.join(REFERENCES)}; a "
+                             "variant may carry its own overrides after --set: moe@moe.num_experts=64@moe.top_k=2")
     parser.add_argument("--size", default="tiny", choices=list(SIZES))
     parser.add_argument("--steps", type=int, default=10, help="timed repetitions per variant")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first")
@@ -80,11 +81,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--plan", action="store_true",
                         help="print the memory plan per variant at these settings (--gpu_memory_gb) and exit")
     parser.add_argument("--gpu_memory_gb", type=float, default=80.0, help="GPU memory the plan checks against")
+    parser.add_argument("--dispatch", action="store_true",
+                        help="also time each MoE layer's expert dispatch (forward + backward) on its routed tokens, "
+                             "and on the first MoE variant's routing (the other experts idle)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     args.variant_list = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in args.variant_list if v not in variant_names() and v not in REFERENCES]
+    unknown = [v for v in args.variant_list if variant_of(v) not in variant_names() and v not in REFERENCES]
     if unknown or not args.variant_list:
         parser.error(f"--variants: unknown {unknown or 'empty list'}; valid: {', '.join(variant_names())}, "
                      f"{', '.join(REFERENCES)}")
@@ -101,6 +105,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if "vanilla" not in args.variant_list:
         args.variant_list.insert(0, "vanilla")  # every ratio is relative to vanilla
     check_overrides(args.set, [v for v in args.variant_list if v not in REFERENCES], args.size)
+    if args.dispatch and not any(uses_moe_layer(v) for v in args.variant_list):
+        parser.error("--dispatch: none of --variants has MoE experts (moe, moe_dense_ffn, mode_*, cea_moe)")
     if not args.no_hf and HF_REFERENCE not in args.variant_list:
         args.variant_list.append(HF_REFERENCE)
     if not args.no_minimal and MINIMAL_REFERENCE not in args.variant_list:
@@ -130,6 +136,23 @@ def parse_override(item: str) -> Tuple[List[str], Any]:
     return path, value
 
 
+def variant_of(label: str) -> str:
+    """``moe@moe.num_experts=64`` -> ``moe``: a benchmarked variant may carry its own ``@GROUP.FIELD=VALUE``
+    overrides (after ``--set``), so that e.g. 8 and 64 experts run side by side in one process."""
+    return label.split("@")[0]
+
+
+def label_overrides(label: str) -> List[str]:
+    return label.split("@")[1:]
+
+
+def uses_moe_layer(label: str) -> bool:
+    from architectures.registry import uses_option
+
+    # every MoELayer user reads the moe group's losses (cea_moe sets its own experts and top-k)
+    return label not in REFERENCES and uses_option(variant_of(label), "moe.balance_coef")
+
+
 def apply_overrides(config: ModelConfig, overrides: List[str]) -> ModelConfig:
     for item in overrides:
         (*path, leaf), value = parse_override(item)
@@ -147,16 +170,21 @@ def check_overrides(overrides: List[str], variants: List[str], size: str = "tiny
 
     for item in overrides:
         path, _ = parse_override(item)
-        if len(path) == 2 and not any(uses_option(v, ".".join(path)) for v in variants):
+        if len(path) == 2 and not any(uses_option(variant_of(v), ".".join(path)) for v in variants):
             raise ConfigError(f"--set {item}: none of the benchmarked variants ({', '.join(variants)}) uses "
                               f"model.{'.'.join(path)}; add a variant that does to --variants")
-    for variant in variants:
-        apply_preset(apply_overrides(ModelConfig(variant=variant, size=size), overrides)).resolve()
+    for label in variants:
+        for item in label_overrides(label):
+            path, _ = parse_override(item)
+            if len(path) == 2 and not uses_option(variant_of(label), ".".join(path)):
+                raise ConfigError(f"--variants {label}: {variant_of(label)} does not use model.{'.'.join(path)}")
+        config = ModelConfig(variant=variant_of(label), size=size)
+        apply_preset(apply_overrides(config, [*overrides, *label_overrides(label)])).resolve()
 
 
-def base_config(args, variant: str) -> ModelConfig:
-    config = ModelConfig(variant=variant, size=args.size, vocab_size=args.vocab_size, dropout=0.0)
-    config = apply_overrides(config, args.set)
+def base_config(args, label: str) -> ModelConfig:
+    config = ModelConfig(variant=variant_of(label), size=args.size, vocab_size=args.vocab_size, dropout=0.0)
+    config = apply_overrides(config, [*args.set, *label_overrides(label)])
     if args.seq_len:
         config.block_size = max(args.seq_len, config.block_size or SIZES[args.size]["block_size"])
     return config
@@ -197,6 +225,8 @@ class Contender:
         # the same optimizer as training (lightning_modules.lm), so step times are what a run sees
         self.optimizer = make_adamw(parameter_groups(self.model, 0.1), lr=1e-4)
         self.times: List[float] = []
+        self.split: List[Tuple[float, float]] = []  # (forward + backward, AdamW step) seconds of the timed steps
+        self.last_split = (0.0, 0.0)
         self.memory_bytes = 0
         self.last_trace = None
 
@@ -230,9 +260,12 @@ class Contender:
             loss = self.forward_loss(batch)
             activation_bytes = 0
         loss.backward()
+        sync(self.device)
+        backward_done = self.clock()
         self.optimizer.step()
         sync(self.device)
         elapsed = self.clock() - start
+        self.last_split = (backward_done - start, elapsed - (backward_done - start))
         if self.compiled and self.warm:  # a graph compiled after warm-up is a recompilation
             self.recompiles += compiled_graphs() - graphs_before
         if measure_memory:
@@ -304,6 +337,86 @@ def time_generation(contender: Contender, prompt: torch.Tensor, new_tokens: int)
         return None
 
 
+def captured_dispatches(contender: Contender, batch: torch.Tensor) -> List[Tuple[torch.nn.Module, tuple]]:
+    """(experts module, its (x, selected, weights, keep) inputs) of every MoE layer in one forward of ``batch``."""
+    from architectures.experts import GroupedExperts
+
+    captured, handles = [], []
+    for module in contender.model.modules():
+        if isinstance(module, GroupedExperts):
+            hook = lambda m, inputs, out: captured.append((m, tuple(  # noqa: E731
+                t.detach() if isinstance(t, torch.Tensor) else t for t in inputs)))
+            handles.append(module.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            contender.forward_loss(batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return captured
+
+
+def time_dispatch(experts: torch.nn.Module, inputs: tuple, clock) -> Tuple[float, float]:
+    """Seconds of the experts' forward, and of its backward (gradients into x, the weights and the stacked
+    expert parameters, set to None first as a training step does), on ``inputs``."""
+    x, selected, weights, keep = (*inputs, None)[:4]
+    x, weights = x.clone().requires_grad_(True), weights.clone().requires_grad_(True)
+    experts.zero_grad(set_to_none=True)
+    start = clock()
+    loss = experts(x, selected, weights, keep).float().pow(2).sum()
+    middle = clock()
+    loss.backward()
+    return middle - start, clock() - middle
+
+
+def _per_layer(pairs, clock) -> Tuple[float, float]:
+    """Mean (forward, backward) seconds per MoE layer over (experts, inputs) pairs."""
+    times = [time_dispatch(experts, inputs, clock) for experts, inputs in pairs]
+    return sum(t[0] for t in times) / len(times), sum(t[1] for t in times) / len(times)
+
+
+def dispatch_times(contenders: List[Contender], batch: torch.Tensor, reps: int) -> Dict[str, Dict[str, float]]:
+    """``--dispatch``: per MoE contender, the median over ``reps`` (interleaved) of the mean ms per MoE layer of
+    the expert dispatch's forward and backward on its own routing, and on the first MoE contender's routing
+    (its expert ids, so the experts past its count sit idle); and the mean number of experts with tokens."""
+    moe = [c for c in contenders if uses_moe_layer(c.name)]
+    captured = {c.name: captured_dispatches(c, batch) for c in moe}
+    first = captured[moe[0].name]
+    times: Dict[str, Dict[str, List[Tuple[float, float]]]] = {c.name: {"own": [], "first": []} for c in moe}
+    for rep in range(reps):
+        for c in (moe if rep % 2 == 0 else moe[::-1]):
+            layers = captured[c.name]
+            times[c.name]["own"].append(_per_layer(layers, c.clock))
+            if len(first) == len(layers) and all(len(e) >= len(f) for (e, _), (f, _) in zip(layers, first)):
+                times[c.name]["first"].append(_per_layer([(e, i) for (e, _), (_, i) in zip(layers, first)], c.clock))
+    out = {}
+    for c in moe:
+        active = [int(i[1][i[1] < len(e)].unique().numel()) for e, i in captured[c.name]]
+        row = {"dispatch_experts": len(captured[c.name][0][0]), "dispatch_layers": len(active),
+               "dispatch_active_experts": sum(active) / len(active), "dispatch_routing_of": moe[0].name}
+        for key, suffix in (("own", ""), ("first", "_first_routing")):
+            if times[c.name][key]:
+                row[f"dispatch_forward_ms{suffix}"] = 1000 * statistics.median(t[0] for t in times[c.name][key])
+                row[f"dispatch_backward_ms{suffix}"] = 1000 * statistics.median(t[1] for t in times[c.name][key])
+        out[c.name] = row
+    return out
+
+
+def print_dispatch(results: Dict[str, Dict[str, float]]) -> None:
+    rows = {n: r for n, r in results.items() if "dispatch_forward_ms" in r}
+    if not rows:
+        return
+    print("expert dispatch, ms per MoE layer, forward / backward (median over the timed repetitions):")
+    for name, r in rows.items():
+        line = (f"  {name:<28} {r['dispatch_layers']} layers x {r['dispatch_experts']} experts: own routing "
+                f"{r['dispatch_forward_ms']:.2f} / {r['dispatch_backward_ms']:.2f} "
+                f"({r['dispatch_active_experts']:.1f} experts with tokens)")
+        if "dispatch_forward_ms_first_routing" in r:
+            line += (f"; routing of {r['dispatch_routing_of']} {r['dispatch_forward_ms_first_routing']:.2f} / "
+                     f"{r['dispatch_backward_ms_first_routing']:.2f}")
+        print(line)
+
+
 def run(args) -> Dict[str, Dict[str, float]]:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -332,11 +445,13 @@ def run(args) -> Dict[str, Dict[str, float]]:
         order = contenders if rep % 2 == 0 else contenders[::-1]  # alternate order: no position bias
         for c in order:
             c.times.append(c.step(batches[rep % len(batches)]))
+            c.split.append(c.last_split)
     if args.compile:
         for _ in range(args.recompile_steps):  # fresh tokens: the routing differs every step
             batch = new_batch()
             for c in contenders:
                 c.step(batch)
+    dispatch = dispatch_times(contenders, batches[0], args.steps) if args.dispatch else {}
     results: Dict[str, Dict[str, float]] = {}
     tokens = args.batch_size * seq_len
     for c in contenders:
@@ -345,10 +460,13 @@ def run(args) -> Dict[str, Dict[str, float]]:
             "median_step_s": median,
             "tokens_per_s": tokens / median,
             "memory_mb": c.memory_bytes / 2**20,
+            "forward_backward_s": statistics.median(t[0] for t in c.split),
+            "optimizer_s": statistics.median(t[1] for t in c.split),
             "flops_per_token": c.flops_per_token(seq_len),
             "params": sum(p.numel() for p in c.model.parameters()),
         }
         results[c.name]["mfu"] = mfu(results[c.name], tokens / median, args)
+        results[c.name].update(dispatch.get(c.name, {}))
         if c.name in saved_mb:  # the saved activations without and with checkpointing (``checkpointing``)
             results[c.name].update(saved_activation_mb=saved_mb[c.name]["none"], checkpointing=checkpointed,
                                     saved_activation_mb_checkpointed=saved_mb[c.name][checkpointed])
@@ -392,6 +510,8 @@ def print_table(results: Dict[str, Dict[str, float]], args, seq_len: int) -> Non
         print(f"{name:<16}{1000 * r['median_step_s']:>10.1f}{r['tokens_per_s']:>10.0f}{r['memory_mb']:>9.1f}"
               f"{r['flops_per_token'] / 1e9:>11.4f}{r['step_time_ratio']:>8.3f}{r['flops_ratio']:>9.3f}"
               f"{r['time_over_flops_ratio']:>7.3f}")
+    print("forward + backward / AdamW step, median ms: " + ", ".join(
+        f"{n} {1000 * r['forward_backward_s']:.1f} / {1000 * r['optimizer_s']:.1f}" for n, r in results.items()))
     if any(r["mfu"] is not None for r in results.values()):
         print("MFU: " + ", ".join(f"{n} {r['mfu']:.1%}" for n, r in results.items() if r["mfu"] is not None))
     print(f"saved activations MB per step, without / with checkpointing "
@@ -411,15 +531,16 @@ def print_table(results: Dict[str, Dict[str, float]], args, seq_len: int) -> Non
 
 def plan(args) -> Dict[str, Dict[str, object]]:
     """``--plan``: the memory plan of every variant at the bench's batch, length, precision and checkpointing."""
-    from experiments.memory import plan_model, print_plans
+    from experiments.memory import build_for_measurement, plan_model, print_plans
 
     seq_len = args.seq_len or SIZES[args.size]["block_size"]
     rows = {}
     for name in args.variant_list:
         if name in REFERENCES:
             continue
-        torch.manual_seed(args.seed)
-        model = build_model(base_config(args, name)).train()
+        # cheap weights (meta build, tiled pattern, stacked experts sharing one expert's storage): only the
+        # activations' sizes are measured, so a 3.7B-parameter 64-expert model plans on a laptop
+        model = build_for_measurement(base_config(args, name), args.seed)
         rows[name] = plan_model(model, args.batch_size, seq_len, precision=args.precision,
                                 checkpointing=args.activation_checkpointing, gpu_memory_gb=args.gpu_memory_gb).row()
     print_plans(list(rows.values()), list(rows), print)
@@ -433,6 +554,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Dict[str, float]]:
     results = run(args)
     seq_len = args.seq_len or SIZES[args.size]["block_size"]
     print_table(results, args, seq_len)
+    print_dispatch(results)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"args": {k: v for k, v in vars(args).items() if k != "variant_list"},

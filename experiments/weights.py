@@ -23,6 +23,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from architectures.config import ConfigError
+from architectures.experts import stack_legacy_experts
 
 
 def read_checkpoint(path, option: str = "ckpt_path") -> dict:
@@ -200,7 +201,8 @@ class InitReport:
 
 def _source_finder(state: Dict[str, torch.Tensor], used: set):
     """Which source tensor a mapped tensor came from: the same object, a view of its storage (e.g. one
-    expert's slice of an MLP), or an equal copy (e.g. an upcycled expert); "?" when none is found.
+    expert's slice of an MLP, or the dense tensor broadcast over stacked experts), or an equal copy (e.g. an
+    upcycled expert, or stacked experts each a copy of it); "?" when none is found.
     Equal copies are ambiguous for tensors that are alike (fresh zero biases): a source not yet used,
     then the one whose name ends most like the target's, wins."""
     by_identity = {id(v): k for k, v in state.items()}
@@ -223,6 +225,8 @@ def _source_finder(state: Dict[str, torch.Tensor], used: set):
         if tensor.numel() and tensor.untyped_storage().data_ptr() in by_storage:
             return by_storage[tensor.untyped_storage().data_ptr()]
         candidates = by_value.get(_value_key(tensor), [])
+        if not candidates and tensor.dim() > 1 and len(tensor) and bool((tensor == tensor[0]).all()):
+            candidates = by_value.get(_value_key(tensor[0]), [])  # stacked experts, each a copy of one tensor
         if not candidates:
             return "?"
         return max(candidates, key=lambda c: (c not in used, suffix_match(c, target)))
@@ -277,6 +281,7 @@ def load_initial_weights(model: torch.nn.Module, source: str, strict: bool = Fal
               "loading anyway (--init_strict false): its token embeddings and head belong to other tokens",
               file=sys.stderr)
     own = model.state_dict()
+    state = stack_legacy_experts(model, state)  # a run saved before the experts were stacked
     same_variant = meta["variant"] == variant and variant != "vanilla"
     # a checkpoint of this very variant loads by name; a vanilla one goes through the variant's mapping
     mapping = {k: v for k, v in state.items() if k in own} if same_variant else model.vanilla_state_mapping(state)

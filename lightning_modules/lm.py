@@ -6,6 +6,7 @@ its named parts; the latest routing trace (no logits) is kept on ``self.last_out
 from __future__ import annotations
 
 import math
+import re
 import pathlib
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Dict, List, Optional, Tuple
@@ -18,6 +19,7 @@ from torchmetrics import MeanMetric
 from architectures import ModelConfig, build_model
 from architectures.config import ConfigError
 from architectures.contract import ModelOutput, first_nonfinite_site
+from architectures.experts import legacy_order, legacy_parameter_names
 from lightning_modules.flops_budget import FlopsBudget
 from lightning_modules.steps import batch_step, completes_step, is_logging_step, log_step, may_be_last_step  # noqa: F401
 
@@ -70,17 +72,62 @@ def cosine_decay(progress: float, min_ratio: float) -> float:
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> List[Dict[str, Any]]:
-    """Decay matrices (linear / embedding weights); never biases, LayerNorm or scalar gates."""
-    decay, no_decay, seen = [], [], set()
-    for param in model.parameters():
-        if not param.requires_grad or id(param) in seen:
-            continue
-        seen.add(id(param))
-        (decay if param.dim() >= 2 else no_decay).append(param)
+    """Decay matrices (linear / embedding weights); never biases (stacked experts' (E, out) biases included),
+    LayerNorm or scalar gates."""
+    params = dict(model.named_parameters())  # tied parameters once
+    decay, no_decay = group_names(model)
     return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": [params[n] for n in decay], "weight_decay": weight_decay},
+        {"params": [params[n] for n in no_decay], "weight_decay": 0.0},
     ]
+
+
+def group_names(model: torch.nn.Module) -> Tuple[List[str], List[str]]:
+    """(decayed, not decayed) parameter names, in ``parameter_groups``' order."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (decay if param.dim() >= 2 and not name.endswith("bias") else no_decay).append(name)
+    return decay, no_decay
+
+
+def stack_legacy_optimizer_state(model: torch.nn.Module, state: Dict[str, Any]) -> Dict[str, Any]:
+    """An optimizer state dict saved when the MoE experts were an ``nn.ModuleList`` of MLPs (two groups of
+    ``parameter_groups``: 2-D tensors decayed, in that layout's parameter order), re-indexed to the stacked
+    parameters, each one's per-expert moments stacked along dim 0 (its step: the largest). Returned as it is
+    when its parameter count is not that of the old layout."""
+    stacked, params = legacy_parameter_names(model), dict(model.named_parameters())
+    per_expert = {old: new for new, olds in stacked.items() for old in olds}
+    old = legacy_order(model)
+    if not stacked or sum(len(g["params"]) for g in state["param_groups"]) != len(old):
+        return state
+    two_d = [n for n in old if (params[per_expert[n]].dim() - 1 if n in per_expert else params[n].dim()) >= 2]
+    old_index = {n: i for i, n in enumerate(two_d + [n for n in old if n not in set(two_d)])}
+    new_names = [n for names in group_names(model) for n in names]
+    moments = {}
+    for i, name in enumerate(new_names):
+        saved = [state["state"].get(old_index[n]) for n in stacked.get(name, [name])]
+        if name in stacked and any(saved):
+            moments[i] = _stack_moments(saved)
+        elif saved[0] is not None:
+            moments[i] = saved[0]
+    groups, start = [], 0
+    for group, names in zip(state["param_groups"], group_names(model)):
+        groups.append({**group, "params": list(range(start, start + len(names)))})
+        start += len(names)
+    return {"state": moments, "param_groups": groups}
+
+
+def _stack_moments(saved: List[Optional[Dict[str, torch.Tensor]]]) -> Dict[str, torch.Tensor]:
+    """Per-expert AdamW state -> the stacked parameter's: moments stacked (zeros for an expert never stepped)."""
+    first = next(s for s in saved if s)
+    out = {}
+    for key, value in first.items():
+        if key == "step":
+            out[key] = max((s[key] for s in saved if s), key=float)
+        else:
+            out[key] = torch.stack([s[key] if s else torch.zeros_like(value) for s in saved])
+    return out
 
 
 def make_adamw(params, **kwargs) -> torch.optim.AdamW:
@@ -377,6 +424,11 @@ class LanguageModelModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
         self.tokens_seen = checkpoint.get("tokens_seen", 0)
+        if any(re.search(r"\.experts\.\d+\.c_fc\.weight$", k) for k in checkpoint.get("state_dict", {})):
+            # saved before the MoE experts were stacked: the weights stack on load (a pre-hook of the experts
+            # module), the AdamW state is re-indexed here, before Lightning restores it
+            checkpoint["optimizer_states"] = [stack_legacy_optimizer_state(self.model, state)
+                                              for state in checkpoint.get("optimizer_states", [])]
         if self.flops_budget is None:
             return
         if "flops_budget" not in checkpoint:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from architectures.base import ForwardState
+from architectures.experts import StackedLinear
 
 #: a module whose attribute name matches is a router: it makes a routing decision (MoE/MoD ``router``,
 #: MoM ``attn_router`` / ``ffn_router``, MoT / depth-gating ``gate``). MoD's ``predictor`` is not: it
@@ -261,7 +262,7 @@ def check_initialised(model) -> None:
     and all-zero weights pass."""
     std = model.config.init_std
     for name, module in model.named_modules():
-        if isinstance(module, (nn.Linear, nn.Embedding)):
+        if isinstance(module, (nn.Linear, nn.Embedding, StackedLinear)):
             weights = {"weight": module.weight}
         elif isinstance(module, nn.RNNCellBase):
             weights = {n: p for n, p in module.named_parameters(recurse=False) if not n.startswith("bias")}
@@ -275,7 +276,7 @@ def check_initialised(model) -> None:
             assert observed <= 1.5 * std, \
                 f"{name}.{pname}: std {observed:.3g}, expected at most model.init_std={std} (PyTorch's default init?)"
         biases = [p for n, p in module.named_parameters(recurse=False) if n.startswith("bias")]
-        if isinstance(module, (nn.Linear, nn.RNNCellBase)):
+        if isinstance(module, (nn.Linear, nn.RNNCellBase, StackedLinear)):
             for bias in biases:
                 if bias is not None:
                     assert not bias.detach().any(), f"{name}: biases not zero (PyTorch's default init?)"

@@ -145,3 +145,23 @@ def test_training_mfu_uses_the_same_peak_table_as_the_bench():
     for name in ("NVIDIA H100 NVL", "NVIDIA GH200 480GB", "NVIDIA L40S", "NVIDIA H200"):
         assert peak_flops(name, torch.bfloat16) == bench.peak_bf16_flops(name) is not None
     assert peak_flops("NVIDIA H200", torch.float32) == 66.9e12 and peak_flops("NVIDIA L40S", torch.float32) is None
+
+
+def test_bench_runs_8_and_64_experts_side_by_side_and_times_their_dispatch(one_thread):
+    """``VARIANT@GROUP.FIELD=VALUE`` gives each contender its own options; ``--dispatch`` times every MoE layer's
+    experts on its routing and on the first MoE contender's (the 56 extra experts idle)."""
+    results = bench.main(["--variants", "moe@moe.num_experts=8,moe@moe.num_experts=64@moe.layers=[1]", "--no_hf",
+                          "--no_minimal", "--size", "tiny", "--steps", "2", "--warmup", "0", "--batch_size", "2",
+                          "--seq_len", "16", "--vocab_size", "128", "--set", "d_model=32", "--set", "n_layer=2",
+                          "--dispatch"])
+    eight, many = results["moe@moe.num_experts=8"], results["moe@moe.num_experts=64@moe.layers=[1]"]
+    assert (eight["dispatch_experts"], eight["dispatch_layers"]) == (8, 2)
+    assert (many["dispatch_experts"], many["dispatch_layers"]) == (64, 1)
+    assert many["params"] > eight["params"] and "dispatch_forward_ms_first_routing" not in many  # 1 layer vs 2
+    assert eight["dispatch_forward_ms_first_routing"] > 0 and eight["dispatch_routing_of"] == "moe@moe.num_experts=8"
+    for r in (eight, many, results["vanilla"]):
+        assert r["forward_backward_s"] + r["optimizer_s"] == pytest.approx(r["median_step_s"], rel=0.5)
+    with pytest.raises(ConfigError, match="moe@mod.capacity=0.5: moe does not use model.mod.capacity"):
+        bench.main(["--variants", "moe@mod.capacity=0.5", "--no_hf", "--no_minimal"])
+    with pytest.raises(SystemExit):
+        bench.main(["--variants", "vanilla", "--dispatch"])

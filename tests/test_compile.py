@@ -78,7 +78,7 @@ def test_vanilla_and_mod_compile_to_one_graph_and_moe_breaks_at_dispatch(one_thr
     reports = compiling.main(["--variants", "vanilla,mod,moe", "--batch_size", "2"])
     for variant in ("vanilla", "mod"):
         assert (reports[variant].graphs, reports[variant].graph_breaks) == (1, 0), reports[variant].reasons
-    assert reports["moe"].graph_breaks > 0 and any("dispatch.py" in r for r in reports["moe"].reasons)
+    assert reports["moe"].graph_breaks > 0 and any("experts.py" in r for r in reports["moe"].reasons)
     assert "mod" in capsys.readouterr().out
 
 

@@ -1,7 +1,8 @@
 """Grouped-GEMM MoE path: the same numbers as the per-expert loop, chosen automatically, static shapes.
 
-CPU runs the grouped path through PyTorch's CPU grouped-matmul kernel (forced with
-DYNCOMP_GROUPED_MM=1); the automatic choice on CPU is the loop.
+Both paths read the same stacked expert parameters (``architectures.experts.GroupedExperts``). CPU runs the
+grouped path through PyTorch's CPU grouped-matmul kernel (forced with DYNCOMP_GROUPED_MM=1); the automatic
+choice on CPU is the loop.
 """
 from __future__ import annotations
 
@@ -10,16 +11,15 @@ import torch
 import torch.nn.functional as F
 
 from architectures import ModelConfig, build_model
+from architectures.experts import GroupedExperts
+from architectures.grouped_gemm import grouped_dispatch, use_grouped_mm
 from architectures.moe import MoEConfig
-from architectures.dispatch import sorted_dispatch
-from tests.references import dense_reference
-from architectures.gpt2 import MLP
-from architectures.grouped_gemm import expert_dispatch, grouped_dispatch, use_grouped_mm
+from tests.references import dense_reference, per_token_reference
 
 
 def experts_and_inputs(E=4, d=16, hidden=32, N=24, k=2, seed=0):
     torch.manual_seed(seed)
-    experts = torch.nn.ModuleList([MLP(d, hidden) for _ in range(E)])
+    experts = GroupedExperts(E, d, hidden)
     x = torch.randn(N, d, requires_grad=True)
     selected = torch.randint(0, E + 1, (N, k))  # id E: a no-op expert (costs and adds nothing)
     selected[:, 0] = selected[:, 0].clamp(max=E - 2)  # expert E-1 only ever a 2nd choice; some experts idle
@@ -28,32 +28,41 @@ def experts_and_inputs(E=4, d=16, hidden=32, N=24, k=2, seed=0):
     return experts, x, selected, weights, keep
 
 
+def loop(x, selected, weights, experts, keep=None):
+    return experts.loop(x, selected, weights, keep)
+
+
+def dense(x, selected, weights, experts, keep=None):
+    return dense_reference(x, selected, weights, [experts.expert(e) for e in range(len(experts))], keep)
+
+
 def outputs_and_grads(fn, experts, x, selected, weights, keep):
     for p in experts.parameters():
         p.grad = None
     x.grad = weights.grad = None
     out = fn(x, selected, weights, experts, keep)
     (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
-    # an idle expert: None on the loop, zeros on the grouped path (its weights are in the stacked operand)
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in experts.parameters()]
-    return [out.detach(), x.grad, weights.grad, *grads]
+    assert all(p.grad is not None for p in experts.parameters())  # idle experts: zero rows, never None
+    return [out.detach(), x.grad, weights.grad, *(p.grad for p in experts.parameters())]
 
 
 @pytest.mark.parametrize("k,with_keep", [(1, False), (2, True)])
-def test_grouped_path_matches_the_loop_and_the_dense_reference(k, with_keep):
+def test_grouped_path_matches_the_loop_and_the_references(k, with_keep):
     experts, x, selected, weights, keep = experts_and_inputs(k=k)
     keep = keep if with_keep else None
     grouped = outputs_and_grads(grouped_dispatch, experts, x, selected, weights, keep)
-    loop = outputs_and_grads(sorted_dispatch, experts, x, selected, weights, keep)
-    dense = outputs_and_grads(dense_reference, experts, x, selected, weights, keep)
-    for g, l, r in zip(grouped, loop, dense):
+    looped = outputs_and_grads(loop, experts, x, selected, weights, keep)
+    masked = outputs_and_grads(dense, experts, x, selected, weights, keep)
+    per_token = outputs_and_grads(per_token_reference, experts, x, selected, weights, keep)
+    for g, l, r, t in zip(grouped, looped, masked, per_token):
         torch.testing.assert_close(g, l, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(g, t, atol=1e-5, rtol=1e-5)
 
 
 def test_grouped_path_in_bf16_is_close_to_fp32():
     experts, x, selected, weights, keep = experts_and_inputs()
-    reference = sorted_dispatch(x, selected, weights, experts, keep)
+    reference = experts.loop(x, selected, weights, keep)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = grouped_dispatch(x, selected, weights, experts, keep)
     assert out.dtype == torch.bfloat16
@@ -63,12 +72,11 @@ def test_grouped_path_in_bf16_is_close_to_fp32():
 def test_automatic_choice_and_override(monkeypatch):
     experts, x, *_ = experts_and_inputs()
     monkeypatch.delenv("DYNCOMP_GROUPED_MM", raising=False)
-    assert not use_grouped_mm(x, experts)  # CPU: the loop
+    assert not use_grouped_mm(x)  # CPU: the loop
     monkeypatch.setenv("DYNCOMP_GROUPED_MM", "1")
-    assert use_grouped_mm(x, experts)
-    assert not use_grouped_mm(x, [torch.nn.Linear(16, 16)])  # only GPT-2 MLP experts have the stacked form
+    assert use_grouped_mm(x)
     monkeypatch.setenv("DYNCOMP_GROUPED_MM", "0")
-    assert not use_grouped_mm(x, experts)
+    assert not use_grouped_mm(x)
 
 
 @pytest.mark.parametrize("dropless", [True, False])
@@ -99,15 +107,15 @@ def test_grouped_path_traces_to_one_graph_in_bf16():
     explanation = torch._dynamo.explain(grouped_dispatch)(x, selected, weights.detach().bfloat16(), experts, keep)
     torch._dynamo.reset()
     assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
-    loop = torch._dynamo.explain(sorted_dispatch)(x, selected, weights.detach().bfloat16(), experts, keep)
+    looped = torch._dynamo.explain(loop)(x, selected, weights.detach().bfloat16(), experts, keep)
     torch._dynamo.reset()
-    assert loop.graph_break_count > 0
+    assert looped.graph_break_count > 0
 
 
-def test_expert_dispatch_equals_the_loop_on_cpu():
+def test_the_experts_module_loops_on_cpu(monkeypatch):
+    monkeypatch.delenv("DYNCOMP_GROUPED_MM", raising=False)
     experts, x, selected, weights, keep = experts_and_inputs()
-    torch.testing.assert_close(expert_dispatch(x, selected, weights, experts, keep),
-                               sorted_dispatch(x, selected, weights, experts, keep))
+    torch.testing.assert_close(experts(x, selected, weights, keep), experts.loop(x, selected, weights, keep))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the automatic grouped path's device)")
@@ -117,7 +125,7 @@ def test_cuda_bf16_picks_the_grouped_path_and_matches_the_loop(monkeypatch):
     experts, x = experts.cuda(), x.detach().cuda()
     selected, weights, keep = selected.cuda(), weights.detach().cuda(), keep.cuda()
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        assert use_grouped_mm(x, experts) == (torch.cuda.get_device_capability() >= (8, 0))
-        grouped = expert_dispatch(x, selected, weights, experts, keep)
-        loop = sorted_dispatch(x, selected, weights, experts, keep)
-    torch.testing.assert_close(grouped.float(), loop.float(), atol=3e-2, rtol=3e-2)
+        assert use_grouped_mm(x) == (torch.cuda.get_device_capability() >= (8, 0))
+        grouped = experts(x, selected, weights, keep)
+        looped = experts.loop(x, selected, weights, keep)
+    torch.testing.assert_close(grouped.float(), looped.float(), atol=3e-2, rtol=3e-2)

@@ -11,11 +11,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from architectures import ModelConfig, build_model
 from architectures import flops as F_
+from architectures.experts import GroupedExperts
+from architectures.grouped_gemm import alignment_padding_rows, grouped_dispatch, grouped_mm_op
 from architectures.moe import MoEConfig
-from architectures.dispatch import sorted_dispatch
-from tests.references import dense_reference
-from architectures.gpt2 import MLP
-from architectures.grouped_gemm import alignment_padding_rows, expert_dispatch, grouped_dispatch, grouped_mm_op
+from tests.references import dense_reference, per_token_reference
 
 pytestmark = pytest.mark.skipif(grouped_mm_op() is None, reason="this PyTorch has no grouped matmul")
 
@@ -25,18 +24,41 @@ E, D, H = 4, 16, 32
 def idle_expert_inputs(N=12, k=2):
     """Routing in which expert E-1 gets no token (ids E-1 only where the slot is dropped)."""
     torch.manual_seed(0)
-    experts = torch.nn.ModuleList([MLP(D, H) for _ in range(E)])
+    experts = GroupedExperts(E, D, H)
     selected = torch.randint(0, E - 1, (N, k))
     return experts, torch.randn(N, D), selected, torch.rand(N, k)
 
 
-@pytest.mark.parametrize("dispatch", [sorted_dispatch, grouped_dispatch, dense_reference])
+def loop(x, selected, weights, experts, keep=None):
+    return experts.loop(x, selected, weights, keep)
+
+
+def dense(x, selected, weights, experts, keep=None):
+    return dense_reference(x, selected, weights, [experts.expert(e) for e in range(len(experts))], keep)
+
+
+def expert_grads(experts, e):
+    """Expert ``e``'s rows of the stacked gradients (None where a parameter got no gradient at all)."""
+    return [None if p.grad is None else p.grad[e] for p in experts.parameters()]
+
+
+@pytest.mark.parametrize("dispatch", [loop, grouped_dispatch, dense, per_token_reference])
 def test_an_expert_no_token_chose_gets_a_zero_gradient_on_every_path(dispatch):
     experts, x, selected, weights = idle_expert_inputs()
     dispatch(x, selected, weights, experts).pow(2).sum().backward()
-    for p in experts[E - 1].parameters():
-        assert p.grad is not None and torch.equal(p.grad, torch.zeros_like(p))
-    assert all(p.grad.abs().sum() > 0 for p in experts[0].parameters())
+    for grad in expert_grads(experts, E - 1):
+        assert grad is not None and not grad.any()
+    assert all(grad.abs().sum() > 0 for grad in expert_grads(experts, 0))
+
+
+@pytest.mark.parametrize("dispatch", [loop, grouped_dispatch])
+def test_nothing_routed_still_gives_zero_gradients(dispatch):
+    experts, x, selected, weights = idle_expert_inputs()
+    out = dispatch(x, torch.full_like(selected, E), weights, experts)  # every slot to a no-op expert
+    assert not out.any()
+    out.sum().backward()
+    for p in experts.parameters():  # zero, not None: AdamW then moves the experts the same on both paths
+        assert p.grad is not None and not p.grad.any()
 
 
 def test_adamw_moves_an_idle_expert_identically_on_both_paths(monkeypatch):
@@ -48,23 +70,15 @@ def test_adamw_moves_an_idle_expert_identically_on_both_paths(monkeypatch):
         busy = torch.arange(x.shape[0] * 2).remainder(E).view(-1, 2)
         for routing in (busy, selected):
             optimizer.zero_grad()
-            expert_dispatch(x, routing, weights, experts).pow(2).sum().backward()
+            experts(x, routing, weights).pow(2).sum().backward()
             optimizer.step()
-        return [p.detach().clone() for p in experts[E - 1].parameters()]
+        return [p.detach()[E - 1].clone() for p in experts.parameters()]
 
     grouped, loop = train("1"), train("0")
     for g, l in zip(grouped, loop):
         torch.testing.assert_close(g, l, atol=1e-6, rtol=1e-5)
 
 
-def test_no_gradient_bookkeeping_without_autograd():
-    experts, x, selected, weights = idle_expert_inputs()
-    calls = []
-    for e in experts:
-        e.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
-    with torch.no_grad():
-        sorted_dispatch(x, selected, weights, experts)
-    assert 0 not in calls and len(calls) == E - 1  # evaluation does not run the idle expert
 
 
 def test_flop_counter_counts_the_grouped_matmul_forward_and_backward():
@@ -79,9 +93,9 @@ def test_flop_counter_counts_the_grouped_matmul_forward_and_backward():
     with FlopCounterMode(display=False) as both:
         grouped_dispatch(x, selected, weights, experts).sum().backward()
     assert both.get_total_flops() == 3 * (routed + padding)
-    with FlopCounterMode(display=False) as loop:
-        sorted_dispatch(x, selected, weights, experts)
-    assert loop.get_total_flops() == routed  # the loop multiplies no padding
+    with FlopCounterMode(display=False) as looped:
+        experts.loop(x, selected, weights).sum().backward()
+    assert looped.get_total_flops() == 3 * routed  # the loop multiplies no padding
     del out
 
 

@@ -24,8 +24,8 @@ def dense_moe(layer: MoELayer, x: torch.Tensor, keep: torch.Tensor = None) -> to
     if keep is not None:
         w = w * keep
     out = torch.zeros_like(x)
-    for e, expert in enumerate(layer.experts):
-        out = out + expert(x) * ((sel == e) * w).sum(-1, keepdim=True)
+    for e in range(len(layer.experts)):
+        out = out + layer.experts.expert(e)(x) * ((sel == e) * w).sum(-1, keepdim=True)
     return out
 
 
@@ -236,7 +236,7 @@ def test_one_expert_top1_equals_vanilla_with_the_same_weights():
     torch.manual_seed(1)
     vanilla = build_model(ModelConfig(vocab_size=101, d_model=32, n_layer=4, n_head=4, block_size=32))
     state = {}
-    for name, value in vanilla.state_dict().items():
+    for name, value in vanilla.state_dict().items():  # the old per-expert key layout, stacked on load
         state[name.replace(".mlp.", ".moe.experts.0.")] = value
     state.update({k: v for k, v in moe.state_dict().items() if "router" in k})
     moe.load_state_dict(state)

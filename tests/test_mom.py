@@ -326,7 +326,9 @@ def test_moe_routing_is_the_moe_variant_given_the_same_weights_and_routing(k):
             chunk.attn_modules[h].attn.load_state_dict(block.attn.state_dict())
             for e in range(E):
                 chunk.ffn_modules[h * E + e].ln_2.load_state_dict(block.ln_2.state_dict())
-                chunk.ffn_modules[h * E + e].mlp.load_state_dict(block.moe.experts[e].state_dict())
+                stacked = block.moe.experts  # expert e's rows of the stacked parameters
+                chunk.ffn_modules[h * E + e].mlp.load_state_dict(
+                    {f"{n}.{p}": getattr(getattr(stacked, n), p)[e] for n in ("c_fc", "c_proj") for p in ("weight", "bias")})
     chunk.ffn_router.scores = _MoERouterOfStep(moe, len(chunk.ffn_names))
     idx = tokens(B=2, T=16)
     with torch.no_grad():

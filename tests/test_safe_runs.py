@@ -272,15 +272,15 @@ def test_init_report_recognises_copied_and_sliced_source_tensors():
     own = moe.state_dict()
     mapping = {k: v for k, v in state.items() if k in own}
     for name in own:
-        if ".moe.experts." in name:  # sparse upcycling: every expert a copy of its layer's MLP
-            layer, rest = name.split(".")[1], name.split(".experts.")[1].split(".", 1)[1]
-            mapping[name] = state[f"blocks.{layer}.mlp.{rest}"].clone()
+        if ".moe.experts." in name:  # sparse upcycling: every (stacked) expert a copy of its layer's MLP
+            layer, rest = name.split(".")[1], name.split(".experts.")[1]
+            mapping[name] = state[f"blocks.{layer}.mlp.{rest}"].expand_as(own[name]).clone()
     report = init_report(moe, state, mapping)
     assert report.unused == [] and all(source != "?" for _, source in report.mapped)
     assert report.new == ["blocks.0.moe.router.weight", "blocks.1.moe.router.weight"]
-    assert ("blocks.1.moe.experts.3.c_fc.weight", "blocks.1.mlp.c_fc.weight") in report.mapped
-    view = {"blocks.0.moe.experts.0.c_fc.weight": state["blocks.0.mlp.c_fc.weight"][16:]}  # shares storage
-    assert init_report(moe, state, view).mapped == [("blocks.0.moe.experts.0.c_fc.weight", "blocks.0.mlp.c_fc.weight")]
+    assert ("blocks.1.moe.experts.c_fc.weight", "blocks.1.mlp.c_fc.weight") in report.mapped
+    view = {"blocks.0.moe.experts.c_fc.weight": state["blocks.0.mlp.c_fc.weight"][16:]}  # shares storage
+    assert init_report(moe, state, view).mapped == [("blocks.0.moe.experts.c_fc.weight", "blocks.0.mlp.c_fc.weight")]
 
 
 @pytest.mark.parametrize("variant", ["moe", "mode_staged", "mode_integrated", "mot"])
@@ -294,6 +294,13 @@ def test_init_from_vanilla_upcycles_every_expert_from_its_layers_dense_weights(v
     report = init_report(model, state, mapping)
     assert not report.unused and report.initialised_share > 0.95
     assert all(any(part in name for part in ("router", "gate", "predictor")) for name in report.new), report.new
-    expert = next(n for n in mapping if ".experts.3." in n and n.endswith("c_fc.weight"))
-    source = expert.replace(".moe.experts.3.", ".mlp.").replace(".mlp.experts.3.", ".mlp.").replace(".experts.3.", ".")
-    assert mapping[expert] is state[source]
+    if variant == "mot":  # MoT's experts are whole blocks, one module each
+        expert = next(n for n in mapping if ".experts.3." in n and n.endswith("c_fc.weight"))
+        assert mapping[expert] is state[expert.replace(".experts.3.", ".")]
+        return
+    # MoE / MoDE: one stacked (E, ...) tensor, every expert a view of the dense tensor
+    expert = next(n for n in mapping if n.endswith(".experts.c_fc.weight"))
+    source = expert.replace(".moe.experts.", ".mlp.").replace(".mlp.experts.", ".mlp.")
+    assert mapping[expert].shape[1:] == state[source].shape and mapping[expert].shape[0] > 1
+    assert mapping[expert].untyped_storage().data_ptr() == state[source].untyped_storage().data_ptr()
+    assert all(torch.equal(row, state[source]) for row in mapping[expert])

@@ -269,3 +269,21 @@ def test_checkpointing_under_compile_gives_the_eager_gradients(name):
     torch.testing.assert_close(out_b.logits, out_a.logits, rtol=1e-5, atol=1e-6)
     for key in grads_a:
         torch.testing.assert_close(grads_b[key], grads_a[key], rtol=1e-4, atol=1e-6, msg=key)
+
+
+def test_the_plan_builds_stacked_experts_on_one_experts_storage():
+    """64 experts are measured at the memory of one: the parameter count stays the full one, and the saved
+    activations equal those of the model with distinct experts' storage."""
+    from architectures import ModelConfig
+    from architectures.experts import StackedLinear
+    from experiments.memory import build_for_measurement, saved_activation_bytes
+
+    config = ModelConfig.from_dict(dict(variant="moe", size="tiny", vocab_size=V, d_model=32, n_layer=2, n_head=2,
+                                        block_size=T, moe={"num_experts": 64}))
+    model = build_for_measurement(config)
+    full = build_model(config).train()
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in full.parameters())
+    stacked = [p for m in model.modules() if isinstance(m, StackedLinear) for p in m.parameters()]
+    assert stacked and all(p.stride(0) == 0 and p.untyped_storage().nbytes() == p[0].numel() * 4 for p in stacked)
+    idx = torch.randint(0, V, (2, T + 1))
+    assert saved_activation_bytes(model, idx) == saved_activation_bytes(full, idx)
