@@ -238,13 +238,45 @@ def test_an_explicit_value_equal_to_the_default_beats_the_preset(name):
 
 
 # ---------------------------------------------------------------------------- i. routing health
-# Entries that fail the health check at these settings, with why; strict: the test fails once they pass, so
-# the list cannot go stale. Empty since the MoE experts became stacked parameters: mode_staged and
-# moe_dense_ffn, listed since idle experts began to get zero gradients (one MoE pool collapsed onto one
-# expert within the 200 steps), pass at this seed with the stacked init (one N(0, 0.02) draw per (E, ., .)
-# tensor instead of one per expert: other random weights). Their collapse depended on the draw; whether
-# the balance loss is too weak at these settings is still open. mom_official, listed before that, is healthy since.
-KNOWN_UNHEALTHY: dict = {}
+# Whether a borderline entry collapses within 200 steps depends on float rounding (one machine's kernels
+# against another's; mom_official was healthy at seed 0 on one machine and collapsed on the next), so an
+# entry's verdict is the majority of three seeds, evaluated lazily: an entry healthy at the first seed passes
+# at once (the common case costs one run), otherwise two more seeds decide. A known-unhealthy entry is always
+# judged by the majority. Measured over seeds 0-3 (2026-12-01, this suite's tiny settings): mom_official
+# collapsed in 3 of 4 (its chunk0 FFN pool onto one module: the official balance loss, a second softmax over
+# the probabilities, barely pushes); mode_staged in 1 of 4, moe_dense_ffn in 0 of 3.
+# Strict: the test fails once a listed entry's majority is healthy, so the list cannot go stale.
+KNOWN_UNHEALTHY = {
+    "mom_official": "its FFN pool collapses onto one module within 200 steps in most seeds: the official "
+                    "balance loss (a second softmax over the router probabilities) is nearly flat",
+}
+HEALTH_SEEDS = (0, 1, 2)
+
+
+def routing_health_failure(name: str, seed: int):
+    """None if ``name`` trained 200 steps from ``seed`` routes healthily, else the failed check's message."""
+    from datamodules.lm import DataConfig, LMDataModule
+
+    dm = LMDataModule(DataConfig(batch_size=8), block_size=T, seed=seed)
+    dm.prepare_data()
+    dm.setup("fit")
+    torch.manual_seed(seed)
+    model = build_model(VARIANTS[name].test_config(name, vocab_size=dm.vocab_size))
+    batches = iter(dm.train_dataloader())
+    with torch.no_grad():
+        if not model(next(batches)[:, :-1]).trace:
+            assert not invariants.router_modules(model), f"{name} has routers but reports no routing site"
+            return None  # dense: nothing routed, nothing to collapse
+    invariants.train_briefly(model, batches, 200, dm.vocab_size)
+    with torch.no_grad():
+        out = model(next(batches)[:, :-1])
+    # MoDE integrated enforces its no-op share (1 - capacity); elsewhere at most 90% may skip
+    budget = 1.0 - model.config.mod.capacity if model.config.variant == "mode_integrated" else 0.9
+    try:
+        invariants.check_routing_healthy(out.trace, budget)
+    except AssertionError as failure:
+        return str(failure)
+    return None
 
 
 @pytest.mark.slow
@@ -253,22 +285,14 @@ KNOWN_UNHEALTHY: dict = {}
     if n in KNOWN_UNHEALTHY else n for n in variant_names()])
 def test_routing_stays_healthy_after_training_on_the_embedded_corpus(name):
     """Every registry entry, 200 steps at tiny: no no-op/SKIP beyond its budget, no pool collapsed onto one
-    member (a new variant that collapses onto its no-op fails here)."""
-    from datamodules.lm import DataConfig, LMDataModule
-
-    dm = LMDataModule(DataConfig(batch_size=8), block_size=T, seed=0)
-    dm.prepare_data()
-    dm.setup("fit")
-    torch.manual_seed(0)
-    model = build_model(VARIANTS[name].test_config(name, vocab_size=dm.vocab_size))
-    batches = iter(dm.train_dataloader())
-    with torch.no_grad():
-        if not model(next(batches)[:, :-1]).trace:
-            assert not invariants.router_modules(model), f"{name} has routers but reports no routing site"
-            return  # dense: nothing routed, nothing to collapse
-    invariants.train_briefly(model, batches, 200, dm.vocab_size)
-    with torch.no_grad():
-        out = model(next(batches)[:, :-1])
-    # MoDE integrated enforces its no-op share (1 - capacity); elsewhere at most 90% may skip
-    budget = 1.0 - model.config.mod.capacity if model.config.variant == "mode_integrated" else 0.9
-    invariants.check_routing_healthy(out.trace, budget)
+    member (a new variant that collapses onto its no-op fails here). Verdict: the majority of three seeds."""
+    failures = {}
+    for i, seed in enumerate(HEALTH_SEEDS):
+        failures[seed] = routing_health_failure(name, seed)
+        if i == 0 and failures[seed] is None and name not in KNOWN_UNHEALTHY:
+            return
+        healthy = sum(f is None for f in failures.values())
+        if healthy * 2 > len(HEALTH_SEEDS):
+            return
+        if (len(failures) - healthy) * 2 > len(HEALTH_SEEDS):
+            raise AssertionError("; ".join(f"seed {s}: {f}" for s, f in failures.items() if f is not None))
