@@ -399,7 +399,8 @@ class MoMChunk(nn.Module):
 
     # ------------------------------------------------------------------ assembly
     def assemble_attention(self, x: torch.Tensor, route: _Route, cache: Optional[KVCache], cache_key: str) -> torch.Tensor:
-        """The attention update (B, T, d) for the routed choices."""
+        """The attention update (B, T, d) for the routed choices. Under torch.compile (no cache) the all-SKIP
+        skip is a ``torch.cond``, so the step stays one graph and still skips the shared attention."""
         if route.fixed is not None:
             return self.attn_modules[route.fixed](x, cache, cache_key)
         B, T, d = x.shape

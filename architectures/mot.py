@@ -111,10 +111,9 @@ def plan_segments(selected: torch.Tensor, valid: Optional[torch.Tensor], num_exp
         sizes, width_list = traced_sizes(per_expert, N), traced_sizes(widths, T, low=1)
     else:
         sizes, width_list = torch.stack([per_expert, widths]).tolist()
-    out: List[Optional[ExpertSegment]] = []
-    for part, n, width in zip(zip(*(t[: sum(sizes)].split(sizes) for t in (tokens, slots, padded))), sizes, width_list):
-        out.append(ExpertSegment(*part, width) if traced or n else None)
-    return out
+    live = sum(sizes)  # the padding tokens' assignments sorted last
+    parts = zip(*(t[:live].split(sizes) for t in (tokens, slots, padded)))
+    return [ExpertSegment(*part, width) if traced or n else None for part, n, width in zip(parts, sizes, width_list)]
 
 
 def cached_subset_attention(block: Block, qkv: torch.Tensor, new_valid: torch.Tensor, cache: KVCache,
@@ -141,7 +140,7 @@ def expert_update(block: Block, x: torch.Tensor, seg: ExpertSegment, batch: int,
     attn = block.attn
     qkv = attn.c_attn(block.ln_1(x))
     layout = qkv.new_zeros(batch * seg.width, qkv.shape[-1]).index_copy(0, seg.padded, qkv)
-    layout = layout.view(batch, seg.width, qkv.shape[-1])  # no -1: the traced width may be 0
+    layout = layout.view(batch, seg.width, qkv.shape[-1])  # no -1: no division by a traced width
     if cache is None:
         y = attn.attend(layout)
     else:
