@@ -134,7 +134,8 @@ def test_finetune_compile_option_compiles_the_backbone_in_place(monkeypatch, one
 # ---------------------------------------------------------------------------- MoM and MoT: one graph (issue 22)
 # every registry entry of the two families; their per-expert sizes are traced as unbacked SymInts
 ROUTED = sorted(n for n, v in VARIANTS.items() if v.model_class() in (MixtureOfModules, MoT))
-CHEAP = ("mom", "mot")  # the default tier's compiled-vs-eager cases, one per family
+CHEAP = ("mom_e", "mot")  # the default tier's cases, one per family (the others: ~10-25 s each, slow)
+TIERED = [v if v in CHEAP else pytest.param(v, marks=pytest.mark.slow) for v in ROUTED]
 
 
 def tiny_routed(variant: str) -> torch.nn.Module:
@@ -147,7 +148,7 @@ def lm_loss(model, idx):
     return F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), idx.reshape(-1)) + out.aux_loss
 
 
-@pytest.mark.parametrize("variant", ROUTED)
+@pytest.mark.parametrize("variant", TIERED)
 def test_mom_and_mot_entries_trace_to_one_graph_in_training_and_evaluation(variant, one_thread):
     model = tiny_routed(variant)
     idx = torch.randint(0, model.config.vocab_size, (2, 16))
@@ -192,7 +193,7 @@ def assert_compiled_steps_equal_eager(variant: str, backend: str, steps: int = 3
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("variant", [v if v in CHEAP else pytest.param(v, marks=pytest.mark.slow) for v in ROUTED])
+@pytest.mark.parametrize("variant", TIERED)
 def test_mom_and_mot_compiled_steps_equal_eager_without_recompiling(variant, one_thread):
     assert_compiled_steps_equal_eager(variant, "aot_eager")
 
