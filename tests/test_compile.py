@@ -138,9 +138,9 @@ CHEAP = ("mom_e", "mot")  # the default tier's cases, one per family (the others
 TIERED = [v if v in CHEAP else pytest.param(v, marks=pytest.mark.slow) for v in ROUTED]
 
 
-def tiny_routed(variant: str) -> torch.nn.Module:
+def tiny_routed(variant: str, **extra) -> torch.nn.Module:
     torch.manual_seed(0)
-    return build_model(VARIANTS[variant].test_config(variant, block_size=16, dropout=0.0)).train()
+    return build_model(VARIANTS[variant].test_config(variant, block_size=16, dropout=0.0, **extra)).train()
 
 
 def lm_loss(model, idx):
@@ -203,3 +203,30 @@ def test_mom_and_mot_compiled_steps_equal_eager_without_recompiling(variant, one
 def test_inductor_compiled_mom_and_mot_equal_eager(variant, one_thread):
     """The real backend (C++ code generation on CPU, minutes per model here) on unbacked routing sizes."""
     assert_compiled_steps_equal_eager(variant, "inductor", steps=2)
+
+
+def test_compiled_mom_skips_the_attention_of_an_all_skip_step_as_eager_does(one_thread):
+    """The other branch of ``assemble_attention``'s ``torch.cond``: every attention module removed, so every
+    token SKIPs attention at every step; compiled loss and gradients equal eager's, still without a break."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager, compiled = tiny_routed("mom", n_layer=2), tiny_routed("mom", n_layer=2)
+    compiling.compile_model(compiled, backend="aot_eager")
+    idx = torch.randint(0, eager.config.vocab_size, (2, 16))
+    results = []
+    for model in (eager, compiled):
+        pool = model.pool_sizes()[0]
+        with model.removed_modules(attn=range(pool)):
+            out = model(idx)
+            assert all(bool((s.selected >= pool).all()) for s in out.trace if ".attn." in s.name)
+            loss = F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), idx.reshape(-1)) + out.aux_loss
+            loss.backward()
+        results.append((loss, {n: p.grad for n, p in model.named_parameters()}))
+    torch.testing.assert_close(results[1][0], results[0][0])
+    for name, grad in results[0][1].items():
+        if grad is not None:
+            torch.testing.assert_close(results[1][1][name], grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    torch._dynamo.reset()
