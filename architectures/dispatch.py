@@ -5,7 +5,7 @@ an expert sees only its tokens, and no per-expert boolean mask over all tokens i
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -33,23 +33,36 @@ def sorted_dispatch(
     if keep is not None:
         key = torch.where(keep.reshape(-1), key, torch.full_like(key, E))
     order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=E + 1).tolist()
-    order = order[: N * k - counts[E]]
+    counts = torch.bincount(key, minlength=E + 1)
+    traced = torch.compiler.is_compiling()
+    sizes = traced_sizes(counts[:E], N * k) if traced else counts.tolist()[:E]
+    order = order[: sum(sizes)]
     token_index = order if k == 1 else torch.div(order, k, rounding_mode="floor")  # flat = token * k + slot
     flat_weight = weights.reshape(-1).index_select(0, order)
     tokens = x.index_select(0, token_index)
     pieces = []
-    start = 0
     # An expert no token chose still runs, on an empty slice, when gradients are recorded: its gradient is
     # then zero (what d loss / d weights is, what the naive reference and the grouped-GEMM path give)
     # instead of None, so AdamW's momentum and weight decay treat it the same on every path and device.
-    touch_idle = torch.is_grad_enabled()
-    for expert, count in zip(experts, counts[:E]):
-        if count or touch_idle:
-            pieces.append(expert(tokens[start : start + count]))
-        start += count
+    # Under torch.compile every expert runs (an idle one on zero rows): a branch on a traced count would
+    # break the graph.
+    touch_idle = traced or torch.is_grad_enabled()
+    for expert, count, piece in zip(experts, sizes, tokens.split(sizes)):
+        if touch_idle or count:
+            pieces.append(expert(piece))
     if not pieces:
         return x.new_zeros(N, x.shape[-1])
     outputs = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
     outputs = outputs * flat_weight.unsqueeze(-1).to(outputs.dtype)
     return outputs.new_zeros(N, outputs.shape[-1]).index_add(0, token_index, outputs)
+
+
+def traced_sizes(counts: torch.Tensor, total: int, low: int = 0) -> List[int]:
+    """``counts.tolist()`` under torch.compile: unbacked sizes (``capture_scalar_outputs``, set by
+    ``experiments.compiling``) with the bounds the tracer cannot know (low <= count <= total), so the
+    per-expert slices stay in one graph and do not recompile when the routing changes."""
+    sizes = counts.tolist()
+    for size in sizes:
+        torch._check(size >= low)
+        torch._check(size <= total)
+    return sizes

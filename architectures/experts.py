@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from architectures.dispatch import traced_sizes
 from architectures.grouped_gemm import grouped_dispatch, sort_by_expert, use_grouped_mm
 
 LINEARS = ("c_fc", "c_proj")
@@ -84,12 +85,15 @@ class GroupedExperts(nn.Module):
         """One matmul pair per expert with tokens, on its contiguous slice of the expert-sorted tokens."""
         N, k = selected.shape
         _, order, counts = sort_by_expert(selected, keep, self.num_experts)
-        counts = counts.tolist()
-        order = order[: N * k - counts[-1]]  # the assignments no expert computes sort last
+        # under torch.compile the sizes are traced (unbacked, see ``traced_sizes``) and every expert runs, an
+        # idle one on zero rows: a branch on a traced count would break the graph
+        traced = torch.compiler.is_compiling()
+        sizes = traced_sizes(counts[:-1], N * k) if traced else counts.tolist()[:-1]
+        order = order[: sum(sizes)]  # the assignments no expert computes sort last
         token_index = order if k == 1 else torch.div(order, k, rounding_mode="floor")  # flat = token * k + slot
-        # one split (not a slice per expert: torch.compile's symbolic sizes handle it) into each expert's tokens
-        slices = x.index_select(0, token_index).split(counts[:-1])
-        runs = [e for e, count in enumerate(counts[:-1]) if count]
+        # one split (not a slice per expert) into each expert's tokens
+        slices = x.index_select(0, token_index).split(sizes)
+        runs = list(range(self.num_experts)) if traced else [e for e, count in enumerate(sizes) if count]
         if not runs and torch.is_grad_enabled():
             runs = [0]  # nothing routed: one empty call still gives every expert a (zero) gradient
         fc, proj = self._unbound("c_fc", x.device.type), self._unbound("c_proj", x.device.type)

@@ -379,20 +379,26 @@ class MoMChunk(nn.Module):
 
     # ------------------------------------------------------------------ assembly
     def assemble_attention(self, x: torch.Tensor, route: _Route, cache: Optional[KVCache], cache_key: str) -> torch.Tensor:
-        """The attention update (B, T, d) for the routed choices."""
+        """The attention update (B, T, d) for the routed choices. Under torch.compile (no cache) the all-SKIP
+        skip is a ``torch.cond``, so the step stays one graph and still skips the shared attention."""
         if route.fixed is not None:
             return self.attn_modules[route.fixed](x, cache, cache_key)
         B, T, d = x.shape
         flat = x.reshape(B * T, d)
         shared = self.attn_modules[0].attn  # any module: head split/merge and the SDPA call are parameter-free
-        if not bool((route.selected < self.n_attn).any()):
+        real = (route.selected < self.n_attn).any()  # some token chose a real module: the attention runs
+        traced = torch.compiler.is_compiling() and cache is None  # decoding may break the graph here
+        if not traced and not bool(real):
             if cache is not None:  # keep this step's cache aligned: all-SKIP tokens have zero K/V
                 zeros = x.new_zeros(B, shared.n_head, T, d // shared.n_head)
                 cache.append(cache_key, zeros, zeros)
             return torch.zeros_like(x)
         qkv_weights = route.weights if self.cfg.weighted_qkv else torch.ones_like(route.weights)
         qkv = sorted_dispatch(flat, route.selected, qkv_weights, [m.project for m in self.attn_modules])
-        y = shared.attend(qkv.view(B, T, 3 * d), cache, cache_key)
+        if traced:  # the same skip as one graph: a cond on the flag instead of a Python branch on it
+            y = torch.cond(real, shared.attend, lambda qkv: qkv.new_zeros(B, T, d), (qkv.view(B, T, 3 * d),))
+        else:
+            y = shared.attend(qkv.view(B, T, 3 * d), cache, cache_key)
         out = sorted_dispatch(y.reshape(B * T, d), route.selected, route.weights,
                               [m.attn.c_proj for m in self.attn_modules])
         return self.resid_drop(out.view(B, T, d))

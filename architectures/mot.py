@@ -47,6 +47,7 @@ from architectures import flops as F_
 from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ModelConfig, layer_selection, tracks_explicit
 from architectures.contract import KVCache, RoutingSite
+from architectures.dispatch import traced_sizes
 from architectures.gpt2 import Block
 from architectures.routing import LinearRouter, MLPRouter, TopK, balance_loss
 
@@ -83,30 +84,36 @@ class ExpertSegment:
 
 
 def plan_segments(selected: torch.Tensor, valid: Optional[torch.Tensor], num_experts: int) -> List[Optional[ExpertSegment]]:
-    """Group assignments by expert, then sequence, then position (one argsort); None for idle experts."""
+    """Group assignments by expert, then sequence, then position (one argsort); None for idle experts.
+
+    Padding tokens get expert id E and sort to the end (no boolean filtering: its nonzero would give a
+    data-dependent shape). Under torch.compile the sizes are unbacked (``dispatch.traced_sizes``) and every
+    expert gets a segment, an idle one empty: a branch on a traced count would break the graph.
+    """
     B, T, k = selected.shape
-    N = B * T
+    N, E = B * T, num_experts
     expert = selected.reshape(-1)
     slots = torch.arange(N * k, device=selected.device)
     tokens = slots // k
     if valid is not None:
-        active = valid.reshape(N)[tokens]
-        expert, slots, tokens = expert[active], slots[active], tokens[active]
+        expert = torch.where(valid.reshape(N)[tokens], expert, torch.full_like(expert, E))
     order = torch.argsort(expert * N + tokens)
     expert, slots, tokens = expert[order], slots[order], tokens[order]
     segment = expert * B + tokens // T
-    counts = torch.bincount(segment, minlength=num_experts * B)
+    counts = torch.bincount(segment, minlength=(E + 1) * B)
     rank = torch.arange(tokens.numel(), device=tokens.device) - (torch.cumsum(counts, 0) - counts)[segment]
-    widths = counts.view(num_experts, B).max(dim=1).values
-    padded = (tokens // T) * widths[expert] + rank
-    per_expert, width_list = torch.stack([counts.view(num_experts, B).sum(1), widths]).tolist()
-    out: List[Optional[ExpertSegment]] = []
-    start = 0
-    for n, width in zip(per_expert, width_list):
-        out.append(ExpertSegment(tokens[start:start + n], slots[start:start + n], padded[start:start + n], width)
-                   if n else None)
-        start += n
-    return out
+    # M >= 1: an idle expert (skipped in eager, run on zero tokens when traced) keeps a non-empty attention
+    widths = counts[: E * B].view(E, B).max(dim=1).values.clamp(min=1)
+    padded = (tokens // T) * torch.cat([widths, widths.new_zeros(1)])[expert] + rank
+    per_expert = counts[: E * B].view(E, B).sum(1)
+    traced = torch.compiler.is_compiling()
+    if traced:
+        sizes, width_list = traced_sizes(per_expert, N), traced_sizes(widths, T, low=1)
+    else:
+        sizes, width_list = torch.stack([per_expert, widths]).tolist()
+    live = sum(sizes)  # the padding tokens' assignments sorted last
+    parts = zip(*(t[:live].split(sizes) for t in (tokens, slots, padded)))
+    return [ExpertSegment(*part, width) if traced or n else None for part, n, width in zip(parts, sizes, width_list)]
 
 
 def cached_subset_attention(block: Block, qkv: torch.Tensor, new_valid: torch.Tensor, cache: KVCache,
@@ -133,7 +140,7 @@ def expert_update(block: Block, x: torch.Tensor, seg: ExpertSegment, batch: int,
     attn = block.attn
     qkv = attn.c_attn(block.ln_1(x))
     layout = qkv.new_zeros(batch * seg.width, qkv.shape[-1]).index_copy(0, seg.padded, qkv)
-    layout = layout.view(batch, seg.width, -1)
+    layout = layout.view(batch, seg.width, qkv.shape[-1])  # no -1: no division by a traced width
     if cache is None:
         y = attn.attend(layout)
     else:

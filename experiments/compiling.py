@@ -4,12 +4,13 @@
 dicts and checkpoints stay exactly those of the eager model, so a compiled run resumes an eager
 checkpoint and vice versa, and ``--init_from`` / weight mapping are unaffected.
 
-What compiles to one graph (measured with ``graph_report``, CPU, torch 2.13): vanilla and the other
-dense variants, MoD (static k = floor(c*T)). Data-dependent dispatch (MoE, MoDE, MoM, MoT, cea_moe)
-breaks the graph where the number of tokens per expert becomes a Python int (``.tolist()`` in
-``architectures.dispatch``); the balance loss counts with ``scatter_add_`` and stays in the graph; on CUDA in bf16 the MoE
-experts run through ``architectures.grouped_gemm`` instead, whose shapes do not depend on the
-routing. docs/scale.md lists the measured breaks and their cost.
+Routed dispatch (MoE's loop path, MoDE, MoM, MoT, cea_moe) sizes its per-expert slices from the routing:
+``compile_model`` and ``graph_report`` turn on dynamo's capture of ``.tolist()`` / ``.item()`` (``trace_routing_sizes``),
+so those sizes are traced as unbacked SymInts (``architectures.dispatch.traced_sizes``) and a training or
+evaluation forward + backward is one graph whose shapes follow the routing without recompiling: compute
+still follows the routing exactly. KV-cache decoding may break the graph (MoM's all-SKIP check, MoT's
+cached subset attention). On CUDA in bf16 the MoE experts run through ``architectures.grouped_gemm``,
+whose shapes do not depend on the routing. docs/scale.md lists the measured breaks and their cost.
 """
 from __future__ import annotations
 
@@ -26,8 +27,18 @@ def compile_model(model: torch.nn.Module, enabled: bool = True, backend: Optiona
                   mode: Optional[str] = None) -> torch.nn.Module:
     """Compile ``model`` in place when ``enabled`` (names and state dict unchanged); returns it."""
     if enabled:
+        trace_routing_sizes()
         model.compile(backend=backend or DEFAULT_BACKEND, mode=mode)
     return model
+
+
+def trace_routing_sizes() -> None:
+    """Let dynamo trace data-dependent sizes (``.tolist()`` of per-expert counts, ``nonzero``) as unbacked
+    SymInts instead of breaking the graph. Process-wide (dynamo reads its config when it traces)."""
+    import torch._dynamo
+
+    torch._dynamo.config.capture_scalar_outputs = True
+    torch._dynamo.config.capture_dynamic_output_shape_ops = True
 
 
 def compiled_graphs() -> int:
@@ -54,6 +65,7 @@ def graph_report(fn: Callable, *args) -> GraphReport:
     """
     import torch._dynamo
 
+    trace_routing_sizes()
     explanation = torch._dynamo.explain(fn)(*args)
     reasons: List[str] = []
     for brk in explanation.break_reasons:
