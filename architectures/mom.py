@@ -234,13 +234,22 @@ def validate_mom_config(config: ModelConfig) -> MoMLayout:
 
 
 # ---------------------------------------------------------------------------- modules and routers
-class AttentionModule(nn.Module):
-    """One pool attention module: its LayerNorm, QKV and output projections (GPT-2 names)."""
+class PreNormed(nn.Module):
+    """A GPT-2 sub-layer behind its own LayerNorm, under the vanilla block's names (``norm``, ``name``), so a
+    vanilla block's weights map onto a pool module one to one."""
+
+    def __init__(self, config: ModelConfig, norm: str, name: str, layer: nn.Module):
+        super().__init__()
+        self.add_module(norm, nn.LayerNorm(config.d_model, eps=config.layer_norm_eps))
+        self.add_module(name, layer)
+
+
+class AttentionModule(PreNormed):
+    """One pool attention module: its LayerNorm ``ln_1``, QKV and output projections (``attn``)."""
 
     def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.attn = CausalSelfAttention(config.d_model, config.n_head, config.bias, config.dropout)
+        super().__init__(config, "ln_1", "attn", CausalSelfAttention(config.d_model, config.n_head, config.bias,
+                                                                      config.dropout))
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         return self.attn.c_attn(self.ln_1(x))
@@ -250,13 +259,11 @@ class AttentionModule(nn.Module):
         return self.attn(self.ln_1(x), cache, cache_key)
 
 
-class FFNModule(nn.Module):
-    """One pool FFN module with its own LayerNorm (GPT-2 names ``ln_2``, ``mlp``)."""
+class FFNModule(PreNormed):
+    """One pool FFN module: its LayerNorm ``ln_2`` and ``mlp``."""
 
     def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.ln_2 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.mlp = MLP(config.d_model, config.ffn_hidden, config.bias, config.dropout)
+        super().__init__(config, "ln_2", "mlp", MLP(config.d_model, config.ffn_hidden, config.bias, config.dropout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.ln_2(x))
