@@ -28,6 +28,22 @@ def tiny_layers(variant: str, n_layer: int) -> int:
     return max(n_layer, MIN_LAYERS.get(variant, 1))
 
 
+def cli_summary(variant: str, tmp_path: pathlib.Path, *extra: str, steps: int = 3) -> dict:
+    """Train ``variant`` for ``steps`` steps through the CLI (in this process) and return its summary, after
+    the checks every short run must pass: the variant and step count recorded, both final losses finite."""
+    import json
+    import math
+
+    from experiments import run
+
+    folder = run.main(["--variant", variant, "--max_steps", str(steps), "--val_every", str(steps),
+                       "--log_dir", str(tmp_path), *TINY_RUN, *extra])
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["variant"] == variant and summary["steps"] == steps
+    assert math.isfinite(summary["final_train_loss"]) and math.isfinite(summary["final_val_loss"])
+    return summary
+
+
 @pytest.fixture
 def offline(monkeypatch):
     """As on a machine without the Hugging Face Hub: every hub access must fail fast or use local files."""

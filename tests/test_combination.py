@@ -13,6 +13,7 @@ from architectures.config import ConfigError, ModelConfig
 from architectures.combination import CombinationConfig
 from architectures.contract import KVCache
 from architectures.gpt2 import GPT2, CausalSelfAttention
+from tests.conftest import cli_summary
 
 D, VOCAB, T = 32, 64, 16
 
@@ -284,23 +285,9 @@ def test_classes_are_registered():
 
 
 # ---------------------------------------------------------------------------- CLI
-def _cli_summary(variant, tmp_path, *extra):
-    import math
-
-    from experiments import run
-    from tests.conftest import TINY_RUN
-
-    folder = run.main(["--variant", variant, "--max_steps", "3", "--val_every", "3", "--log_dir", str(tmp_path),
-                       *TINY_RUN, *extra])
-    summary = json.loads((folder / "summary.json").read_text())
-    assert summary["variant"] == variant and summary["steps"] == 3
-    assert math.isfinite(summary["final_train_loss"]) and math.isfinite(summary["final_val_loss"])
-    return summary
-
-
 @pytest.mark.slow
 def test_cli_cea_runs_with_the_preset_widths(tmp_path):
-    s = _cli_summary("cea", tmp_path)
+    s = cli_summary("cea", tmp_path)
     d, L, W = 32, 2, 32 * 32  # TINY_RUN width and depth; W = 32d, Outer 4d + Inner 28d
     flops = s["flops_per_token"]["components"]
     assert flops["ffn"] == pytest.approx(L * 2 * 2 * d * W)
@@ -310,7 +297,7 @@ def test_cli_cea_runs_with_the_preset_widths(tmp_path):
 
 @pytest.mark.slow
 def test_cli_cea_moe_reports_inner_routing(tmp_path):
-    s = _cli_summary("cea_moe", tmp_path, "--model.combo.inner_experts", "2")
+    s = cli_summary("cea_moe", tmp_path, "--model.combo.inner_experts", "2")
     d, L = 32, 2
     flops = s["flops_per_token"]["components"]
     # dense 4d Outer-FFN + exactly one 4d expert per token (dropless top-1) + a 2-way router

@@ -10,7 +10,7 @@ from architectures import ModelConfig, build_model
 from architectures.config import ConfigError
 from architectures.depth_gate import DepthGateConfig
 from architectures.flops import vanilla_flops
-from tests.conftest import TINY_RUN
+from tests.conftest import cli_summary
 
 
 def tiny_config(**gate) -> ModelConfig:
@@ -93,16 +93,7 @@ def test_rejects_bad_config_naming_the_field(gate, field):
 
 @pytest.mark.slow
 def test_cli_short_run(tmp_path):
-    import json
-    import math
-
-    from experiments import run
-
-    folder = run.main(["--variant", "depth_gate", "--max_steps", "3", "--log_dir", str(tmp_path), *TINY_RUN,
-                       "--model.depth_gate.mode", "hard", "--model.depth_gate.top_k", "1"])
-    s = json.loads((folder / "summary.json").read_text())
-    assert s["variant"] == "depth_gate" and s["steps"] == 3
-    assert math.isfinite(s["final_train_loss"]) and math.isfinite(s["final_val_loss"])
+    s = cli_summary("depth_gate", tmp_path, "--model.depth_gate.mode", "hard", "--model.depth_gate.top_k", "1")
     flops = s["flops_per_token"]
     gate = 2 * 32 * 2  # d -> L
     assert flops["components"]["router"] == pytest.approx(gate)

@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from architectures import ModelConfig, build_model
 from architectures.config import ConfigError
 from architectures.moe import MoEConfig, MoELayer, balance_loss, capacity_keep, z_loss
-from tests.conftest import TINY_RUN
+from tests.conftest import cli_summary
 
 
 def dense_moe(layer: MoELayer, x: torch.Tensor, keep: torch.Tensor = None) -> torch.Tensor:
@@ -301,21 +301,9 @@ def test_variant_rejects_bad_config_naming_the_field(moe, field):
 
 
 # ---------------------------------------------------------------------------- CLI
-def _cli_summary(variant, tmp_path, *extra):
-    import json
-
-    from experiments import run
-
-    folder = run.main(["--variant", variant, "--max_steps", "3", "--log_dir", str(tmp_path), *TINY_RUN, *extra])
-    summary = json.loads((folder / "summary.json").read_text())
-    assert summary["variant"] == variant and summary["steps"] == 3
-    assert math.isfinite(summary["final_train_loss"]) and math.isfinite(summary["final_val_loss"])
-    return summary
-
-
 @pytest.mark.slow
 def test_cli_short_run(tmp_path):
-    s = _cli_summary("moe", tmp_path, "--model.moe.num_experts", "8", "--model.moe.top_k", "1")
+    s = cli_summary("moe", tmp_path, "--model.moe.num_experts", "8", "--model.moe.top_k", "1")
     flops = s["flops_per_token"]["components"]
     d, L, hidden = 32, 2, 128
     # dropless top-1: exactly one expert (same width as the dense FFN) per token, plus an 8-way router

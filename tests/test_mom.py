@@ -13,7 +13,7 @@ from tests.references import dense_reference
 from architectures.flops import vanilla_flops
 from architectures.gpt2 import causal_attention
 from architectures.mom import MixtureOfModules, _Route, chunked_defaults
-from tests.conftest import TINY_RUN
+from tests.conftest import cli_summary
 
 V = 256  # a small vocabulary keeps the head cheap; the routing code does not depend on it
 
@@ -478,21 +478,10 @@ def test_presets_keep_user_overrides():
 
 
 # ---------------------------------------------------------------------------- CLI
-MOM_RUN = [*TINY_RUN, "--model.n_layer", "4", "--max_steps", "2", "--val_every", "2"]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["mom", "mom_p", "mom_e", "mom_i", "layer_skip", "param_share"])
 def test_cli_short_run_of_each_registry_name(variant, tmp_path):
-    import json
-    import math
-
-    from experiments.run import main
-
-    folder = main(["--variant", variant, "--log_dir", str(tmp_path), *MOM_RUN])
-    summary = json.loads((folder / "summary.json").read_text())
-    assert summary["variant"] == variant and summary["steps"] == 2
-    assert math.isfinite(summary["final_train_loss"]) and math.isfinite(summary["final_val_loss"])
+    summary = cli_summary(variant, tmp_path, "--model.n_layer", "4", steps=2)
     expected_groups = {"mom.chunk0.attn", "mom.chunk0.ffn"}
     assert {name.rsplit(".step", 1)[0] for name in summary["routing"]} == expected_groups
     # the run's routing-aware FLOPs: routers exactly as configured, modules at most the K-slot upper bound

@@ -9,7 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from architectures import KVCache, ModelConfig, build_model
 from architectures.config import ConfigError
 from architectures.mot import MoTConfig, MoTLayer
-from tests.conftest import TINY_RUN
+from tests.conftest import cli_summary
 
 
 def tiny_config(**mot) -> ModelConfig:
@@ -147,16 +147,7 @@ def test_rejects_bad_config_naming_the_field(mot, field):
 
 @pytest.mark.slow
 def test_cli_short_run(tmp_path):
-    import json
-    import math
-
-    from experiments import run
-
-    folder = run.main(["--variant", "mot", "--max_steps", "3", "--log_dir", str(tmp_path), *TINY_RUN,
-                       "--model.mot.num_experts", "4", "--model.mot.top_k", "2"])
-    s = json.loads((folder / "summary.json").read_text())
-    assert s["variant"] == "mot" and s["steps"] == 3
-    assert math.isfinite(s["final_train_loss"]) and math.isfinite(s["final_val_loss"])
+    s = cli_summary("mot", tmp_path, "--model.mot.num_experts", "4", "--model.mot.top_k", "2")
     flops = s["flops_per_token"]["components"]
     d, L = 32, 2
     # top-2 of whole blocks: every token runs two blocks' projections and FFNs at every layer
