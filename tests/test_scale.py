@@ -141,6 +141,20 @@ def test_memory_plan_matches_the_measured_cpu_peak_at_two_batch_sizes(name, poli
         assert plan.peak() == pytest.approx(measured, rel=0.10), (batch, plan.peak() / measured)
 
 
+def test_sweep_dry_run_prints_each_jobs_memory_plan(capsys):
+    """The dry run's plan path end to end (one tiny job: planning builds each model in a fresh process)."""
+    from experiments import sweep
+
+    sweep.main(["--grid", "variant=mod", "--launcher", "local", "--dry_run", "--gpu_memory_gb", "40", "--",
+                "--size", "tiny", "--model.block_size", "64", "--data.batch_size", "2"])
+    err = capsys.readouterr().err.splitlines()
+    header = next(i for i, line in enumerate(err) if line.startswith("# memory plan per GPU"))
+    (row,) = [line for line in err[header + 2:] if line.startswith("#")]
+    words = row.split()
+    assert words[1:3] == ["0", "mod"] and words[-2:] == ["40", "yes"]  # job 0, its GPU memory, it fits
+    assert words[4:6] == ["2", "64"]  # micro-batch and sequence length of the job, not of a default
+
+
 def test_largest_fitting_micro_batch_keeps_the_global_batch():
     from architectures import ModelConfig
     from experiments.memory import GiB, plan_model
