@@ -63,6 +63,7 @@ reproduces the full forward.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -323,12 +324,15 @@ class MoMChunk(nn.Module):
         learned = _LEARNED[m.routing]
         # K over the pool + SKIP at temperature tau, renormalised over the K (straight-through at K = 1); the
         # site holds detached copies
-        pick = TopK(m.top_k, temperature=m.temperature, renormalize=True, straight_through=m.straight_through,
-                    balance=self.balance if m.balance_coef > 0 else None, all_paths=m.all_paths, detach=True)
-        self.attn_router = (GRURouter(config.d_model, m.router_hidden, len(self.attn_names), pick, self.attn_names,
-                                      m.router_bias) if learned["attn"] else None)
-        self.ffn_router = (GRURouter(config.d_model, m.router_hidden, len(self.ffn_names), pick, self.ffn_names,
-                                     m.router_bias) if learned["ffn"] else None)
+        def pick(kind: str) -> TopK:
+            balance = functools.partial(self.balance, kind) if m.balance_coef > 0 else None
+            return TopK(m.top_k, temperature=m.temperature, renormalize=True, straight_through=m.straight_through,
+                        balance=balance, all_paths=m.all_paths, detach=True)
+
+        self.attn_router = (GRURouter(config.d_model, m.router_hidden, len(self.attn_names), pick("attn"),
+                                      self.attn_names, m.router_bias) if learned["attn"] else None)
+        self.ffn_router = (GRURouter(config.d_model, m.router_hidden, len(self.ffn_names), pick("ffn"),
+                                     self.ffn_names, m.router_bias) if learned["ffn"] else None)
         self.anchor = (Block(config, first_layer + layout.steps, f"chunk{index}.anchor") if layout.anchor
                        else None)
         self.resid_drop = nn.Dropout(config.dropout)
@@ -375,11 +379,11 @@ class MoMChunk(nn.Module):
         route = router(x.reshape(B * T, d), run, state, allowed=allowed, grid=(B, T), **site)
         return _Route(route.selected, route.weights), route.carry
 
-    def balance(self, run: ForwardState, name: str, probs, picked, valid) -> Dict[str, torch.Tensor]:
+    def balance(self, kind: str, run: ForwardState, name: str, probs, picked, valid) -> Dict[str, torch.Tensor]:
         """Switch loss over all classes (SKIP included) per site, or the official form's parts per router kind
-        (summed over the steps in ``MixtureOfModules.body``)."""
+        ("attn" or "ffn", summed over the steps in ``MixtureOfModules.body``)."""
         if self.cfg.balance_form == "official":
-            run.options.setdefault("mom_balance", {}).setdefault(name.split(".")[-2], []).append((probs, valid))
+            run.options.setdefault("mom_balance", {}).setdefault(kind, []).append((probs, valid))
             return {}
         loss = balance_loss(probs, picked, probs.shape[-1], valid)
         return {f"{name}/balance": loss * (self.cfg.balance_coef * self.balance_scale)}

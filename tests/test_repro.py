@@ -66,7 +66,7 @@ def tiny_mom(**mom) -> torch.nn.Module:
     return build_model(config).eval()
 
 
-def test_removed_modules_are_never_selected_and_the_hooks_go_away():
+def test_removed_modules_are_never_selected_and_are_restored_on_exit():
     model = tiny_mom()
     idx = torch.randint(0, 64, (4, 16))
     with torch.no_grad():
@@ -83,7 +83,7 @@ def test_removed_modules_are_never_selected_and_the_hooks_go_away():
     used = {before.trace[0].choice_names[i] for i in before.trace[0].selected.unique().tolist()}
     assert used & {"attn0", "attn2"}  # the removal did change the routes
     assert not torch.allclose(during.logits, before.logits)
-    assert torch.equal(after.logits, before.logits)  # hooks removed on exit
+    assert torch.equal(after.logits, before.logits)  # the removal ends with the context
 
 
 def test_removing_too_many_or_from_fixed_routing_is_refused():
