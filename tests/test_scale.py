@@ -259,15 +259,16 @@ def test_every_paper_recipe_fits_its_gpus_by_the_plan(recipe, monkeypatch):
     model on the CPU (~1 min per job), so the whole 21-job table (docs/scale.md, from `sweep --dry_run`, where
     every job fits) would cost 20 minutes of the suite: here one job per recipe, not every job."""
     from experiments import sweep
+    from experiments.memory import plan_run_config
     from tests.conftest import REPO
 
     monkeypatch.chdir(REPO)
     configurations, common, _ = sweep.load_grid(str(recipe), [])
     parsed = sweep.validate([[*common, *c] for c in configurations])
     largest = max(parsed, key=lambda cfg: sweep.estimate(cfg)["parameters"])
-    for cfg, row in zip([largest], sweep.memory_plans([largest], 80.0)):
-        assert row["fits"], (cfg.model.variant, row)
-        assert row["micro_batch"] * row["accumulate"] * row["gpus"] == 16 * 4 * 8  # the global batch is kept
+    row = plan_run_config(largest, 80.0).row()  # here in-process; the sweep plans each job in a fresh process
+    assert row["fits"], (largest.model.variant, row)
+    assert row["micro_batch"] * row["accumulate"] * row["gpus"] == 16 * 4 * 8  # the global batch is kept
 
 
 @pytest.mark.slow
