@@ -13,6 +13,13 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def require_positive(field: str, value: int) -> int:
+    """A callback's interval or size, checked where the callback is built (also outside the CLI)."""
+    if value <= 0:
+        raise ValueError(f"callbacks.{field}: must be a positive integer, got {value}")
+    return value
+
+
 def warn_if_longer_than_run(trainer, field: str, every: int, what: str) -> None:
     """Before training: an interval longer than the run would log only once, at the last step."""
     max_steps = getattr(trainer, "max_steps", -1)

@@ -29,6 +29,7 @@ import torch
 
 from architectures.config import ConfigError
 from architectures.contract import SubLayerState
+from callbacks.common import require_positive
 from callbacks.tensorboard import figure, log_figure, log_scalars
 from lightning_modules.steps import log_step
 
@@ -245,10 +246,8 @@ class ContributionCallback(L.Callback):
 
     def __init__(self, every: int = 250, batch_size: int = 32, seq_len: Optional[int] = None,
                  probe: Optional[torch.Tensor] = None, images: bool = True):
-        if every <= 0:
-            raise ValueError(f"callbacks.contribution_every: must be a positive integer, got {every}")
-        if batch_size <= 0:
-            raise ValueError(f"callbacks.contribution_batch_size: must be a positive integer, got {batch_size}")
+        require_positive("contribution_every", every)
+        require_positive("contribution_batch_size", batch_size)
         self.every = every
         self.batch_size = batch_size
         self.seq_len = seq_len

@@ -29,7 +29,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 
 from architectures.contract import RoutingSite
 from architectures.flops import COMPONENTS, Flops
-from callbacks.common import all_reduce_sum, warn_if_longer_than_run
+from callbacks.common import all_reduce_sum, require_positive, warn_if_longer_than_run
 from callbacks.tensorboard import log_scalars
 from lightning_modules.steps import batch_step, completes_step, is_logging_step, log_step, may_be_last_step
 
@@ -100,8 +100,7 @@ class FlopsCallback(L.Callback):
     """
 
     def __init__(self, every: int = 50, log: bool = True):
-        if every <= 0:
-            raise ValueError(f"callbacks.flops_every: must be a positive integer, got {every}")
+        require_positive("flops_every", every)
         self.every = every
         self.log = log
         self.latest: Dict[str, float] = {}

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from architectures.contract import RoutingSite
+from callbacks.common import all_reduce_sum, require_positive
 
 HARD_FROM = 3  # the hardest levels: arith depth 3-4, recall 3 hops
 LEVELS = 5  # 0..MAX_DEPTH of datamodules/probe.py
@@ -225,8 +226,7 @@ class ProbeMetrics(L.Callback):
     """Per-difficulty loss, accuracy and compute at every validation (see the module docstring)."""
 
     def __init__(self, blocks: int = 64, batch_size: int = 16):
-        if blocks <= 0:
-            raise ValueError(f"callbacks.probe_blocks: must be a positive integer, got {blocks}")
+        require_positive("probe_blocks", blocks)
         self.blocks, self.batch_size = blocks, batch_size
         self.latest: Dict[str, Any] = {}
 
@@ -246,7 +246,6 @@ class ProbeMetrics(L.Callback):
 def distributed_summary(model, datamodule, blocks: int, rank: int, world: int, batch_size: int = 16) -> Dict[str, Any]:
     """Every rank evaluates its share of the blocks; sums are all-reduced and the per-token (level, compute)
     pairs gathered for the rank correlation, so every rank returns the summary of all the blocks."""
-    from callbacks.common import all_reduce_sum
     from datamodules.probe import FAMILIES, labelled_blocks
 
     tokens, levels, families = labelled_blocks(datamodule, blocks, rank, world)

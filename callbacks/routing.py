@@ -39,7 +39,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from architectures.contract import RoutingSite
-from callbacks.common import all_reduce_sum, warn_if_longer_than_run
+from callbacks.common import all_reduce_sum, require_positive, warn_if_longer_than_run
 from callbacks.tensorboard import figure, log_figure, log_histogram, log_scalars, tag_part
 from lightning_modules.steps import batch_step, completes_step, log_step, may_be_last_step
 
@@ -300,10 +300,8 @@ class RoutingStatistics(L.Callback):
     """
 
     def __init__(self, every: int = 50, images_every: int = 500, sample: Optional[torch.Tensor] = None):
-        if every <= 0:
-            raise ValueError(f"callbacks.routing_every: must be a positive integer, got {every}")
-        if images_every <= 0:
-            raise ValueError(f"callbacks.routing_images_every: must be a positive integer, got {images_every}")
+        require_positive("routing_every", every)
+        require_positive("routing_images_every", images_every)
         self.every = every
         self.images_every = images_every
         self.sample = sample  # (1, T) token ids of the routing-map sequence; default: first validation row

@@ -186,6 +186,21 @@ def test_non_positive_intervals_are_errors_naming_the_field(field):
             CallbacksConfig(**{field: bad}).validate()
 
 
+@pytest.mark.parametrize("build,field", [
+    (lambda bad: RoutingStatistics(every=bad), "routing_every"),
+    (lambda bad: RoutingStatistics(images_every=bad), "routing_images_every"),
+    (lambda bad: FlopsCallback(every=bad), "flops_every"),
+    (lambda bad: ContributionCallback(every=bad), "contribution_every"),
+    (lambda bad: ContributionCallback(batch_size=bad), "contribution_batch_size"),
+    (lambda bad: __import__("callbacks.probe", fromlist=["ProbeMetrics"]).ProbeMetrics(blocks=bad), "probe_blocks"),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_callbacks_built_in_code_refuse_non_positive_sizes_naming_the_field(build, field):
+    """As a researcher adds a callback to their own Trainer (no CallbacksConfig in between)."""
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match=f"^callbacks.{field}: must be a positive integer, got {bad}$"):
+            build(bad)
+
+
 def test_cli_rejects_bad_interval_and_too_long_probe_before_training(tmp_path):
     from experiments.run import main
 
