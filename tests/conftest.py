@@ -13,6 +13,22 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 os.environ.setdefault("DYNCOMP_CACHE", str(REPO / ".cache" / "dyncomp"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+def _share_the_cores_between_workers() -> None:
+    """Under pytest-xdist (``-n auto``), each worker gets its share of the cores for torch's threads and for
+    the processes tests start: two workers with two threads each on a 2-core machine would spin-wait on
+    each other."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+_share_the_cores_between_workers()
+
 # Options that make any CLI run tiny and fast on CPU.
 TINY_RUN = [
     "--model.d_model", "32", "--model.n_layer", "2", "--model.n_head", "2", "--model.block_size", "64",
@@ -66,3 +82,10 @@ def shared_data() -> pathlib.Path:
     if not SHARED_DATA.is_dir():
         pytest.skip("../shared/data is not present (only on the project's development machines)")
     return SHARED_DATA
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, the slow tests go first: a 100-second test started last would run alone while the
+    other workers sit idle. A serial run keeps the files' order."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: files' order otherwise

@@ -90,7 +90,7 @@ def test_sweep_over_an_option_one_variant_ignores_drops_it_there_and_removes_the
     from experiments import sweep
 
     jobs = sweep.main(["--grid", "variant=vanilla,mod", "--grid", "model.mod.capacity=0.125,0.25", "--launcher",
-                       "local", "--dry_run", "--", "--size", "tiny"])
+                       "local", "--dry_run", "--no_plan", "--", "--size", "tiny"])
     commands = [job[3:] for job in jobs]  # after "python -m experiments.run"
     assert commands == [["--size", "tiny", "--variant", "vanilla"],
                         ["--size", "tiny", "--variant", "mod", "--model.mod.capacity", "0.125"],

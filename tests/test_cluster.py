@@ -304,7 +304,7 @@ def test_dry_run_prints_one_sbatch_command_per_configuration(tmp_path, monkeypat
     grid = tmp_path / "grid.yaml"
     grid.write_text("options: [--max_steps, 50]\nsbatch: [--time=01:00:00]\n"
                     "grid:\n  - {variant: [vanilla, mod], seed: [1, 2]}\n  - {variant: mom, model.mom.top_k: [1, 2]}\n")
-    jobs = sweep.main([str(grid), "--dry_run", "--", "--trainer.num_nodes", "2", "--trainer.devices", "4"])
+    jobs = sweep.main([str(grid), "--dry_run", "--no_plan", "--", "--trainer.num_nodes", "2", "--trainer.devices", "4"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert launched == [] and len(lines) == len(jobs) == 6
     for line in lines:
@@ -322,7 +322,8 @@ def test_dry_run_prints_one_sbatch_command_per_configuration(tmp_path, monkeypat
 
 def test_dry_run_local_launcher_prints_run_commands(capsys, monkeypatch):
     _no_jobs(monkeypatch)
-    sweep.main(["--grid", "variant=vanilla,mod", "--launcher", "local", "--dry_run", "--", "--trainer.accelerator", "cpu"])
+    sweep.main(["--grid", "variant=vanilla,mod", "--launcher", "local", "--dry_run", "--no_plan", "--",
+                "--trainer.accelerator", "cpu"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert [shlex.split(l)[1:3] for l in lines] == [["-m", "experiments.run"]] * 2
     assert [shlex.split(l)[-1] for l in lines] == ["vanilla", "mod"]

@@ -259,4 +259,4 @@ def test_readme_is_a_front_door_with_the_two_commands():
     _, code = split_code(text.split("## The two commands", 1)[1].split("\n## ", 1)[0])
     setup = 'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e ".[dev]"'
     commands = [c for c in code if c.startswith("python3 -m venv")]
-    assert commands == [f"{setup} && python -m experiments.run", f"{setup} && python -m pytest -q tests"]
+    assert commands == [f"{setup} && python -m experiments.run", f"{setup} && python -m pytest -q -n auto tests"]

@@ -122,7 +122,7 @@ def test_nonfinite_loss_stops_with_step_and_dump(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["vanilla", "mom_e"])  # mom_e: modules can go unused in a step
+@pytest.mark.parametrize("variant", ["mom_e"])  # modules can go unused in a step; vanilla under DDP: test_cluster
 def test_two_process_ddp_run_on_cpu(tmp_path, variant):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("DYNCOMP_RUN_VERSION", None)

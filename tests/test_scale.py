@@ -141,6 +141,20 @@ def test_memory_plan_matches_the_measured_cpu_peak_at_two_batch_sizes(name, poli
         assert plan.peak() == pytest.approx(measured, rel=0.10), (batch, plan.peak() / measured)
 
 
+def test_sweep_dry_run_prints_each_jobs_memory_plan(capsys):
+    """The dry run's plan path end to end (one tiny job: planning builds each model in a fresh process)."""
+    from experiments import sweep
+
+    sweep.main(["--grid", "variant=mod", "--launcher", "local", "--dry_run", "--gpu_memory_gb", "40", "--",
+                "--size", "tiny", "--model.block_size", "64", "--data.batch_size", "2"])
+    err = capsys.readouterr().err.splitlines()
+    header = next(i for i, line in enumerate(err) if line.startswith("# memory plan per GPU"))
+    (row,) = [line for line in err[header + 2:] if line.startswith("#")]
+    words = row.split()
+    assert words[1:3] == ["0", "mod"] and words[-2:] == ["40", "yes"]  # job 0, its GPU memory, it fits
+    assert words[4:6] == ["2", "64"]  # micro-batch and sequence length of the job, not of a default
+
+
 def test_largest_fitting_micro_batch_keeps_the_global_batch():
     from architectures import ModelConfig
     from experiments.memory import GiB, plan_model
@@ -245,15 +259,16 @@ def test_every_paper_recipe_fits_its_gpus_by_the_plan(recipe, monkeypatch):
     model on the CPU (~1 min per job), so the whole 21-job table (docs/scale.md, from `sweep --dry_run`, where
     every job fits) would cost 20 minutes of the suite: here one job per recipe, not every job."""
     from experiments import sweep
+    from experiments.memory import plan_run_config
     from tests.conftest import REPO
 
     monkeypatch.chdir(REPO)
     configurations, common, _ = sweep.load_grid(str(recipe), [])
     parsed = sweep.validate([[*common, *c] for c in configurations])
     largest = max(parsed, key=lambda cfg: sweep.estimate(cfg)["parameters"])
-    for cfg, row in zip([largest], sweep.memory_plans([largest], 80.0)):
-        assert row["fits"], (cfg.model.variant, row)
-        assert row["micro_batch"] * row["accumulate"] * row["gpus"] == 16 * 4 * 8  # the global batch is kept
+    row = plan_run_config(largest, 80.0).row()  # here in-process; the sweep plans each job in a fresh process
+    assert row["fits"], (largest.model.variant, row)
+    assert row["micro_batch"] * row["accumulate"] * row["gpus"] == 16 * 4 * 8  # the global batch is kept
 
 
 @pytest.mark.slow
