@@ -347,23 +347,27 @@ def test_lightning_ddp_run_logs_the_routing_of_both_shards(tmp_path):
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from experiments.run import main
     from tests.conftest import REPO, TINY_RUN
 
-    def run(folder, batch, *extra):
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env.pop("DYNCOMP_RUN_VERSION", None)
-        args = [sys.executable, "-m", "experiments.run", "--variant", "moe", "--model.moe.num_experts", "4",
-                "--model.moe.top_k", "2", "--max_steps", "1", "--val_every", "1", "--log_dir", str(folder),
-                *TINY_RUN, "--data.batch_size", str(batch), "--callbacks.routing_every", "1",
-                "--callbacks.contribution", "false", "--trainer.accelerator", "cpu", *extra]
-        proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        events = EventAccumulator(proc.stdout.strip().splitlines()[-1])
+    def options(folder, batch):
+        return ["--variant", "moe", "--model.moe.num_experts", "4", "--model.moe.top_k", "2", "--max_steps", "1",
+                "--val_every", "1", "--log_dir", str(folder), *TINY_RUN, "--data.batch_size", str(batch),
+                "--callbacks.routing_every", "1", "--callbacks.contribution", "false", "--trainer.accelerator", "cpu"]
+
+    def routing_scalars(run_dir):
+        events = EventAccumulator(str(run_dir))
         events.Reload()
         return {t: events.Scalars(t)[-1].value for t in events.Tags()["scalars"] if t.startswith("routing/")}
 
-    ddp = run(tmp_path / "ddp", 2, "--trainer.devices", "2", "--trainer.strategy", "ddp")
-    single = run(tmp_path / "single", 4, "--trainer.devices", "1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("DYNCOMP_RUN_VERSION", None)
+    proc = subprocess.run([sys.executable, "-m", "experiments.run", *options(tmp_path / "ddp", 2), "--trainer.devices",
+                           "2", "--trainer.strategy", "ddp"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ddp = routing_scalars(proc.stdout.strip().splitlines()[-1])
+    single = routing_scalars(main(options(tmp_path / "single", 4)))  # the reference: one process, in this one
     assert "routing/layer0.moe/frac/expert0" in single and ddp.keys() == single.keys()
     for tag, value in single.items():
         assert ddp[tag] == pytest.approx(value, rel=1e-5, abs=1e-6), tag
