@@ -13,11 +13,10 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def require_positive(field: str, value: int) -> int:
+def require_positive(field: str, value: int) -> None:
     """A callback's interval or size, checked where the callback is built (also outside the CLI)."""
     if value <= 0:
         raise ValueError(f"callbacks.{field}: must be a positive integer, got {value}")
-    return value
 
 
 def warn_if_longer_than_run(trainer, field: str, every: int, what: str) -> None:

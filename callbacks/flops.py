@@ -25,7 +25,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from architectures.contract import RoutingSite
 from architectures.flops import COMPONENTS, Flops

@@ -21,6 +21,7 @@ from callbacks import CallbacksConfig, default_callbacks
 from callbacks.contribution import (ContributionCallback, check_probe, direct_logit_attribution,
                                     measure_contribution, ratios_from_values)
 from callbacks.flops import FlopsCallback, PeakAwareThroughputMonitor, flops_scalars, peak_flops, throughput_monitor
+from callbacks.probe import ProbeMetrics
 from callbacks.routing import RoutingAccumulator, RoutingStatistics, RoutingStats, kept_onehot
 from callbacks.tensorboard import TensorBoardExtras
 from lightning_modules.lm import LanguageModelModule
@@ -192,7 +193,7 @@ def test_non_positive_intervals_are_errors_naming_the_field(field):
     (lambda bad: FlopsCallback(every=bad), "flops_every"),
     (lambda bad: ContributionCallback(every=bad), "contribution_every"),
     (lambda bad: ContributionCallback(batch_size=bad), "contribution_batch_size"),
-    (lambda bad: __import__("callbacks.probe", fromlist=["ProbeMetrics"]).ProbeMetrics(blocks=bad), "probe_blocks"),
+    (lambda bad: ProbeMetrics(blocks=bad), "probe_blocks"),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_callbacks_built_in_code_refuse_non_positive_sizes_naming_the_field(build, field):
     """As a researcher adds a callback to their own Trainer (no CallbacksConfig in between)."""

@@ -1,8 +1,6 @@
 """ffn_wider / caa / cea / cea_moe: Inner-path masking, equivalences with vanilla, parameters, cache, FLOPs."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import torch.nn.functional as F
