@@ -15,7 +15,8 @@ minutes on a laptop CPU. Every field is overridable from the command line:
 The same command runs under DDP (Lightning re-launches it once per rank, so everything before the
 Trainer is deterministic), on SLURM (``srun python -m experiments.run ...``) and with torchrun.
 Run folder: ``<log_dir>/<variant>-<size>/version_<N>`` with TensorBoard events, ``config.yaml``
-(the resolved config), ``checkpoints/{last,best-*}.ckpt`` and ``summary.json``. The folder path is
+(the resolved config), ``checkpoints/{last,best-*}.ckpt``, ``summary.json`` and ``provenance.json`` (the
+code commit, whether the tree was dirty, library versions: experiments/provenance.py). The folder path is
 the last line printed.
 
 Exit status: 0 when the run finished; 2 for a user mistake (one ``error: ...`` line on stderr naming the
@@ -420,6 +421,7 @@ def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
 def fit_and_summarise(cfg: Namespace, parser: ArgumentParser, module, data, mcfg: ModelConfig, root: pathlib.Path,
                       version: str, ckpt_path: Optional[str]) -> pathlib.Path:
     from callbacks.run_summary import StepRecorder, measured_summary, write_summary
+    from experiments.provenance import summary_provenance
 
     inherited = os.environ.get("DYNCOMP_RUN_VERSION")
     writer = config_writer(lambda path: parser.save(resolved_namespace(cfg, mcfg), path, overwrite=True,
@@ -452,6 +454,7 @@ def fit_and_summarise(cfg: Namespace, parser: ArgumentParser, module, data, mcfg
             **budget_summary(module),
             "world_size": trainer.world_size,
             "run_dir": str(run_dir),
+            "provenance": summary_provenance(run_dir),  # code commit, dirty tree, library versions, threads
         }
         write_summary(run_dir / "summary.json", summary)
         print(run_dir)
@@ -496,6 +499,9 @@ def config_writer(save):
                 try:
                     run_dir.mkdir(parents=True, exist_ok=True)
                     save(run_dir / "config.yaml")
+                    from experiments.provenance import record_start
+
+                    record_start(run_dir)  # the code and libraries of this process (each resume adds one)
                 except OSError as err:
                     if is_storage_error(err):
                         raise StorageError(storage_message(run_dir / "config.yaml", err)) from None

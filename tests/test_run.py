@@ -41,11 +41,29 @@ def test_cli_smoke_run_writes_summary_config_checkpoints_and_events(tmp_path, ca
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
     assert any(p.name.startswith("best-") for p in (run_dir / "checkpoints").iterdir())
     assert any(p.name.startswith("events.out.tfevents") for p in run_dir.iterdir())
+    check_provenance(summary, run_dir)
     # a second run goes to the next version, never overwriting the first; last.ckpt holds the final
     # step even when it is not a multiple of val_every
     second = main(["--max_steps", "2", "--val_every", "3", "--log_dir", str(tmp_path), *TINY_RUN])
     assert second.name == "version_1"
     assert torch.load(second / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 2
+
+
+def check_provenance(summary, run_dir):
+    """The run folder names the code it ran (commit, dirty tree) and the library versions."""
+    import lightning
+    import numpy
+    import platform
+
+    git = lambda *a: subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, check=True).stdout  # noqa: E731
+    record = summary["provenance"]
+    assert record["commit"] == git("rev-parse", "HEAD").decode().strip() and record["commits"] == [record["commit"]]
+    assert record["dirty"] == bool(git("diff", "HEAD").strip())
+    assert record["libraries"]["torch"] == torch.__version__
+    assert record["libraries"]["lightning"] == lightning.__version__ and record["libraries"]["numpy"] == numpy.__version__
+    assert record["python"] == platform.python_version() and record["torch_threads"] == torch.get_num_threads()
+    (started,) = json.loads((run_dir / "provenance.json").read_text())  # one process trained it
+    assert started["commit"] == record["commit"] and started["libraries"] == record["libraries"]
 
 
 def test_resume_continues_the_exact_loss_trajectory(tmp_path):
@@ -67,6 +85,7 @@ def test_resume_continues_the_exact_loss_trajectory(tmp_path):
     assert resumed["run_dir"] == str(first)  # resuming continues in the same folder
     again = _summary(main(["--max_steps", "10", "--log_dir", str(tmp_path / "b"), *common, "--ckpt_path", "last"]))
     assert again["run_dir"] == str(first) and again["steps"] == 10  # 'last' resolves to that same run
+    assert len(json.loads((first / "provenance.json").read_text())) == 3  # the first run and each resume
 
 
 @pytest.mark.parametrize(

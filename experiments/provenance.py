@@ -1,0 +1,98 @@
+"""What a run was computed with: the code commit (and whether the tree had uncommitted changes), the library
+versions, the interpreter and the thread count. ``experiments.run`` records it in every run folder
+(``provenance.json``: one record per process that trained the run, so a resume by other code shows;
+``summary.json``'s ``provenance``: the record of the process that finished it, with every commit the
+run trained at); ``experiments.compare`` warns when a table mixes commits.
+
+The tree is dirty when a tracked file differs from the commit (untracked files, e.g. run outputs, do not
+count); ``diff_sha256`` tells two dirty trees at one commit apart. Outside a git checkout, or without git,
+``commit`` is None.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+import platform
+import subprocess
+import sys
+from importlib import metadata
+from typing import Any, Dict, List, Optional
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+LIBRARIES = ("torch", "lightning", "numpy", "scipy", "jsonargparse", "tokenizers", "datasets", "matplotlib")
+FILE = "provenance.json"
+
+
+def _git(*args: str) -> Optional[bytes]:
+    try:
+        done = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, timeout=20, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout
+
+
+def code_state() -> Dict[str, Any]:
+    """{"commit", "dirty", "diff_sha256"} of the code this process runs (None values outside a checkout)."""
+    head = _git("rev-parse", "HEAD")
+    if head is None:
+        return {"commit": None, "dirty": None, "diff_sha256": None}
+    diff = _git("diff", "HEAD", "--no-ext-diff", "--binary") or b""
+    return {"commit": head.decode().strip(), "dirty": bool(diff.strip()),
+            "diff_sha256": hashlib.sha256(diff).hexdigest() if diff.strip() else None}
+
+
+def library_versions() -> Dict[str, Optional[str]]:
+    out: Dict[str, Optional[str]] = {}
+    for name in LIBRARIES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def provenance() -> Dict[str, Any]:
+    """This process's record: code state, library versions, Python, platform, torch threads and device."""
+    import torch
+
+    return {**code_state(), "python": platform.python_version(), "libraries": library_versions(),
+            "platform": platform.platform(), "torch_threads": torch.get_num_threads(),
+            "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "argv": list(sys.argv)}
+
+
+def record_start(run_dir: pathlib.Path) -> Dict[str, Any]:
+    """Append this process's record to ``<run_dir>/provenance.json`` (a list: the first run, each resume)."""
+    path = pathlib.Path(run_dir) / FILE
+    records = read_records(run_dir)
+    record = provenance()
+    path.write_text(json.dumps(records + [record], indent=1) + "\n")
+    return record
+
+
+def read_records(run_dir: pathlib.Path) -> List[Dict[str, Any]]:
+    path = pathlib.Path(run_dir) / FILE
+    try:
+        records = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    return records if isinstance(records, list) else []
+
+
+def summary_provenance(run_dir: pathlib.Path) -> Dict[str, Any]:
+    """``summary.json``'s ``provenance``: this process's record and ``commits``, every commit the run trained at."""
+    record = provenance()
+    commits = [r.get("commit") for r in read_records(run_dir)] + [record["commit"]]
+    return {**record, "commits": list(dict.fromkeys(commits))}
+
+
+def code_label(summary: Dict[str, Any]) -> str:
+    """A run's code as a table names it: the short commit, '+dirty' when the tree had changes, 'unknown'
+    for a run that recorded no provenance (older runs), several commits joined with '>' (a resumed run)."""
+    record = summary.get("provenance") or {}
+    commits = [c for c in record.get("commits") or [record.get("commit")] if c]
+    if not commits:
+        return "unknown"
+    label = ">".join(c[:10] for c in commits)
+    return label + ("+dirty" if record.get("dirty") else "")
