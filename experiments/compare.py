@@ -17,6 +17,13 @@ vary inside a group are listed with all their values). Rows are ranked by the ca
 where they have one, else by the validation loss (what ``summary.json``'s ``final_val_loss`` holds);
 ``pareto`` marks the rows no other beats on both training FLOPs and that loss.
 
+Statistics (``experiments/stats.py``): each row's 95% percentile-bootstrap interval of its mean ranking loss
+over its seeds; ``--baseline NAME`` (a row label as in the plot's legend, or a variant only one row has)
+tests every other row against that one: the difference in mean loss with its bootstrap interval, Hedges'
+g, Welch's two-sided p over seeds and that p after Holm's correction over the rows. A table whose runs
+were trained by different code (``summary.json``'s ``provenance``: commit, dirty tree) says so in one
+``warning:`` line and at the top of the markdown note.
+
 Refused (one ``error:`` line, exit status 2): runs with different tokenizers or validation sets (data
 fingerprints from the checkpoints, validation fraction, context length, validation batches evaluated:
 their losses are not comparable), no run folders matched, an unreadable ``summary.json``,
@@ -56,6 +63,8 @@ PROBE_METRICS = tuple((f"probe_acc_L{level}", f"acc L{level}") for level in rang
 # The loss rows are ranked and plotted by: the causal loss where the run has one (routing that sees the future
 # cannot generate that way), else the loss; what summary.json's final_val_loss holds since it names its metric.
 HEADLINE = "headline_val_loss"
+# A row's test against --baseline (experiments.stats.compare_groups, with Holm's correction).
+BASELINE_FIELDS = ("difference", "ci_low", "ci_high", "hedges_g", "p", "p_holm")
 
 
 class CompareError(ConfigError):
@@ -357,6 +366,7 @@ def aggregate(group: Sequence[Run], options: Sequence[str]) -> Dict[str, Any]:
     row.update({key: mean_std([m[key] for m in per_run])
                 for key in (*[k for k, _ in METRICS], *[k for k, _ in PROBE_METRICS], HEADLINE)})
     row["runs"] = [str(r.folder) for r in group]
+    row["headline_values"] = [m[HEADLINE] for m in per_run]  # per seed: the units of the intervals and tests
     return row
 
 
@@ -390,9 +400,60 @@ def pareto_front(points: Sequence[Tuple[Optional[float], Optional[float]]]) -> L
     return [c is not None and l is not None and not dominated(i) for i, (c, l) in enumerate(points)]
 
 
-def leaderboard(runs: Sequence[Run], group_by: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-    """The table: rows sorted by mean validation loss, with the columns that describe them."""
+def code_versions(runs: Sequence[Run]) -> Dict[str, int]:
+    """{code label (commit, '+dirty:<diff hash>', 'unknown'): runs}; warns in one line when there are several."""
+    from experiments.provenance import code_label
+
+    counts: Dict[str, int] = {}
+    for r in runs:
+        label = code_label(r.summary)
+        counts[label] = counts.get(label, 0) + 1
+    if len(counts) > 1:
+        warn(f"the table mixes code versions: {_code_list(counts)}; rows trained by other code may differ for that "
+             "reason alone: retrain them at one commit (python -m experiments.repro ... --no_reuse)")
+    return counts
+
+
+def _code_list(counts: Dict[str, int]) -> str:
+    ordered = sorted(counts.items(), key=lambda item: (-item[1], item[0]))  # the most runs first
+    return ", ".join(f"{label} ({n} run{'s' * (n != 1)})" for label, n in ordered)
+
+
+def find_baseline(rows: Sequence[Dict[str, Any]], options: Sequence[str], name: str) -> Dict[str, Any]:
+    """The row named ``name``: its label (as in the plot's legend) or, when only one row has it, its variant."""
+    labels = [row_label(r, options) for r in rows]
+    exact = [r for r, label in zip(rows, labels) if label == name]
+    by_variant = [r for r in rows if r["variant"] == name]
+    if len(exact) == 1 or (not exact and len(by_variant) == 1):
+        return (exact or by_variant)[0]
+    raise CompareError(f"--baseline: {name!r} names {'several rows' if exact or by_variant else 'no row'}; "
+                       f"use one of the row labels: {'; '.join(labels)}")
+
+
+def add_statistics(rows: Sequence[Dict[str, Any]], options: Sequence[str], baseline: Optional[str]) -> Optional[str]:
+    """Each row's bootstrap interval of its mean ranking loss (over its seeds) and, with a baseline, its
+    comparison with it: the difference in means with its interval, Hedges' g, Welch's two-sided p and that p
+    after Holm's correction over every other row. Returns the baseline row's label."""
+    from experiments import stats
+
+    for row in rows:
+        row["headline_ci"] = stats.bootstrap_ci(row["headline_values"])
+    if baseline is None:
+        return None
+    base = find_baseline(rows, options, baseline)
+    tests = {i: stats.compare_groups(r["headline_values"], base["headline_values"])
+             for i, r in enumerate(rows) if r is not base}
+    for i, test in stats.with_holm(tests).items():
+        rows[i]["vs_baseline"] = test
+    return row_label(base, options)
+
+
+def leaderboard(runs: Sequence[Run], group_by: Optional[Sequence[str]] = None,
+                baseline: Optional[str] = None) -> Dict[str, Any]:
+    """The table: rows sorted by mean validation loss, with the columns that describe them (and, with
+    ``baseline``, each row's test against that row)."""
     refuse_incomparable(runs)
+    code = code_versions(runs)
     options = differing_options(runs)
     keys = resolve_group_by(group_by, runs)
     # the grouping options first, then the other options that differ (listed with every value in a group)
@@ -405,7 +466,9 @@ def leaderboard(runs: Sequence[Run], group_by: Optional[Sequence[str]] = None) -
     front = pareto_front([(r["train_flops"]["mean"], r[HEADLINE]["mean"]) for r in rows])
     for row, on_front in zip(rows, front):
         row["pareto"] = on_front
-    return {"group_by": keys or "configuration (every option but the seed and output paths)",
+    base_label = add_statistics(rows, ["variant", *columns], baseline)
+    return {"group_by": keys or "configuration (every option but the seed and output paths)", "code": code,
+            "baseline": base_label,
             "options": ["variant", *columns], "metrics": [*[k for k, _ in metric_columns(runs)], HEADLINE],
             "headers": [h for _, h in metric_columns(runs)], "rows": rows,
             "runs": [{"run_dir": str(r.folder), "seed": r.seed, "variant": r.config.get("model.variant"), **r.metrics()}
@@ -439,31 +502,66 @@ def _stat_cell(stat: Dict[str, Optional[float]], runs: int, integer: bool = Fals
 def to_markdown(board: Dict[str, Any]) -> str:
     from experiments.tables import markdown_table
 
-    headers = [*board["options"], "n", *board["headers"], "Pareto"]
+    headers = [*board["options"], "n", *board["headers"], "Pareto", "loss 95% CI"]
     integer = {"steps", "tokens", "parameters"}
     measured = [k for k in board["metrics"] if k != HEADLINE]
     rows = [[*[_cell(r[k], k in r["varies"]) for k in board["options"]], r["n"],
-             *[_stat_cell(r[k], r["n"], k in integer) for k in measured], "*" if r["pareto"] else ""]
-            for r in board["rows"]]
+             *[_stat_cell(r[k], r["n"], k in integer) for k in measured], "*" if r["pareto"] else "",
+             _interval(r.get("headline_ci", (None, None)))] for r in board["rows"]]
+    if board.get("baseline"):
+        headers += [f"Δ loss vs {board['baseline']} [95% CI]", "Hedges' g", "Welch p", "p (Holm)"]
+        for cells, r in zip(rows, board["rows"]):
+            cells.extend(_baseline_cells(r.get("vs_baseline")))
     note = ("Mean ± std (sample) over the n runs of each row (the seeds of one configuration, unless --group_by "
             "merges configurations; (n=k): only k of them have the number); train FLOPs: measured (routing-aware) "
             "training FLOPs spent; causal val loss: with the routing used in generation, for routing that sees the "
             "future; rows ranked by it where they have it, else by val loss; step s: median step time; Pareto *: "
             "no other row has both fewer training FLOPs and a lower (causal where present) validation loss; acc L<k> "
             "(routing probes only): next-token accuracy on the tokens of difficulty level k.")
+    note += (" Loss 95% CI: percentile bootstrap over the row's seeds of the mean ranking loss (seeded; '-' with one "
+             "seed).")
+    if board.get("baseline"):
+        note += (f" Against the baseline {board['baseline']}: difference in mean ranking loss (negative: lower loss) "
+                 "with its bootstrap interval (each row's seeds resampled on their own), Hedges' g over seeds, Welch's "
+                 "two-sided t-test over seeds, and its p after Holm's correction over the other rows.")
+    code = board.get("code") or {}
+    if len(code) > 1:
+        note = f"**Warning: the table mixes code versions**: {_code_list(code)}.\n\n" + note
+    elif code:
+        note += f" Code: {next(iter(code))} (every run)."
     return markdown_table(headers, rows) + "\n\n" + note + "\n"
+
+
+def _interval(ci) -> str:
+    from experiments.tables import fmt
+
+    lo, hi = ci
+    return "-" if lo is None else f"[{fmt(lo)}, {fmt(hi)}]"
+
+
+def _baseline_cells(test: Optional[Dict[str, Any]]) -> List[str]:
+    """Δ [CI], g, p, p (Holm) of a row against the baseline; the baseline row itself says so."""
+    from experiments.tables import fmt
+
+    if test is None:
+        return ["baseline", "", "", ""]
+    diff = "-" if test["difference"] is None else f"{test['difference']:+.4f}"
+    if test["ci_low"] is not None:
+        diff += f" [{test['ci_low']:+.4f}, {test['ci_high']:+.4f}]"
+    return [diff, fmt(test["hedges_g"], 2), fmt(test["p"], 3), fmt(test["p_holm"], 3)]
 
 
 def write_csv(board: Dict[str, Any], path: pathlib.Path) -> None:
     header = [*board["options"], "n", "seeds", *[f"{k}_{s}" for k in board["metrics"] for s in ("mean", "std")],
-              "pareto", "runs"]
+              "pareto", "runs", "headline_ci_low", "headline_ci_high", *[f"vs_baseline_{k}" for k in BASELINE_FIELDS]]
     with path.open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(header)
         for r in board["rows"]:
             writer.writerow([*[_csv(r[k]) for k in board["options"]], r["n"], _csv(r["seeds"]),
                              *[_csv(r[k][s]) for k in board["metrics"] for s in ("mean", "std")], r["pareto"],
-                             " ".join(r["runs"])])
+                             " ".join(r["runs"]), *map(_csv, r.get("headline_ci", (None, None))),
+                             *[_csv((r.get("vs_baseline") or {}).get(k)) for k in BASELINE_FIELDS]])
 
 
 def _csv(value: Any) -> Any:
@@ -526,9 +624,9 @@ def write_leaderboard(board: Dict[str, Any], out: pathlib.Path, name: str = "lea
 
 
 def compare(patterns: Sequence[str], group_by: Optional[Sequence[str]] = None,
-            out: Optional[pathlib.Path] = None) -> Dict[str, Any]:
+            out: Optional[pathlib.Path] = None, baseline: Optional[str] = None) -> Dict[str, Any]:
     """Read the runs, build the table and write it (``out``); the table as a dict."""
-    board = leaderboard(read_runs(find_run_folders(patterns)), group_by)
+    board = leaderboard(read_runs(find_run_folders(patterns)), group_by, baseline)
     if out is not None:
         board["files"] = {k: str(v) for k, v in write_leaderboard(board, pathlib.Path(out)).items()}
     return board
@@ -544,13 +642,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma-separated grouping options (variant, size or config keys such as model.d_model; "
                              "default: every option but the seed and output paths); repeatable")
     parser.add_argument("--out", default=None, help="write leaderboard.md/.csv/.json/.png into this folder")
+    parser.add_argument("--baseline", default=None, metavar="NAME",
+                        help="a row label (as in the plot's legend, e.g. 'mod capacity=0.25') or a variant only one "
+                             "row has: every other row is tested against it (difference in mean loss with its "
+                             "bootstrap CI, Hedges' g, Welch p, Holm-corrected p)")
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     args = build_parser().parse_args(argv)
     group_by = [k.strip() for item in args.group_by or [] for k in item.split(",") if k.strip()] or None
-    board = compare(args.runs, group_by, pathlib.Path(args.out) if args.out else None)
+    board = compare(args.runs, group_by, pathlib.Path(args.out) if args.out else None, args.baseline)
     print(to_markdown(board), end="")
     for path in (board.get("files") or {}).values():
         print(f"wrote {path}", file=sys.stderr)

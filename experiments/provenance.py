@@ -88,11 +88,13 @@ def summary_provenance(run_dir: pathlib.Path) -> Dict[str, Any]:
 
 
 def code_label(summary: Dict[str, Any]) -> str:
-    """A run's code as a table names it: the short commit, '+dirty' when the tree had changes, 'unknown'
+    """A run's code as a table names it: the short commit, '+dirty:<diff hash>' when the tree had changes, 'unknown'
     for a run that recorded no provenance (older runs), several commits joined with '>' (a resumed run)."""
     record = summary.get("provenance") or {}
     commits = [c for c in record.get("commits") or [record.get("commit")] if c]
     if not commits:
         return "unknown"
     label = ">".join(c[:10] for c in commits)
-    return label + ("+dirty" if record.get("dirty") else "")
+    if record.get("dirty"):
+        label += "+dirty" + (f":{record['diff_sha256'][:8]}" if record.get("diff_sha256") else "")
+    return label

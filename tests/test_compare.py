@@ -253,6 +253,76 @@ def test_a_number_only_some_runs_of_a_row_have_is_marked_with_its_n(runs):
     assert line.count("(n=2)") == 1 and line.count("(n=") == 1  # the causal loss; every other number has all 4
 
 
+def test_baseline_rows_get_intervals_effect_sizes_and_holm_corrected_p(runs, tmp_path, capsys):
+    """Three configurations (vanilla, a second vanilla learning rate, MoD) with known per-seed losses, tested
+    against MoD: the numbers are those of experiments.stats, recomputed here from the seeds by hand."""
+    from scipy.stats import ttest_ind
+
+    from experiments import stats
+
+    folders = copy_runs(runs, tmp_path)
+    for seed in SEEDS:
+        other = tmp_path / "runs" / f"vanilla-lr-seed{seed}"
+        shutil.copytree(runs[("vanilla", seed)], other)
+        edit_config(other, "optim.lr", 0.5)
+        folders[("vanilla-lr", seed)] = other
+    losses = {"vanilla": [2.0, 2.3], "vanilla-lr": [3.0, 3.1], "mod": [1.0, 1.4]}
+    for (name, seed), folder in folders.items():
+        value = losses[name][seed - 1]  # MoD: its causal loss ranks it, so that is the one the tests use
+        edit_summary(folder, val_metrics={"val/loss": value - 0.5, "val/loss_causal": value} if name == "mod"
+                     else {"val/loss": value})
+    board = compare.compare([str(tmp_path / "runs")], baseline="mod")
+    assert board["baseline"] == "mod capacity=0.2500 lr=0.0010"  # the row's label, as in the plot's legend
+    assert compare.compare([str(tmp_path / "runs")], baseline=board["baseline"])["rows"] == board["rows"]
+    rows = {(r["variant"], r.get("optim.lr")): r for r in board["rows"]}
+    mod = next(r for r in board["rows"] if r["variant"] == "mod")
+    assert "vs_baseline" not in mod and mod["headline_ci"] == stats.bootstrap_ci(losses["mod"])
+    tested = {name: next(r for (v, lr), r in rows.items() if v == "vanilla" and (lr == 0.5) == (name == "vanilla-lr"))
+              for name in ("vanilla", "vanilla-lr")}
+    welch = {n: float(ttest_ind(losses[n], losses["mod"], equal_var=False).pvalue) for n in tested}
+    smaller, larger = sorted(welch, key=welch.get)
+    holm = {smaller: min(1.0, 2 * welch[smaller]), larger: max(min(1.0, 2 * welch[smaller]), welch[larger])}
+    for name, row in tested.items():
+        test = row["vs_baseline"]
+        assert test["difference"] == pytest.approx(sum(losses[name]) / 2 - 1.2)
+        assert test["p"] == pytest.approx(welch[name]) and test["p_holm"] == pytest.approx(holm[name])
+        assert test["hedges_g"] == pytest.approx(stats.hedges_g(losses[name], losses["mod"]))
+        assert test["ci_low"] <= test["difference"] <= test["ci_high"]
+    markdown = compare.to_markdown(board)
+    assert f"| loss 95% CI | Δ loss vs {board['baseline']} [95% CI] | Hedges' g | Welch p | p (Holm) |" in markdown
+    assert "| baseline |" in markdown and "Holm's correction" in markdown
+    row = tested["vanilla-lr"]["vs_baseline"]
+    assert f"{row['difference']:+.4f} [{row['ci_low']:+.4f}, {row['ci_high']:+.4f}]" in markdown
+    code, out, err = run_cli([str(tmp_path / "runs"), "--baseline", "vanilla"], capsys)  # two vanilla rows
+    assert code == 2 and err.startswith("error: --baseline: 'vanilla' names several rows; use one of the row labels")
+    code, out, _ = run_cli([str(tmp_path / "runs"), "--baseline", "mod", "--out", str(tmp_path / "board")], capsys)
+    assert code == 0 and "Δ loss vs mod" in out
+    with (tmp_path / "board" / "leaderboard.csv").open() as handle:
+        saved = {r["variant"] + r.get("optim.lr", ""): r for r in csv.DictReader(handle)}
+    assert float(saved["vanilla0.5"]["vs_baseline_p_holm"]) == pytest.approx(holm["vanilla-lr"])
+
+
+def test_a_table_of_runs_from_different_commits_warns_in_one_line_and_in_its_markdown(runs, tmp_path, capsys):
+    folders = copy_runs(runs, tmp_path)
+    for (name, seed), folder in folders.items():
+        edit_summary(folder, provenance={"commit": "a" * 40, "dirty": False, "commits": ["a" * 40]})
+    code, out, err = run_cli([str(tmp_path / "runs")], capsys)
+    assert code == 0 and "mixes code versions" not in err and "Code: aaaaaaaaaa (every run)." in out
+    edit_summary(folders[("mod", 2)], provenance={"commit": "b" * 40, "dirty": True, "diff_sha256": "c" * 64})
+    edit_summary(folders[("mod", 1)], provenance=None)  # a run from before provenance was recorded
+    code, out, err = run_cli([str(tmp_path / "runs")], capsys)
+    (line,) = [line for line in err.splitlines() if "mixes code versions" in line]
+    assert code == 0 and line.startswith("warning: the table mixes code versions: aaaaaaaaaa (2 runs), ")
+    assert "bbbbbbbbbb+dirty:cccccccc (1 run)" in line and "unknown (1 run)" in line
+    assert "**Warning: the table mixes code versions**: aaaaaaaaaa (2 runs)" in out
+
+
+def test_real_runs_record_the_code_they_ran(runs):
+    board = compare.leaderboard(compare.read_runs(runs.values()))
+    (label,) = board["code"]  # trained in one process: one code version
+    assert label != "unknown" and board["code"][label] == 4
+
+
 # ---------------------------------------------------------------------------- refusals and skips
 def test_mixed_tokenizers_refused(runs, tmp_path, capsys):
     folders = copy_runs(runs, tmp_path, [("vanilla", 1), ("mod", 1)])
