@@ -15,8 +15,10 @@ its share; sums reduced across ranks) with causal routing where the variant has 
   the share of the labelled tokens, and of the compute spent on them, that falls on the hardest
   levels (``level >= HARD_FROM``); a ratio above 1 means the router favours hard tokens.
 
-The same numbers, plus a breakdown by task family, go to ``<run>/probe.json``; the logged values are
-also in ``summary.json`` (``val_metrics``). ``evaluate_probe`` is the same evaluation as a function.
+The same numbers, plus a breakdown by task family and the per-block counts (``blocks``: labelled tokens and
+correct answers per validation block and level, the units of the experiments' bootstrap intervals), go to
+``<run>/probe.json``; the logged values are also in ``summary.json`` (``val_metrics``). ``evaluate_probe``
+is the same evaluation as a function.
 
 Per-token compute (``token_flops``): the model's own ``flops_per_token`` applied to a trace cut down to
 that one token (every site's tensors at [b, t], ``extras`` dropped), at the batch's sequence length.
@@ -119,7 +121,7 @@ def probe_batches(model, tokens: np.ndarray, levels: np.ndarray, families: np.nd
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    out: Dict[str, List[np.ndarray]] = {k: [] for k in ("level", "family", "loss", "correct", "flops")}
+    out: Dict[str, List[np.ndarray]] = {k: [] for k in ("level", "family", "loss", "correct", "flops", "block")}
     try:
         for start in range(0, len(tokens), batch_size):
             batch = torch.as_tensor(tokens[start : start + batch_size], device=device)
@@ -137,6 +139,8 @@ def probe_batches(model, tokens: np.ndarray, levels: np.ndarray, families: np.nd
             out["loss"].append(loss[keep].numpy())
             out["correct"].append(correct[keep].numpy())
             out["flops"].append(flops[keep].numpy())
+            rows = torch.arange(start, start + batch.shape[0]).unsqueeze(1).expand_as(level)
+            out["block"].append(rows[keep].numpy())  # the validation block (row of ``tokens``) of each token
     finally:
         model.train(was_training)
     return {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in out.items()}
@@ -152,6 +156,18 @@ def stats_tensor(tokens: Dict[str, np.ndarray], n_families: int) -> torch.Tensor
             stats[row, level] = torch.tensor([m.sum(), tokens["loss"][m].sum(), tokens["correct"][m].sum(),
                                               tokens["flops"][m].sum()], dtype=torch.float64)
     return stats
+
+
+def block_counts(tokens: Dict[str, np.ndarray], n_blocks: int) -> Dict[str, List[List[int]]]:
+    """Per validation block and level: labelled tokens and correct answers ([block][level]). The blocks are
+    the units the experiments' bootstrap resamples (a block's tokens together, never one sequence's tokens
+    on their own); summed over the blocks they give the pooled counts of ``stats_tensor``."""
+    counts, correct = np.zeros((n_blocks, LEVELS), np.int64), np.zeros((n_blocks, LEVELS), np.int64)
+    kept = tokens["level"] < LEVELS  # the levels the pooled table has
+    where = (tokens["block"][kept].astype(np.int64), tokens["level"][kept].astype(np.int64))
+    np.add.at(counts, where, 1)
+    np.add.at(correct, where, tokens["correct"][kept].astype(np.int64))
+    return {"tokens": counts.tolist(), "correct": correct.tolist()}
 
 
 def spearman(level: np.ndarray, flops: np.ndarray) -> Dict[str, Optional[float]]:
@@ -217,8 +233,9 @@ def evaluate_probe(model, datamodule, blocks: int = 64, batch_size: int = 16, ra
     tokens, levels, families = labelled_blocks(datamodule, blocks, rank, world)
     per_token = probe_batches(model, tokens, levels, families, batch_size, causal=causal)
     stats = stats_tensor(per_token, len(FAMILIES))
-    return summarize(stats, spearman(per_token["level"], per_token["flops"]), FAMILIES,
-                     spearman_answers(per_token["level"], per_token["flops"]))
+    summary = summarize(stats, spearman(per_token["level"], per_token["flops"]), FAMILIES,
+                        spearman_answers(per_token["level"], per_token["flops"]))
+    return {**summary, "blocks": block_counts(per_token, len(tokens))}
 
 
 # ---------------------------------------------------------------------------- the callback
@@ -253,7 +270,12 @@ def distributed_summary(model, datamodule, blocks: int, rank: int, world: int, b
     device = next(model.parameters()).device
     stats = all_reduce_sum(stats_tensor(per_token, len(FAMILIES)).to(device)).cpu()
     level, flops = _gather([per_token["level"], per_token["flops"]])
-    return summarize(stats, spearman(level, flops), FAMILIES, spearman_answers(level, flops))
+    mine = block_counts(per_token, len(tokens))
+    # ranks hold consecutive shares of the blocks (labelled_blocks): rank order is block order
+    counts, correct = _gather([np.asarray(mine["tokens"], np.int64).reshape(len(tokens), LEVELS),
+                               np.asarray(mine["correct"], np.int64).reshape(len(tokens), LEVELS)])
+    summary = summarize(stats, spearman(level, flops), FAMILIES, spearman_answers(level, flops))
+    return {**summary, "blocks": {"tokens": counts.tolist(), "correct": correct.tolist()}}
 
 
 def _gather(arrays: List[np.ndarray]) -> List[np.ndarray]:

@@ -239,6 +239,23 @@ def test_per_difficulty_compute_from_a_hand_made_mod_trace():
     assert summary["hard_compute_share"] > 0.5 and summary["hard_compute_ratio"] > 1
 
 
+def test_per_block_counts_sum_to_the_pooled_accuracy(tmp_path):
+    """The per-block (per validation sequence) counts the bootstrap resamples: summed over the blocks they are
+    the pooled table, and each block's token counts are its labels'."""
+    from callbacks.probe import evaluate_probe
+
+    dm = _datamodule(tmp_path, tokens=4 * SMALL)  # at least 5 validation blocks
+    summary = evaluate_probe(_tiny("mod", block_size=128), dm, blocks=5, batch_size=2)  # batches cut the blocks 2+2+1
+    tokens, correct = np.asarray(summary["blocks"]["tokens"]), np.asarray(summary["blocks"]["correct"])
+    assert tokens.shape == correct.shape == (5, probe.MAX_DEPTH + 1) and (correct <= tokens).all()
+    for level, row in summary["levels"].items():
+        assert tokens[:, int(level)].sum() == row["tokens"]
+        assert correct[:, int(level)].sum() / tokens[:, int(level)].sum() == pytest.approx(row["acc"], abs=1e-12)
+    _, levels, _ = probe.labelled_blocks(dm, 5)
+    for block in range(5):
+        assert tokens[block].tolist() == [int((levels[block] == k).sum()) for k in range(probe.MAX_DEPTH + 1)]
+
+
 def test_depth_gate_compute_is_the_depth_its_gate_reads():
     from callbacks.probe import token_flops
 
@@ -345,6 +362,7 @@ def test_two_process_probe_metrics_equal_one_process_over_all_blocks(tmp_path):
         for key in ("loss", "acc", "flops", "compute_share"):
             assert distributed["levels"][level][key] == pytest.approx(row[key], rel=1e-5), (level, key)
     assert distributed["spearman"] == pytest.approx(single["spearman"], rel=1e-6, abs=1e-9)
+    assert distributed["blocks"] == single["blocks"]  # gathered in block order
 
 
 # ---------------------------------------------------------------------------- the comparison's goals and workers
