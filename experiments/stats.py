@@ -105,9 +105,13 @@ def welch_p(a: Sequence[Optional[float]], b: Sequence[Optional[float]], alternat
             return 1.0
         wins = {"two-sided": True, "greater": diff > 0, "less": diff < 0}[alternative]
         return 0.0 if wins else 1.0
+    import warnings
+
     from scipy.stats import ttest_ind
 
-    return float(ttest_ind(x, y, equal_var=False, alternative=alternative).pvalue)
+    with warnings.catch_warnings():  # nearly equal groups: scipy warns of precision loss, the p-value stands
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return float(ttest_ind(x, y, equal_var=False, alternative=alternative).pvalue)
 
 
 def permutation_p(a: Sequence[Optional[float]], b: Sequence[Optional[float]], alternative: str = "two-sided",

@@ -20,7 +20,7 @@ cluster with ``--size small|medium|large`` and real data after ``--``.
 | ``mod_isoflop`` | MoD: isoFLOP comparison with vanilla (loss vs parameters per FLOP budget) |
 | ``contribution`` | FFN-Wider: MHA/FFN contribution vs FFN width and vs the CAA Outer-FFN ratio r, OOD loss |
 | ``head_to_head`` | every variant at equal measured FLOPs: val loss, FLOPs/token, step time, memory |
-| ``probe`` | routing probes: accuracy and compute per difficulty level at matched FLOPs (``--quick``: a smoke run) |
+| ``probe`` | routing probes: accuracy and compute per difficulty level at matched FLOPs, dense controls, tests against the best dense model (``--quick``: a smoke run; ``--verify ROW``: retrain a published row) |
 """
 from __future__ import annotations
 
@@ -89,11 +89,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bench_steps", type=int, default=5, help="timed steps per variant in the interleaved benchmark")
     p = add("probe", "routing probes: compute vs per-token difficulty at matched training FLOPs")
     p.set_defaults(steps=600)  # --steps: vanilla's steps; the budget every variant spends
-    p.add_argument("--variants", default=None, help="comma-separated (default: vanilla, mod, mode_staged, "
-                   "mode_integrated, moe, mom, mom_e, depth_gate)")
-    p.add_argument("--seeds", type=int, default=3, help="seeds per variant")
+    p.add_argument("--variants", default=None,
+                   help="comma-separated entries: a variant (mod) or a variant with model options "
+                        "(mod:n_layer=8:capacity=0.125); default: the registry's probe variants (vanilla, mod, "
+                        "mode_staged, mode_integrated, moe, mot, depth_gate, depth_gate_skip, mom, mom_e)")
+    p.add_argument("--dense_shapes", default=None, metavar="LxD,...",
+                   help="dense vanilla controls at the same budget, n_layer x d_model (e.g. 2x64,4x48,6x64; default: "
+                        "half the depth, 3/4 the width and 1.5x the depth of the reference model)")
+    p.add_argument("--seeds", type=int, default=5, help="seeds per entry (default 5)")
     p.add_argument("--blocks", type=int, default=128, help="validation blocks of the per-difficulty evaluation")
+    p.add_argument("--min_steps", type=int, default=None,
+                   help="an entry planned to train fewer steps at the budget is refused (default 20; 10 with --quick)")
     p.add_argument("--quick", action="store_true", help="tiny models and data: checks the pipeline in seconds")
+    p.add_argument("--verify", default=None, metavar="ROW",
+                   help="retrain this row (an entry of the published table) from nothing into a fresh --out, and "
+                        "report each figure beside the published one with its interval")
+    p.add_argument("--published", default=None, metavar="RESULTS_JSON",
+                   help="the published table's results.json for --verify (default docs/results/probe/results.json)")
     return parser
 
 
@@ -162,7 +174,10 @@ def dispatch(ctx, args) -> Dict[str, Any]:
         from experiments.repro.probe import VARIANTS, probe_experiment
 
         variants = parse_list(args.variants, str, "variants") if args.variants else VARIANTS
-        return probe_experiment(ctx, variants, seeds=args.seeds, blocks=args.blocks, quick=args.quick)
+        return probe_experiment(ctx, variants, seeds=args.seeds, blocks=args.blocks,
+                                min_steps=args.min_steps or (10 if args.quick else 20),
+                                quick=args.quick, dense_shapes=args.dense_shapes, verify=args.verify,
+                                published=args.published)
     from experiments.repro.head_to_head import head_to_head
 
     variants = parse_list(args.variants, str, "variants") if args.variants else None

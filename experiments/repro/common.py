@@ -367,3 +367,74 @@ def text_blocks(tokenizer, documents: Sequence[str], block_size: int, max_tokens
     if n < 1:
         raise ConfigError(f"--ood: only {len(ids)} tokens, fewer than one block of {block_size + 1}")
     return torch.stack([torch.tensor(ids[i * block_size : i * block_size + block_size + 1]) for i in range(n)])
+
+
+# ---------------------------------------------------------------------------- published tables and --verify
+# Pass-through options that change where a run reads or writes files, not what it computes.
+_NOT_RESULT_OPTIONS = ("--data.cache_dir", "--data.num_workers", "--log_dir")
+
+
+def result_options(options: Sequence[str]) -> List[str]:
+    """The pass-through options that can change a result (``--data.cache_dir X`` and the like left out)."""
+    out: List[str] = []
+    skip = False
+    for item in options:
+        if skip:
+            skip = False
+            continue
+        head = item.split("=", 1)[0]
+        if head in _NOT_RESULT_OPTIONS:
+            skip = "=" not in item
+            continue
+        out.append(item)
+    return out
+
+
+def read_published(path: pathlib.Path) -> Dict[str, Any]:
+    """A published ``results.json`` (one line naming the file when it is missing or unreadable)."""
+    path = pathlib.Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--published: no file {path}; give the results.json of the published table") from None
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"--published: {path} is unreadable ({err})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("settings"), dict) or not isinstance(data.get("variants"), dict):
+        raise ConfigError(f"--published: {path} holds no 'settings' and 'variants' (write it with the experiment's "
+                          "results.json)")
+    return data
+
+
+def check_settings(published: Dict[str, Any], mine: Dict[str, Any], path: pathlib.Path) -> None:
+    """Refuse a verification whose settings differ from those of the published table (naming the first)."""
+    for key in sorted(set(published) | set(mine)):
+        if published.get(key) != mine.get(key):
+            raise ConfigError(f"--verify: this command's {key} is {mine.get(key)!r}, the published table's ({path}) is "
+                              f"{published.get(key)!r}; rerun with the published settings")
+
+
+def require_fresh(out: pathlib.Path) -> None:
+    """--verify retrains from nothing: its output folder must not hold anything yet."""
+    out = pathlib.Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--out: {out} is not empty; --verify retrains from nothing into a fresh folder: give a new --out")
+
+
+def verification_table(figures: Sequence[Tuple[str, Sequence[Optional[float]], Sequence[Optional[float]]]]) -> Tuple[str, List[Dict[str, Any]]]:
+    """(markdown, rows) of (figure, published (mean, low, high), this run's (mean, low, high)): each figure next to
+    the published one with both intervals, and whether this run's mean lies in the published interval."""
+    rows = []
+    for name, published, mine in figures:
+        lo, hi = published[1], published[2]
+        inside = None if lo is None or mine[0] is None else bool(lo <= mine[0] <= hi)
+        rows.append({"figure": name, "published": list(published), "this_run": list(mine), "inside_published_ci": inside})
+
+    def cell(values) -> str:
+        mean, lo, hi = values
+        return fmt(mean) if lo is None else f"{fmt(mean)} [{fmt(lo)}, {fmt(hi)}]"
+
+    table = markdown_table(["figure", "published [95% CI]", "this run [95% CI]", "inside published CI"],
+                           [[r["figure"], cell(r["published"]), cell(r["this_run"]),
+                             "-" if r["inside_published_ci"] is None else ("yes" if r["inside_published_ci"] else "**no**")]
+                            for r in rows])
+    return table, rows
