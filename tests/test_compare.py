@@ -439,7 +439,7 @@ def test_repro_probe_table_aggregates_its_seeds(tmp_path, one_thread):
     from experiments.repro import main
 
     main(["probe", "--out", str(tmp_path), "--quick", "--steps", "20", "--seeds", "2", "--blocks", "4",
-          "--variants", "vanilla,mod", "--", "--data.cache_dir", str(tmp_path / "cache")])
+          "--variants", "vanilla,mod", "--dense_shapes", "2x32", "--", "--data.cache_dir", str(tmp_path / "cache")])
     board = json.loads((tmp_path / "leaderboard.json").read_text())
     assert sorted((r["variant"], r["n"]) for r in board["rows"]) == [("mod", 2), ("vanilla", 2)]
     # every run stopped at the FLOPs budget: the per-variant --max_steps caps are no difference; MoD's cheaper

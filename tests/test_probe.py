@@ -5,6 +5,7 @@ import hashlib
 import json
 import os
 import pathlib
+import statistics
 import subprocess
 import sys
 
@@ -293,21 +294,79 @@ def test_cli_run_on_probe_data_logs_per_difficulty_metrics(tmp_path, one_thread)
 def test_probe_experiment_quick_writes_tables_plots_and_goals(tmp_path, one_thread):
     from experiments.repro import main
 
-    results = main(["probe", "--out", str(tmp_path), "--quick", "--steps", "20", "--seeds", "2", "--blocks", "4",
-                    "--variants", "vanilla,mod", "--", "--data.cache_dir", str(tmp_path / "cache")])
-    assert set(results["variants"]) == {"vanilla", "mod"} and len(results["runs"]) == 4
+    common = ["--quick", "--steps", "20", "--seeds", "2", "--blocks", "4", "--variants", "vanilla,mod",
+              "--dense_shapes", "1x32", "--threads", "1"]
+    tail = ["--", "--data.cache_dir", str(tmp_path / "cache")]
+    results = main(["probe", "--out", str(tmp_path / "programme"), *common, *tail])
+    assert list(results["variants"]) == ["vanilla", "dense:1x32", "mod"] and len(results["runs"]) == 6
     mod, vanilla = results["variants"]["mod"], results["variants"]["vanilla"]
     assert mod["steps"] > vanilla["steps"]  # matched FLOPs: MoD's cheaper steps buy more of them
     assert mod["matched"] and vanilla["matched"] and vanilla["steps_seeds"] == [20, 20]
     for r in results["runs"]:  # each run stopped at the first step whose measured count reached the budget
         assert results["budget"] <= r["train_flops"] and r["measured_deviation"] >= 0
+        assert r["train_time_s"] == pytest.approx(r["step_time_s"] * r["steps"])
     assert abs(mod["planned_deviation"]) < 0.05 and len(mod["spearman_seeds"]) == 2
     assert vanilla["spearman_seeds"] == [None, None]  # dense compute has no rank correlation
-    assert "mod_spearman_positive_significant" in results["goals"]
-    report = (tmp_path / "results.md").read_text()
-    assert "Accuracy per difficulty level" in report and "| mod |" in report
+    dense = {v: a["headline_val_loss"][0] for v, a in results["variants"].items() if a["dense"]}
+    assert results["best_dense"] == min(dense, key=dense.get) and set(results["tests"]["loss"]) == {"mod"}
+    for level, row in mod["levels"].items():  # the hierarchical interval holds the seed mean; solved shares
+        assert row["acc_ci"][0] <= row["acc"][0] <= row["acc_ci"][1] and len(row["acc_seeds"]) == 2
+        assert row["solved_share"] == sum(a >= 0.9 for a in row["acc_seeds"]) / 2
+    assert "spearman_positive_significant" in results["goals"] and "beats_best_dense_loss" in results["goals"]
+    out = tmp_path / "programme"
+    report = (out / "results.md").read_text()
+    assert "Accuracy per difficulty level" in report and "| mod |" in report and "Δ loss vs best dense" in report
     for name in ("probe_accuracy.png", "probe_compute.png", "results.json"):
-        assert (tmp_path / name).stat().st_size > 1000
+        assert (out / name).stat().st_size > 1000
+    # --verify against this table: the row retrained from nothing gives the published numbers again, exactly
+    check = main(["probe", "--out", str(tmp_path / "verify"), *common, "--verify", "mod", "--published",
+                  str(out / "results.json"), *tail])
+    assert {r["run_dir"] for r in results["runs"]}.isdisjoint(r["run_dir"] for r in check["runs"])  # retrained
+    for figure in check["figures"]:
+        if figure["figure"] != "train time s":  # wall clock is measured, not computed
+            assert figure["this_run"] == figure["published"] and figure["inside_published_ci"] in (True, None)
+    assert "| acc L0 |" in (tmp_path / "verify" / "results.md").read_text()
+
+
+def _published(path, **settings) -> pathlib.Path:
+    """A hand-made published table: one row, the settings of the quick command below."""
+    base = {"experiment": "probe", "size": "tiny", "steps": 20, "seed": 1337, "seeds": 2, "blocks": 4, "quick": True,
+            "run_options": []}
+    row = {"headline_val_loss": [4.5, 0.01], "headline_val_loss_ci": [4.4, 4.6],
+           "levels": {"2": {"acc": [0.3, 0.1], "acc_ci": [0.0, 0.01], "solved_share": 0.0}}}
+    path.write_text(json.dumps({"settings": {**base, **settings}, "variants": {"mod": row}}))
+    return path
+
+
+@pytest.mark.slow
+def test_verify_reports_each_figure_beside_the_published_one_and_repeats_bit_identically(tmp_path, one_thread):
+    from architectures.config import ConfigError
+    from experiments.repro import main
+
+    published = _published(tmp_path / "published.json")
+    common = ["--quick", "--steps", "20", "--seeds", "2", "--blocks", "4", "--threads", "1", "--verify", "mod",
+              "--published", str(published)]
+    tail = ["--", "--data.cache_dir", str(tmp_path / "cache")]  # where the data are cached changes no number
+    first = main(["probe", "--out", str(tmp_path / "a"), *common, *tail])
+    second = main(["probe", "--out", str(tmp_path / "b"), *common, *tail])
+    figures = {f["figure"]: f for f in first["figures"]}
+    loss = figures["val loss (causal where present)"]
+    assert loss["published"] == [4.5, 4.4, 4.6] and loss["inside_published_ci"] == (4.4 <= loss["this_run"][0] <= 4.6)
+    assert loss["this_run"][0] == pytest.approx(statistics.fmean(first["variants"]["mod"]["headline_val_loss_seeds"]))
+    assert figures["acc L3"]["published"] == [None, None, None] and figures["acc L3"]["inside_published_ci"] is None
+    report = (tmp_path / "a" / "results.md").read_text()
+    assert "| val loss (causal where present) | 4.5000 [4.4000, 4.6000] |" in report
+    # the same command on the same machine and thread count: bit-identical numbers (wall clock aside)
+    assert [(f["figure"], f["this_run"]) for f in first["figures"] if f["figure"] != "train time s"] == \
+        [(f["figure"], f["this_run"]) for f in second["figures"] if f["figure"] != "train time s"]
+    assert first["variants"]["mod"]["headline_val_loss_seeds"] == second["variants"]["mod"]["headline_val_loss_seeds"]
+    with pytest.raises(ConfigError, match="is not empty"):  # from nothing: a used folder is refused
+        main(["probe", "--out", str(tmp_path / "a"), *common, *tail])
+    with pytest.raises(ConfigError, match="steps is 30, the published table's .* is 20"):
+        main(["probe", "--out", str(tmp_path / "c"), *common, "--steps", "30", *tail])
+    with pytest.raises(ConfigError, match="no row 'moe'.*rows: mod"):
+        main(["probe", "--out", str(tmp_path / "c"), *common[:-4], "--verify", "moe", "--published", str(published), *tail])
+    assert not (tmp_path / "c").exists()
 
 
 def test_sweeps_accept_probe_datasets(capsys):
@@ -366,43 +425,111 @@ def test_two_process_probe_metrics_equal_one_process_over_all_blocks(tmp_path):
 
 
 # ---------------------------------------------------------------------------- the comparison's goals and workers
-def _aggregate(acc, rhos=(None, None, None), ps=(None, None, None), t_p=None):
-    return {"levels": {str(k): {"acc": (a, 0.0)} for k, a in enumerate(acc)},
-            "spearman_seeds": list(rhos), "spearman_p_seeds": list(ps), "spearman_t_p": t_p}
+def _aggregate(acc, rhos=(None, None, None), ps=(None, None, None), t_p=None, loss=(2.0, 2.0, 2.0), dense=False,
+               variant=None, acc_seeds=None):
+    """A per-entry aggregate as experiments.repro.probe.aggregate makes it, from seed values."""
+    import statistics
+
+    levels = {str(k): {"acc": (a, 0.0), "acc_seeds": list(acc_seeds.get(k, [a] * 3) if acc_seeds else [a] * 3)}
+              for k, a in enumerate(acc)}
+    return {"levels": levels, "dense": dense, "variant": variant, "spearman_seeds": list(rhos),
+            "spearman_p_seeds": list(ps), "spearman_t_p": t_p, "spearman_answers_t_p": None,
+            "headline_val_loss": (statistics.fmean(loss), None), "headline_val_loss_seeds": list(loss),
+            "train_time_s": (1.0, 0.0)}
 
 
-def test_goal_figures_count_routed_families_and_the_hardest_level_vanilla_solves():
-    from experiments.repro.probe import goal_figures
+def _programme(**routed):
+    """vanilla (the reference) and two dense controls, the best of them dense:2x64 (lowest loss), plus ``routed``."""
+    return {"vanilla": _aggregate([1.0, 0.95, 0.7, 0.5, 0.2], loss=(2.0, 2.1, 2.05), dense=True, variant="vanilla"),
+            "dense:2x64": _aggregate([1.0, 0.9, 0.65, 0.55, 0.2], loss=(1.9, 1.95, 1.92), dense=True, variant="vanilla",
+                                     acc_seeds={2: [0.55, 0.65, 0.75], 3: [0.5, 0.55, 0.6]}),
+            "dense:4x48": _aggregate([1.0, 0.9, 0.6, 0.4, 0.2], loss=(2.2, 2.3, 2.25), dense=True, variant="vanilla"),
+            **routed}
+
+
+def test_goals_are_met_only_when_the_corrected_test_against_the_best_dense_model_passes():
+    from experiments.repro.probe import dense_tests, goal_figures
 
     up, sig = (0.2, 0.3, 0.25), (1e-5, 1e-6, 1e-4)
-    per_variant = {
-        "vanilla": _aggregate([1.0, 0.95, 0.7, 0.5, 0.2]),
-        "mod": _aggregate([1.0, 0.9, 0.6, 0.4, 0.2], up, sig, 0.01),         # family mod: positive
-        "mode_staged": _aggregate([1.0, 0.9, 0.6, 0.4, 0.2], up, sig, 0.01),  # same family again
-        "mom": _aggregate([1.0, 0.96, 0.72, 0.6, 0.3], (0.2, -0.1, 0.3), sig, 0.2),  # one seed negative
-        "moe": _aggregate([1.0, 0.9, 0.71, 0.5, 0.2], up, (1e-5, 0.02, 1e-4), 0.01),  # one seed not significant
-    }
-    goals = goal_figures(per_variant)
+    per_variant = _programme(
+        # family mod: positive; lower loss than the best dense model in every seed; better L3
+        mod=_aggregate([1.0, 0.9, 0.6, 0.8, 0.2], up, sig, 0.001, loss=(1.5, 1.55, 1.52), variant="mod",
+                       acc_seeds={3: [0.8, 0.82, 0.78]}),
+        **{"mod:n_layer=8": _aggregate([1.0, 0.9, 0.6, 0.56, 0.2], up, sig, 0.03, loss=(1.9, 2.0, 1.8), variant="mod",
+                                       acc_seeds={3: [0.5, 0.6, 0.58]})},  # t p 0.03 -> Holm 0.06 (with moe's 0.03)
+        mom=_aggregate([1.0, 0.96, 0.72, 0.6, 0.3], (0.2, -0.1, 0.3), sig, 0.001, loss=(1.91, 1.94, 1.93), variant="mom"),
+        moe=_aggregate([1.0, 0.9, 0.71, 0.5, 0.2], up, (1e-5, 0.02, 1e-4), 0.03, loss=(2.5, 2.6, 2.55), variant="moe"))
+    tests = dense_tests(per_variant)
+    assert tests["best_dense"] == "dense:2x64" and set(tests["loss"]) == {"mod", "mod:n_layer=8", "mom", "moe"}
+    loss = tests["loss"]
+    from experiments import stats
+
+    raw = {v: stats.welch_p(per_variant[v]["headline_val_loss_seeds"], [1.9, 1.95, 1.92], "less") for v in loss}
+    assert {v: t["p_holm"] for v, t in loss.items()} == pytest.approx(stats.holm(raw))
+    assert loss["mod"]["difference"] == pytest.approx(1.5233333 - 1.9233333, abs=1e-6) and loss["mod"]["hedges_g"] < -5
+    # the reference vanilla is tested too (the second column)
+    assert tests["loss_vs_reference"]["mod"]["difference"] == pytest.approx(1.5233333 - 2.05, abs=1e-6)
+    # Holm over the four routed entries: 0.001 x 4, 0.001 x 3, then 0.03 x 2 for both of the others
+    assert per_variant["mod:n_layer=8"]["spearman_t_p_holm"] == pytest.approx(0.06)
+    assert per_variant["moe"]["spearman_t_p_holm"] == pytest.approx(0.06)
+    goals = goal_figures(per_variant, tests)
     assert goals["learnable_met"] and goals["learnable"] == {"1": (0.95, 0.9), "2": (0.7, 0.6)}
-    assert goals["spearman_positive_significant"] == {"mod": True, "mode_staged": True, "mom": False, "moe": False}
-    assert goals["families_positive"] == ["mod"] and not goals["two_families_positive"]  # two variants, one family
-    assert goals["hardest_solvable_level"] == 2 and goals["best_routed"] == "mom"  # L3 0.5 < 0.6: not solved
-    assert goals["routed_at_least_vanilla"] == ["moe", "mom"] and goals["best_routed_at_least_vanilla"]
-    per_variant["mom"] = _aggregate([1.0, 0.96, 0.72, 0.6, 0.3], up, sig, 0.01)
-    per_variant["vanilla"] = _aggregate([1.0, 0.85, 0.7, 0.5, 0.2])
-    goals = goal_figures(per_variant)
-    assert goals["families_positive"] == ["mod", "mom"] and goals["two_families_positive"]
-    assert goals["families_grading_answers"] == []  # no answers-only correlations given
-    per_variant["mom"].update(spearman_answers_seeds=list(up), spearman_answers_p_seeds=list(sig), spearman_answers_t_p=0.01)
-    assert goal_figures(per_variant)["families_grading_answers"] == ["mom"]
-    assert not goals["learnable_met"]  # L1 0.85 < 0.9
+    assert goals["spearman_positive_significant"] == {"mod": True, "mod:n_layer=8": False, "mom": False, "moe": False}
+    assert goals["families_positive"] == ["mod"] and not goals["two_families_positive"]
+    assert goals["beats_best_dense_loss"] == ["mod"]  # mod:n_layer=8's lower mean is within its seeds' spread
+    # the best dense model solves L2 (0.65) but not L3 (0.55 < 0.6): the hardest level is L2, where its seeds spread
+    # too widely for mom's and moe's higher means to pass
+    assert goals["hardest_solvable_level"] == 2 and goals["best_routed"] == "mom" and goals["beats_best_dense"] == []
+    assert goals["routed_at_least_dense"] == ["moe", "mom"]  # point estimates only, not a claim
+    per_variant["dense:2x64"]["levels"]["3"]["acc"] = (0.6, 0.0)  # now it solves L3 too, where mod is better
+    goals = goal_figures(per_variant, dense_tests(per_variant))
+    assert goals["hardest_solvable_level"] == 3 and goals["beats_best_dense"] == ["mod"]
+
+
+def test_entries_name_variants_with_their_own_model_options_and_dense_shapes():
+    from architectures.config import ConfigError, ModelConfig
+    from experiments.repro.probe import default_dense_shapes, parse_entry, programme_entries
+
+    entry = parse_entry("mod:n_layer=8:capacity=0.125")
+    assert entry.variant == "mod" and entry.model == (("n_layer", "8"), ("mod.capacity", "0.125")) and not entry.dense
+    assert entry.run_options() == ["--variant", "mod", "--model.n_layer", "8", "--model.mod.capacity", "0.125"]
+    assert parse_entry("mode_staged:moe.top_k=2").model == (("moe.top_k", "2"),)
+    assert parse_entry("dense:2x64").run_options() == ["--variant", "vanilla", "--model.n_layer", "2",
+                                                       "--model.d_model", "64"]
+    for bad, message in (("mod:colour=1", "is no option of mod"), ("mod:n_layer", "is not key=value"),
+                         ("nope", "unknown 'nope'"), ("dense:2by64", "n_layer x d_model")):
+        with pytest.raises(ConfigError, match=message):
+            parse_entry(bad)
+    assert default_dense_shapes(4, 64, 4) == [(2, 64), (4, 48), (8, 64)]
+    base = ModelConfig(d_model=64, n_layer=4, n_head=4)
+    labels = [e.label for e in programme_entries(["mod", "vanilla", "mom_e"], None, base)]
+    assert labels == ["vanilla", "dense:2x64", "dense:4x48", "dense:8x64", "mod", "mom_e"]
+    assert [e.label for e in programme_entries(["mod"], "4x64,2x32", base)] == ["vanilla", "dense:2x32", "mod"]
+    with pytest.raises(ConfigError, match="multiples of n_head=4"):
+        programme_entries(["mod"], "2x30", base)
+
+
+def test_dense_controls_span_the_routed_entries_flops_per_token(tmp_path):
+    """The default dense shapes cost less and more per token than the routed entries of the issue's list."""
+    from experiments.repro.common import Context
+    from experiments.repro.probe import parse_entry, plan_entries, prepare
+
+    ctx = Context(out=tmp_path, steps=600)
+    _, entries, budget, tokens, vocab = prepare(ctx, ["mod:n_layer=8:capacity=0.125", "mod:n_layer=8:capacity=0.25",
+                                                      "mode_staged", "depth_gate_skip", "mom_e", "moe"], 5, 8, False, None)
+    plan = {c.entry.label: c for c in plan_entries(ctx, entries, budget, tokens, vocab, 20)}
+    dense = [c.flops_per_token for c in plan.values() if c.entry.dense]
+    routed = [c.flops_per_token for c in plan.values() if not c.entry.dense]
+    assert min(dense) < min(routed) and max(dense) > max(routed)
+    assert plan["vanilla"].steps == 600 and parse_entry("dense:2x64") in [c.entry for c in plan.values()]
 
 
 @pytest.mark.slow
 def test_parallel_workers_train_the_same_runs_as_one_after_another(tmp_path, one_thread):
     from experiments.repro import main
 
-    common = ["--quick", "--steps", "30", "--seeds", "2", "--blocks", "4", "--variants", "vanilla,mod", "--threads", "1"]
+    common = ["--quick", "--steps", "30", "--seeds", "2", "--blocks", "4", "--variants", "vanilla,mod", "--threads", "1",
+              "--dense_shapes", "2x32"]  # the reference's own shape: no other dense control
     tail = ["--", "--data.cache_dir", str(tmp_path / "cache")]
     serial = main(["probe", "--out", str(tmp_path / "serial"), *common, *tail])
     parallel = main(["probe", "--out", str(tmp_path / "parallel"), "--jobs", "2", *common, *tail])

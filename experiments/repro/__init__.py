@@ -94,8 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(mod:n_layer=8:capacity=0.125); default: the registry's probe variants (vanilla, mod, "
                         "mode_staged, mode_integrated, moe, mot, depth_gate, depth_gate_skip, mom, mom_e)")
     p.add_argument("--dense_shapes", default=None, metavar="LxD,...",
-                   help="dense vanilla controls at the same budget, n_layer x d_model (e.g. 2x64,4x48,6x64; default: "
-                        "half the depth, 3/4 the width and 1.5x the depth of the reference model)")
+                   help="dense vanilla controls at the same budget, n_layer x d_model (e.g. 2x64,4x48,8x64; default: "
+                        "half the depth, 3/4 the width and twice the depth of the reference model)")
     p.add_argument("--seeds", type=int, default=5, help="seeds per entry (default 5)")
     p.add_argument("--blocks", type=int, default=128, help="validation blocks of the per-difficulty evaluation")
     p.add_argument("--min_steps", type=int, default=None,
