@@ -184,6 +184,9 @@ class Context:
         runs, files = self.run_table()
         (self.out / "results.md").write_text("\n".join(header + list(sections) + runs).rstrip() + "\n")
         results = {**results, "leaderboard": files} if files else results
+        from experiments.provenance import provenance
+
+        results = {**results, "provenance": provenance()}  # the code that computed the tables from the runs
         (self.out / "results.json").write_text(json.dumps(results, indent=2, default=_jsonable) + "\n")
         return self.out / "results.md"
 
