@@ -488,23 +488,26 @@ def final_validation(metrics: Dict[str, float], key: str) -> Dict[str, Any]:
 
 
 def config_writer(save):
-    """A callback that writes the run folder's ``config.yaml`` once the data is prepared (Lightning calls
-    ``setup`` after ``prepare_data``), so a bad corpus or tokenizer leaves no folder that looks like a run."""
+    """A callback that writes the run folder's ``config.yaml`` (and appends this process's record to
+    ``provenance.json``) once the data is prepared (Lightning calls ``setup`` after ``prepare_data``), so a bad
+    corpus or tokenizer leaves no folder that looks like a run."""
     import lightning as L
 
     class ConfigWriter(L.Callback):
         def setup(self, trainer, pl_module, stage: str) -> None:
             if stage == "fit" and trainer.is_global_zero:
                 run_dir = pathlib.Path(trainer.logger.log_dir)
+                from experiments.provenance import FILE, record_start
+
+                path = run_dir / "config.yaml"
                 try:
                     run_dir.mkdir(parents=True, exist_ok=True)
-                    save(run_dir / "config.yaml")
-                    from experiments.provenance import record_start
-
+                    save(path)
+                    path = run_dir / FILE
                     record_start(run_dir)  # the code and libraries of this process (each resume adds one)
                 except OSError as err:
                     if is_storage_error(err):
-                        raise StorageError(storage_message(run_dir / "config.yaml", err)) from None
+                        raise StorageError(storage_message(path, err)) from None
                     raise
 
     return ConfigWriter()
