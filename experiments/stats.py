@@ -83,11 +83,10 @@ def hierarchical_ratio_ci(numerators: Sequence[Sequence[float]], denominators: S
     chosen = rng.integers(0, len(seeds), size=(resamples, len(seeds)))
     drawn = np.empty((resamples, len(seeds)))
     for j in range(len(seeds)):  # the j-th seed drawn: its own block resample, whichever seed it is
-        ratios = np.empty((resamples, len(seeds)))
         for s, (n, d) in enumerate(seeds):
-            blocks = rng.integers(0, len(d), size=(resamples, len(d)))
-            ratios[:, s] = n[blocks].sum(1) / d[blocks].sum(1)
-        drawn[:, j] = ratios[np.arange(resamples), chosen[:, j]]
+            rows = np.flatnonzero(chosen[:, j] == s)
+            blocks = rng.integers(0, len(d), size=(len(rows), len(d)))
+            drawn[rows, j] = n[blocks].sum(1) / d[blocks].sum(1)
     means = drawn.mean(1)
     return _percentile(means, confidence)
 
