@@ -402,12 +402,19 @@ def pareto_front(points: Sequence[Tuple[Optional[float], Optional[float]]]) -> L
 
 def code_versions(runs: Sequence[Run]) -> Dict[str, int]:
     """{code label (commit, '+dirty:<diff hash>', 'unknown'): runs}; warns in one line when there are several."""
-    from experiments.provenance import code_label
+    from experiments.provenance import code_label, kernel_label
 
     counts: Dict[str, int] = {}
     for r in runs:
         label = code_label(r.summary)
         counts[label] = counts.get(label, 0) + 1
+    kernel_counts: Dict[str, int] = {}
+    for r in runs:
+        label = kernel_label(r.summary)
+        kernel_counts[label] = kernel_counts.get(label, 0) + 1
+    if len(kernel_counts) > 1:
+        warn(f"the table mixes CPU kernel paths: {_code_list(kernel_counts)}; the same command on other kernels "
+             "differs like another seed (docs/results.md, 'Reproducibility')")
     if len(counts) > 1:
         warn(f"the table mixes code versions: {_code_list(counts)}; rows trained by other code may differ for that "
              "reason alone: retrain them at one commit (python -m experiments.repro ... --no_reuse)")

@@ -20,6 +20,9 @@ from importlib import metadata
 from typing import Any, Dict, List, Optional
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+# Environment variables that choose the CPU kernels' code path (and so the rounding of every matmul and
+# reduction): runs that differ here differ like seeds after a few hundred steps (docs/results.md).
+KERNEL_VARIABLES = ("MKL_CBWR", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS")
 LIBRARIES = ("torch", "lightning", "numpy", "scipy", "jsonargparse", "tokenizers", "datasets", "matplotlib")
 FILE = "provenance.json"
 
@@ -52,6 +55,37 @@ def library_versions() -> Dict[str, Optional[str]]:
     return out
 
 
+def cpu_model() -> Optional[str]:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def kernels() -> Dict[str, Any]:
+    """The CPU and the kernel code path torch runs on it: bit-identical runs need the same record here
+    (and the same thread count), whatever the code and seed."""
+    import os
+
+    import torch
+
+    return {"cpu": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "mkl": torch.backends.mkl.is_available(),
+            "environment": {name: os.environ.get(name) for name in KERNEL_VARIABLES}}
+
+
+def kernel_label(summary: Dict[str, Any]) -> str:
+    """A run's kernels as a table names them: CPU capability plus the variables set (``unknown`` for older runs)."""
+    record = (summary.get("provenance") or {}).get("kernels")
+    if not record:
+        return "unknown"
+    env = ",".join(f"{k}={v}" for k, v in sorted(record.get("environment", {}).items()) if v and k != "OMP_NUM_THREADS")
+    return f"{record.get('cpu_capability')}" + (f" ({env})" if env else "")
+
+
 def provenance() -> Dict[str, Any]:
     """This process's record: code state, library versions, Python, platform, torch threads and device."""
     import torch
@@ -59,7 +93,7 @@ def provenance() -> Dict[str, Any]:
     return {**code_state(), "python": platform.python_version(), "libraries": library_versions(),
             "platform": platform.platform(), "torch_threads": torch.get_num_threads(),
             "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "argv": list(sys.argv)}
+            "kernels": kernels(), "argv": list(sys.argv)}
 
 
 def record_start(run_dir: pathlib.Path) -> Dict[str, Any]:

@@ -317,10 +317,30 @@ def test_a_table_of_runs_from_different_commits_warns_in_one_line_and_in_its_mar
     assert "**Warning: the table mixes code versions**: aaaaaaaaaa (2 runs)" in out
 
 
+def test_a_table_of_runs_on_different_cpu_kernels_warns_in_one_line(runs, tmp_path, capsys):
+    folders = copy_runs(runs, tmp_path)
+    avx512 = {"cpu_capability": "AVX512", "environment": {"MKL_CBWR": None, "OMP_NUM_THREADS": "1"}}
+    for folder in folders.values():
+        edit_summary(folder, provenance={"commit": "a" * 40, "dirty": False, "kernels": avx512})
+    code, out, err = run_cli([str(tmp_path / "runs")], capsys)
+    assert code == 0 and "kernel paths" not in err
+    edit_summary(folders[("mod", 2)], provenance={"commit": "a" * 40, "dirty": False, "kernels": {
+        "cpu_capability": "AVX2", "environment": {"MKL_CBWR": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}}})
+    code, out, err = run_cli([str(tmp_path / "runs")], capsys)
+    (line,) = [line for line in err.splitlines() if "kernel paths" in line]
+    assert code == 0 and line == ("warning: the table mixes CPU kernel paths: AVX512 (3 runs), AVX2 "
+                                  "(ATEN_CPU_CAPABILITY=avx2,MKL_CBWR=AVX2) (1 run); the same command on other kernels "
+                                  "differs like another seed (docs/results.md, 'Reproducibility')")
+
+
 def test_real_runs_record_the_code_they_ran(runs):
     board = compare.leaderboard(compare.read_runs(runs.values()))
     (label,) = board["code"]  # trained in one process: one code version
     assert label != "unknown" and board["code"][label] == 4
+    import torch
+
+    kernels = [compare.read_runs([folder])[0].summary["provenance"]["kernels"] for folder in runs.values()]
+    assert all(k["cpu_capability"] == torch.backends.cpu.get_cpu_capability() for k in kernels)
 
 
 # ---------------------------------------------------------------------------- refusals and skips
