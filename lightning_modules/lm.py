@@ -240,13 +240,28 @@ class LanguageModelModule(L.LightningModule):
     def split(batch: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         return batch[:, :-1], batch[:, 1:]
 
-    def lm_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    @staticmethod
+    def unpack(batch) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(tokens (B, T+1), loss weights (B, T) or None): a batch under a loss mask is a (tokens, weights) pair."""
+        if isinstance(batch, (list, tuple)):
+            return batch[0], batch[1]
+        return batch, None
 
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+    def lm_loss(self, logits: torch.Tensor, targets: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Mean next-token cross-entropy; with ``weights`` (a loss mask, ``data.loss_mask``) the weighted mean
+        sum(w * ce) / sum(w), so a target of weight 0 cannot change it (0 when every weight is 0)."""
+        flat = logits.float().reshape(-1, logits.shape[-1])
+        if weights is None:
+            return F.cross_entropy(flat, targets.reshape(-1))
+        ce = F.cross_entropy(flat, targets.reshape(-1), reduction="none")
+        w = weights.reshape(-1).to(ce.dtype)
+        return (ce * w).sum() / w.sum().clamp_min(torch.finfo(ce.dtype).tiny)
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        batch, weights = self.unpack(batch)
         idx, targets = self.split(batch)
         out = self.model(idx)
-        lm_loss = self.lm_loss(out.logits, targets)
+        lm_loss = self.lm_loss(out.logits, targets, weights)
         loss = lm_loss + out.aux_loss
         completed = self.global_step + 1
         done = completes_step(self.trainer)  # with gradient accumulation: the step's last micro-batch
@@ -305,20 +320,23 @@ class LanguageModelModule(L.LightningModule):
             self.log("train/flops_budget_fraction", self.flops_budget.fraction(), reduce_fx="max")
 
     # ------------------------------------------------------------------ validation
-    def validation_step(self, batch: torch.Tensor, batch_idx: int, dataloader_idx: int = 0) -> None:
+    def validation_step(self, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        batch, weights = self.unpack(batch)
         idx, targets = self.split(batch)
+        # under a loss mask, val/loss is the masked objective: weighted by the targets' loss weights
+        count = targets.numel() if weights is None else weights.sum()
         hooks = self._watch_predictors() if self.causal_eval and dataloader_idx == 0 else None
         try:
             out = self.model(idx)
         finally:
             decisions = self._unwatch(hooks)
-        self.val_loss[dataloader_idx].update(self.lm_loss(out.logits, targets), weight=targets.numel())
+        self.val_loss[dataloader_idx].update(self.lm_loss(out.logits, targets, weights), weight=count)
         if decisions:
             self._count_predictor(decisions, out.trace)
         if self.causal_eval:
             with self.model.causal_routing():
                 causal = self.model(idx)
-            self.val_loss_causal[dataloader_idx].update(self.lm_loss(causal.logits, targets), weight=targets.numel())
+            self.val_loss_causal[dataloader_idx].update(self.lm_loss(causal.logits, targets, weights), weight=count)
             flops = self.model.flops_per_token(causal.trace, idx.shape[1]).forward
             self.val_flops_causal[dataloader_idx].update(float(flops), weight=targets.numel())
 
