@@ -242,12 +242,18 @@ class LMDataModule(L.LightningDataModule):
         return probe_labels.converted_path(self._folder(self.corpus), path) if path.suffix == ".jsonl" else path
 
     def _convert_span_labels(self) -> None:
-        """rank 0, after the token cache exists: a ``.jsonl`` span file -> per-token levels beside the tokens."""
-        target = self._label_path()
-        if target is None or target == pathlib.Path(self.config.labels) or target.is_file():
+        """rank 0, after the token cache exists: a ``.jsonl`` span file -> per-token levels beside the tokens
+        (rebuilt when missing or unreadable)."""
+        if not str(self.config.labels or "").endswith(".jsonl"):
             return
+        target, tokens = self._label_path(), self._open(self.corpus)
+        try:
+            probe_labels.open_token_labels(target, len(tokens))
+            return
+        except DataError:
+            pass
         levels = probe_labels.levels_from_span_file(pathlib.Path(self.config.labels), self.corpus.documents(),
-                                                    self.tokenizer, self._open(self.corpus))
+                                                    self.tokenizer, tokens)
         target.parent.mkdir(parents=True, exist_ok=True)
         probe_labels.atomic_npy(target, levels)
 

@@ -89,6 +89,22 @@ def test_span_file_and_npy_file_give_the_same_per_token_levels(tmp_path):
     converted = probe_labels.converted_path(from_spans._folder(from_spans.corpus), corpus)
     assert converted.is_file() and converted.parent.parent == from_spans._folder(from_spans.corpus)  # beside tokens
     assert from_spans.fingerprints()["labels"] != from_npy.fingerprints()["labels"] != "none"
+    converted.write_bytes(converted.read_bytes()[:50])  # a torn copy is rebuilt, not trusted
+    assert np.array_equal(_datamodule(tmp_path, corpus).token_levels, from_npy.token_levels)
+
+
+def test_the_loss_mask_uses_the_probe_datas_own_labels(tmp_path):
+    from datamodules import probe
+
+    dm = LMDataModule(DataConfig(name="probe-v2/arith", batch_size=4, max_tokens=32 * probe.EPISODE_LEN,
+                                 cache_dir=str(tmp_path), loss_mask="labelled"), block_size=128)
+    dm.prepare_data()
+    dm.setup("fit")
+    levels, _ = probe.open_labels(dm._folder(dm.corpus), len(dm.train_set.tokens))
+    block, weights = dm.train_set[3]
+    start = int(dm.train_set.indices[3]) * 128
+    assert torch.equal(weights, torch.as_tensor(levels[start + 1 : start + 129] >= 0, dtype=torch.float32))
+    assert 0 < weights.sum() < 128
 
 
 # ---------------------------------------------------------------------------- validation
