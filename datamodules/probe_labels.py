@@ -154,7 +154,8 @@ def open_token_labels(path: pathlib.Path, num_tokens: int) -> np.ndarray:
 
 
 def file_fingerprint(path: pathlib.Path) -> str:
-    return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()[:16]
+    with pathlib.Path(path).open("rb") as handle:  # streamed: a label file may be as large as the token cache
+        return hashlib.file_digest(handle, "sha256").hexdigest()[:16]
 
 
 def atomic_npy(path: pathlib.Path, array: np.ndarray) -> None:

@@ -198,7 +198,9 @@ class LanguageModelModule(L.LightningModule):
     Logged metrics (reduced over DDP ranks on logging steps only, one all-reduce):
     ``train/loss``, ``train/ppl``, ``train/aux_loss``, ``train/total_loss``, ``aux/<part>`` are global-batch
     means; ``val/loss``, ``val/ppl`` (and ``val/loss_causal``, ``val/ppl_causal`` for models whose routing
-    sees the future) are token-weighted means over every rank's validation batches.
+    sees the future) are token-weighted means over every rank's validation batches. Under a loss mask
+    (``data.loss_mask``; a batch is then ``(tokens, weights)``) the LM losses are weighted means, sum(w * ce) / sum(w),
+    and the validation means are weighted by sum(w).
     """
 
     def __init__(self, model: Dict[str, Any], optim: Optional[Dict[str, Any]] = None, max_steps: int = 1000,
