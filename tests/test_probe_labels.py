@@ -173,18 +173,28 @@ def test_option_combinations_are_checked(tmp_path):
         CallbacksConfig(probe_levels=1, probe_hard_from=1).validate()
 
 
-def test_cli_refuses_labels_outside_the_levels_in_one_line_before_tokenising(tmp_path, capsys):
+@pytest.mark.parametrize("case", ["level-outside", "wrong-length"])
+def test_cli_refuses_bad_labels_in_one_line_with_exit_2(case, tmp_path, capsys):
     from experiments import run
 
     corpus = labelled_corpus(tmp_path)
+    if case == "level-outside":  # found up front: before any tokenisation
+        labels, extra, pattern = corpus, ["--callbacks.probe_levels", "2", "--callbacks.probe_hard_from", "1"], \
+            r"data\.labels: .*span level 2 is outside 0\.\.1"
+    else:  # found once the token cache exists, before any training step
+        labels, extra, pattern = _bad_npy(tmp_path, "short.npy", np.zeros(10, np.int8)), [], \
+            r"data\.labels: .*short\.npy has 10 levels for the \d+ tokens"
     with pytest.raises(SystemExit) as exit_info:
-        run.cli(run.main, ["--data", "text", "--data.path", str(corpus), "--data.labels", str(corpus),
-                           "--tokenizer", "bytes", "--callbacks.probe_levels", "2", "--callbacks.probe_hard_from", "1",
-                           "--log_dir", str(tmp_path / "logs"), "--data.cache_dir", str(tmp_path / "cache"), *TINY_RUN])
+        run.cli(run.main, ["--data", "text", "--data.path", str(corpus), "--data.labels", str(labels),
+                           "--tokenizer", "bytes", *extra, "--log_dir", str(tmp_path / "logs"),
+                           "--data.cache_dir", str(tmp_path / "cache"), *TINY_RUN])
     assert exit_info.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and re.search(r"data\.labels: .*span level 2 is outside 0\.\.1", errors[0]), errors
-    assert not (tmp_path / "cache").exists() and not (tmp_path / "logs").exists()
+    assert len(errors) == 1 and re.search(pattern, errors[0]), errors
+    written = {p.name for p in tmp_path.rglob("*") if p.is_file()}
+    assert not written & {"config.yaml", "summary.json", "last.ckpt"}
+    if case == "level-outside":
+        assert not (tmp_path / "cache").exists() and not (tmp_path / "logs").exists()
 
 
 # ---------------------------------------------------------------------------- the loss mask
