@@ -247,8 +247,9 @@ class ProbeMetrics(L.Callback):
         self.latest["step"] = trainer.global_step
         for name, value in scalars(self.latest).items():
             pl_module.log(name, value, add_dataloader_idx=False, sync_dist=False)
-        if trainer.is_global_zero and trainer.log_dir:
-            path = pathlib.Path(trainer.log_dir) / "probe.json"
+        log_dir = trainer.log_dir  # a broadcast under DDP: every rank must ask (rank 0 alone waited forever)
+        if trainer.is_global_zero and log_dir:
+            path = pathlib.Path(log_dir) / "probe.json"
             path.write_text(json.dumps(self.latest, indent=1) + "\n")
 
 

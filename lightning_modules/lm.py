@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import lightning as L
 import torch
+import torch.distributed
 import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
@@ -249,21 +250,35 @@ class LanguageModelModule(L.LightningModule):
             return batch[0], batch[1]
         return batch, None
 
-    def lm_loss(self, logits: torch.Tensor, targets: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def lm_loss(self, logits: torch.Tensor, targets: torch.Tensor, weights: Optional[torch.Tensor] = None,
+                total_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Mean next-token cross-entropy; with ``weights`` (a loss mask, ``data.loss_mask``) the weighted mean
-        sum(w * ce) / sum(w), so a target of weight 0 cannot change it (0 when every weight is 0)."""
+        sum(w * ce) / sum(w), so a target of weight 0 cannot change it (0 when every weight is 0).
+        ``total_weight`` replaces sum(w) as the divisor (training: ``rank_mean_weight``)."""
         flat = logits.float().reshape(-1, logits.shape[-1])
         if weights is None:
             return F.cross_entropy(flat, targets.reshape(-1))
         ce = F.cross_entropy(flat, targets.reshape(-1), reduction="none")
         w = weights.reshape(-1).to(ce.dtype)
-        return (ce * w).sum() / w.sum().clamp_min(torch.finfo(ce.dtype).tiny)
+        total = w.sum() if total_weight is None else total_weight.to(ce.dtype)
+        return (ce * w).sum() / total.clamp_min(torch.finfo(ce.dtype).tiny)
+
+    def rank_mean_weight(self, weights: torch.Tensor) -> torch.Tensor:
+        """sum(w) of this micro-batch, averaged over the DDP ranks (a scalar all-reduce, no host sync): divided by
+        it, each rank's weighted sum makes DDP's gradient mean, and the logged mean over ranks, the weighted mean
+        over the global batch, although the ranks hold different numbers of labelled targets."""
+        total = weights.sum().float()
+        if self.trainer.world_size > 1:  # not strategy.reduce: its barrier would wait for the host
+            torch.distributed.all_reduce(total)
+            total = total / self.trainer.world_size
+        return total
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         batch, weights = self.unpack(batch)
         idx, targets = self.split(batch)
         out = self.model(idx)
-        lm_loss = self.lm_loss(out.logits, targets, weights)
+        total = None if weights is None else self.rank_mean_weight(weights)
+        lm_loss = self.lm_loss(out.logits, targets, weights, total)
         loss = lm_loss + out.aux_loss
         completed = self.global_step + 1
         done = completes_step(self.trainer)  # with gradient accumulation: the step's last micro-batch
