@@ -402,16 +402,17 @@ def test_two_process_masked_run_trains_on_the_global_weighted_mean(tmp_path, one
               "--data.loss_mask", "labelled", "--data.val_fraction", "0.2", "--max_steps", "3", "--val_every", "3",
               "--data.cache_dir", str(tmp_path / "c"), "--trainer.log_every_n_steps", "1", *TINY_RUN,
               "--model.block_size", str(BLOCK), "--variant", "vanilla", "--callbacks.contribution", "false"]
-    single = main([*common, "--data.batch_size", "8", "--log_dir", str(tmp_path / "one")])
+    single = main([*common, "--data.batch_size", "8", "--val_batches", "2", "--log_dir", str(tmp_path / "one")])
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     env.pop("DYNCOMP_RUN_VERSION", None)
-    proc = subprocess.run([sys.executable, "-m", "experiments.run", *common, "--data.batch_size", "4",
-                           "--log_dir", str(tmp_path / "two"), "--trainer.accelerator", "cpu", "--trainer.devices", "2",
-                           "--trainer.strategy", "ddp"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    two_ranks = ["--data.batch_size", "4", "--val_batches", "4", "--log_dir", str(tmp_path / "two"),
+                 "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp"]
+    proc = subprocess.run([sys.executable, "-m", "experiments.run", *common, *two_ranks], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     one = json.loads((single / "summary.json").read_text())
     two = json.loads((pathlib.Path(proc.stdout.strip().splitlines()[-1]) / "summary.json").read_text())
     assert two["world_size"] == 2 and [s for s, _ in two["train_loss_curve"]] == [1, 2, 3]
     for (_, a), (_, b) in zip(one["train_loss_curve"], two["train_loss_curve"]):
-        assert b == pytest.approx(a, rel=1e-4)
+        assert b == pytest.approx(a, rel=1e-5)  # per-rank means instead: 1e-4 off at step 1
     assert two["val_metrics"]["val/loss"] == pytest.approx(one["val_metrics"]["val/loss"], rel=1e-4)
