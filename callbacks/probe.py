@@ -203,7 +203,8 @@ def summarize(stats: torch.Tensor, rank_corr: Dict[str, Optional[float]], family
         "families": {name: table(stats[i + 1]) for i, name in enumerate(family_names)},
         "spearman": rank_corr["rho"], "spearman_p": rank_corr["p"],
         "spearman_answers": (answers_corr or {}).get("rho"), "spearman_answers_p": (answers_corr or {}).get("p"),
-        "hard_from": hard_from, "n_levels": int(stats.shape[1]), "hard_token_share": token_share, "hard_compute_share": compute_share,
+        "hard_from": hard_from, "n_levels": int(stats.shape[1]),
+        "hard_token_share": token_share, "hard_compute_share": compute_share,
         "hard_compute_ratio": compute_share / token_share if token_share > 0 else None,
     }
 
