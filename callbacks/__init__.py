@@ -32,7 +32,9 @@ class CallbacksConfig:
         contribution_batch_size: sequences in the fixed probe batch (ratios get a bootstrap standard error over them).
         contribution_seq_len: tokens per probe sequence (default: the model's context).
         tensorboard: custom-scalars layout and hparams with the final metrics.
-        probe_blocks: validation blocks of the per-difficulty probe metrics (only with --data probe*).
+        probe_blocks: validation blocks of the per-difficulty probe metrics (with --data probe* or --data.labels).
+        probe_levels: difficulty levels 0..N-1 of the probe metrics (labels must lie in -1..N-1).
+        probe_hard_from: the "hard" levels of the hard-token shares: level >= this.
     """
 
     routing: bool = True
@@ -48,6 +50,8 @@ class CallbacksConfig:
     contribution_seq_len: Optional[int] = None
     tensorboard: bool = True
     probe_blocks: int = 64
+    probe_levels: int = 5  # the probe data's levels 0..MAX_DEPTH
+    probe_hard_from: int = 3  # arith depth 3-4, recall 3 hops
 
     def validate(self, block_size: Optional[int] = None) -> None:
         for name in ("routing_every", "routing_images_every", "flops_every", "contribution_every",
@@ -57,6 +61,12 @@ class CallbacksConfig:
                 raise ConfigError(f"callbacks.{name}: must be a positive integer, got {value!r}")
         if not isinstance(self.throughput_window, int) or self.throughput_window < 2:
             raise ConfigError(f"callbacks.throughput_window: must be an integer >= 2, got {self.throughput_window!r}")
+        if not isinstance(self.probe_levels, int) or not 2 <= self.probe_levels <= 127:
+            raise ConfigError(f"callbacks.probe_levels: must be an integer in 2..127, got {self.probe_levels!r}")
+        hard = self.probe_hard_from
+        if not isinstance(hard, int) or not 1 <= hard < self.probe_levels:
+            raise ConfigError(f"callbacks.probe_hard_from: must be an integer in 1..{self.probe_levels - 1} "
+                              f"(callbacks.probe_levels - 1), got {hard!r}")
         seq = self.contribution_seq_len
         if seq is not None and (not isinstance(seq, int) or seq <= 0):
             raise ConfigError(f"callbacks.contribution_seq_len: must be a positive integer or null, got {seq!r}")
@@ -103,7 +113,8 @@ def default_callbacks(cfg: Any) -> List[Any]:
     from callbacks.probe import ProbeMetrics, is_probe_data
 
     if is_probe_data(cfg):
-        out.append(ProbeMetrics(blocks=config.probe_blocks))
+        out.append(ProbeMetrics(blocks=config.probe_blocks, levels=config.probe_levels,
+                                hard_from=config.probe_hard_from))
     if config.tensorboard:
         from callbacks.tensorboard import TensorBoardExtras
 

@@ -13,6 +13,11 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def batch_tokens(batch):
+    """The (B, T+1) token ids of a training batch: under a loss mask a batch is a (tokens, weights) pair."""
+    return batch[0] if isinstance(batch, (list, tuple)) else batch
+
+
 def require_positive(field: str, value: int) -> None:
     """A callback's interval or size, checked where the callback is built (also outside the CLI)."""
     if value <= 0:

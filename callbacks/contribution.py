@@ -29,7 +29,7 @@ import torch
 
 from architectures.config import ConfigError
 from architectures.contract import SubLayerState
-from callbacks.common import require_positive
+from callbacks.common import batch_tokens, require_positive
 from callbacks.tensorboard import figure, log_figure, log_scalars
 from lightning_modules.steps import log_step
 
@@ -212,6 +212,7 @@ def first_rows(loader, rows: int) -> Optional[torch.Tensor]:
     taken: List[torch.Tensor] = []
     count = 0
     for batch in loader:
+        batch = batch_tokens(batch)
         if not isinstance(batch, torch.Tensor) or batch.dim() != 2:
             return None
         taken.append(batch)
@@ -270,6 +271,7 @@ class ContributionCallback(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if not trainer.is_global_zero:
             return
+        batch = batch_tokens(batch)
         if self.probe is None and isinstance(batch, torch.Tensor) and batch.dim() == 2:
             self.probe = batch[: self.batch_size].detach().clone()
             check_probe(pl_module.model, self.probe, self.seq_len)

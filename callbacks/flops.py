@@ -29,7 +29,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from architectures.contract import RoutingSite
 from architectures.flops import COMPONENTS, Flops
-from callbacks.common import all_reduce_sum, require_positive, warn_if_longer_than_run
+from callbacks.common import all_reduce_sum, batch_tokens, require_positive, warn_if_longer_than_run
 from callbacks.tensorboard import log_scalars
 from lightning_modules.steps import batch_step, completes_step, is_logging_step, log_step, may_be_last_step
 
@@ -229,12 +229,13 @@ class PeakAwareThroughputMonitor(ThroughputMonitor):
 
 
 def _batch_size(batch: Any) -> int:
-    return int(batch.shape[0])
+    return int(batch_tokens(batch).shape[0])
 
 
 def _length(batch: Any) -> int:
     # A batch holds T + 1 tokens per row: inputs [:-1], targets [1:]; T tokens are trained on.
-    return int(batch.shape[0] * (batch.shape[1] - 1))
+    tokens = batch_tokens(batch)
+    return int(tokens.shape[0] * (tokens.shape[1] - 1))
 
 
 def throughput_monitor(window_size: int = 50) -> PeakAwareThroughputMonitor:

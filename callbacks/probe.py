@@ -1,4 +1,5 @@
-"""Per-difficulty metrics on the routing probes (``--data probe`` / ``probe/<task>``; datamodules/probe.py).
+"""Per-difficulty metrics on the routing probes (``--data probe`` / ``probe/<task>``; datamodules/probe.py), and on
+any corpus with a label file (``--data.labels``; datamodules/probe_labels.py).
 
 At every validation ``ProbeMetrics`` evaluates the first ``blocks`` validation blocks (each DDP rank
 its share; sums reduced across ranks) with causal routing where the variant has it, and logs:
@@ -13,7 +14,10 @@ its share; sums reduced across ranks) with causal routing where the variant has 
   positive for a router that only tells answers from format tokens, without grading the answers by depth);
 * ``probe/hard_token_share``, ``probe/hard_compute_share`` and their ratio ``probe/hard_compute_ratio``:
   the share of the labelled tokens, and of the compute spent on them, that falls on the hardest
-  levels (``level >= HARD_FROM``); a ratio above 1 means the router favours hard tokens.
+  levels (``level >= hard_from``); a ratio above 1 means the router favours hard tokens.
+
+The number of levels and the hard threshold are options (``--callbacks.probe_levels``, default ``LEVELS``;
+``--callbacks.probe_hard_from``, default ``HARD_FROM``); a label outside them is an error, not dropped.
 
 The same numbers, plus a breakdown by task family and the per-block counts (``blocks``: labelled tokens and
 correct answers per validation block and level, the units of the experiments' bootstrap intervals), go to
@@ -46,11 +50,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from architectures.config import ConfigError
 from architectures.contract import RoutingSite
 from callbacks.common import all_reduce_sum, require_positive
+from datamodules.probe_labels import evaluation_blocks
 
-HARD_FROM = 3  # the hardest levels: arith depth 3-4, recall 3 hops
-LEVELS = 5  # 0..MAX_DEPTH of datamodules/probe.py
+HARD_FROM = 3  # default: the hardest levels: arith depth 3-4, recall 3 hops
+LEVELS = 5  # default: 0..MAX_DEPTH of datamodules/probe.py
 _STATS = ("tokens", "loss", "correct", "flops")
 
 
@@ -107,8 +113,8 @@ def token_flops(model, trace: Sequence[RoutingSite], seq_len: int, batch_shape=N
 
 
 # ---------------------------------------------------------------------------- evaluation
-def _empty_stats(families: int) -> torch.Tensor:
-    return torch.zeros(families + 1, LEVELS, len(_STATS), dtype=torch.float64)  # [all, per family]
+def _empty_stats(families: int, levels: int = LEVELS) -> torch.Tensor:
+    return torch.zeros(families + 1, levels, len(_STATS), dtype=torch.float64)  # [all, per family]
 
 
 @torch.no_grad()
@@ -146,24 +152,27 @@ def probe_batches(model, tokens: np.ndarray, levels: np.ndarray, families: np.nd
     return {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in out.items()}
 
 
-def stats_tensor(tokens: Dict[str, np.ndarray], n_families: int) -> torch.Tensor:
+def stats_tensor(tokens: Dict[str, np.ndarray], n_families: int, levels: int = LEVELS) -> torch.Tensor:
     """Sums per (all | family, level): tokens, loss, correct, flops (reduced across ranks by summing)."""
-    stats = _empty_stats(n_families)
+    if len(tokens["level"]) and int(tokens["level"].max()) >= levels:
+        raise ConfigError(f"callbacks.probe_levels: the data hold level {int(tokens['level'].max())}, outside the "
+                          f"{levels} levels 0..{levels - 1}; raise --callbacks.probe_levels")
+    stats = _empty_stats(n_families, levels)
     for row, mask in [(0, np.ones_like(tokens["level"], dtype=bool))] + [
             (f + 1, tokens["family"] == f) for f in range(n_families)]:
-        for level in range(LEVELS):
+        for level in range(levels):
             m = mask & (tokens["level"] == level)
             stats[row, level] = torch.tensor([m.sum(), tokens["loss"][m].sum(), tokens["correct"][m].sum(),
                                               tokens["flops"][m].sum()], dtype=torch.float64)
     return stats
 
 
-def block_counts(tokens: Dict[str, np.ndarray], n_blocks: int) -> Dict[str, List[List[int]]]:
+def block_counts(tokens: Dict[str, np.ndarray], n_blocks: int, levels: int = LEVELS) -> Dict[str, List[List[int]]]:
     """Per validation block and level: labelled tokens and correct answers ([block][level]). The blocks are
     the units the experiments' bootstrap resamples (a block's tokens together, never one sequence's tokens
     on their own); summed over the blocks they give the pooled counts of ``stats_tensor``."""
-    counts, correct = np.zeros((n_blocks, LEVELS), np.int64), np.zeros((n_blocks, LEVELS), np.int64)
-    kept = tokens["level"] < LEVELS  # the levels the pooled table has
+    counts, correct = np.zeros((n_blocks, levels), np.int64), np.zeros((n_blocks, levels), np.int64)
+    kept = tokens["level"] < levels  # the levels the pooled table has
     where = (tokens["block"][kept].astype(np.int64), tokens["level"][kept].astype(np.int64))
     np.add.at(counts, where, 1)
     np.add.at(correct, where, tokens["correct"][kept].astype(np.int64))
@@ -187,13 +196,14 @@ def spearman_answers(level: np.ndarray, flops: np.ndarray) -> Dict[str, Optional
 
 
 def summarize(stats: torch.Tensor, rank_corr: Dict[str, Optional[float]], family_names: Sequence[str],
-              answers_corr: Optional[Dict[str, Optional[float]]] = None) -> Dict[str, Any]:
-    """Per-level table, hard-level shares and the correlation, from the reduced sums."""
+              answers_corr: Optional[Dict[str, Optional[float]]] = None, hard_from: int = HARD_FROM) -> Dict[str, Any]:
+    """Per-level table, hard-level shares (levels >= ``hard_from``) and the correlation, from the reduced sums
+    (``stats``: ``stats_tensor``'s, whose second dimension is the number of levels)."""
 
     def table(block: torch.Tensor) -> Dict[str, Dict[str, float]]:
         out = {}
         total_tokens, total_flops = float(block[:, 0].sum()), float(block[:, 3].sum())
-        for level in range(LEVELS):
+        for level in range(block.shape[0]):
             n, loss, correct, flops = block[level].tolist()
             if n > 0:
                 out[str(level)] = {"tokens": int(n), "loss": loss / n, "acc": correct / n, "flops": flops / n,
@@ -201,7 +211,7 @@ def summarize(stats: torch.Tensor, rank_corr: Dict[str, Optional[float]], family
         return out
 
     levels = table(stats[0])
-    hard = [v for k, v in levels.items() if int(k) >= HARD_FROM]
+    hard = [v for k, v in levels.items() if int(k) >= hard_from]
     token_share = sum(v["token_share"] for v in hard)
     compute_share = sum(v["compute_share"] for v in hard)
     return {
@@ -209,7 +219,8 @@ def summarize(stats: torch.Tensor, rank_corr: Dict[str, Optional[float]], family
         "families": {name: table(stats[i + 1]) for i, name in enumerate(family_names)},
         "spearman": rank_corr["rho"], "spearman_p": rank_corr["p"],
         "spearman_answers": (answers_corr or {}).get("rho"), "spearman_answers_p": (answers_corr or {}).get("p"),
-        "hard_from": HARD_FROM, "hard_token_share": token_share, "hard_compute_share": compute_share,
+        "hard_from": hard_from, "n_levels": int(stats.shape[1]),
+        "hard_token_share": token_share, "hard_compute_share": compute_share,
         "hard_compute_ratio": compute_share / token_share if token_share > 0 else None,
     }
 
@@ -226,55 +237,54 @@ def scalars(summary: Dict[str, Any]) -> Dict[str, float]:
 
 
 def evaluate_probe(model, datamodule, blocks: int = 64, batch_size: int = 16, rank: int = 0, world: int = 1,
-                   causal: bool = True) -> Dict[str, Any]:
+                   causal: bool = True, levels: int = LEVELS, hard_from: int = HARD_FROM) -> Dict[str, Any]:
     """The probe summary of ``model`` on the first ``blocks`` validation blocks (single process)."""
-    from datamodules.probe import FAMILIES, labelled_blocks
-
-    tokens, levels, families = labelled_blocks(datamodule, blocks, rank, world)
-    per_token = probe_batches(model, tokens, levels, families, batch_size, causal=causal)
-    stats = stats_tensor(per_token, len(FAMILIES))
-    summary = summarize(stats, spearman(per_token["level"], per_token["flops"]), FAMILIES,
-                        spearman_answers(per_token["level"], per_token["flops"]))
-    return {**summary, "blocks": block_counts(per_token, len(tokens))}
+    tokens, token_levels, families, family_names = evaluation_blocks(datamodule, blocks, rank, world)
+    per_token = probe_batches(model, tokens, token_levels, families, batch_size, causal=causal)
+    stats = stats_tensor(per_token, len(family_names), levels)
+    summary = summarize(stats, spearman(per_token["level"], per_token["flops"]), family_names,
+                        spearman_answers(per_token["level"], per_token["flops"]), hard_from)
+    return {**summary, "blocks": block_counts(per_token, len(tokens), levels)}
 
 
 # ---------------------------------------------------------------------------- the callback
 class ProbeMetrics(L.Callback):
     """Per-difficulty loss, accuracy and compute at every validation (see the module docstring)."""
 
-    def __init__(self, blocks: int = 64, batch_size: int = 16):
+    def __init__(self, blocks: int = 64, batch_size: int = 16, levels: int = LEVELS, hard_from: int = HARD_FROM):
         require_positive("probe_blocks", blocks)
         self.blocks, self.batch_size = blocks, batch_size
+        self.levels, self.hard_from = levels, hard_from
         self.latest: Dict[str, Any] = {}
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking:
             return
         self.latest = distributed_summary(pl_module.model, trainer.datamodule, self.blocks, trainer.global_rank,
-                                          trainer.world_size, self.batch_size)
+                                          trainer.world_size, self.batch_size, self.levels, self.hard_from)
         self.latest["step"] = trainer.global_step
         for name, value in scalars(self.latest).items():
             pl_module.log(name, value, add_dataloader_idx=False, sync_dist=False)
-        if trainer.is_global_zero and trainer.log_dir:
-            path = pathlib.Path(trainer.log_dir) / "probe.json"
+        log_dir = trainer.log_dir  # a broadcast under DDP: every rank must ask (rank 0 alone waited forever)
+        if trainer.is_global_zero and log_dir:
+            path = pathlib.Path(log_dir) / "probe.json"
             path.write_text(json.dumps(self.latest, indent=1) + "\n")
 
 
-def distributed_summary(model, datamodule, blocks: int, rank: int, world: int, batch_size: int = 16) -> Dict[str, Any]:
+def distributed_summary(model, datamodule, blocks: int, rank: int, world: int, batch_size: int = 16,
+                        levels: int = LEVELS, hard_from: int = HARD_FROM) -> Dict[str, Any]:
     """Every rank evaluates its share of the blocks; sums are all-reduced and the per-token (level, compute)
     pairs gathered for the rank correlation, so every rank returns the summary of all the blocks."""
-    from datamodules.probe import FAMILIES, labelled_blocks
-
-    tokens, levels, families = labelled_blocks(datamodule, blocks, rank, world)
-    per_token = probe_batches(model, tokens, levels, families, batch_size)
+    tokens, token_levels, families, family_names = evaluation_blocks(datamodule, blocks, rank, world)
+    per_token = probe_batches(model, tokens, token_levels, families, batch_size)
     device = next(model.parameters()).device
-    stats = all_reduce_sum(stats_tensor(per_token, len(FAMILIES)).to(device)).cpu()
+    stats = all_reduce_sum(stats_tensor(per_token, len(family_names), levels).to(device)).cpu()
     level, flops = _gather([per_token["level"], per_token["flops"]])
-    mine = block_counts(per_token, len(tokens))
+    mine = block_counts(per_token, len(tokens), levels)
     # ranks hold consecutive shares of the blocks (labelled_blocks): rank order is block order
-    counts, correct = _gather([np.asarray(mine["tokens"], np.int64).reshape(len(tokens), LEVELS),
-                               np.asarray(mine["correct"], np.int64).reshape(len(tokens), LEVELS)])
-    summary = summarize(stats, spearman(level, flops), FAMILIES, spearman_answers(level, flops))
+    counts, correct = _gather([np.asarray(mine["tokens"], np.int64).reshape(len(tokens), levels),
+                               np.asarray(mine["correct"], np.int64).reshape(len(tokens), levels)])
+    summary = summarize(stats, spearman(level, flops), family_names, spearman_answers(level, flops), hard_from)
     return {**summary, "blocks": {"tokens": counts.tolist(), "correct": correct.tolist()}}
 
 
@@ -290,8 +300,9 @@ def _gather(arrays: List[np.ndarray]) -> List[np.ndarray]:
 
 
 def is_probe_data(cfg: Any) -> bool:
+    """Probe data, or any corpus with a label file (``data.labels``): the probe metrics run."""
     data = cfg.get("data") if isinstance(cfg, dict) else getattr(cfg, "data", None)
-    name = (data.get("name") if isinstance(data, dict) else getattr(data, "name", "")) or ""
+    field = (lambda key: data.get(key)) if isinstance(data, dict) else (lambda key: getattr(data, key, None))
     from datamodules.probe import TASKS
 
-    return str(name) in TASKS
+    return str(field("name") or "") in TASKS or bool(field("labels"))

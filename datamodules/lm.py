@@ -7,6 +7,9 @@
   validation sets (one loader each, e.g. SlimPajama's out-of-distribution subsets).
 * Training order: an endless, seeded stream of permutations, sharded by rank. Its position is
   part of the checkpoint (``state_dict``), so resuming continues with exactly the next batches.
+* Labels (``data.labels``, or the probe data's own; ``datamodules/probe_labels.py``): a level per token
+  of the stream, -1 = unlabelled. With ``data.loss_mask labelled`` a block comes with the loss weight of
+  each target, ``(tokens (T+1,), weights (T,))``: 1 where labelled, ``data.unlabelled_weight`` elsewhere.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from datamodules import token_cache
+from datamodules import probe_labels, token_cache
 from datamodules.catalog import get_corpus
 from datamodules.corpora import Corpus, DataError
 from datamodules.files import default_cache_dir
@@ -44,6 +47,11 @@ class DataConfig:
     streaming: bool = False  # stream from the hub instead of downloading the raw files first
     max_tokens: Optional[int] = None  # stop tokenising the training corpus after this many tokens
     num_proc: Optional[int] = None  # worker processes for the batched tokenisation map
+    # Bring your own probe (docs/probes.md): a level per token of the token stream, -1 = unlabelled: a .npy
+    # (one integer per token) or a .jsonl (character spans per document, converted at the cache build)
+    labels: Optional[str] = None
+    loss_mask: str = "none"  # none | labelled: the loss averages over the labelled targets only
+    unlabelled_weight: float = 0.0  # with loss_mask=labelled: the loss weight of the unlabelled targets
 
     @property
     def paths(self) -> List[str]:
@@ -64,14 +72,38 @@ class DataConfig:
             raise DataError(f"data.max_tokens: must be an integer >= 2, got {self.max_tokens}")
         if self.num_proc is not None and self.num_proc < 1:
             raise DataError(f"data.num_proc: must be a positive integer, got {self.num_proc}")
+        self.validate_labels()
+
+    def validate_labels(self) -> None:
+        if self.loss_mask not in LOSS_MASKS:
+            raise DataError(f"data.loss_mask: must be one of {', '.join(LOSS_MASKS)}, got {self.loss_mask!r}")
+        if not 0.0 <= self.unlabelled_weight <= 1.0:
+            raise DataError(f"data.unlabelled_weight: must be in [0, 1], got {self.unlabelled_weight}")
+        if self.unlabelled_weight and self.loss_mask == "none":
+            raise DataError("data.unlabelled_weight: weighs the loss of unlabelled targets under a loss mask; "
+                            "add --data.loss_mask labelled or drop it")
+        if self.labels is not None:
+            path = pathlib.Path(self.labels)
+            if path.suffix not in probe_labels.FORMATS or not path.is_file():
+                probe_labels.check_label_file(self.labels)  # the error naming what is wrong
+
+    @property
+    def masked(self) -> bool:
+        return self.loss_mask != "none"
+
+
+LOSS_MASKS = ("none", "labelled")
 
 
 class PackedBlocks(Dataset):
-    """Blocks of ``block_size + 1`` tokens at stride ``block_size`` from a flat token array."""
+    """Blocks of ``block_size + 1`` tokens at stride ``block_size`` from a flat token array; with per-token
+    ``levels`` (a loss mask) each block comes with its targets' loss weights (module docstring)."""
 
     def __init__(self, tokens: np.ndarray, block_size: int, indices: Optional[np.ndarray] = None,
-                 verifier: Optional[token_cache.ChunkVerifier] = None):
+                 verifier: Optional[token_cache.ChunkVerifier] = None, levels: Optional[np.ndarray] = None,
+                 unlabelled_weight: float = 0.0):
         self.tokens = tokens
+        self.levels, self.unlabelled_weight = levels, unlabelled_weight
         self.verifier = verifier  # large caches: each chunk's sha256 is checked when first read
         self.block_size = block_size
         total = (len(tokens) - 1) // block_size
@@ -80,11 +112,15 @@ class PackedBlocks(Dataset):
     def __len__(self) -> int:
         return len(self.indices)
 
-    def __getitem__(self, i: int) -> torch.Tensor:
+    def __getitem__(self, i: int):
         start = int(self.indices[i]) * self.block_size
         if self.verifier is not None:
             self.verifier.check_tokens(start, start + self.block_size + 1)
-        return torch.from_numpy(self.tokens[start : start + self.block_size + 1].astype(np.int64))
+        block = torch.from_numpy(self.tokens[start : start + self.block_size + 1].astype(np.int64))
+        if self.levels is None:
+            return block
+        labelled = np.asarray(self.levels[start + 1 : start + self.block_size + 1]) >= 0
+        return block, torch.from_numpy(np.where(labelled, 1.0, self.unlabelled_weight).astype(np.float32))
 
 
 class ResumableShardSampler(Sampler[int]):
@@ -145,6 +181,8 @@ class LMDataModule(L.LightningDataModule):
         self.train_set: Optional[PackedBlocks] = None
         self.val_sets: Dict[str, PackedBlocks] = {}
         self._fingerprints: Optional[Dict[str, str]] = None
+        self.token_levels: Optional[np.ndarray] = None  # per token of the training stream (labels / probe data)
+        self._check_label_options()
 
     # ------------------------------------------------------------------ tokenizer and cache
     @property
@@ -177,6 +215,57 @@ class LMDataModule(L.LightningDataModule):
                     size = getattr(corpus, "size_bytes", None)
                     token_cache.build_tokens(corpus.documents(), self.tokenizer, folder, description,
                                              input_bytes=size() if size else None)
+        self._convert_span_labels()
+
+    def _check_label_options(self) -> None:
+        from datamodules.probe import ProbeCorpus
+
+        probe = isinstance(self.corpus, ProbeCorpus)
+        if self.config.labels and probe:
+            raise DataError(f"data.labels: the probe data {self.corpus.name!r} carry their own labels; drop "
+                            "--data.labels (or train on --data text with your label file)")
+        if self.config.masked and not (self.config.labels or probe):
+            raise DataError("data.loss_mask: needs labels: add --data.labels PATH (or use probe data)")
+        if (self.config.labels or self.config.masked) and self.corpus.validation_sets():
+            raise DataError(f"data.labels: dataset {self.corpus.name!r} validates on separate validation sets, "
+                            "which a label file of its training stream does not cover; use local files "
+                            "(--data text, or --data.path) whose validation is held out from the one stream")
+        if str(self.config.labels or "").endswith(".jsonl") and hasattr(self.corpus, "write_tokens"):
+            raise DataError(f"data.labels: dataset {self.corpus.name!r} is tokenised in batches (not document by "
+                            "document); give a .npy of one level per token instead of a .jsonl span file")
+
+    def _label_path(self) -> Optional[pathlib.Path]:
+        """The per-token ``.npy`` of ``data.labels`` (a ``.jsonl`` span file: its converted copy in the cache)."""
+        if not self.config.labels:
+            return None
+        path = pathlib.Path(self.config.labels)
+        return probe_labels.converted_path(self._folder(self.corpus), path) if path.suffix == ".jsonl" else path
+
+    def _convert_span_labels(self) -> None:
+        """rank 0, after the token cache exists: a ``.jsonl`` span file -> per-token levels beside the tokens
+        (rebuilt when missing or unreadable)."""
+        if not str(self.config.labels or "").endswith(".jsonl"):
+            return
+        target, tokens = self._label_path(), self._open(self.corpus)
+        try:
+            probe_labels.open_token_labels(target, len(tokens))
+            return
+        except DataError:
+            pass
+        levels = probe_labels.levels_from_span_file(pathlib.Path(self.config.labels), self.corpus.documents(),
+                                                    self.tokenizer, tokens)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        probe_labels.atomic_npy(target, levels)
+
+    def _open_levels(self, tokens: np.ndarray) -> Optional[np.ndarray]:
+        from datamodules.probe import ProbeCorpus, open_labels
+
+        path = self._label_path()
+        if path is not None:
+            return probe_labels.open_token_labels(path, len(tokens))
+        if self.config.masked and isinstance(self.corpus, ProbeCorpus):
+            return open_labels(self._folder(self.corpus), len(tokens))[0]
+        return None
 
     def _open(self, corpus: Corpus) -> np.ndarray:
         tokens = token_cache.open_tokens(self._folder(corpus))
@@ -188,12 +277,15 @@ class LMDataModule(L.LightningDataModule):
         return tokens
 
     def _blocks(self, corpus: Corpus, tokens: np.ndarray, indices: Optional[np.ndarray] = None) -> PackedBlocks:
-        return PackedBlocks(tokens, self.block_size, indices, verifier=token_cache.verifier(self._folder(corpus)))
+        mask = self.token_levels if self.config.masked else None
+        return PackedBlocks(tokens, self.block_size, indices, verifier=token_cache.verifier(self._folder(corpus)),
+                            levels=mask, unlabelled_weight=self.config.unlabelled_weight)
 
     def setup(self, stage: Optional[str] = None) -> None:
         if self.train_set is not None:
             return
         tokens = self._open(self.corpus)
+        self.token_levels = self._open_levels(tokens)
         total = (len(tokens) - 1) // self.block_size
         if total < 2:
             source = ", ".join(self.config.paths) or f"the token cache {self._folder(self.corpus)}"
@@ -273,8 +365,16 @@ class LMDataModule(L.LightningDataModule):
                 "tokenizer": f"{self.tokenizer.name}:{self.tokenizer.fingerprint}",
                 "val_fraction": str(self.config.val_fraction),
                 "data_source": " ".join([self.config.name, *self.config.paths]),  # for messages only
+                "labels": self._labels_fingerprint(),
             }
         return self._fingerprints
+
+    def _labels_fingerprint(self) -> str:
+        """The label file's content and the loss mask ("none" without either): a run resumes on the same."""
+        if not self.config.labels and not self.config.masked:
+            return "none"
+        labels = probe_labels.file_fingerprint(pathlib.Path(self.config.labels)) if self.config.labels else "probe"
+        return f"{labels}:{self.config.loss_mask}:{self.config.unlabelled_weight}"
 
     def val_names_from_corpus(self) -> List[str]:
         """Names of the validation loaders, known before ``setup`` (the LightningModule needs them)."""

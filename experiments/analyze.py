@@ -76,6 +76,7 @@ def run_config(folder: pathlib.Path) -> Dict[str, Any]:
 
 def probe_sequences(folder: pathlib.Path, block_size: int, vocab_size: int, count: int) -> torch.Tensor:
     """(N, block_size + 1) token ids: the first ``count`` blocks of the run's first validation set."""
+    from callbacks.common import batch_tokens
     from datamodules.lm import DataConfig, LMDataModule
 
     config = run_config(folder)
@@ -91,7 +92,7 @@ def probe_sequences(folder: pathlib.Path, block_size: int, vocab_size: int, coun
     datamodule.setup("validate")
     dataset = next(iter(datamodule.val_sets.values()))
     n = min(count, len(dataset))
-    return torch.stack([dataset[i] for i in range(n)])
+    return torch.stack([batch_tokens(dataset[i]) for i in range(n)])  # under a loss mask: (tokens, weights)
 
 
 # ---------------------------------------------------------------------------- states

@@ -240,6 +240,9 @@ def comparability(runs: Sequence[Run]) -> Dict[str, Dict[str, Any]]:
         c = r.config
         data = r.fingerprints["data"] if exact else " ".join(f"{k}={c[k]}" for k in sorted(c)
                                                              if k.startswith("data.") and k not in _DATA_NOT_CONTENT)
+        labels = (r.fingerprints or {}).get("labels", "none")
+        if exact and labels != "none":  # a label file / loss mask: val/loss is the masked objective
+            data += f" labels {labels}"
         tokenizer = r.fingerprints["tokenizer"] if exact else f"data.tokenizer={c.get('data.tokenizer')} ({data})"
         val_fraction = r.fingerprints.get("val_fraction") if exact else c.get("data.val_fraction")
         # val_batches is a global count, split across the ranks: the same blocks for any world size

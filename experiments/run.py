@@ -48,6 +48,7 @@ from datamodules.corpora import DataError  # noqa: E402
 from lightning_modules.storage import StorageError, atomic_checkpoint_io, check_writable, claim_next_version  # noqa: E402
 from lightning_modules.storage import is_storage_error, release_if_empty, storage_message  # noqa: E402
 from datamodules.lm import DataConfig  # noqa: E402
+from datamodules.probe_labels import check_label_file  # noqa: E402
 from lightning_modules.flops_budget import validate_budget  # noqa: E402
 from lightning_modules.lm import OptimConfig  # noqa: E402
 
@@ -162,6 +163,8 @@ def validate_up_front(cfg: Namespace) -> None:
     DataConfig(**_as_dict(cfg.data)).validate()
     OptimConfig(**_as_dict(cfg.optim)).validate()
     callbacks_config(cfg).validate(model_config(cfg).resolve().block_size)
+    if cfg.data.labels:  # its levels against --callbacks.probe_levels; its length once the token cache exists
+        check_label_file(cfg.data.labels, callbacks_config(cfg).probe_levels)
     model_config(cfg).resolve()
     check_options_used(model_config(cfg))
     check_data_options(cfg.data)
@@ -341,10 +344,11 @@ def checkpoint_differences(path: str, expected: Dict[str, Any]) -> List[str]:
         print(f"warning: {path} records no data/tokenizer fingerprints; only the model settings were checked",
               file=sys.stderr)
         return out
-    for key in ("data", "tokenizer", "val_fraction"):
-        if key in expected and saved.get(key) != expected[key]:
-            label = "data.val_fraction" if key == "val_fraction" else key
-            was, now = saved.get(key), expected[key]
+    for key in ("data", "tokenizer", "val_fraction", "labels"):
+        was = saved.get(key, "none" if key == "labels" else None)  # checkpoints from before labels: none
+        if key in expected and was != expected[key]:
+            label = {"val_fraction": "data.val_fraction", "labels": "data.labels / data.loss_mask"}.get(key, key)
+            now = expected[key]
             if key == "data" and saved.get("data_source"):  # name the files as well as their fingerprints
                 was, now = f"{was} = {saved['data_source']}", f"{now} = {expected.get('data_source')}"
             out.append(f"{label} ({was} in the checkpoint, {now} now)")

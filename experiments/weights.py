@@ -343,6 +343,7 @@ def step0_table(run_dir: str, batches: int = 8) -> str:
     import yaml
 
     from architectures import ModelConfig, build_model, variant_names
+    from callbacks.common import batch_tokens
     from datamodules.lm import DataConfig, LMDataModule
 
     run = pathlib.Path(run_dir)
@@ -355,7 +356,7 @@ def step0_table(run_dir: str, batches: int = 8) -> str:
     data.setup("fit")
     loader = data.val_dataloader()
     loader = loader[0] if isinstance(loader, (list, tuple)) else loader
-    blocks = [b for _, b in zip(range(batches), loader)]
+    blocks = [batch_tokens(b) for _, b in zip(range(batches), loader)]  # under a loss mask: (tokens, weights)
     shape = {k: saved["model"][k] for k in ("vocab_size", "d_model", "n_layer", "n_head", "block_size", "ffn_ratio",
                                             "bias", "layer_norm_eps")}
 

@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import lightning as L
 import torch
+import torch.distributed
 import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
@@ -198,7 +199,9 @@ class LanguageModelModule(L.LightningModule):
     Logged metrics (reduced over DDP ranks on logging steps only, one all-reduce):
     ``train/loss``, ``train/ppl``, ``train/aux_loss``, ``train/total_loss``, ``aux/<part>`` are global-batch
     means; ``val/loss``, ``val/ppl`` (and ``val/loss_causal``, ``val/ppl_causal`` for models whose routing
-    sees the future) are token-weighted means over every rank's validation batches.
+    sees the future) are token-weighted means over every rank's validation batches. Under a loss mask
+    (``data.loss_mask``; a batch is then ``(tokens, weights)``) the LM losses are weighted means, sum(w * ce) / sum(w),
+    and the validation means are weighted by sum(w).
     """
 
     def __init__(self, model: Dict[str, Any], optim: Optional[Dict[str, Any]] = None, max_steps: int = 1000,
@@ -240,13 +243,42 @@ class LanguageModelModule(L.LightningModule):
     def split(batch: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         return batch[:, :-1], batch[:, 1:]
 
-    def lm_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    @staticmethod
+    def unpack(batch) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(tokens (B, T+1), loss weights (B, T) or None): a batch under a loss mask is a (tokens, weights) pair."""
+        if isinstance(batch, (list, tuple)):
+            return batch[0], batch[1]
+        return batch, None
 
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+    def lm_loss(self, logits: torch.Tensor, targets: torch.Tensor, weights: Optional[torch.Tensor] = None,
+                total_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Mean next-token cross-entropy; with ``weights`` (a loss mask, ``data.loss_mask``) the weighted mean
+        sum(w * ce) / sum(w), so a target of weight 0 cannot change it (0 when every weight is 0).
+        ``total_weight`` replaces sum(w) as the divisor (training: ``rank_mean_weight``)."""
+        flat = logits.float().reshape(-1, logits.shape[-1])
+        if weights is None:
+            return F.cross_entropy(flat, targets.reshape(-1))
+        ce = F.cross_entropy(flat, targets.reshape(-1), reduction="none")
+        w = weights.reshape(-1).to(ce.dtype)
+        total = w.sum() if total_weight is None else total_weight.to(ce.dtype)
+        return (ce * w).sum() / total.clamp_min(torch.finfo(ce.dtype).tiny)
+
+    def rank_mean_weight(self, weights: torch.Tensor) -> torch.Tensor:
+        """sum(w) of this micro-batch, averaged over the DDP ranks (a scalar all-reduce, no host sync): divided by
+        it, each rank's weighted sum makes DDP's gradient mean, and the logged mean over ranks, the weighted mean
+        over the global batch, although the ranks hold different numbers of labelled targets."""
+        total = weights.sum().float()
+        if self.trainer.world_size > 1:  # not strategy.reduce: its barrier would wait for the host
+            torch.distributed.all_reduce(total)
+            total = total / self.trainer.world_size
+        return total
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        batch, weights = self.unpack(batch)
         idx, targets = self.split(batch)
         out = self.model(idx)
-        lm_loss = self.lm_loss(out.logits, targets)
+        total = None if weights is None else self.rank_mean_weight(weights)
+        lm_loss = self.lm_loss(out.logits, targets, weights, total)
         loss = lm_loss + out.aux_loss
         completed = self.global_step + 1
         done = completes_step(self.trainer)  # with gradient accumulation: the step's last micro-batch
@@ -305,20 +337,23 @@ class LanguageModelModule(L.LightningModule):
             self.log("train/flops_budget_fraction", self.flops_budget.fraction(), reduce_fx="max")
 
     # ------------------------------------------------------------------ validation
-    def validation_step(self, batch: torch.Tensor, batch_idx: int, dataloader_idx: int = 0) -> None:
+    def validation_step(self, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        batch, weights = self.unpack(batch)
         idx, targets = self.split(batch)
+        # under a loss mask, val/loss is the masked objective: weighted by the targets' loss weights
+        count = targets.numel() if weights is None else weights.sum()
         hooks = self._watch_predictors() if self.causal_eval and dataloader_idx == 0 else None
         try:
             out = self.model(idx)
         finally:
             decisions = self._unwatch(hooks)
-        self.val_loss[dataloader_idx].update(self.lm_loss(out.logits, targets), weight=targets.numel())
+        self.val_loss[dataloader_idx].update(self.lm_loss(out.logits, targets, weights), weight=count)
         if decisions:
             self._count_predictor(decisions, out.trace)
         if self.causal_eval:
             with self.model.causal_routing():
                 causal = self.model(idx)
-            self.val_loss_causal[dataloader_idx].update(self.lm_loss(causal.logits, targets), weight=targets.numel())
+            self.val_loss_causal[dataloader_idx].update(self.lm_loss(causal.logits, targets, weights), weight=count)
             flops = self.model.flops_per_token(causal.trace, idx.shape[1]).forward
             self.val_flops_causal[dataloader_idx].update(float(flops), weight=targets.numel())
 
