@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from datamodules import token_cache
+from datamodules.cache_build import build_corpus_cache
 from datamodules.catalog import get_corpus
 from datamodules.corpora import Corpus, DataError
 from datamodules.files import default_cache_dir
@@ -43,7 +44,7 @@ class DataConfig:
     revision: Optional[str] = None  # hub revision (default: the corpus's, e.g. refs/convert/parquet)
     streaming: bool = False  # stream from the hub instead of downloading the raw files first
     max_tokens: Optional[int] = None  # stop tokenising the training corpus after this many tokens
-    num_proc: Optional[int] = None  # worker processes for the batched tokenisation map
+    num_proc: Optional[int] = None  # tokenisation processes (None: every CPU available to the process)
 
     @property
     def paths(self) -> List[str]:
@@ -170,13 +171,13 @@ class LMDataModule(L.LightningDataModule):
             # the token cache verifies its own files; a corpus verifies what it writes beside them (probe labels)
             if token_cache.open_tokens(folder) is None or not corpus.cache_is_complete(folder):
                 description = f"tokenising {corpus.name}/{split}"
-                write_tokens = getattr(corpus, "write_tokens", None)  # hub corpora: batched datasets.map
+                write_tokens = getattr(corpus, "write_tokens", None)  # generated corpora write their own files
                 if write_tokens is not None:
                     write_tokens(self.tokenizer, folder, description)
-                else:
-                    size = getattr(corpus, "size_bytes", None)
-                    token_cache.build_tokens(corpus.documents(), self.tokenizer, folder, description,
-                                             input_bytes=size() if size else None)
+                else:  # every core, resumable; under DDP only small corpora (datamodules/cache_build.py)
+                    build_corpus_cache(corpus, self.tokenizer, folder, description, self.config.num_proc,
+                                       self._rank_world()[1], hint=f"python -m experiments.prepare --data "
+                                       f"{self.config.name} (plus this run's --data.* / --tokenizer options)")
 
     def _open(self, corpus: Corpus) -> np.ndarray:
         tokens = token_cache.open_tokens(self._folder(corpus))
