@@ -1,7 +1,8 @@
 """Pre-training DataModule: corpus -> tokenizer -> memmap cache -> packed blocks of T+1 tokens.
 
 * ``prepare_data`` (rank 0 only, Lightning's guarantee) trains/loads the tokenizer and builds the
-  token cache if missing or corrupt. ``setup`` (every rank) opens the verified memmap.
+  token cache if missing or corrupt (``datamodules/cache_build.py``; under DDP only a small corpus:
+  ``python -m experiments.prepare`` builds the others first). ``setup`` (every rank) opens the verified memmap.
 * Blocks: block i is tokens[i*T : i*T + T + 1] (inputs = [:-1], targets = [1:]).
 * Validation: a deterministic hash-based fraction of the blocks, or the corpus's own named
   validation sets (one loader each, e.g. SlimPajama's out-of-distribution subsets).
