@@ -322,13 +322,14 @@ def build_cache(documents: Iterable[str], tokenizer: TextTokenizer, folder: path
                 text_bytes: Callable[[], Optional[int]] = lambda: None,
                 total_docs: Callable[[], Optional[int]] = lambda: None, shard_docs: int = SHARD_DOCS,
                 wait_s: Optional[float] = None, hint: str = "python -m experiments.prepare",
-                prefer_tiktoken: bool = True) -> BuildStats:
+                prefer_tiktoken: bool = True, refusal: Optional[DataError] = None) -> BuildStats:
     """Tokenise ``documents`` (EOT after each) into ``folder/tokens.bin`` + ``meta.json`` with ``num_proc``
     processes (None: every available CPU), resuming a killed build of the same cache.
 
     ``text_bytes`` / ``total_docs`` (asked after the first shard, when a Hub dataset is loaded) size the disk
     estimate and the progress bar. When another process is building this cache, waits for it (at most
-    ``wait_s``; the error names ``hint``, the prepare command) and returns its cache."""
+    ``wait_s``; the error names ``hint``, the prepare command) and returns its cache. ``refusal``: raised
+    instead of building here (a large cache under DDP), when no other build made the cache."""
     folder.mkdir(parents=True, exist_ok=True)
     lock = BuildLock(folder)
     while not lock.try_acquire():
@@ -336,6 +337,8 @@ def build_cache(documents: Iterable[str], tokenizer: TextTokenizer, folder: path
         if token_cache.open_tokens(folder) is not None:
             return BuildStats(folder)
     try:
+        if refusal is not None:  # the other build died: rebuilding here would keep the ranks at the barrier
+            raise refusal
         return _build_locked(documents, tokenizer, folder, description, max_tokens, resolve_num_proc(num_proc),
                              text_bytes, total_docs, shard_docs, prefer_tiktoken)
     finally:
@@ -445,13 +448,14 @@ def build_corpus_cache(corpus, tokenizer: TextTokenizer, folder: pathlib.Path, d
     ``num_documents()``). Under DDP (``world_size`` > 1) only a small corpus is built here, and a build by
     another process is waited for at most ``DDP_WAIT_S``: ``hint`` is the command that builds it first."""
     size = getattr(corpus, "size_bytes", lambda: None)
-    if world_size > 1 and not BuildLock(folder).held_by_other():
-        known = size()
-        if known is None or known > DDP_BUILD_LIMIT_BYTES:
-            raise DataError(f"{description}: the token cache {folder} is missing; under DDP the other "
+    refusal = None
+    if world_size > 1 and (size() is None or size() > DDP_BUILD_LIMIT_BYTES):
+        refusal = DataError(f"{description}: the token cache {folder} is missing; under DDP the other "
                             f"{world_size - 1} ranks would wait at Lightning's 30-minute barrier while rank 0 builds "
                             f"it: build it first with {hint}, then start training")
+        if not BuildLock(folder).held_by_other():
+            raise refusal
     return build_cache(corpus.documents(), tokenizer, folder, description,
                        max_tokens=getattr(corpus, "max_tokens", None), num_proc=num_proc, text_bytes=size,
                        total_docs=getattr(corpus, "num_documents", lambda: None),
-                       wait_s=DDP_WAIT_S if world_size > 1 else None, hint=hint)
+                       wait_s=DDP_WAIT_S if world_size > 1 else None, hint=hint, refusal=refusal)

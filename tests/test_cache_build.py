@@ -221,20 +221,32 @@ class _HubLike:
 
     name, max_tokens = "hub", None
 
-    def documents(self):
-        raise AssertionError("under DDP nothing may be read before the refusal")
+    def documents(self):  # a generator, as HubCorpus's: nothing is read until it is iterated
+        raise AssertionError("under DDP nothing may be read: the refusal comes first")
+        yield
 
     def size_bytes(self):
         return None
 
 
-def test_under_ddp_a_large_cache_is_refused_in_one_line_naming_the_prepare_step(tmp_path):
+def test_under_ddp_a_large_cache_is_refused_in_one_line_naming_the_prepare_step(tmp_path, monkeypatch):
+    monkeypatch.setattr(cache_build, "POLL_S", 0.05)
     with pytest.raises(DataError) as err:
         cache_build.build_corpus_cache(_HubLike(), get_tokenizer("bytes", tmp_path), tmp_path / "c", "tokenising hub/train",
                                        world_size=4, hint="python -m experiments.prepare --data openwebtext")
     message = str(err.value)
     assert "\n" not in message and "the other 3 ranks would wait at Lightning's 30-minute barrier" in message
     assert message.endswith("build it first with python -m experiments.prepare --data openwebtext, then start training")
+    lock = _foreign_lock(tmp_path / "c")  # another build of it is running, then dies without a cache
+
+    def the_other_build_dies():
+        time.sleep(0.3)
+        lock.unlink()
+
+    threading.Thread(target=the_other_build_dies).start()
+    with pytest.raises(DataError, match="under DDP the other 3 ranks would wait"):  # waited, then not built here
+        cache_build.build_corpus_cache(_HubLike(), get_tokenizer("bytes", tmp_path), tmp_path / "c", "t", world_size=4)
+    assert not lock.exists() and token_cache.open_tokens(tmp_path / "c") is None
     corpus = EmbeddedCorpus()  # small: built in prepare_data even under DDP
     stats = cache_build.build_corpus_cache(corpus, get_tokenizer("bytes", tmp_path), tmp_path / "e", "e", world_size=4)
     assert stats.num_documents == len(list(corpus.documents()))
