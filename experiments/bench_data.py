@@ -94,7 +94,8 @@ def measure_hf(argv: List[str], procs: int) -> Dict[str, float]:
     """Bare ``encode_batch`` in a fresh process: Rayon's thread count is fixed when its pool first starts."""
     env = {**os.environ, "RAYON_NUM_THREADS": str(procs), "TOKENIZERS_PARALLELISM": "true" if procs > 1 else "false"}
     out = subprocess.run([sys.executable, "-m", "experiments.bench_data", *argv, "--hf_baseline", str(procs)],
-                         env=env, check=True, capture_output=True, text=True).stdout
+                         env=env, check=True, capture_output=True, text=True,
+                         cwd=pathlib.Path(__file__).resolve().parents[1]).stdout  # this checkout's code
     return json.loads(out.strip().splitlines()[-1])
 
 

@@ -279,3 +279,18 @@ def test_prepare_command_builds_every_split_and_a_second_run_reuses_them(tmp_pat
     assert "the token cache needs about" in err and "tokens/s with 1 processes" in err
     stamp = (folders[0] / "tokens.bin").stat().st_mtime_ns
     assert prepare.main(args) == folders and (folders[0] / "tokens.bin").stat().st_mtime_ns == stamp
+
+
+def test_data_benchmark_measures_ours_and_bare_hf_on_the_same_tokens(tmp_path, capsys):
+    from experiments import bench_data
+
+    text = tmp_path / "a.txt"
+    text.write_text("\n\n".join(f"paragraph {i}: the quick brown fox jumps over the lazy dog" for i in range(400)))
+    table = bench_data.main(["--data", "text", "--data.path", str(text), "--tokenizer", "bytes",
+                             "--split_blank_lines", "--procs", "1", "--repeats", "1", "--paths", "ours,hf"])
+    rows = [line.split(" | ") for line in table.splitlines()[2:]]
+    assert [(r[0], r[1]) for r in rows] == [("| 1", "ours"), ("| 1", "hf")]
+    assert rows[0][2] == rows[1][2]  # identical ids: the same number of text tokens on both paths
+    assert int(rows[0][2].replace(",", "")) == sum(len(f"paragraph {i}: the quick brown fox jumps over the lazy dog")
+                                                   for i in range(400))  # bytes: one token per byte
+    assert "median of 1" in capsys.readouterr().out
