@@ -22,8 +22,9 @@ CORPORA: Dict[str, CorpusFactory] = {
 }
 #: The ``DataConfig`` options that reach each corpus (the others are refused by ``ignored_data_options``).
 _HUB_OPTIONS = ("path", "hub_id", "revision", "streaming", "max_tokens", "num_proc")
-CORPUS_OPTIONS: Dict[str, Tuple[str, ...]] = {"embedded": (), "text": ("path",), "openwebtext": _HUB_OPTIONS,
-                                              "slimpajama": _HUB_OPTIONS}
+# num_proc: the processes of the token cache build, which every tokenised corpus goes through (not the probes')
+CORPUS_OPTIONS: Dict[str, Tuple[str, ...]] = {"embedded": ("num_proc",), "text": ("path", "num_proc"),
+                                              "openwebtext": _HUB_OPTIONS, "slimpajama": _HUB_OPTIONS}
 CORPUS_SPECIFIC = _HUB_OPTIONS  # options some corpus reads and others ignore
 
 for _task in ("probe", "probe/arith", "probe/recall", "probe/text",

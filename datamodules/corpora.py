@@ -73,6 +73,9 @@ class EmbeddedCorpus(Corpus):
     def documents(self) -> Iterator[str]:
         return iter(self._load())
 
+    def size_bytes(self) -> int:
+        return sum(len(doc.encode("utf-8")) for doc in self._load())
+
     def fingerprint(self) -> str:
         digest = hashlib.sha256()
         for doc in self._load():

@@ -13,8 +13,9 @@
   file or folder name (train / validation / test). Without validation files, 1% of the CC + C4
   documents (hashed) become ``val`` and the other subsets are read from all files.
 
-Tokenisation goes through ``write_tokens``: one batched ``datasets.map`` with the fast tokenizer
-(``--data.num_proc`` processes, progress bar) into the memmap cache keyed by the corpus fingerprint
+Tokenisation goes through ``datamodules/cache_build.py``: ordered shards of documents encoded by
+``--data.num_proc`` processes (default every CPU), resumable, with a progress bar, into the memmap cache
+keyed by the corpus fingerprint
 (dataset id + revision + selection, or the local files' paths, sizes and times) and the tokenizer.
 ``--data.streaming`` streams rows from the Hub instead of downloading the raw files, and
 ``--data.max_tokens`` stops the training corpus after that many tokens (for corpora larger than
@@ -380,14 +381,19 @@ class HubCorpus(Corpus):
         for batch in data.select_columns(["text"]).iter(batch_size=1000):
             yield from batch["text"]
 
-    def write_tokens(self, tokenizer, folder: pathlib.Path, description: str) -> pathlib.Path:
-        from datamodules import token_cache
+    def num_documents(self) -> Optional[int]:
+        """Known for a loaded (not streamed) split; the progress bar's total."""
+        return None if self.source.streaming else len(self.rows())
 
-        if self.source.streaming or self.max_tokens is not None:
-            return token_cache.build_tokens(self.documents(), tokenizer, folder, description, self.max_tokens)
-        data = self.selected().select_columns(["text"])
-        return token_cache.build_tokens_from_dataset(data, "text", tokenizer, folder, description,
-                                                     num_proc=self.source.num_proc)
+    def size_bytes(self) -> Optional[int]:
+        """Text bytes of the selected rows once the split is loaded, the local files' size before; a Hub
+        split not loaded yet or a stream: None (unknown without downloading it)."""
+        if self.source.streaming:
+            return None
+        if self.split in self.source._loaded:
+            data = self.source.load(self.split)
+            return int(data.data.column("text").nbytes * len(self.rows()) / max(len(data), 1))
+        return sum(p.stat().st_size for p in self.source.files) if self.source.files is not None else None
 
 
 def stream_val_cap(source: Source) -> Optional[int]:

@@ -1,7 +1,8 @@
 """Pre-training DataModule: corpus -> tokenizer -> memmap cache -> packed blocks of T+1 tokens.
 
 * ``prepare_data`` (rank 0 only, Lightning's guarantee) trains/loads the tokenizer and builds the
-  token cache if missing or corrupt. ``setup`` (every rank) opens the verified memmap.
+  token cache if missing or corrupt (``datamodules/cache_build.py``; under DDP only a small corpus:
+  ``python -m experiments.prepare`` builds the others first). ``setup`` (every rank) opens the verified memmap.
 * Blocks: block i is tokens[i*T : i*T + T + 1] (inputs = [:-1], targets = [1:]).
 * Validation: a deterministic hash-based fraction of the blocks, or the corpus's own named
   validation sets (one loader each, e.g. SlimPajama's out-of-distribution subsets).
@@ -23,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from datamodules import probe_labels, token_cache
+from datamodules.cache_build import build_corpus_cache
 from datamodules.catalog import get_corpus
 from datamodules.corpora import Corpus, DataError
 from datamodules.files import default_cache_dir
@@ -46,7 +48,7 @@ class DataConfig:
     revision: Optional[str] = None  # hub revision (default: the corpus's, e.g. refs/convert/parquet)
     streaming: bool = False  # stream from the hub instead of downloading the raw files first
     max_tokens: Optional[int] = None  # stop tokenising the training corpus after this many tokens
-    num_proc: Optional[int] = None  # worker processes for the batched tokenisation map
+    num_proc: Optional[int] = None  # tokenisation processes (None: every CPU available to the process)
     # Bring your own probe (docs/probes.md): a level per token of the token stream, -1 = unlabelled: a .npy
     # (one integer per token) or a .jsonl (character spans per document, converted at the cache build)
     labels: Optional[str] = None
@@ -208,13 +210,13 @@ class LMDataModule(L.LightningDataModule):
             # the token cache verifies its own files; a corpus verifies what it writes beside them (probe labels)
             if token_cache.open_tokens(folder) is None or not corpus.cache_is_complete(folder):
                 description = f"tokenising {corpus.name}/{split}"
-                write_tokens = getattr(corpus, "write_tokens", None)  # hub corpora: batched datasets.map
+                write_tokens = getattr(corpus, "write_tokens", None)  # generated corpora write their own files
                 if write_tokens is not None:
                     write_tokens(self.tokenizer, folder, description)
-                else:
-                    size = getattr(corpus, "size_bytes", None)
-                    token_cache.build_tokens(corpus.documents(), self.tokenizer, folder, description,
-                                             input_bytes=size() if size else None)
+                else:  # every core, resumable; under DDP only small corpora (datamodules/cache_build.py)
+                    build_corpus_cache(corpus, self.tokenizer, folder, description, self.config.num_proc,
+                                       self._rank_world()[1], hint=f"python -m experiments.prepare --data "
+                                       f"{self.config.name} (plus this run's --data.* / --tokenizer options)")
         self._convert_span_labels()
 
     def _check_label_options(self) -> None:

@@ -16,16 +16,14 @@ import pathlib
 import shutil
 import tempfile
 import time
-from typing import Iterable, Iterator, List, Optional, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from datamodules.corpora import DataError
 from datamodules.files import follow_umask
 from datamodules.tokenizer import TextTokenizer
 
-_ENCODE_BATCH_DOCS = 512
 CHUNK_BYTES = 64 << 20  # tokens.bin is hashed in chunks of this size at build time (all of it)
 EAGER_VERIFY_BYTES = 1 << 30  # up to this size every chunk is verified when the cache is opened
 _FULL_HASH_LIMIT = 1 << 30  # legacy caches (one "sha256"): above 1 GiB only sampled blocks were hashed
@@ -110,71 +108,18 @@ def build_tokens(
     description: str = "tokenising",
     max_tokens: Optional[int] = None,
     input_bytes: Optional[int] = None,
+    num_proc: Optional[int] = 1,
 ) -> pathlib.Path:
-    """Tokenise ``documents`` (EOT after each) into ``folder/tokens.bin`` + ``meta.json``, atomically.
+    """Tokenise ``documents`` (EOT after each) into ``folder/tokens.bin`` + ``meta.json``, atomically and
+    resumably, with ``num_proc`` processes (None: every CPU): ``datamodules/cache_build.py``.
 
     ``max_tokens`` stops after that many tokens (streamed corpora larger than the disk).
-    ``input_bytes`` (the corpus size, when known) sizes the estimate a disk-full error gives.
+    ``input_bytes`` (the corpus's text size, when known) sizes the disk estimate printed before the build.
     """
-    dtype = token_dtype(tokenizer.vocab_size)
-    eot = tokenizer.eot_id
-    # at most one token per input byte (byte-level tokenizers), plus one EOT per document
-    expected_bytes = input_bytes * np.dtype(dtype).itemsize if input_bytes else None
+    from datamodules.cache_build import build_cache
 
-    def chunks() -> Iterator[Tuple[np.ndarray, int]]:
-        with tqdm(desc=description, unit=" docs", mininterval=1.0) as bar:
-            for batch in _batched(documents, _ENCODE_BATCH_DOCS):
-                ids: List[int] = []
-                for doc_ids in tokenizer.encode_batch(batch):
-                    ids.extend(doc_ids)
-                    ids.append(eot)
-                bar.update(len(batch))
-                yield np.asarray(ids, dtype=dtype), len(batch)
-
-    return write_chunks(chunks(), tokenizer, folder, description, max_tokens, expected_bytes)
-
-
-def build_tokens_from_dataset(
-    dataset,
-    column: str,
-    tokenizer: TextTokenizer,
-    folder: pathlib.Path,
-    description: str = "tokenising",
-    num_proc: Optional[int] = None,
-) -> pathlib.Path:
-    """Like ``build_tokens`` for a ``datasets.Dataset``: one batched ``map`` with the fast tokenizer
-    (``num_proc`` worker processes, progress bar), then a sequential copy into the memmap file.
-
-    The map's Arrow output lives in a scratch folder inside ``folder`` and is deleted afterwards, so
-    nothing but ``tokens.bin`` + ``meta.json`` stays on disk.
-    """
-    dtype = token_dtype(tokenizer.vocab_size)
-    eot = tokenizer.eot_id
-
-    def encode(batch):
-        return {"ids": [np.asarray(ids + [eot], dtype=dtype) for ids in tokenizer.encode_batch(batch[column])]}
-
-    folder.mkdir(parents=True, exist_ok=True)
-    remove_orphans(folder, scratch_dirs=True)  # before this build's own scratch folder exists
-    with tempfile.TemporaryDirectory(dir=folder, prefix="map.tmp") as scratch:
-        mapped = dataset.map(
-            encode, batched=True, batch_size=1000, num_proc=num_proc, remove_columns=dataset.column_names,
-            desc=description, cache_file_name=str(pathlib.Path(scratch) / "ids.arrow"),
-            # naming the output ourselves skips hashing the tokenizer object
-            new_fingerprint=hashlib.sha256(folder.name.encode()).hexdigest()[:32],
-        )
-
-        def chunks() -> Iterator[Tuple[np.ndarray, int]]:
-            column_ids = mapped.data.table.column("ids")
-            with tqdm(desc=f"{description} (writing)", total=len(mapped), unit=" docs", mininterval=1.0) as bar:
-                for chunk in column_ids.chunks:
-                    bar.update(len(chunk))
-                    yield chunk.flatten().to_numpy(zero_copy_only=False).astype(dtype, copy=False), len(chunk)
-
-        try:
-            return write_chunks(chunks(), tokenizer, folder, description)
-        finally:
-            del mapped  # release the memory map before the scratch folder is removed
+    return build_cache(documents, tokenizer, folder, description, max_tokens=max_tokens, num_proc=num_proc,
+                       text_bytes=lambda: input_bytes).folder
 
 
 def write_chunks(
@@ -216,20 +161,7 @@ def write_chunks(
             raise DataError(f"{description}: the corpus produced {count} tokens; nothing to train on "
                             "(empty or whitespace-only input?)")
         tmp = pathlib.Path(tmp_name)
-        meta = {
-            "num_tokens": count,
-            "num_documents": docs,
-            "dtype": np.dtype(dtype).name,
-            "vocab_size": tokenizer.vocab_size,
-            "eot_id": tokenizer.eot_id,
-            "tokenizer": tokenizer.name,
-            "tokenizer_fingerprint": tokenizer.fingerprint,
-            "chunk_bytes": CHUNK_BYTES,
-            "chunk_sha256": chunk_checksums(tmp),
-        }
-        if max_tokens is not None:
-            meta["max_tokens"] = max_tokens
-        meta.update(extra_meta or {})
+        meta = cache_meta(tmp, tokenizer, count, docs, max_tokens, extra_meta)
         os.replace(tmp, folder / "tokens.bin")
     except BaseException:
         pathlib.Path(tmp_name).unlink(missing_ok=True)
@@ -239,6 +171,26 @@ def write_chunks(
         raise
     _atomic_json(folder / "meta.json", meta)
     return folder
+
+
+def cache_meta(data_path: pathlib.Path, tokenizer: TextTokenizer, count: int, docs: int,
+               max_tokens: Optional[int] = None, extra_meta: Optional[dict] = None) -> dict:
+    """``meta.json``'s fields for the finished ``data_path`` (its per-chunk sha256 are computed here)."""
+    meta = {
+        "num_tokens": count,
+        "num_documents": docs,
+        "dtype": np.dtype(token_dtype(tokenizer.vocab_size)).name,
+        "vocab_size": tokenizer.vocab_size,
+        "eot_id": tokenizer.eot_id,
+        "tokenizer": tokenizer.name,
+        "tokenizer_fingerprint": tokenizer.fingerprint,
+        "chunk_bytes": CHUNK_BYTES,
+        "chunk_sha256": chunk_checksums(data_path),
+    }
+    if max_tokens is not None:
+        meta["max_tokens"] = max_tokens
+    meta.update(extra_meta or {})
+    return meta
 
 
 def _disk_full(err: OSError, folder: pathlib.Path, written: int, expected: Optional[int]) -> Exception:
@@ -271,7 +223,7 @@ def remove_orphans(folder: pathlib.Path, scratch_dirs: bool = False) -> None:
         for orphan in folder.glob(pattern):
             if stale(orphan):
                 orphan.unlink(missing_ok=True)
-    for scratch in folder.glob("map.tmp*") if scratch_dirs else ():  # build_tokens_from_dataset's scratch
+    for scratch in folder.glob("map.tmp*") if scratch_dirs else ():  # scratch of the datasets.map builds before the sharded one
         if scratch.is_dir() and stale(scratch):
             shutil.rmtree(scratch, ignore_errors=True)
 
@@ -340,14 +292,3 @@ def _atomic_json(path: pathlib.Path, data: dict) -> None:
     with os.fdopen(fd, "w") as handle:
         json.dump(data, handle, indent=2)
     os.replace(tmp, path)
-
-
-def _batched(items: Iterable[str], size: int) -> Iterator[List[str]]:
-    batch: List[str] = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch

@@ -53,7 +53,11 @@ def test_sbatch_template_requests_requeue_signal_and_runs_srun():
     assert "#SBATCH --requeue" in directives
     assert any(line.startswith("#SBATCH --nodes=") for line in directives)
     assert any(line.startswith("#SBATCH --ntasks-per-node=") for line in directives)
-    assert "srun --kill-on-bad-exit=1 python -m experiments.run" in SBATCH.read_text()
+    text = SBATCH.read_text()
+    assert "srun --kill-on-bad-exit=1 python -m experiments.run" in text
+    # the token cache is built before training, by its own step: not behind the ranks' 30-minute barrier
+    assert 'python -m experiments.prepare "$@"' in text
+    assert text.index('python -m experiments.prepare "$@"') < text.index("srun --kill-on-bad-exit=1 python -m experiments.run")
 
 
 def test_sbatch_template_matches_trainer_to_allocation_and_resumes_newest_checkpoint(tmp_path):
@@ -97,6 +101,7 @@ def test_sbatch_template_refuses_a_trainer_that_contradicts_the_allocation(tmp_p
 
 def test_torchrun_recipe_passes_geometry_and_needs_a_shared_run_id_across_nodes(tmp_path):
     bin_dir = fake_command(tmp_path, "torchrun")
+    fake_command(tmp_path, "python")  # the prepare step before torchrun
     base = clean_env(PATH=f"{bin_dir}:{os.environ['PATH']}", NPROC_PER_NODE="3")
     missing = subprocess.run(["bash", str(TORCHRUN), "--variant", "mod"], env={**base, "NNODES": "2"},
                              capture_output=True, text=True)
@@ -108,6 +113,7 @@ def test_torchrun_recipe_passes_geometry_and_needs_a_shared_run_id_across_nodes(
     joined = " ".join((tmp_path / "torchrun.args").read_text().splitlines())
     assert "--nnodes 2 --nproc_per_node 3 --node_rank 1 --master_addr node0" in joined
     assert "-m experiments.run --trainer.num_nodes 2 --trainer.devices 3 --variant mod --version r1" in joined
+    assert (tmp_path / "python.args").read_text().splitlines() == ["-m", "experiments.prepare", "--variant", "mod"]
 
 
 # ---------------------------------------------------------------------------- Lightning under SLURM

@@ -185,7 +185,7 @@ def _age(path, seconds=token_cache.ORPHAN_AGE_S + 60):
 
 
 def test_orphan_scratch_folder_of_a_killed_dataset_build_is_removed(tmp_path):
-    import datasets  # a hard dependency (pyproject.toml): a broken install must fail, not skip
+    """``map.tmp*``: the scratch of the datasets.map build before the sharded one."""
     tok = get_tokenizer("bytes", tmp_path)
     folder = tmp_path / "cache"
     (folder / "map.tmpdead" / "ids.arrow").parent.mkdir(parents=True)
@@ -193,7 +193,7 @@ def test_orphan_scratch_folder_of_a_killed_dataset_build_is_removed(tmp_path):
     (folder / "tokens.bin.tmpdead").write_bytes(b"\0" * 100)
     _age(folder / "map.tmpdead")
     _age(folder / "tokens.bin.tmpdead")
-    token_cache.build_tokens_from_dataset(datasets.Dataset.from_dict({"text": ["abc", "def"] * 10}), "text", tok, folder)
+    token_cache.build_tokens(["abc", "def"] * 10, tok, folder)
     assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "tokens.bin"]
 
 

@@ -16,7 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from datamodules import hub, token_cache
+from datamodules import hub, lm, token_cache
+from datamodules.cache_build import build_corpus_cache
 from datamodules.catalog import get_corpus
 from datamodules.corpora import DataError, TextFilesCorpus
 from datamodules.lm import DataConfig, LMDataModule
@@ -194,26 +195,23 @@ def test_openwebtext_holdout_is_fixed_disjoint_and_about_0_05_percent():
     assert streamed == take.tolist()  # the streaming decision is the same rule
 
 
-def test_batched_map_tokenisation_equals_the_sequential_path(tmp_path):
-    import datasets
-
+def test_two_process_tokenisation_equals_the_one_process_path_and_the_cap_is_a_prefix(tmp_path):
     texts = [f"document {i}: " + "words and more words " * (i % 7) for i in range(300)]
     tok = get_tokenizer("bytes", tmp_path)
     token_cache.build_tokens(iter(texts), tok, tmp_path / "seq")
-    token_cache.build_tokens_from_dataset(datasets.Dataset.from_dict({"text": texts}), "text", tok, tmp_path / "map",
-                                          num_proc=2)
-    seq, mapped = token_cache.open_tokens(tmp_path / "seq"), token_cache.open_tokens(tmp_path / "map")
-    np.testing.assert_array_equal(seq, mapped)
-    assert sorted(p.name for p in (tmp_path / "map").iterdir()) == ["meta.json", "tokens.bin"]  # scratch removed
-    token_cache.build_tokens(iter(texts), tok, tmp_path / "cap", max_tokens=1000)
+    token_cache.build_tokens(iter(texts), tok, tmp_path / "two", num_proc=2)
+    seq, two = token_cache.open_tokens(tmp_path / "seq"), token_cache.open_tokens(tmp_path / "two")
+    np.testing.assert_array_equal(seq, two)
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["meta.json", "tokens.bin"]  # nothing else left
+    token_cache.build_tokens(iter(texts), tok, tmp_path / "cap", max_tokens=1000, num_proc=2)
     capped = token_cache.open_tokens(tmp_path / "cap")
     assert len(capped) == 1000 and np.array_equal(capped, seq[:1000])
 
 
 def test_cache_is_reused_and_rebuilt_when_the_tokenizer_changes(slimpajama_6b, tmp_path, monkeypatch):
     calls = []
-    real = token_cache.build_tokens_from_dataset
-    monkeypatch.setattr(token_cache, "build_tokens_from_dataset", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    real = lm.build_corpus_cache
+    monkeypatch.setattr(lm, "build_corpus_cache", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
 
     def prepare(tokenizer):
         dm = LMDataModule(DataConfig(name="slimpajama", tokenizer=tokenizer, path=[str(slimpajama_6b)],
@@ -296,6 +294,6 @@ def test_hub_loading_and_streaming_with_a_stubbed_hub(monkeypatch, tmp_path):
     assert list(owt.validation_sets()["val"].documents()) == texts[:3] and list(owt.documents()) == texts[3:]
     assert calls[-1] == ("Skylion007/openwebtext", "refs/convert/parquet", "train", True)
     tok = get_tokenizer("bytes", tmp_path)
-    owt.write_tokens(tok, tmp_path / "owt", "tokenising")
+    build_corpus_cache(owt, tok, tmp_path / "owt", "tokenising", num_proc=2)
     tokens = token_cache.open_tokens(tmp_path / "owt")
     assert len(tokens) == 500 and tok.decode(tokens[:40].tolist()) == texts[3][:40]

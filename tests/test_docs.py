@@ -146,8 +146,8 @@ def _option_strings(parser: argparse.ArgumentParser) -> Set[str]:
 
 
 def _parsers() -> Dict[str, argparse.ArgumentParser]:
-    from experiments import (analyze, bench, compare, compiling, device_check, finetune, paper_options, repro,
-                             run, sweep, two_phase)
+    from experiments import (analyze, bench, bench_data, compare, compiling, device_check, finetune, paper_options,
+                             repro, run, sweep, two_phase)
     return {
         "experiments.run": run.build_parser(),
         "experiments.finetune": finetune.build_parser(),
@@ -155,6 +155,7 @@ def _parsers() -> Dict[str, argparse.ArgumentParser]:
         "experiments.analyze": analyze.build_parser(),
         "experiments.compare": compare.build_parser(),
         "experiments.bench": _capture(lambda: bench.parse_args([])),
+        "experiments.bench_data": _capture(lambda: bench_data.parse_args([])),  # experiments.prepare: run's parser
         "experiments.device_check": _capture(lambda: device_check.parse_args([])),
         "experiments.two_phase": _capture(lambda: two_phase.parse([])),
         "experiments.sweep": _capture(lambda: sweep.main([])),

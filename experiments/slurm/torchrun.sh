@@ -35,6 +35,10 @@ if [ -z "${RUN_ID:-}" ]; then
     RUN_ID="torchrun-$(date +%Y%m%d-%H%M%S)"
 fi
 
+# Tokenise first on this node's CPUs (a no-op once the cache exists; on a shared disk one node builds and the
+# others wait for it): inside the training processes the other ranks would wait at a 30-minute barrier.
+python -m experiments.prepare "$@"
+
 exec torchrun --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" --node_rank "$NODE_RANK" \
     --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
     -m experiments.run --trainer.num_nodes "$NNODES" --trainer.devices "$NPROC_PER_NODE" \
