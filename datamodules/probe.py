@@ -63,17 +63,28 @@ MAX_HOPS = 3
 DATA_SEED = 20240615  # the probe content is fixed; --seed changes the training order only
 DEFAULT_EPISODES = 16384  # 2.1M tokens; data.max_tokens sets another size
 NO_LABEL = -1
-FAMILIES = ("arith", "recall", "text")
-VERSIONS = {"probe": "v1", "probe-v2": "v2"}  # dataset-name prefix -> generator version
-TASKS: Dict[str, Tuple[str, ...]] = {name: families for prefix in VERSIONS
-                                     for name, families in [(prefix, FAMILIES), *((f"{prefix}/{f}", (f,)) for f in FAMILIES)]}
+FAMILIES = ("arith", "recall", "text", "hops")  # families.npy holds the index: append only
+VERSIONS = {"probe": "v1", "probe-v2": "v2", "probe-v3": "v3"}  # dataset-name prefix -> generator version
+_V1_FAMILIES = ("arith", "recall", "text")
+TASKS: Dict[str, Tuple[str, ...]] = {
+    **{name: families for prefix in ("probe", "probe-v2")
+       for name, families in [(prefix, _V1_FAMILIES), *((f"{prefix}/{f}", (f,)) for f in _V1_FAMILIES)]},
+    "probe-v3/hops": ("hops",),
+}
 BLANK = "_"  # an empty operand slot of a v2 arithmetic segment
+
+# v3 pointer chasing: a query needs 1..HOPS_LEVELS dependent lookups
+HOPS_LEVELS = 4
+HOPS_PER_LEVEL = 3  # queried chains of each length in an episode
+HOPS_BINDINGS = 51  # bindings in an episode's table: the 30 of the queried chains, the rest distractor chains
+BAR = "|"  # ends the binding table
 
 MEMO, MEMO_END, COPY, COPY_END, COUNT = "\x02", "\x03", "\x05", "\x06", "\x07"
 _MARKERS = {ord(c) for c in (MEMO, MEMO_END, COPY, COPY_END, COUNT)}
 _DIGITS = "0123456789"
 _KEYS = "abcdefghijklmnopqrstuvwxyz"
 _CAPS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+_NAMES = _KEYS + _CAPS  # v3 variable names: each is bound at most once in an episode
 
 Episode = Tuple[bytes, List[int]]  # EPISODE_LEN - 1 bytes after the EOT, and their levels
 
@@ -170,8 +181,41 @@ def text_episode(rng: np.random.Generator, length: int = EPISODE_LEN - 1, source
     return bytes(out), levels
 
 
+def hops_episode(rng: np.random.Generator, length: int = EPISODE_LEN - 1) -> Episode:
+    """v3 pointer chasing: a shuffled table of HOPS_BINDINGS bindings ``kv`` (name k holds v, a name or a
+    digit) forming disjoint open chains, ``|``, then one query ``qa`` per queried chain: q its first name,
+    a the digit at its end, level = the chain's length (the dependent lookups from q to a)."""
+    queried = [n for n in range(1, HOPS_LEVELS + 1) for _ in range(HOPS_PER_LEVEL)]
+    if length != 2 * HOPS_BINDINGS + 1 + 2 * len(queried):
+        raise ValueError(f"hops episodes have a fixed layout of {2 * HOPS_BINDINGS + 1 + 2 * len(queried)} bytes, "
+                         f"got length {length}")
+    lengths = queried + _distractor_lengths(rng, HOPS_BINDINGS - sum(queried))
+    names = iter(rng.permutation(len(_NAMES)).tolist())  # every name used once: no cycle, no shared node
+    pairs, chains = [], []
+    for n in lengths:
+        chain = [_NAMES[next(names)] for _ in range(n)] + [_DIGITS[int(rng.integers(0, 10))]]
+        pairs += [chain[j] + chain[j + 1] for j in range(n)]
+        chains.append((chain[0], chain[-1], n))
+    table = "".join(pairs[i] for i in rng.permutation(len(pairs)))
+    asked = [chains[i] for i in rng.permutation(len(queried))]  # each queried chain once: no answer repeats a query
+    text = table + BAR + "".join(head + digit for head, digit, _ in asked)
+    levels = [NO_LABEL] * len(table) + [0] + [label for _, _, n in asked for label in (NO_LABEL, n)]
+    return text.encode("ascii"), levels
+
+
+def _distractor_lengths(rng: np.random.Generator, total: int) -> List[int]:
+    """Lengths in 1..HOPS_LEVELS summing to ``total``: unqueried chains, so that the digits of the table are
+    not the multiset of the answers (no answer by elimination)."""
+    out = []
+    while total > 0:
+        out.append(int(rng.integers(1, min(HOPS_LEVELS, total) + 1)))
+        total -= out[-1]
+    return out
+
+
 GENERATORS = {"v1": {"arith": arith_episode, "recall": recall_episode, "text": text_episode},
-              "v2": {"arith": arith_episode_v2, "recall": recall_episode, "text": text_episode}}
+              "v2": {"arith": arith_episode_v2, "recall": recall_episode, "text": text_episode},
+              "v3": {"hops": hops_episode}}
 
 
 def version(task: str) -> str:
@@ -205,6 +249,8 @@ def solve_episode(family: str, data: bytes, generator: str = "v1") -> Dict[int, 
         return _solve_arith_v2(text) if generator == "v2" else _solve_arith(text)
     if family == "recall":
         return _solve_recall(text)
+    if family == "hops":
+        return _solve_hops(text)
     return _solve_text(text)
 
 
@@ -265,6 +311,34 @@ def _solve_recall(text: str) -> Dict[int, Tuple[int, int]]:
     return out
 
 
+def _solve_hops(text: str) -> Dict[int, Tuple[int, int]]:
+    bar = text.index(BAR)
+    bindings: Dict[str, List[str]] = {}
+    for i in range(0, bar, 2):
+        bindings.setdefault(text[i], []).append(text[i + 1])
+    out = {bar: (ord(BAR), 0)}
+    for i in range(bar + 1, len(text) - 1, 2):
+        digit, lookups = fewest_lookups(bindings, text[i])
+        out[i + 1] = (ord(digit), lookups)
+    return out
+
+
+def fewest_lookups(bindings: Dict[str, List[str]], name: str) -> Tuple[str, int]:
+    """(digit, lookups): breadth-first over the bindings (a name may have several), the digit reached from
+    ``name`` with the fewest lookups, each lookup reading the value of a name the previous one returned."""
+    frontier, seen, lookups = {name}, {name}, 0
+    while frontier:
+        digits = {v for v in frontier if v in _DIGITS}
+        if len(digits) > 1:
+            raise ValueError(f"hops: {name!r} reaches the digits {sorted(digits)} in {lookups} lookups")
+        if digits:
+            return digits.pop(), lookups
+        frontier = {v for k in frontier for v in bindings.get(k, ())} - seen
+        seen |= frontier
+        lookups += 1
+    raise ValueError(f"hops: no digit is reachable from {name!r}")
+
+
 def _solve_text(text: str) -> Dict[int, Tuple[int, int]]:
     out = {}
     memo = text[text.index(MEMO) + 1 : text.index(MEMO_END)]
@@ -322,6 +396,8 @@ class ProbeCorpus(Corpus):
 
     def fingerprint(self) -> str:
         parts = f"{version(self.task)}-{self.task}-E{EPISODE_LEN}-D{MAX_DEPTH}-H{MAX_HOPS}-s{DATA_SEED}-n{self.episodes}"
+        if "hops" in TASKS[self.task]:  # v1/v2 names keep their fingerprints (and caches)
+            parts += f"-L{HOPS_LEVELS}x{HOPS_PER_LEVEL}-B{HOPS_BINDINGS}"
         if "text" in TASKS[self.task]:
             parts += "-" + hashlib.sha256(embedded_bytes()).hexdigest()[:12]
         return f"probe-{self.task.replace('/', '-')}-{hashlib.sha256(parts.encode()).hexdigest()[:16]}"
