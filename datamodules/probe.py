@@ -75,9 +75,8 @@ BLANK = "_"  # an empty operand slot of a v2 arithmetic segment
 
 # v3 pointer chasing: a query needs 1..HOPS_LEVELS dependent lookups
 HOPS_LEVELS = 4
-HOPS_PER_LEVEL = 3  # queried chains of each length in an episode
-HOPS_BINDINGS = 51  # bindings in an episode's table: the 30 of the queried chains, the rest distractor chains
-BAR = "|"  # ends the binding table
+HOPS_PER_LEVEL = 2  # queried chains of each length per alphabet (lower and upper case): 4 queries per level
+BAR = "|"  # ends the memory
 
 MEMO, MEMO_END, COPY, COPY_END, COUNT = "\x02", "\x03", "\x05", "\x06", "\x07"
 _MARKERS = {ord(c) for c in (MEMO, MEMO_END, COPY, COPY_END, COUNT)}
@@ -182,29 +181,34 @@ def text_episode(rng: np.random.Generator, length: int = EPISODE_LEN - 1, source
 
 
 def hops_episode(rng: np.random.Generator, length: int = EPISODE_LEN - 1) -> Episode:
-    """v3 pointer chasing: a shuffled table of HOPS_BINDINGS bindings ``kv`` (name k holds v, a name or a
-    digit) forming disjoint open chains, ``|``, then one query ``qa`` per queried chain: q its first name,
-    a the digit at its end, level = the chain's length (the dependent lookups from q to a)."""
-    queried = [n for n in range(1, HOPS_LEVELS + 1) for _ in range(HOPS_PER_LEVEL)]
-    if length != 2 * HOPS_BINDINGS + 1 + 2 * len(queried):
-        raise ValueError(f"hops episodes have a fixed layout of {2 * HOPS_BINDINGS + 1 + 2 * len(queried)} bytes, "
-                         f"got length {length}")
-    lengths = queried + _distractor_lengths(rng, HOPS_BINDINGS - sum(queried))
-    names = iter(rng.permutation(len(_NAMES)).tolist())  # every name used once: no cycle, no shared node
-    pairs, chains = [], []
-    for n in lengths:
-        chain = [_NAMES[next(names)] for _ in range(n)] + [_DIGITS[int(rng.integers(0, 10))]]
-        pairs += [chain[j] + chain[j + 1] for j in range(n)]
-        chains.append((chain[0], chain[-1], n))
-    table = "".join(pairs[i] for i in rng.permutation(len(pairs)))
-    asked = [chains[i] for i in rng.permutation(len(queried))]  # each queried chain once: no answer repeats a query
-    text = table + BAR + "".join(head + digit for head, digit, _ in asked)
-    levels = [NO_LABEL] * len(table) + [0] + [label for _, _, n in asked for label in (NO_LABEL, n)]
-    return text.encode("ascii"), levels
+    """v3 pointer chasing: a memory of one cell per name (``a..z`` then ``A..Z``, fixed positions), each
+    holding the next name of its chain (same case) or a digit (the chain's end), ``|``, then one query
+    ``qa`` per queried chain: q its first name, a its digit, level = the chain's length (the dependent
+    lookups from q to a: each reads the cell named by the previous one's result). '.' pads."""
+    memory, asked = {}, []
+    for alphabet in (_KEYS, _CAPS):
+        queried = [n for n in range(1, HOPS_LEVELS + 1) for _ in range(HOPS_PER_LEVEL)]
+        lengths = queried + _distractor_lengths(rng, len(alphabet) - sum(queried))
+        order = iter(rng.permutation(len(alphabet)).tolist())  # each name in one chain: no cycle, no shared node
+        for i, n in enumerate(lengths):
+            chain = [alphabet[next(order)] for _ in range(n)] + [_DIGITS[int(rng.integers(0, 10))]]
+            memory.update(zip(chain[:-1], chain[1:]))
+            if i < len(queried):
+                asked.append((chain[0], chain[-1], n))
+    text = "".join(memory[name] for name in _NAMES) + BAR
+    levels = [NO_LABEL] * len(_NAMES) + [0]
+    for i in rng.permutation(len(asked)).tolist():  # each queried chain once: no answer repeats an earlier one
+        head, digit, n = asked[i]
+        text += head + digit
+        levels += [NO_LABEL, n]
+    if len(text) > length:
+        raise ValueError(f"hops episodes need {len(text)} bytes, got length {length}")
+    pad = length - len(text)
+    return (text + "." * pad).encode("ascii"), levels + [NO_LABEL] * pad
 
 
 def _distractor_lengths(rng: np.random.Generator, total: int) -> List[int]:
-    """Lengths in 1..HOPS_LEVELS summing to ``total``: unqueried chains, so that the digits of the table are
+    """Lengths in 1..HOPS_LEVELS summing to ``total``: unqueried chains, so that the digits in memory are
     not the multiset of the answers (no answer by elimination)."""
     out = []
     while total > 0:
@@ -313,11 +317,13 @@ def _solve_recall(text: str) -> Dict[int, Tuple[int, int]]:
 
 def _solve_hops(text: str) -> Dict[int, Tuple[int, int]]:
     bar = text.index(BAR)
-    bindings: Dict[str, List[str]] = {}
-    for i in range(0, bar, 2):
-        bindings.setdefault(text[i], []).append(text[i + 1])
+    if bar != len(_NAMES):
+        raise ValueError(f"hops: the memory holds {bar} cells, expected one per name ({len(_NAMES)})")
+    bindings = {name: [text[i]] for i, name in enumerate(_NAMES)}
     out = {bar: (ord(BAR), 0)}
     for i in range(bar + 1, len(text) - 1, 2):
+        if text[i] == ".":
+            break
         digit, lookups = fewest_lookups(bindings, text[i])
         out[i + 1] = (ord(digit), lookups)
     return out
@@ -397,7 +403,7 @@ class ProbeCorpus(Corpus):
     def fingerprint(self) -> str:
         parts = f"{version(self.task)}-{self.task}-E{EPISODE_LEN}-D{MAX_DEPTH}-H{MAX_HOPS}-s{DATA_SEED}-n{self.episodes}"
         if "hops" in TASKS[self.task]:  # v1/v2 names keep their fingerprints (and caches)
-            parts += f"-L{HOPS_LEVELS}x{HOPS_PER_LEVEL}-B{HOPS_BINDINGS}"
+            parts += f"-L{HOPS_LEVELS}x{HOPS_PER_LEVEL}-cells"
         if "text" in TASKS[self.task]:
             parts += "-" + hashlib.sha256(embedded_bytes()).hexdigest()[:12]
         return f"probe-{self.task.replace('/', '-')}-{hashlib.sha256(parts.encode()).hexdigest()[:16]}"
