@@ -16,7 +16,7 @@ block holds whole episodes; otherwise the evaluation drops labels whose episode 
 (``label_usable``).
 
 The difficulty level of a token is the number of sequential operations on earlier tokens the
-generator applied to produce it (0..MAX_DEPTH). Two versions exist; ``v1`` stays reproducible under its
+generator applied to produce it (0..MAX_DEPTH). Three versions exist; ``v1`` stays reproducible under its
 names (``probe``, ``probe/<family>``), ``v2`` has its own (``probe-v2``, ``probe-v2/<family>``) and
 changes only the arithmetic family:
 
@@ -41,8 +41,18 @@ changes only the arithmetic family:
   copy ``\\x05 abcd \\x06`` of the memo (copied letters and the closing byte: level 1). Text bytes are
   unlabelled.
 
-``solve_episode`` re-derives every label from the tokens alone by brute force; the tests check the
-generator against it.
+``v3`` (``probe-v3/hops``, family ``hops``) is a level axis that needs sequential depth rather than
+width (a ``v2`` sum of d operands is one parallel read for attention):
+
+* ``hops`` (pointer chasing): a memory of 52 cells at fixed positions, cell i holding the value of the
+  i-th name of ``a..z A..Z``: the next name of its chain (same case) or a digit (the chain's end). The
+  chains are disjoint and open (every name in exactly one, no cycle, so f^k never equals f^(k-N)). After
+  ``|`` (level 0) come 16 queries ``qa``: q the first name of a queried chain (each queried chain once),
+  a its digit, level = the chain's length 1..4, i.e. the number of dependent lookups, each reading the
+  cell named by the previous one's result. The query names and the padding ``.`` are unlabelled.
+
+``solve_episode`` re-derives every label from the tokens alone by brute force (for ``hops``: the fewest
+lookups, breadth-first, that reach a digit); the tests check the generator against it.
 """
 from __future__ import annotations
 

@@ -11,7 +11,8 @@ import pytest
 from datamodules import probe
 
 TASK = "probe-v3/hops"
-EPISODES = 400  # 4,800 queries, 1,200 per level
+EPISODES = 400  # 6,400 queries, 1,600 per level
+QUERIES_PER_LEVEL = 2 * probe.HOPS_PER_LEVEL  # per episode: HOPS_PER_LEVEL in each alphabet
 
 
 def _episodes(count=EPISODES):
@@ -21,14 +22,14 @@ def _episodes(count=EPISODES):
 
 
 def _table(text):
-    bar = text.index(probe.BAR)
-    return [(text[i], text[i + 1]) for i in range(0, bar, 2)]
+    """(name, value) of every memory cell: the cell at position i belongs to the i-th name."""
+    return list(zip(probe._NAMES, text[: text.index(probe.BAR)]))
 
 
 def _queries(text):
-    """(position of the answer, query name, answer) after the bar."""
+    """(position of the answer, query name, answer) after the bar, up to the padding."""
     bar = text.index(probe.BAR)
-    return [(i + 1, text[i], text[i + 1]) for i in range(bar + 1, len(text) - 1, 2)]
+    return [(i + 1, text[i], text[i + 1]) for i in range(bar + 1, len(text.rstrip(".")) - 1, 2)]
 
 
 def _path(table, name):
@@ -48,7 +49,7 @@ def test_fewest_lookups_equal_every_label():
         solved = probe.solve_episode(family, text.encode(), probe.version(TASK))
         assert {i: (ord(text[i]), level) for i, level in enumerate(levels) if level != probe.NO_LABEL} == solved
         seen.update(level for _, level in solved.values())
-    per_level = probe.HOPS_PER_LEVEL * EPISODES
+    per_level = QUERIES_PER_LEVEL * EPISODES
     assert seen == {0: EPISODES, **{k: per_level for k in range(1, probe.HOPS_LEVELS + 1)}}
 
 
@@ -69,18 +70,19 @@ def test_solver_catches_a_wrong_answer():
     wrong = bytearray(data)
     wrong[answer] = ord("0") + (data[answer] - ord("0") + 1) % 10
     assert probe.solve_episode(family, bytes(wrong), "v3")[answer] == (data[answer], probe.HOPS_LEVELS)
+    with pytest.raises(ValueError, match="cells"):
+        probe.solve_episode(family, data[1:], "v3")  # a memory one cell short
 
 
 # ---------------------------------------------------------------------------- no shortcut
-def test_bindings_form_disjoint_open_chains_of_distinct_names():
+def test_memory_forms_disjoint_open_chains_of_distinct_names():
     for _, text, _ in _episodes(200):
         table = _table(text)
-        keys = [k for k, _ in table]
         values = [v for _, v in table if v not in probe._DIGITS]
-        assert len(table) == probe.HOPS_BINDINGS and len(set(keys)) == len(keys)  # one binding per name
+        assert [k for k, _ in table] == list(probe._NAMES)  # one cell per name, at a fixed position
         assert len(set(values)) == len(values)  # no name is the value of two names: chains never merge
-        assert all(k in probe._NAMES for k in keys) and set(values) <= set(keys)  # a name value is looked up on
-        for key in keys:  # open: every path ends in a digit, which has no binding (no f^k = f^(k-N))
+        assert all(k.islower() == v.islower() for k, v in table if v in probe._NAMES)  # a chain keeps its case
+        for key, _ in table:  # open: every path ends in a digit, which has no cell (no f^k = f^(k-N))
             path = _path(table, key)
             assert path[-1] in probe._DIGITS and len(set(path)) == len(path) <= probe.HOPS_LEVELS + 1
 
@@ -103,7 +105,7 @@ def _heuristics(text, table, previous_answer):
     digits = [v for _, v in table if v in probe._DIGITS]
     position = {k: 2 * i for i, (k, _) in enumerate(table)}
 
-    def nearest_digit(name):  # the terminal written closest to the query's own binding
+    def nearest_digit(name):  # the terminal written closest to the query's own cell
         return min(((abs(2 * i - position[name]), v) for i, (_, v) in enumerate(table) if v in probe._DIGITS))[1]
 
     return lambda name: {"most frequent digit": Counter(digits).most_common(1)[0][0],
@@ -131,13 +133,13 @@ def test_no_shortcut_guesses_the_answer_much_better_than_chance():
 
 
 def test_answer_is_not_the_digit_after_the_query_name_in_the_table():
-    """The byte after the query's binding is its first lookup: the answer only at level 1."""
+    """The query's own cell is its first lookup: the answer only at level 1."""
     same = Counter()
     for _, text, levels in _episodes(200):
         first = dict(_table(text))
         for pos, name, answer in _queries(text):
             same[levels[pos]] += first[name] == answer
-    assert same[1] == 200 * probe.HOPS_PER_LEVEL and all(same[k] == 0 for k in range(2, probe.HOPS_LEVELS + 1))
+    assert same[1] == 200 * QUERIES_PER_LEVEL and all(same[k] == 0 for k in range(2, probe.HOPS_LEVELS + 1))
 
 
 # ---------------------------------------------------------------------------- reproducibility
@@ -164,7 +166,7 @@ PINNED = {
                      "probe-probe-recall-76a1032f0f1ba23e"),
     "probe/text": ("0430da59bf5250fc5a9eb9681023f7eab7a4b1c27741f65a87dcec015012c77c",
                    "probe-probe-text-c212e5d65d94f7ab"),
-    TASK: ("5ca992933d62e10c5329aab7c7fa778c7b2fba6a5d0b59164f683f1de354b44d", "probe-probe-v3-hops-5d4e0d7d4571ce59"),
+    TASK: ("4d506e013b89bfd01c3498e4a19e53206bbead9b95b8aac6c14f18f4dfc9171b", "probe-probe-v3-hops-3646a3843be6c1d0"),
 }
 
 
@@ -199,4 +201,4 @@ def test_cli_trains_on_hops_and_logs_every_level(tmp_path, one_thread):
     hops = detail["families"]["hops"]
     assert {k: hops[k]["tokens"] for k in hops} == {k: v["tokens"] for k, v in detail["levels"].items()}
     episodes = hops["0"]["tokens"]  # one bar per whole episode in the evaluated blocks
-    assert episodes >= 1 and all(hops[str(k)]["tokens"] == episodes * probe.HOPS_PER_LEVEL for k in range(1, 5))
+    assert episodes >= 1 and all(hops[str(k)]["tokens"] == episodes * QUERIES_PER_LEVEL for k in range(1, 5))
