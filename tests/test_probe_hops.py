@@ -100,13 +100,13 @@ def test_the_answer_needs_exactly_its_level_of_lookups():
             assert name not in values
 
 
-def _heuristics(text, table, previous_answer):
+def _heuristics(table, previous_answer):
     """Answers a reader could produce without following the chain."""
     digits = [v for _, v in table if v in probe._DIGITS]
-    position = {k: 2 * i for i, (k, _) in enumerate(table)}
+    position = {k: i for i, (k, _) in enumerate(table)}
 
-    def nearest_digit(name):  # the terminal written closest to the query's own cell
-        return min(((abs(2 * i - position[name]), v) for i, (_, v) in enumerate(table) if v in probe._DIGITS))[1]
+    def nearest_digit(name):  # the digit cell closest to the query's own cell
+        return min(((abs(i - position[name]), v) for i, (_, v) in enumerate(table) if v in probe._DIGITS))[1]
 
     return lambda name: {"most frequent digit": Counter(digits).most_common(1)[0][0],
                          "nearest digit": nearest_digit(name),
@@ -120,7 +120,7 @@ def test_no_shortcut_guesses_the_answer_much_better_than_chance():
     for _, text, levels in _episodes():
         table, previous = _table(text), None
         for pos, name, answer in _queries(text):
-            guesses = _heuristics(text, table, previous)(name)
+            guesses = _heuristics(table, previous)(name)
             for rule, guess in guesses.items():
                 hits[rule, levels[pos]] += guess == answer
             total[levels[pos]] += 1
@@ -132,7 +132,7 @@ def test_no_shortcut_guesses_the_answer_much_better_than_chance():
         assert max(counts.values()) / total[level] < 0.14 and len(counts) == 10
 
 
-def test_answer_is_not_the_digit_after_the_query_name_in_the_table():
+def test_the_query_cell_holds_the_answer_only_at_level_1():
     """The query's own cell is its first lookup: the answer only at level 1."""
     same = Counter()
     for _, text, levels in _episodes(200):
