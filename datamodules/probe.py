@@ -16,7 +16,7 @@ block holds whole episodes; otherwise the evaluation drops labels whose episode 
 (``label_usable``).
 
 The difficulty level of a token is the number of sequential operations on earlier tokens the
-generator applied to produce it (0..MAX_DEPTH). Two versions exist; ``v1`` stays reproducible under its
+generator applied to produce it (0..MAX_DEPTH). Three versions exist; ``v1`` stays reproducible under its
 names (``probe``, ``probe/<family>``), ``v2`` has its own (``probe-v2``, ``probe-v2/<family>``) and
 changes only the arithmetic family:
 
@@ -41,8 +41,18 @@ changes only the arithmetic family:
   copy ``\\x05 abcd \\x06`` of the memo (copied letters and the closing byte: level 1). Text bytes are
   unlabelled.
 
-``solve_episode`` re-derives every label from the tokens alone by brute force; the tests check the
-generator against it.
+``v3`` (``probe-v3/hops``, family ``hops``) is a level axis that needs sequential depth rather than
+width (a ``v2`` sum of d operands is one parallel read for attention):
+
+* ``hops`` (pointer chasing): a memory of 52 cells at fixed positions, cell i holding the value of the
+  i-th name of ``a..z A..Z``: the next name of its chain (same case) or a digit (the chain's end). The
+  chains are disjoint and open (every name in exactly one, no cycle, so f^k never equals f^(k-N)). After
+  ``|`` (level 0) come 16 queries ``qa``: q the first name of a queried chain (each queried chain once),
+  a its digit, level = the chain's length 1..4, i.e. the number of dependent lookups, each reading the
+  cell named by the previous one's result. The query names and the padding ``.`` are unlabelled.
+
+``solve_episode`` re-derives every label from the tokens alone by brute force (for ``hops``: the fewest
+lookups, breadth-first, that reach a digit); the tests check the generator against it.
 """
 from __future__ import annotations
 
@@ -63,17 +73,27 @@ MAX_HOPS = 3
 DATA_SEED = 20240615  # the probe content is fixed; --seed changes the training order only
 DEFAULT_EPISODES = 16384  # 2.1M tokens; data.max_tokens sets another size
 NO_LABEL = -1
-FAMILIES = ("arith", "recall", "text")
-VERSIONS = {"probe": "v1", "probe-v2": "v2"}  # dataset-name prefix -> generator version
-TASKS: Dict[str, Tuple[str, ...]] = {name: families for prefix in VERSIONS
-                                     for name, families in [(prefix, FAMILIES), *((f"{prefix}/{f}", (f,)) for f in FAMILIES)]}
+FAMILIES = ("arith", "recall", "text", "hops")  # families.npy holds the index: append only
+VERSIONS = {"probe": "v1", "probe-v2": "v2", "probe-v3": "v3"}  # dataset-name prefix -> generator version
+_V1_FAMILIES = ("arith", "recall", "text")
+TASKS: Dict[str, Tuple[str, ...]] = {
+    **{name: families for prefix in ("probe", "probe-v2")
+       for name, families in [(prefix, _V1_FAMILIES), *((f"{prefix}/{f}", (f,)) for f in _V1_FAMILIES)]},
+    "probe-v3/hops": ("hops",),
+}
 BLANK = "_"  # an empty operand slot of a v2 arithmetic segment
+
+# v3 pointer chasing: a query needs 1..HOPS_LEVELS dependent lookups
+HOPS_LEVELS = 4
+HOPS_PER_LEVEL = 2  # queried chains of each length per alphabet (lower and upper case): 4 queries per level
+BAR = "|"  # ends the memory
 
 MEMO, MEMO_END, COPY, COPY_END, COUNT = "\x02", "\x03", "\x05", "\x06", "\x07"
 _MARKERS = {ord(c) for c in (MEMO, MEMO_END, COPY, COPY_END, COUNT)}
 _DIGITS = "0123456789"
 _KEYS = "abcdefghijklmnopqrstuvwxyz"
 _CAPS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+_NAMES = _KEYS + _CAPS  # v3 variable names: each is bound at most once in an episode
 
 Episode = Tuple[bytes, List[int]]  # EPISODE_LEN - 1 bytes after the EOT, and their levels
 
@@ -170,8 +190,46 @@ def text_episode(rng: np.random.Generator, length: int = EPISODE_LEN - 1, source
     return bytes(out), levels
 
 
+def hops_episode(rng: np.random.Generator, length: int = EPISODE_LEN - 1) -> Episode:
+    """v3 pointer chasing: a memory of one cell per name (``a..z`` then ``A..Z``, fixed positions), each
+    holding the next name of its chain (same case) or a digit (the chain's end), ``|``, then one query
+    ``qa`` per queried chain: q its first name, a its digit, level = the chain's length (the dependent
+    lookups from q to a: each reads the cell named by the previous one's result). '.' pads."""
+    memory, asked = {}, []
+    for alphabet in (_KEYS, _CAPS):
+        queried = [n for n in range(1, HOPS_LEVELS + 1) for _ in range(HOPS_PER_LEVEL)]
+        lengths = queried + _distractor_lengths(rng, len(alphabet) - sum(queried))
+        order = iter(rng.permutation(len(alphabet)).tolist())  # each name in one chain: no cycle, no shared node
+        for i, n in enumerate(lengths):
+            chain = [alphabet[next(order)] for _ in range(n)] + [_DIGITS[int(rng.integers(0, 10))]]
+            memory.update(zip(chain[:-1], chain[1:]))
+            if i < len(queried):
+                asked.append((chain[0], chain[-1], n))
+    text = "".join(memory[name] for name in _NAMES) + BAR
+    levels = [NO_LABEL] * len(_NAMES) + [0]
+    for i in rng.permutation(len(asked)).tolist():  # each queried chain once: no answer repeats an earlier one
+        head, digit, n = asked[i]
+        text += head + digit
+        levels += [NO_LABEL, n]
+    if len(text) > length:
+        raise ValueError(f"hops episodes need {len(text)} bytes, got length {length}")
+    pad = length - len(text)
+    return (text + "." * pad).encode("ascii"), levels + [NO_LABEL] * pad
+
+
+def _distractor_lengths(rng: np.random.Generator, total: int) -> List[int]:
+    """Lengths in 1..HOPS_LEVELS summing to ``total``: unqueried chains, so that the digits in memory are
+    not the multiset of the answers (no answer by elimination)."""
+    out = []
+    while total > 0:
+        out.append(int(rng.integers(1, min(HOPS_LEVELS, total) + 1)))
+        total -= out[-1]
+    return out
+
+
 GENERATORS = {"v1": {"arith": arith_episode, "recall": recall_episode, "text": text_episode},
-              "v2": {"arith": arith_episode_v2, "recall": recall_episode, "text": text_episode}}
+              "v2": {"arith": arith_episode_v2, "recall": recall_episode, "text": text_episode},
+              "v3": {"hops": hops_episode}}
 
 
 def version(task: str) -> str:
@@ -205,6 +263,8 @@ def solve_episode(family: str, data: bytes, generator: str = "v1") -> Dict[int, 
         return _solve_arith_v2(text) if generator == "v2" else _solve_arith(text)
     if family == "recall":
         return _solve_recall(text)
+    if family == "hops":
+        return _solve_hops(text)
     return _solve_text(text)
 
 
@@ -265,6 +325,36 @@ def _solve_recall(text: str) -> Dict[int, Tuple[int, int]]:
     return out
 
 
+def _solve_hops(text: str) -> Dict[int, Tuple[int, int]]:
+    bar = text.index(BAR)
+    if bar != len(_NAMES):
+        raise ValueError(f"hops: the memory holds {bar} cells, expected one per name ({len(_NAMES)})")
+    bindings = {name: [text[i]] for i, name in enumerate(_NAMES)}
+    out = {bar: (ord(BAR), 0)}
+    for i in range(bar + 1, len(text) - 1, 2):
+        if text[i] == ".":
+            break
+        digit, lookups = fewest_lookups(bindings, text[i])
+        out[i + 1] = (ord(digit), lookups)
+    return out
+
+
+def fewest_lookups(bindings: Dict[str, List[str]], name: str) -> Tuple[str, int]:
+    """(digit, lookups): breadth-first over the bindings (a name may have several), the digit reached from
+    ``name`` with the fewest lookups, each lookup reading the value of a name the previous one returned."""
+    frontier, seen, lookups = {name}, {name}, 0
+    while frontier:
+        digits = {v for v in frontier if v in _DIGITS}
+        if len(digits) > 1:
+            raise ValueError(f"hops: {name!r} reaches the digits {sorted(digits)} in {lookups} lookups")
+        if digits:
+            return digits.pop(), lookups
+        frontier = {v for k in frontier for v in bindings.get(k, ())} - seen
+        seen |= frontier
+        lookups += 1
+    raise ValueError(f"hops: no digit is reachable from {name!r}")
+
+
 def _solve_text(text: str) -> Dict[int, Tuple[int, int]]:
     out = {}
     memo = text[text.index(MEMO) + 1 : text.index(MEMO_END)]
@@ -322,6 +412,8 @@ class ProbeCorpus(Corpus):
 
     def fingerprint(self) -> str:
         parts = f"{version(self.task)}-{self.task}-E{EPISODE_LEN}-D{MAX_DEPTH}-H{MAX_HOPS}-s{DATA_SEED}-n{self.episodes}"
+        if "hops" in TASKS[self.task]:  # v1/v2 names keep their fingerprints (and caches)
+            parts += f"-L{HOPS_LEVELS}x{HOPS_PER_LEVEL}-cells"
         if "text" in TASKS[self.task]:
             parts += "-" + hashlib.sha256(embedded_bytes()).hexdigest()[:12]
         return f"probe-{self.task.replace('/', '-')}-{hashlib.sha256(parts.encode()).hexdigest()[:16]}"
