@@ -39,8 +39,10 @@ removed, both noted on stderr, so a grid may cross variants with one variant's o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
+import os
 import pathlib
 import shlex
 import subprocess
@@ -239,18 +241,39 @@ def estimate(cfg) -> Dict[str, Any]:
 
 
 def memory_plans(parsed: Sequence[Any], gpu_memory_gb: float = 80.0) -> List[Dict[str, Any]]:
-    """The memory plan (``experiments.memory``) of every parsed configuration: peak per GPU and what fits."""
+    """The memory plan (``experiments.memory``) of every parsed configuration: peak per GPU and what fits.
+    One measurement per distinct model / precision / checkpointing (``memory.measurement_key``), reused by
+    every job that shares it, all in ONE worker process (imports once); freed models go back to the system
+    (``MALLOC_MMAP_THRESHOLD_``: large buffers are mapped, not kept in the allocator's pool), so the worker's
+    memory is the largest model's, not the sum."""
     import concurrent.futures
     import multiprocessing
 
-    from experiments.memory import plan_run_config
+    from experiments.memory import job_plan, measure_run_config, measurement_key
 
-    # one fresh process per job: a process that built a model does not get its memory back (measured:
-    # ~1 GiB per GPT-2 small model stays with it), and a recipe builds several large ones
+    keys = [measurement_key(cfg) for cfg in parsed]
+    distinct = list(dict.fromkeys(keys))
+    first = [parsed[keys.index(key)] for key in distinct]
     context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context, max_tasks_per_child=1) as pool:
-        plans = list(pool.map(plan_run_config, parsed, [gpu_memory_gb] * len(parsed)))
-    return [plan.row() for plan in plans]
+    with _child_environment(MALLOC_MMAP_THRESHOLD_=str(2 ** 20)):
+        with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+            measured = dict(zip(distinct, pool.map(measure_run_config, first)))
+    return [job_plan(measured[key], cfg, gpu_memory_gb).row() for key, cfg in zip(keys, parsed)]
+
+
+@contextlib.contextmanager
+def _child_environment(**values: str):
+    """``os.environ`` with ``values`` while the block starts child processes (spawn copies it); then restored."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def gpu_hours(flops: float, peak_tflops: float, mfu: float) -> float:
