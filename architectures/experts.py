@@ -10,11 +10,11 @@ upcycling rules (``experts.c_fc.weight`` <- the dense ``mlp.c_fc.weight``, broad
 Both dispatch paths use these parameters directly (nothing is re-stacked per forward):
 
 * the loop (``GroupedExperts.loop``, the CPU default and wherever the grouped op does not apply): tokens
-  sorted by expert (``sort_by_expert``), then one matmul pair per expert WITH tokens on its contiguous slice.
-  The per-expert weights come from ONE ``unbind(0)`` per forward: indexing ``w[e]`` per expert would make a
-  full-size (E, ., .) zero gradient per expert in backward. An idle expert costs nothing and still gets a
-  zero gradient (its rows of the one stacked gradient), so its dispatch time does not grow with idle experts
-  (under autocast the stacks are cast once per forward, as on the grouped path);
+  sorted by expert (``sort_by_expert``), then ``ExpertMLPs``, ONE autograd node: a matmul pair per expert WITH
+  tokens on its contiguous slice, and a backward that writes each stacked gradient once (a busy expert's rows
+  one matmul, the idle experts' rows zero-filled at once), so no op depends on the idle experts but their zero
+  rows (under autocast the stacks are cast once per forward, as on the grouped path). Under torch.compile
+  every expert runs through autograd's own graph (``_traced_mlps``), which dynamo traces as one graph;
 * the grouped GEMM (``architectures.grouped_gemm.grouped_dispatch``): the weights as a transposed view (and,
   under bf16 autocast, cast to bf16), see that module for when it is chosen (``DYNCOMP_GROUPED_MM``).
 
@@ -166,13 +166,17 @@ class ExpertMLPs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        # each intermediate gradient is dropped as soon as it is used: the peak of this node is then what
+        # autograd's per-expert graph had (tests/test_scale.py's plan-vs-measured-peak cases)
         x, hidden, act, fc_w, proj_w = ctx.saved_tensors
         segments, (fc_biased, proj_biased) = ctx.segments, ctx.biased
-        grad_out = grad_out.contiguous()
         idle = [e for e, size in enumerate(ctx.sizes) if not size]
+        grad_out = grad_out.contiguous()
         grad_proj_w, grad_proj_b = _segment_weight_grads(grad_out, act, proj_w, segments, idle, proj_biased)
-        grad_act = _segment_linear(grad_out, proj_w.transpose(1, 2), None, segments)
-        grad_hidden = torch.ops.aten.gelu_backward(grad_act, hidden, approximate="tanh")
+        grad_hidden = _segment_linear(grad_out, proj_w.transpose(1, 2), None, segments)  # d loss / d act
+        del grad_out
+        # in place (an elementwise kernel): d loss / d hidden overwrites d loss / d act, one (M, hidden) less
+        torch.ops.aten.gelu_backward.grad_input(grad_hidden, hidden, approximate="tanh", grad_input=grad_hidden)
         grad_fc_w, grad_fc_b = _segment_weight_grads(grad_hidden, x, fc_w, segments, idle, fc_biased)
         grad_x = _segment_linear(grad_hidden, fc_w.transpose(1, 2), None, segments) if ctx.needs_input_grad[0] else None
         return grad_x, None, grad_fc_w, grad_fc_b, grad_proj_w, grad_proj_b

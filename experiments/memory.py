@@ -251,37 +251,33 @@ def _materialise(model: torch.nn.Module, shared_over_first_dim: type) -> None:
                 module._buffers[name] = torch.empty_like(buffer, device="cpu")
 
 
-def measurement_key(cfg) -> str:
-    """What a job's measurement depends on: the resolved model config, the precision and the checkpointing
-    policy (jobs that differ only in steps, data, init, batch, accumulation or GPUs share one measurement)."""
+def measurement_inputs(cfg) -> Tuple[Any, str, str]:
+    """What a job's measurement depends on: (resolved model config, precision, checkpointing policy). Jobs that
+    differ only in steps, data, init, batch, accumulation or GPUs share one measurement."""
     from experiments.run import model_config
 
-    mcfg = model_config(cfg).resolve()
-    return json.dumps([dataclasses.asdict(mcfg), job_precision(cfg), str(cfg.activation_checkpointing)],
-                      sort_keys=True, default=str)
+    return model_config(cfg).resolve(), str(cfg.trainer.precision or "bf16-mixed"), str(cfg.activation_checkpointing)
 
 
-def job_precision(cfg) -> str:
-    return str(cfg.trainer.precision or "bf16-mixed")  # the default on a bf16-capable GPU
+def measurement_key(inputs: Tuple[Any, str, str]) -> str:
+    config, precision, checkpointing = inputs
+    return json.dumps([dataclasses.asdict(config), precision, checkpointing], sort_keys=True, default=str)
 
 
-def measure_run_config(cfg) -> Plan:
-    """The measured plan of one parsed ``experiments.run`` configuration at micro-batch 1 on one GPU (the model
-    built on the CPU); ``job_plan`` gives it the job's batch, accumulation and GPUs."""
-    from experiments.run import model_config
-
-    mcfg = model_config(cfg).resolve()
-    model = build_for_measurement(mcfg)
+def measure(config, precision: str = "bf16-mixed", checkpointing: str = "none") -> Plan:
+    """The measured plan of a model config at micro-batch 1 on one GPU (the model built on the CPU); ``job_plan``
+    gives it a job's batch, accumulation and GPUs. Needs torch and ``architectures`` only (a worker process
+    that runs it imports neither Lightning nor the run's CLI)."""
+    model = build_for_measurement(config)
     try:
-        return plan_model(model, 1, mcfg.block_size, precision=job_precision(cfg),
-                          checkpointing=str(cfg.activation_checkpointing))
+        return plan_model(model, 1, config.block_size, precision=precision, checkpointing=checkpointing)
     finally:
         del model
         gc.collect()
 
 
 def job_plan(measured: Plan, cfg, gpu_memory_gb: float = 80.0) -> Plan:
-    """``measured`` (``measure_run_config`` of a job with the same ``measurement_key``) for this job."""
+    """``measured`` (``measure`` of the job's ``measurement_inputs``) for this parsed run configuration."""
     nodes, tasks, _ = geometry(cfg)
     return dataclasses.replace(measured, micro_batch=int(cfg.data.batch_size),
                                accumulate=int(cfg.trainer.accumulate_grad_batches or 1), gpus=nodes * tasks,
@@ -291,7 +287,7 @@ def job_plan(measured: Plan, cfg, gpu_memory_gb: float = 80.0) -> Plan:
 
 def plan_run_config(cfg, gpu_memory_gb: float = 80.0) -> Plan:
     """The plan of one parsed ``experiments.run`` configuration (the model built on the CPU)."""
-    return job_plan(measure_run_config(cfg), cfg, gpu_memory_gb)
+    return job_plan(measure(*measurement_inputs(cfg)), cfg, gpu_memory_gb)
 
 
 def print_plans(rows: List[Dict[str, Any]], labels: List[str], say: Callable[[str], None]) -> None:

@@ -39,10 +39,8 @@ removed, both noted on stderr, so a grid may cross variants with one variant's o
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
-import os
 import pathlib
 import shlex
 import subprocess
@@ -243,37 +241,25 @@ def estimate(cfg) -> Dict[str, Any]:
 def memory_plans(parsed: Sequence[Any], gpu_memory_gb: float = 80.0) -> List[Dict[str, Any]]:
     """The memory plan (``experiments.memory``) of every parsed configuration: peak per GPU and what fits.
     One measurement per distinct model / precision / checkpointing (``memory.measurement_key``), reused by
-    every job that shares it, all in ONE worker process (imports once); freed models go back to the system
-    (``MALLOC_MMAP_THRESHOLD_``: large buffers are mapped, not kept in the allocator's pool), so the worker's
-    memory is the largest model's, not the sum."""
+    every job that shares it."""
     import concurrent.futures
     import multiprocessing
 
-    from experiments.memory import job_plan, measure_run_config, measurement_key
+    from experiments.memory import job_plan, measure, measurement_inputs, measurement_key
 
-    keys = [measurement_key(cfg) for cfg in parsed]
+    inputs = [measurement_inputs(cfg) for cfg in parsed]
+    keys = [measurement_key(item) for item in inputs]
     distinct = list(dict.fromkeys(keys))
-    first = [parsed[keys.index(key)] for key in distinct]
+    first = [inputs[keys.index(key)] for key in distinct]
+    # one fresh process per measurement: a process that built a model does not get its memory back (measured:
+    # ~1 GiB per GPT-2 small model stays with it; one worker for all of ffn_wider_contribution.yaml's models
+    # peaked at 13.8 GB even with MALLOC_MMAP_THRESHOLD_=1 MiB), and a recipe builds several large ones
     context = multiprocessing.get_context("spawn")
-    with _child_environment(MALLOC_MMAP_THRESHOLD_=str(2 ** 20)):
-        with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-            measured = dict(zip(distinct, pool.map(measure_run_config, first)))
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context, max_tasks_per_child=1) as pool:
+        # the worker gets the resolved model config, not the parsed run config: it imports torch and
+        # architectures only, not Lightning and the run's CLI (about half of a job's CPU time before)
+        measured = dict(zip(distinct, pool.map(measure, *zip(*first))))
     return [job_plan(measured[key], cfg, gpu_memory_gb).row() for key, cfg in zip(keys, parsed)]
-
-
-@contextlib.contextmanager
-def _child_environment(**values: str):
-    """``os.environ`` with ``values`` while the block starts child processes (spawn copies it); then restored."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def gpu_hours(flops: float, peak_tflops: float, mfu: float) -> float:
