@@ -10,11 +10,11 @@ upcycling rules (``experts.c_fc.weight`` <- the dense ``mlp.c_fc.weight``, broad
 Both dispatch paths use these parameters directly (nothing is re-stacked per forward):
 
 * the loop (``GroupedExperts.loop``, the CPU default and wherever the grouped op does not apply): tokens
-  sorted by expert (``sort_by_expert``), then one matmul pair per expert WITH tokens on its contiguous slice.
-  The per-expert weights come from ONE ``unbind(0)`` per forward: indexing ``w[e]`` per expert would make a
-  full-size (E, ., .) zero gradient per expert in backward. An idle expert costs nothing and still gets a
-  zero gradient (its rows of the one stacked gradient), so its dispatch time does not grow with idle experts
-  (under autocast the stacks are cast once per forward, as on the grouped path);
+  sorted by expert (``sort_by_expert``), then ``ExpertMLPs``, ONE autograd node: a matmul pair per expert WITH
+  tokens on its contiguous slice, and a backward that writes each stacked gradient once (a busy expert's rows
+  one matmul, the idle experts' rows zero-filled at once), so no op depends on the idle experts but their zero
+  rows (under autocast the stacks are cast once per forward, as on the grouped path). Under torch.compile
+  every expert runs through autograd's own graph (``_traced_mlps``), which dynamo traces as one graph;
 * the grouped GEMM (``architectures.grouped_gemm.grouped_dispatch``): the weights as a transposed view (and,
   under bf16 autocast, cast to bf16), see that module for when it is chosen (``DYNCOMP_GROUPED_MM``).
 
@@ -85,39 +85,42 @@ class GroupedExperts(nn.Module):
         """One matmul pair per expert with tokens, on its contiguous slice of the expert-sorted tokens."""
         N, k = selected.shape
         _, order, counts = sort_by_expert(selected, keep, self.num_experts)
-        # under torch.compile the sizes are traced (unbacked, see ``traced_sizes``) and every expert runs, an
-        # idle one on zero rows: a branch on a traced count would break the graph
         traced = torch.compiler.is_compiling()
         sizes = traced_sizes(counts[:-1], N * k) if traced else counts.tolist()[:-1]
         order = order[: sum(sizes)]  # the assignments no expert computes sort last
         token_index = order if k == 1 else torch.div(order, k, rounding_mode="floor")  # flat = token * k + slot
-        # one split (not a slice per expert) into each expert's tokens
-        slices = x.index_select(0, token_index).split(sizes)
-        runs = list(range(self.num_experts)) if traced else [e for e, count in enumerate(sizes) if count]
-        if not runs and torch.is_grad_enabled():
-            runs = [0]  # nothing routed: one empty call still gives every expert a (zero) gradient
-        fc, proj = self._unbound("c_fc", x.device.type), self._unbound("c_proj", x.device.type)
-        pieces = [self._mlp(slices[e], fc, proj, e) for e in runs]
-        if not pieces:
-            return x.new_zeros(N, x.shape[-1])
-        outputs = self.drop(torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0])
+        tokens = x.index_select(0, token_index)
+        if traced:  # unbacked sizes: autograd's own per-expert graph, which dynamo traces as one graph
+            outputs = self._traced_mlps(tokens, sizes)
+        else:
+            outputs = ExpertMLPs.apply(tokens, tuple(sizes), *self._operands(x.device.type))
+        outputs = self.drop(outputs)
         outputs = outputs * weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(outputs.dtype)
-        return outputs.new_zeros(N, outputs.shape[-1]).index_add(0, token_index, outputs)
+        if k == 1 and not traced and outputs.shape[0] == N:  # every token once (top-1, none dropped): a permutation
+            return outputs.new_empty(N, outputs.shape[-1]).index_copy_(0, token_index, outputs)
+        return outputs.new_zeros(N, outputs.shape[-1]).index_add_(0, token_index, outputs)
 
-    def _unbound(self, linear: str, device_type: str):
-        """Per-expert (weight, bias) views from one ``unbind`` each (one stacked gradient in backward). Under
-        autocast the stack is cast once, as on the grouped path (per expert, the bf16 copies saved for backward
-        would depend on which experts got tokens, and the memory plan measures them as fixed)."""
-        layer = getattr(self, linear)
-        weight, bias = layer.weight, layer.bias
+    def _operands(self, device_type: str) -> List[Optional[torch.Tensor]]:
+        """(c_fc weight, bias, c_proj weight, bias), the stacks cast once under autocast, as on the grouped path
+        (per expert, the bf16 copies saved for backward would depend on which experts got tokens, and the
+        memory plan measures them as fixed)."""
+        tensors = [self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias]
         if torch.is_autocast_enabled(device_type):
             dtype = torch.get_autocast_dtype(device_type)
-            weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
-        return weight.unbind(0), bias.unbind(0) if bias is not None else [None] * self.num_experts
+            tensors = [None if t is None else t.to(dtype) for t in tensors]
+        return tensors
 
-    @staticmethod
-    def _mlp(x: torch.Tensor, fc, proj, e: int) -> torch.Tensor:
-        return F.linear(F.gelu(F.linear(x, fc[0][e], fc[1][e]), approximate="tanh"), proj[0][e], proj[1][e])
+    def _traced_mlps(self, tokens: torch.Tensor, sizes: List[int]) -> torch.Tensor:
+        """Under torch.compile: every expert runs (an idle one on zero rows; a branch on a traced count would
+        break the graph), per-expert weights from one ``unbind`` per stacked parameter."""
+        fc_w, fc_b, proj_w, proj_b = self._operands(tokens.device.type)
+        tokens = tokens.to(fc_w.dtype)
+        fc_w, proj_w = fc_w.unbind(0), proj_w.unbind(0)
+        fc_b = [None] * self.num_experts if fc_b is None else fc_b.unbind(0)
+        proj_b = [None] * self.num_experts if proj_b is None else proj_b.unbind(0)
+        pieces = [F.linear(F.gelu(F.linear(piece, fc_w[e], fc_b[e]), approximate="tanh"), proj_w[e], proj_b[e])
+                  for e, piece in enumerate(tokens.split(sizes))]
+        return torch.cat(pieces, dim=0)
 
     def expert(self, e: int) -> Callable[[torch.Tensor], torch.Tensor]:
         """Expert ``e`` as a stand-alone MLP function (references and tests; the dispatch never calls it)."""
@@ -135,6 +138,86 @@ class GroupedExperts(nn.Module):
         self.c_proj.weight.mul_(scale)
         if self.c_proj.bias is not None:
             self.c_proj.bias.mul_(scale)
+
+
+class ExpertMLPs(torch.autograd.Function):
+    """The expert MLPs of expert-sorted rows as ONE autograd node: ``x`` (M, d) holds each expert's rows
+    contiguously (``sizes[e]`` of them, in expert order); every expert with rows runs ``c_proj(gelu(c_fc(x)))``
+    on its slice, written in place into one (M, .) output (GELU over all rows at once).
+
+    Backward makes each stacked gradient as ONE (E, ., .) tensor: each busy expert's weight gradient is a
+    matmul written into its rows, the idle experts' rows are zero-filled (one ``index_fill``), the bias
+    gradients one row sum per busy expert. So the work does not depend on the idle experts
+    besides writing their zero rows (the gradient that AdamW then reads; see the module docstring), where
+    autograd's own graph of ``unbind`` views made a zero tensor per idle expert and copied every expert's
+    gradient into a stack (2,466 vs 790 ms of backward for 64 vs 8 experts at the same routing, issue 29).
+    """
+
+    @staticmethod
+    def forward(ctx, x, sizes, fc_w, fc_b, proj_w, proj_b):
+        x = x.to(fc_w.dtype)  # autocast: the stacks come cast (``GroupedExperts._operands``)
+        segments = _segments(sizes)
+        hidden = _segment_linear(x, fc_w, fc_b, segments)
+        act = F.gelu(hidden, approximate="tanh")
+        out = _segment_linear(act, proj_w, proj_b, segments)
+        ctx.segments, ctx.sizes, ctx.biased = segments, sizes, (fc_b is not None, proj_b is not None)
+        ctx.save_for_backward(x, hidden, act, fc_w, proj_w)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        # each intermediate gradient is dropped as soon as it is used: the peak of this node is then what
+        # autograd's per-expert graph had (tests/test_scale.py's plan-vs-measured-peak cases)
+        x, hidden, act, fc_w, proj_w = ctx.saved_tensors
+        segments, (fc_biased, proj_biased) = ctx.segments, ctx.biased
+        idle = [e for e, size in enumerate(ctx.sizes) if not size]
+        grad_out = grad_out.contiguous()
+        grad_proj_w, grad_proj_b = _segment_weight_grads(grad_out, act, proj_w, segments, idle, proj_biased)
+        grad_hidden = _segment_linear(grad_out, proj_w.transpose(1, 2), None, segments)  # d loss / d act
+        del grad_out
+        # in place (an elementwise kernel): d loss / d hidden overwrites d loss / d act, one (M, hidden) less
+        torch.ops.aten.gelu_backward.grad_input(grad_hidden, hidden, approximate="tanh", grad_input=grad_hidden)
+        grad_fc_w, grad_fc_b = _segment_weight_grads(grad_hidden, x, fc_w, segments, idle, fc_biased)
+        grad_x = _segment_linear(grad_hidden, fc_w.transpose(1, 2), None, segments) if ctx.needs_input_grad[0] else None
+        return grad_x, None, grad_fc_w, grad_fc_b, grad_proj_w, grad_proj_b
+
+
+def _segments(sizes) -> List[tuple]:
+    """(expert, first row, end row) of every expert with rows."""
+    out, start = [], 0
+    for e, size in enumerate(sizes):
+        if size:
+            out.append((e, start, start + size))
+        start += size
+    return out
+
+
+def _segment_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], segments) -> torch.Tensor:
+    """Rows ``start:end`` of ``x`` through expert ``e``'s (out, in) ``weight[e]`` (+ ``bias[e]``), in place into
+    one output; rows of no segment (none: the segments tile ``x``) would stay uninitialised."""
+    out = x.new_empty(x.shape[0], weight.shape[1])
+    for e, start, end in segments:
+        if bias is None:
+            torch.mm(x[start:end], weight[e].t(), out=out[start:end])
+        else:
+            torch.addmm(bias[e], x[start:end], weight[e].t(), out=out[start:end])
+    return out
+
+
+def _segment_weight_grads(grad_out: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, segments, idle,
+                          biased: bool):
+    """(E, out, in) weight gradient and (E, out) bias gradient (or None) of ``out = inputs @ weight[e].T + bias[e]``
+    on each segment: a busy expert's rows are written by one matmul / one row sum, the idle experts' rows are
+    zero (one ``index_fill`` of the weight gradient; the small bias gradient starts at zero)."""
+    grad_w = torch.empty_like(weight)
+    grad_b = grad_out.new_zeros(weight.shape[0], weight.shape[1]) if biased else None
+    for e, start, end in segments:
+        torch.mm(grad_out[start:end].t(), inputs[start:end], out=grad_w[e])
+        if biased:
+            torch.sum(grad_out[start:end], 0, out=grad_b[e])
+    if idle:
+        grad_w.index_fill_(0, torch.tensor(idle, device=weight.device), 0)
+    return grad_w, grad_b
 
 
 def _stack_legacy_keys(module: GroupedExperts, state_dict, prefix: str, *args) -> None:

@@ -78,7 +78,15 @@ def _register_grouped_mm_flops() -> None:
 _register_grouped_mm_flops()
 
 
-@torch.compiler.assume_constant_result  # a constant of the machine: no trace, no graph break under compile
+def assume_constant_result(fn: Callable) -> Callable:
+    """``torch.compiler.assume_constant_result`` without its ``import torch._dynamo`` (~1-9 s at import time, for
+    every run that does not compile): the decorator only sets this attribute, which dynamo reads when it traces
+    a call (tests/test_grouped_gemm.py checks that torch's decorator still sets exactly this)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@assume_constant_result  # a constant of the machine: no trace, no graph break under compile
 def _cuda_grouped_mm_capable(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 0)
 

@@ -8,6 +8,7 @@ of the checkpoint (callback state), so after a resume ``summary.json`` holds the
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import statistics
 import time
@@ -43,6 +44,7 @@ class StepRecorder(L.Callback):
         self._measured_here = 0
         self._step_starts = True  # the next batch is the first micro-batch of an optimisation step
         self.starts: List[int] = []  # global step at which each process (first run, each resume) began training
+        self.seconds_to_first_step: Optional[float] = None  # this process: from its start to its first step
 
     # ------------------------------------------------------------------ timing
     @staticmethod
@@ -83,6 +85,8 @@ class StepRecorder(L.Callback):
         self._close(trainer)
         self._interrupted = False
         self._open = (trainer.global_step + 1, self._mark(trainer))
+        if self.seconds_to_first_step is None:
+            self.seconds_to_first_step = process_age_s()
 
     def on_validation_start(self, trainer, pl_module) -> None:
         self._interrupted = True
@@ -156,6 +160,17 @@ class StepRecorder(L.Callback):
         self.starts = list(state.get("starts", []))
 
 
+def process_age_s() -> Optional[float]:
+    """Seconds since this process started (interpreter start-up and every import included), from ``/proc``
+    (10 ms resolution); None where there is no ``/proc`` (not Linux)."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+            start_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+            return float(uptime.read().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def routing_summary(trace) -> Dict[str, Dict[str, float]]:
     """Fraction of (token, slot) assignments per option for each routing site of one forward pass."""
     out: Dict[str, Dict[str, float]] = {}
@@ -203,6 +218,8 @@ def measured_summary(trainer, module, recorder: StepRecorder) -> Dict[str, Any]:
         "flops_per_token": flops if flops is not None else flops_of_last_batch(module),
         "train_loss_curve": list(zip(recorder.loss_steps, losses)),
         "train_started_at_steps": list(recorder.starts),  # [0] for one run; [0, s] after a resume from step s
+        # this process (the last one after a resume): from its start to the start of its first training step
+        "seconds_to_first_step": recorder.seconds_to_first_step,
     }
 
 

@@ -47,7 +47,12 @@ from lightning_modules.lm import make_adamw, parameter_groups
 
 HF_REFERENCE = "hf_gpt2"
 MINIMAL_REFERENCE = "min_gpt2"
-REFERENCES = (HF_REFERENCE, MINIMAL_REFERENCE)
+#: Hugging Face ``MixtralForCausalLM`` (random weights from a config) with the ``moe`` group's experts and
+#: top-k (``--set moe.num_experts=...``), and the same model with ONE expert: the peer's own MoE cost ratio
+MIXTRAL_REFERENCE = "hf_mixtral"
+MIXTRAL_ONE_EXPERT = "hf_mixtral_1"
+MIXTRAL_AUX_COEF = 0.01  # the load-balancing loss's weight (ours: moe.balance_coef's default)
+REFERENCES = (HF_REFERENCE, MINIMAL_REFERENCE, MIXTRAL_REFERENCE, MIXTRAL_ONE_EXPERT)
 PRECISIONS = ("32-true", "bf16-mixed")
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -201,6 +206,32 @@ def hf_model(config: ModelConfig) -> torch.nn.Module:
     return GPT2LMHeadModel(hf_config)
 
 
+def mixtral_model(config: ModelConfig, num_experts: int, top_k: int) -> torch.nn.Module:
+    """Hugging Face's Mixtral at our model's width, depth, heads (no grouped-query sharing), FFN width,
+    vocabulary and length, tied embeddings, SDPA, its default experts implementation, no dropout."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    hf_config = MixtralConfig(
+        vocab_size=config.vocab_size, hidden_size=config.d_model, intermediate_size=config.ffn_hidden,
+        num_hidden_layers=config.n_layer, num_attention_heads=config.n_head, num_key_value_heads=config.n_head,
+        max_position_embeddings=config.block_size, num_local_experts=num_experts, num_experts_per_tok=top_k,
+        router_aux_loss_coef=MIXTRAL_AUX_COEF, output_router_logits=True, tie_word_embeddings=True,
+        attention_dropout=0.0, attn_implementation="sdpa",
+    )
+    return MixtralForCausalLM(hf_config)
+
+
+def reference_model(name: str, args) -> Tuple[torch.nn.Module, ModelConfig]:
+    """(model, our vanilla config of the same shape) of a reference contender."""
+    config = build_model(base_config(args, "vanilla")).config
+    if name == HF_REFERENCE:
+        return hf_model(config), config
+    if name == MINIMAL_REFERENCE:
+        return minimal_from_config(config), config
+    moe = base_config(args, "moe").moe
+    return mixtral_model(config, moe.num_experts if name == MIXTRAL_REFERENCE else 1, moe.top_k), config
+
+
 class Contender:
     """One model + optimizer, and how to run one training step of it."""
 
@@ -208,8 +239,7 @@ class Contender:
         self.name = name
         torch.manual_seed(args.seed)
         if name in REFERENCES:
-            self.config = build_model(base_config(args, "vanilla")).config
-            self.model = hf_model(self.config) if name == HF_REFERENCE else minimal_from_config(self.config)
+            self.model, self.config = reference_model(name, args)
         else:
             self.model = build_model(base_config(args, name))
             self.config = self.model.config
@@ -240,6 +270,9 @@ class Contender:
             logits, aux = self.model(input_ids=idx).logits, 0.0
         elif self.name == MINIMAL_REFERENCE:
             logits, aux = self.model(idx), 0.0
+        elif self.name in (MIXTRAL_REFERENCE, MIXTRAL_ONE_EXPERT):
+            out = self.model(input_ids=idx, output_router_logits=True)
+            logits, aux = out.logits, MIXTRAL_AUX_COEF * out.aux_loss
         else:
             out = self.model(idx)
             logits, aux, self.last_trace = out.logits, out.aux_loss, out.trace
@@ -309,6 +342,8 @@ class Contender:
             self.model.checkpoint_policy = previous
 
     def flops_per_token(self, seq_len: int) -> float:
+        if self.name in (MIXTRAL_REFERENCE, MIXTRAL_ONE_EXPERT):
+            return float("nan")  # SwiGLU experts, rotary attention: not our analytic count
         if self.name in REFERENCES:
             return vanilla_flops(self.config, seq_len).forward
         return self.model.flops_per_token(self.last_trace, seq_len).forward
@@ -487,6 +522,9 @@ def run(args) -> Dict[str, Dict[str, float]]:
         base["speed_vs_hf"] = results[HF_REFERENCE]["median_step_s"] / base["median_step_s"]
     if MINIMAL_REFERENCE in results:
         base["speed_vs_minimal"] = results[MINIMAL_REFERENCE]["median_step_s"] / base["median_step_s"]
+    if MIXTRAL_REFERENCE in results and MIXTRAL_ONE_EXPERT in results:  # the peer's MoE over its own dense
+        results[MIXTRAL_REFERENCE]["time_x_one_expert"] = (results[MIXTRAL_REFERENCE]["median_step_s"]
+                                                           / results[MIXTRAL_ONE_EXPERT]["median_step_s"])
     return results
 
 
@@ -527,6 +565,9 @@ def print_table(results: Dict[str, Dict[str, float]], args, seq_len: int) -> Non
     for key, ref in (("speed_vs_hf", HF_REFERENCE), ("speed_vs_minimal", MINIMAL_REFERENCE)):
         if key in results["vanilla"]:
             print(f"vanilla speed vs {ref}: {results['vanilla'][key]:.3f}x (>= 1 means ours is faster)")
+    if "time_x_one_expert" in results.get(MIXTRAL_REFERENCE, {}):
+        print(f"{MIXTRAL_REFERENCE} time x {MIXTRAL_ONE_EXPERT}: {results[MIXTRAL_REFERENCE]['time_x_one_expert']:.3f} "
+              "(compare: an MoE variant's time x vanilla)")
 
 
 def plan(args) -> Dict[str, Dict[str, object]]:

@@ -207,9 +207,6 @@ def plan_model(model, micro_batch: int, seq_len: int, accumulate: int = 1, gpus:
                 activations_plain=plain, gpu_memory_gb=gpu_memory_gb)
 
 
-_MEASURED: Dict[str, "Plan"] = {}
-
-
 def build_for_measurement(config, seed: int = 0) -> torch.nn.Module:
     """The model of ``config`` on the CPU in training mode, with cheap random weights: built on the meta
     device, then every matrix filled with a tiled N(0, 0.02) pattern (2^20 values) and LayerNorms reset.
@@ -254,24 +251,43 @@ def _materialise(model: torch.nn.Module, shared_over_first_dim: type) -> None:
                 module._buffers[name] = torch.empty_like(buffer, device="cpu")
 
 
-def plan_run_config(cfg, gpu_memory_gb: float = 80.0) -> Plan:
-    """The plan of one parsed ``experiments.run`` configuration (the model built on the CPU)."""
+def measurement_inputs(cfg) -> Tuple[Any, str, str]:
+    """What a job's measurement depends on: (resolved model config, precision, checkpointing policy). Jobs that
+    differ only in steps, data, init, batch, accumulation or GPUs share one measurement."""
     from experiments.run import model_config
 
-    mcfg = model_config(cfg).resolve()
-    nodes, tasks, _ = geometry(cfg)
-    precision = str(cfg.trainer.precision or "bf16-mixed")  # the default on a bf16-capable GPU
-    key = json.dumps([dataclasses.asdict(mcfg), precision, str(cfg.activation_checkpointing)], sort_keys=True, default=str)
-    if key not in _MEASURED:  # jobs that differ only in steps, data or init share one measurement
-        model = build_for_measurement(mcfg)
-        _MEASURED[key] = plan_model(model, 1, mcfg.block_size, precision=precision,
-                                    checkpointing=str(cfg.activation_checkpointing))
+    return model_config(cfg).resolve(), str(cfg.trainer.precision or "bf16-mixed"), str(cfg.activation_checkpointing)
+
+
+def measurement_key(inputs: Tuple[Any, str, str]) -> str:
+    config, precision, checkpointing = inputs
+    return json.dumps([dataclasses.asdict(config), precision, checkpointing], sort_keys=True, default=str)
+
+
+def measure(config, precision: str = "bf16-mixed", checkpointing: str = "none") -> Plan:
+    """The measured plan of a model config at micro-batch 1 on one GPU (the model built on the CPU); ``job_plan``
+    gives it a job's batch, accumulation and GPUs. Needs torch and ``architectures`` only (a worker process
+    that runs it imports neither Lightning nor the run's CLI)."""
+    model = build_for_measurement(config)
+    try:
+        return plan_model(model, 1, config.block_size, precision=precision, checkpointing=checkpointing)
+    finally:
         del model
         gc.collect()
-    return dataclasses.replace(_MEASURED[key], micro_batch=int(cfg.data.batch_size),
+
+
+def job_plan(measured: Plan, cfg, gpu_memory_gb: float = 80.0) -> Plan:
+    """``measured`` (``measure`` of the job's ``measurement_inputs``) for this parsed run configuration."""
+    nodes, tasks, _ = geometry(cfg)
+    return dataclasses.replace(measured, micro_batch=int(cfg.data.batch_size),
                                accumulate=int(cfg.trainer.accumulate_grad_batches or 1), gpus=nodes * tasks,
-                               ddp_buckets=_MEASURED[key].gradients if nodes * tasks > 1 else 0.0,
+                               ddp_buckets=measured.gradients if nodes * tasks > 1 else 0.0,
                                gpu_memory_gb=gpu_memory_gb)
+
+
+def plan_run_config(cfg, gpu_memory_gb: float = 80.0) -> Plan:
+    """The plan of one parsed ``experiments.run`` configuration (the model built on the CPU)."""
+    return job_plan(measure(*measurement_inputs(cfg)), cfg, gpu_memory_gb)
 
 
 def print_plans(rows: List[Dict[str, Any]], labels: List[str], say: Callable[[str], None]) -> None:

@@ -165,3 +165,19 @@ def test_bench_runs_8_and_64_experts_side_by_side_and_times_their_dispatch(one_t
         bench.main(["--variants", "moe@mod.capacity=0.5", "--no_hf", "--no_minimal"])
     with pytest.raises(SystemExit):
         bench.main(["--variants", "vanilla", "--dispatch"])
+
+
+def test_hf_mixtral_references_have_our_moe_s_experts_and_one(one_thread):
+    """``hf_mixtral`` (E experts, our top-k) and ``hf_mixtral_1`` (one expert) at our shape; its MoE cost ratio."""
+    results = bench.main(["--variants", "vanilla,moe,hf_mixtral,hf_mixtral_1", "--no_hf", "--no_minimal", "--steps",
+                          "1", "--warmup", "0", "--batch_size", "2", "--seq_len", "16", "--vocab_size", "64",
+                          "--set", "d_model=32", "--set", "n_layer=1", "--set", "moe.num_experts=4"])
+    mixtral, one = results["hf_mixtral"], results["hf_mixtral_1"]
+    assert mixtral["time_x_one_expert"] == pytest.approx(mixtral["median_step_s"] / one["median_step_s"])
+    config = build_model(ModelConfig(variant="vanilla", size="tiny", vocab_size=64, d_model=32, n_layer=1)).config
+    model = bench.mixtral_model(config, 4, 1)
+    assert model.config.num_local_experts == 4 and model.config.num_experts_per_tok == 1
+    assert model.config.hidden_size == 32 and model.config.intermediate_size == config.ffn_hidden
+    # four experts' gate/up/down stacks, one expert's, and the rest of the two models alike
+    expert_params = 3 * config.d_model * config.ffn_hidden
+    assert mixtral["params"] - one["params"] == 3 * expert_params + 3 * config.d_model  # + 3 router rows

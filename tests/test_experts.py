@@ -112,8 +112,9 @@ def dispatch_ops(num_experts, selected, weights, x):
 
 
 def test_the_loop_runs_one_matmul_pair_per_expert_with_tokens_whatever_the_idle_ones():
-    """64 experts of which 3 get tokens do the same aten work as 8 experts with the same routing: the
-    matmuls of the 3 busy experts, one unbind per stacked parameter, nothing per idle expert."""
+    """64 experts of which 3 get tokens do the same aten work as 8 experts with the same routing, forward AND
+    backward: the matmuls of the 3 busy experts, nothing per idle expert (their zero gradient rows are one
+    ``index_fill`` per stacked weight, one ``index_add`` per bias, whatever their number)."""
     torch.manual_seed(0)
     x = torch.randn(40, 16, requires_grad=True)
     selected = torch.tensor([1, 4, 6]).repeat(14)[:40].view(40, 1)
@@ -121,13 +122,37 @@ def test_the_loop_runs_one_matmul_pair_per_expert_with_tokens_whatever_the_idle_
     (few, few_back), (many, many_back) = dispatch_ops(8, selected, weights, x), dispatch_ops(64, selected, weights, x)
     assert many == few  # the forward: not one op more for 56 more idle experts
     assert many["addmm"] == 2 * 3 and "mm" not in many  # 2 linears x 3 busy experts
-    assert many["unbind"] == 4  # one per stacked parameter
-    # backward: the same matmuls (input and weight gradient of each linear of each busy expert); what grows
-    # is only unbind's backward filling the idle experts' zero gradient rows (a zero scalar expanded, then
-    # one stack per parameter), the gradient any path must write
-    assert many_back["mm"] == few_back["mm"] == 2 * 2 * 3 and many_back["stack"] == 4
-    grows = {op for op in many_back | few_back if many_back[op] != few_back[op]}
-    assert grows <= {"zeros", "expand"}, grows
+    assert many_back == few_back  # the backward: not one op more either
+    # the input and the weight gradient of each linear of each busy expert; one zero-fill per stacked weight
+    assert many_back["mm"] == 2 * 2 * 3 and many_back["index_fill_"] == 2 and "stack" not in many_back
+
+
+def test_the_loop_s_gradients_equal_autograd_s_per_expert_reference():
+    """The loop's one-node backward (``ExpertMLPs``) against autograd through each expert's own MLP
+    (``GroupedExperts.expert``, naive indexing), idle experts and a no-op id included, with and without biases."""
+    for bias in (True, False):
+        torch.manual_seed(1)
+        experts = GroupedExperts(6, 16, 24, bias=bias).double()
+        x = torch.randn(30, 16, dtype=torch.float64)
+        selected = torch.tensor([0, 2, 2, 5, 6]).repeat(12)[:60].view(30, 2)  # 1, 3, 4 idle; 6 a no-op id
+        weights = torch.rand(30, 2, dtype=torch.float64)
+        grads = []
+        for run in ("loop", "reference"):
+            experts.zero_grad(set_to_none=True)
+            xr = x.clone().requires_grad_(True)
+            if run == "loop":
+                out = experts.loop(xr, selected, weights)
+            else:
+                out = torch.zeros_like(xr)
+                for e in range(6):
+                    for slot in range(2):
+                        rows = selected[:, slot] == e
+                        out = out.index_add(0, rows.nonzero()[:, 0], weights[rows, slot, None] * experts.expert(e)(xr[rows]))
+            out.pow(2).sum().backward()
+            grads.append([out.detach(), xr.grad, *(p.grad for p in experts.parameters())])
+        for got, want in zip(*grads):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        assert not experts.c_fc.weight.grad[[1, 3, 4]].any() and experts.c_fc.weight.grad[[0, 2, 5]].all()
 
 
 def old_layout_optimizer_state(module, optimizer):

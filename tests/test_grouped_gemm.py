@@ -131,3 +131,20 @@ def test_cuda_bf16_picks_the_grouped_path_and_matches_the_loop(monkeypatch):
         grouped = experts(x, selected, weights, keep)
         looped = experts.loop(x, selected, weights, keep)
     torch.testing.assert_close(grouped.float(), looped.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_the_lazy_constant_marker_is_torch_s_decorator():
+    """``grouped_gemm.assume_constant_result`` stands in for ``torch.compiler.assume_constant_result`` (which
+    imports torch._dynamo at import time): both must leave a function with the same attributes."""
+    from architectures import grouped_gemm
+
+    def ours():
+        return 0
+
+    def torch_s():
+        return 0
+
+    assert grouped_gemm.assume_constant_result(ours) is ours
+    torch.compiler.assume_constant_result(torch_s)
+    assert vars(ours) == vars(torch_s) == {"_dynamo_marked_constant": True}
+    assert vars(grouped_gemm._cuda_grouped_mm_capable) == vars(torch_s)

@@ -134,3 +134,69 @@ def test_the_checker_sees_circles_upward_imports_and_private_names(tmp_path):
     found = imports_of(tmp_path / "x.py", "architectures.x", modules)
     assert ("lightning", "", 1) in found and ("experiments.y", "_helper", 2) in found
     assert project_target("experiments.y", modules) == "experiments.y"
+
+
+# ---------------------------------------------------------------------------- what an import loads (issue 29)
+#: run in a fresh interpreter: which modules an import loads, and which module first imported torch._dynamo
+#: (the innermost frame outside torch and importlib when ``torch._dynamo`` is first looked up)
+_IMPORT_PROBE = r"""
+import importlib.abc, json, sys, traceback
+
+first_importer = []
+
+class Watch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch._dynamo" and not first_importer:
+            frames = [f.f_globals.get("__name__", "") for f, _ in traceback.walk_stack(sys._getframe())]
+            outside = [m for m in frames if m.split(".")[0] not in ("torch", "importlib", "__main__")]
+            first_importer.append(outside[0] if outside else "")
+        return None
+
+sys.meta_path.insert(0, Watch())
+before = set(sys.modules)
+for name in sys.argv[2:]:
+    __import__(name)
+baseline = set(sys.modules)
+__import__(sys.argv[1])
+print(json.dumps({"added": sorted(set(sys.modules) - baseline), "all": sorted(set(sys.modules) - before),
+                  "dynamo_importer": first_importer[0] if first_importer else None}))
+"""
+OWN = tuple(LAYERS)
+
+
+def modules_loaded(module: str, *baseline: str) -> dict:
+    """In a subprocess: the modules ``import module`` loads (``all``), those beyond ``baseline``'s (``added``),
+    and the module whose import first pulled in ``torch._dynamo`` (None: never)."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _IMPORT_PROBE, module, *baseline], cwd=REPO, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_architectures_load_neither_dynamo_nor_lightning_nor_transformers():
+    """Plain PyTorch, lazily: ``torch._dynamo`` (~1-9 s) only under ``--compile``, never at import time."""
+    loaded = set(modules_loaded("architectures")["all"])
+    heavy = {"torch._dynamo", "lightning", "torchmetrics", "transformers", "tokenizers"} & loaded
+    assert not heavy, f"importing architectures loads {sorted(heavy)}"
+
+
+def test_experiments_run_adds_nothing_heavy_beyond_lightning():
+    """``import experiments.run`` loads only the suite's own modules beyond what Lightning and jsonargparse
+    load themselves, and ``torch._dynamo`` comes from Lightning (``lightning.fabric.wrappers``), not from a
+    module of the suite."""
+    found = modules_loaded("experiments.run", "lightning", "jsonargparse")
+    foreign = [m for m in found["added"] if m.split(".")[0] not in OWN]
+    assert not foreign, f"experiments.run imports {foreign} beyond lightning's own"
+    importer = modules_loaded("experiments.run")["dynamo_importer"]  # the suite's own order of imports
+    assert importer is None or importer.split(".")[0] not in OWN, f"{importer} imports torch._dynamo"
+
+
+def test_the_probe_names_the_module_that_imports_dynamo():
+    """The test of the test: a suite module that imports torch._dynamo at import time is named."""
+    assert modules_loaded("experiments.compiling")["dynamo_importer"] is None  # it imports it inside a function
+    found = modules_loaded("tests.dynamo_at_import")
+    assert found["dynamo_importer"] == "tests.dynamo_at_import"

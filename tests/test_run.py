@@ -36,6 +36,7 @@ def test_cli_smoke_run_writes_summary_config_checkpoints_and_events(tmp_path, ca
     assert summary["flops_per_token"]["ratio_to_vanilla"] == 1.0
     assert summary["flops_per_token"]["training"] == 3 * summary["flops_per_token"]["forward"]
     assert summary["median_step_time_s"] > 0 and len(summary["train_loss_curve"]) == 6
+    assert summary["seconds_to_first_step"] > 0  # of this (pytest's) process: since it started
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert config["model"]["d_model"] == 32 and config["model"]["vocab_size"] == 4096  # resolved values
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
@@ -182,3 +183,18 @@ def test_local_text_file_as_data_with_a_plain_path(tmp_path):
     assert summary["steps"] == 2 and summary["final_val_loss"] < 6.0  # bytes: ln(257) = 5.55 at most-ish
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert config["model"]["vocab_size"] == 257 and config["data"]["path"] == str(corpus)
+
+
+def test_process_age_counts_from_the_process_start():
+    """``seconds_to_first_step``'s clock: a child that sleeps 0.5 s before asking is at least that old and no
+    older than the parent saw it live."""
+    import subprocess
+    import sys
+    import time
+
+    probe = "import time; time.sleep(0.5); from callbacks.run_summary import process_age_s; print(process_age_s())"
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    lived = time.monotonic() - start
+    age = float(out.stdout.strip().splitlines()[-1])
+    assert 0.5 <= age <= lived + 0.02  # /proc's clock ticks: 10 ms

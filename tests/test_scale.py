@@ -252,6 +252,42 @@ def test_device_check_runs_a_checkpointed_medium_vanilla_against_the_plan():
 
 
 @pytest.mark.slow
+def test_jobs_of_the_same_model_share_one_measurement(monkeypatch):
+    """Jobs that differ only in batch, steps or GPUs are measured once: the plan of each is the shared
+    measurement at its own batch (the executor here runs in-process and counts the measurements)."""
+    import concurrent.futures
+
+    from experiments import sweep
+    from experiments.memory import plan_run_config
+
+    measured = []
+
+    class InProcess:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def map(self, fn, *iterables):
+            calls = list(zip(*iterables))
+            measured.extend(calls)
+            return [fn(*call) for call in calls]
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", InProcess)
+    grid = [["--size", "tiny", "--model.block_size", "64", "--data.batch_size", str(b), "--max_steps", str(s)]
+            for b, s in ((2, 10), (4, 20))] + [["--size", "tiny", "--model.block_size", "32", "--data.batch_size", "2"]]
+    parsed = sweep.validate(grid)
+    rows = sweep.memory_plans(parsed, 40.0)
+    assert len(measured) == 2  # block_size 64 once (two jobs), block_size 32 once
+    assert [r["micro_batch"] for r in rows] == [2, 4, 2]
+    for cfg, row in zip(parsed, rows):  # the same plan as measuring each job on its own
+        assert row == pytest.approx(plan_run_config(cfg, 40.0).row())
+
+
 @pytest.mark.parametrize("recipe", sorted((__import__("tests.conftest", fromlist=["REPO"]).REPO / "experiments" / "configs"
                                             / "paper").glob("*.yaml")), ids=lambda p: p.stem)
 def test_every_paper_recipe_fits_its_gpus_by_the_plan(recipe, monkeypatch):
@@ -266,7 +302,7 @@ def test_every_paper_recipe_fits_its_gpus_by_the_plan(recipe, monkeypatch):
     configurations, common, _ = sweep.load_grid(str(recipe), [])
     parsed = sweep.validate([[*common, *c] for c in configurations])
     largest = max(parsed, key=lambda cfg: sweep.estimate(cfg)["parameters"])
-    row = plan_run_config(largest, 80.0).row()  # here in-process; the sweep plans each job in a fresh process
+    row = plan_run_config(largest, 80.0).row()  # here in-process; the sweep measures in a fresh process
     assert row["fits"], (largest.model.variant, row)
     assert row["micro_batch"] * row["accumulate"] * row["gpus"] == 16 * 4 * 8  # the global batch is kept
 
