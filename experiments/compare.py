@@ -233,13 +233,21 @@ def comparability(runs: Sequence[Run]) -> Dict[str, Dict[str, Any]]:
                                                              if k.startswith("data.") and k not in _DATA_NOT_CONTENT)
         tokenizer = r.fingerprints["tokenizer"] if exact else f"data.tokenizer={c.get('data.tokenizer')} ({data})"
         val_fraction = r.fingerprints.get("val_fraction") if exact else c.get("data.val_fraction")
-        # val_batches is a global count, split across the ranks: the same blocks for any world size
-        evaluated = (c.get("val_batches"), c.get("data.batch_size"))
         checks["tokenizer"][str(r.folder)] = tokenizer
         checks["validation set"][str(r.folder)] = (
             f"data {data}, val_fraction {val_fraction}, block_size {c.get('model.block_size')}, "
-            f"{evaluated[0]} val batches x batch_size {evaluated[1]}")
+            f"{evaluated_blocks(c)} val blocks")
     return checks
+
+
+def evaluated_blocks(config: Dict[str, Any]) -> Any:
+    """The global number of blocks each validation evaluated: ``val_blocks``, or for runs from before it
+    ``val_batches`` x ``data.batch_size`` (also a global count since issue 20, split across the ranks)."""
+    if config.get("val_blocks") is not None:
+        return config["val_blocks"]
+    if config.get("val_batches") is not None and config.get("data.batch_size") is not None:
+        return config["val_batches"] * config["data.batch_size"]
+    return None
 
 
 # data options that change neither the tokens nor the tokenizer (the validation split is checked on its own)

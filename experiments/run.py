@@ -59,6 +59,8 @@ ALIASES = {
     "--batch_size": "--data.batch_size",
 }
 
+DEFAULT_VAL_BLOCKS = 320  # the blocks the old default (20 batches of the default data.batch_size 16) evaluated
+
 # Trainer arguments that the run wires itself (logger, callbacks) or that jsonargparse cannot type.
 _TRAINER_SKIP = {"logger", "callbacks", "plugins", "profiler", "strategy", "accelerator", "precision", "devices"}
 
@@ -109,8 +111,13 @@ def build_parser() -> ArgumentParser:
                         "the first step that reaches it; the LR cosine follows the share spent; --max_steps stays a "
                         "hard cap (docs/compute-budget.md)")
     parser.add_argument("--val_every", type=int, default=100, help="validate every N optimisation steps")
-    parser.add_argument("--val_batches", type=int, default=20, help="validation batches (of data.batch_size blocks) per validation set, in all: "
-                        "split across the ranks, so the loss is the same for any number of processes")
+    parser.add_argument("--val_blocks", type=Optional[int], default=None,
+                        help=f"blocks each validation evaluates per validation set (the first N; default "
+                        f"{DEFAULT_VAL_BLOCKS}), in all: split across the ranks, so the loss is the same for any "
+                        "number of processes and any data.batch_size")
+    parser.add_argument("--val_batches", type=Optional[int], default=None,
+                        help="deprecated: --val_blocks N x data.batch_size (the count then depended on the "
+                        "per-rank batch)")
     parser.add_argument("--compile", type=bool, default=False,
                         help="torch.compile the model in place (names and checkpoints unchanged)")
     parser.add_argument("--activation_checkpointing", type=str, default="none",
@@ -155,8 +162,7 @@ def validate_up_front(cfg: Namespace) -> None:
         raise ConfigError(f"val_every: must be a positive integer, got {cfg.val_every}")
     if not 0.0 <= cfg.init_min_share <= 1.0:
         raise ConfigError(f"init_min_share: must be in [0, 1], got {cfg.init_min_share}")
-    if cfg.val_batches <= 0:
-        raise ConfigError(f"val_batches: must be a positive integer, got {cfg.val_batches}")
+    resolve_val_blocks(cfg)
     parse_policy(cfg.activation_checkpointing)
     DataConfig(**_as_dict(cfg.data)).validate()
     OptimConfig(**_as_dict(cfg.optim)).validate()
@@ -164,6 +170,25 @@ def validate_up_front(cfg: Namespace) -> None:
     model_config(cfg).resolve()
     check_options_used(model_config(cfg))
     check_data_options(cfg.data)
+
+
+def resolve_val_blocks(cfg: Namespace) -> None:
+    """Set ``cfg.val_blocks`` (a global count of blocks) from the deprecated ``--val_batches`` (N batches of
+    ``data.batch_size`` blocks: the blocks it evaluated on one process) or the default; ``val_batches`` is
+    then None, so ``config.yaml`` records the count in blocks only."""
+    for name in ("val_blocks", "val_batches"):
+        if cfg[name] is not None and cfg[name] <= 0:
+            raise ConfigError(f"{name}: must be a positive integer, got {cfg[name]}")
+    if cfg.val_batches is not None:
+        if cfg.val_blocks is not None:
+            raise ConfigError("val_batches: deprecated alias of --val_blocks, and both are set; keep only --val_blocks")
+        cfg.val_blocks = cfg.val_batches * cfg.data.batch_size
+        print(f"warning: --val_batches is deprecated; it now means --val_blocks {cfg.val_blocks} (val_batches x "
+              "data.batch_size: a global count of blocks, the same for any number of processes); use --val_blocks",
+              file=sys.stderr)
+        cfg.val_batches = None
+    elif cfg.val_blocks is None:
+        cfg.val_blocks = DEFAULT_VAL_BLOCKS
 
 
 def check_data_options(data: Namespace) -> None:
@@ -392,7 +417,7 @@ def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
     check_writable(pathlib.Path(cfg.log_dir) / f"{cfg.model.variant}-{cfg.model.size}")
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     data = LMDataModule(DataConfig(**_as_dict(cfg.data)), block_size=model_config(cfg).resolve().block_size, seed=cfg.seed,
-                        val_batches=cfg.val_batches)
+                        val_blocks=cfg.val_blocks)
     mcfg = model_config(cfg, vocab_size=data.vocab_size)
     mcfg.resolve()
     module = LanguageModelModule(model=dataclasses.asdict(mcfg), optim=_as_dict(cfg.optim),
@@ -540,7 +565,7 @@ def make_trainer(cfg: Namespace, root: pathlib.Path, version: str, extra_callbac
         default_root_dir=str(root / version),  # Lightning's SLURM requeue checkpoint (hpc_ckpt_N) goes here
         val_check_interval=cfg.val_every,
         check_val_every_n_epoch=None,
-        limit_val_batches=None,  # the datamodule takes val_batches (global) and splits them across the ranks
+        limit_val_batches=None,  # the datamodule takes val_blocks (global) and splits them across the ranks
         # checkpoints: temp file in the checkpoint folder, fsync, rename (never a truncated file under the final name)
         plugins=[atomic_checkpoint_io()],
     )

@@ -32,7 +32,7 @@ _share_the_cores_between_workers()
 # Options that make any CLI run tiny and fast on CPU.
 TINY_RUN = [
     "--model.d_model", "32", "--model.n_layer", "2", "--model.n_head", "2", "--model.block_size", "64",
-    "--data.batch_size", "4", "--val_batches", "2", "--trainer.enable_progress_bar", "false",
+    "--data.batch_size", "4", "--val_blocks", "8", "--trainer.enable_progress_bar", "false",
 ]
 
 # Presets that need more layers than a 1- or 2-layer test model has: MoM-E / MoM-I pick K=3 of a pool of

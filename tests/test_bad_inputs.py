@@ -210,6 +210,10 @@ CASES = [
     ("max_train_flops-0", "run", lambda d: ["--max_train_flops", "0"], r"max_train_flops: must be a positive, finite"),
     ("activation_checkpointing-bad", "run", lambda d: ["--activation_checkpointing", "every_k:0"],
      r"activation_checkpointing: unknown value 'every_k:0'"),
+    # issue 30: the validation set is a global count of blocks; --val_batches is its deprecated alias
+    ("val_blocks-0", "run", lambda d: ["--val_blocks", "0"], r"val_blocks: must be a positive integer, got 0"),
+    ("val_batches-and-val_blocks", "run", lambda d: ["--val_batches", "2", "--val_blocks", "8"],
+     r"val_batches: deprecated alias of --val_blocks, and both are set; keep only --val_blocks"),
     ("compare-no-runs", "compare", lambda d: [str(d / "no_runs_here")], r"no run folders matched .*no_runs_here"),
     ("repro-jobs-0", "repro", lambda d: ["probe", "--out", str(d / "repro_out"), "--quick", "--jobs", "0"],
      r"--jobs: must be a positive integer, got 0"),

@@ -285,10 +285,16 @@ def test_runs_without_checkpoints_are_compared_by_their_data_options(runs, tmp_p
 
 def test_mixed_validation_sets_refused(runs, tmp_path, capsys):
     folders = copy_runs(runs, tmp_path, [("vanilla", 1), ("mod", 1)])
+    # a run from before --val_blocks: val_batches x data.batch_size = 2 x 4, the same 8 blocks as val_blocks 8
+    config = yaml.safe_load((folders[("mod", 1)] / "config.yaml").read_text())
+    assert config.pop("val_blocks") == 8 and config["data"]["batch_size"] == 4
+    (folders[("mod", 1)] / "config.yaml").write_text(yaml.safe_dump({**config, "val_batches": 2}))
+    code, _, err = run_cli([str(tmp_path / "runs")], capsys)
+    assert code == 0, err
     edit_config(folders[("mod", 1)], "val_batches", 7)  # its loss is a mean over other validation blocks
     code, _, err = run_cli([str(tmp_path / "runs")], capsys)
     assert code == 2 and err.count("\n") == 1
-    assert err.startswith("error: runs with different validation sets cannot be compared") and "7 val batches" in err
+    assert err.startswith("error: runs with different validation sets cannot be compared") and "28 val blocks" in err
 
 
 def test_unfinished_runs_skipped_with_a_warning(runs, tmp_path, capsys):

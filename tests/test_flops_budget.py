@@ -19,7 +19,7 @@ from lightning_modules.lm import cosine_decay
 from tests.conftest import REPO, TINY_RUN
 
 B, T = 4, 64  # TINY_RUN's batch and context
-FAST = [*TINY_RUN, "--val_batches", "1", "--callbacks.contribution", "false", "--callbacks.throughput", "false"]
+FAST = [*TINY_RUN, "--val_blocks", "4", "--callbacks.contribution", "false", "--callbacks.throughput", "false"]
 ROUTED = {"vanilla": [], "mod": [], "mom_e": ["--model.n_layer", "4"]}  # mom_e: K=3 needs more modules than 2 layers give
 
 

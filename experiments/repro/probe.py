@@ -39,11 +39,11 @@ LEARNABLE = {1: 0.9, 2: 0.6}  # the learnable setting: vanilla's seed-mean accur
 # ``--data probe`` stays at chance beyond level 0 and can be chosen after ``--``).
 DEFAULTS = ["--data", "probe-v2/arith", "--model.d_model", "64", "--model.n_layer", "4", "--model.n_head", "4",
             "--model.block_size", "128", "--data.batch_size", "8", "--model.mom.router_hidden", "64",
-            "--optim.lr", "3e-3", "--optim.warmup_steps", "100", "--val_batches", "4",
+            "--optim.lr", "3e-3", "--optim.warmup_steps", "100", "--val_blocks", "32",
             "--callbacks.contribution", "false", "--callbacks.throughput", "false",
             "--trainer.enable_progress_bar", "false"]
 QUICK = ["--data.max_tokens", "16384", "--model.d_model", "32", "--model.n_layer", "2", "--model.n_head", "2",
-         "--data.batch_size", "4", "--val_batches", "1"]
+         "--data.batch_size", "4", "--val_blocks", "4"]
 
 
 def probe_experiment(ctx: Context, variants: Sequence[str] = VARIANTS, seeds: int = 3, blocks: int = 128,
