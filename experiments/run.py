@@ -47,7 +47,7 @@ from datamodules.corpora import DataError  # noqa: E402
 from lightning_modules.storage import StorageError, atomic_checkpoint_io, check_writable, claim_next_version  # noqa: E402
 from lightning_modules.storage import is_storage_error, release_if_empty, storage_message  # noqa: E402
 from datamodules.lm import DataConfig  # noqa: E402
-from lightning_modules.flops_budget import validate_budget  # noqa: E402
+from lightning_modules.flops_budget import require_counted_flops, validate_budget  # noqa: E402
 from lightning_modules.lm import OptimConfig  # noqa: E402
 
 ALIASES = {
@@ -310,7 +310,17 @@ def resolve_ckpt(cfg: Namespace, root: pathlib.Path, expected: Optional[Dict[str
 
     ``last`` takes the newest ``last.ckpt`` under ``root`` among the runs trained with the same model,
     data and tokenizer (others are skipped, and named unless ``notes`` is False); an explicit path must
-    match too."""
+    match too. A FLOPs budget needs a checkpoint that counted its FLOPs: refused here, before anything is
+    written (the module's own refusal comes after ``config.yaml`` would be rewritten)."""
+    path = _matching_ckpt(cfg, root, expected, notes)
+    if path is not None and cfg.max_train_flops is not None:
+        from experiments.weights import read_checkpoint
+
+        require_counted_flops(read_checkpoint(path, "ckpt_path"))
+    return path
+
+
+def _matching_ckpt(cfg: Namespace, root: pathlib.Path, expected: Optional[Dict[str, Any]], notes: bool) -> Optional[str]:
     if cfg.ckpt_path is None:
         return None
     if cfg.ckpt_path != "last":
@@ -510,13 +520,14 @@ def final_validation(metrics: Dict[str, float], key: str) -> Dict[str, Any]:
 
 
 def config_writer(save):
-    """A callback that writes the run folder's ``config.yaml`` once the data is prepared (Lightning calls
-    ``setup`` after ``prepare_data``), so a bad corpus or tokenizer leaves no folder that looks like a run."""
+    """A callback that writes the run folder's ``config.yaml`` once the data is prepared and a resumed checkpoint
+    restored (Lightning calls ``on_fit_start`` after ``prepare_data``, ``setup`` and the restore), so a bad corpus,
+    tokenizer or checkpoint leaves no folder that looks like a run and a refused resume leaves the run as it was."""
     import lightning as L
 
     class ConfigWriter(L.Callback):
-        def setup(self, trainer, pl_module, stage: str) -> None:
-            if stage == "fit" and trainer.is_global_zero:
+        def on_fit_start(self, trainer, pl_module) -> None:
+            if trainer.is_global_zero:
                 run_dir = pathlib.Path(trainer.logger.log_dir)
                 try:
                     run_dir.mkdir(parents=True, exist_ok=True)

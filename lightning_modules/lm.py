@@ -431,9 +431,7 @@ class LanguageModelModule(L.LightningModule):
                                               for state in checkpoint.get("optimizer_states", [])]
         if self.flops_budget is None:
             return
-        if "flops_budget" not in checkpoint:
-            raise ConfigError("max_train_flops: the checkpoint to resume was trained without a FLOPs budget, so the "
-                              "FLOPs it spent were not counted; resume it without --max_train_flops")
+        require_counted_flops(checkpoint)  # experiments.run refuses it before anything is written; other callers here
         self.flops_budget.load_state_dict(checkpoint["flops_budget"])
 
     def on_train_start(self) -> None:
