@@ -130,12 +130,41 @@ def _write_atomic(path: pathlib.Path, write: Callable[[Any], None], mode: str, w
                 pass
 
 
-def atomic_torch_save(obj: Any, path: Any, what: str = "save checkpoint") -> None:
-    """``torch.save`` to a temp file beside ``path``, fsync, rename: ``path`` is whole or untouched."""
+class _WriteRecorder:
+    """A binary handle that keeps the first ``OSError`` its writes raise: torch's zip writer turns a failed write
+    (a full disk: ENOSPC) into ``RuntimeError: [enforce fail at inline_container.cc] unexpected pos``."""
+
+    def __init__(self, handle) -> None:
+        self.handle, self.error = handle, None
+
+    def write(self, data) -> int:
+        try:
+            return self.handle.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+
+def _torch_save(obj: Any, handle) -> None:
+    """``torch.save`` that raises the write's own ``OSError`` (errno and all) when a write failed."""
     import torch
 
+    recorder = _WriteRecorder(handle)
+    try:
+        torch.save(obj, recorder)
+    except RuntimeError as err:
+        if recorder.error is not None:
+            raise recorder.error from err
+        raise
+
+
+def atomic_torch_save(obj: Any, path: Any, what: str = "save checkpoint") -> None:
+    """``torch.save`` to a temp file beside ``path``, fsync, rename: ``path`` is whole or untouched."""
     hint = ", then resume with --ckpt_path last" if "checkpoint" in what else ""
-    _write_atomic(pathlib.Path(path), lambda handle: torch.save(obj, handle), "wb", what, hint)
+    _write_atomic(pathlib.Path(path), lambda handle: _torch_save(obj, handle), "wb", what, hint)
 
 
 def atomic_checkpoint_io():

@@ -168,6 +168,58 @@ def test_disk_full_during_a_checkpoint_save_is_one_line_and_leaves_no_truncated_
     assert [p.name for p in checkpoints.iterdir()] == []  # nothing truncated under a final name, no temp file
 
 
+class _DiskFillsAfter:
+    """A binary handle on a disk that fills after ``room`` bytes: then every write raises ENOSPC, as write(2) does."""
+
+    def __init__(self, handle, room: int):
+        self.handle, self.room = handle, room
+
+    def write(self, data):
+        if len(data) > self.room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.room -= len(data)
+        return self.handle.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.handle, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.close()
+
+
+def _checkpoint_disk_fills(monkeypatch, room: int = 1000):
+    """Checkpoint temp files (``.NAME.ckpt.XXXX.tmp``) get ``room`` bytes; every other file is written as usual."""
+    real_fdopen = os.fdopen
+
+    def fdopen(fd, mode="r", *args, **kwargs):
+        handle = real_fdopen(fd, mode, *args, **kwargs)
+        return _DiskFillsAfter(handle, room) if ".ckpt." in os.readlink(f"/proc/self/fd/{fd}") else handle
+    monkeypatch.setattr(storage.os, "fdopen", fdopen)
+
+
+def test_a_full_disk_under_torchs_zip_writer_is_the_storage_line_not_its_runtime_error(tmp_path, monkeypatch):
+    """Issue 30: torch.save's zip writer turns the write's ENOSPC into ``RuntimeError: [enforce fail at
+    inline_container.cc:672] unexpected pos``, which the atomic writer (catching OSError) let through."""
+    target = tmp_path / "checkpoints" / "last.ckpt"
+    _checkpoint_disk_fills(monkeypatch)
+    with pytest.raises(storage.StorageError, match=rf"disk full: cannot save checkpoint {re.escape(str(target))} "
+                                                   r"\(No space left on device\); free space .*--ckpt_path last"):
+        storage.atomic_torch_save({"state_dict": {"w": torch.zeros(10_000)}, "global_step": 2}, target)
+    assert list(target.parent.iterdir()) == []  # no temp file left
+
+
+def test_a_full_disk_under_torchs_zip_writer_ends_a_run_in_one_line(tmp_path, corpus, capsys, monkeypatch):
+    _checkpoint_disk_fills(monkeypatch)
+    with pytest.raises(SystemExit) as exit_info:
+        run.cli(run.main, _argv(tmp_path, corpus))
+    assert exit_info.value.code == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert re.search(r"disk full: cannot save checkpoint \S+/checkpoints/\S+\.ckpt \(No space left on device\)", line), line
+
+
 def _refuse_under(folder: pathlib.Path, err: int):
     """Path.mkdir and mkstemp fail under ``folder`` as on a read-only or foreign-owned disk (tests run as root,
     where chmod does not stop a write)."""
