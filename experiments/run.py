@@ -45,7 +45,8 @@ from callbacks import CallbacksConfig, config_from as callbacks_config  # noqa: 
 from datamodules.catalog import corpus_names, ignored_data_options  # noqa: E402
 from datamodules.corpora import DataError  # noqa: E402
 from lightning_modules.storage import StorageError, atomic_checkpoint_io, check_writable, claim_next_version  # noqa: E402
-from lightning_modules.storage import is_storage_error, release_if_empty, storage_message  # noqa: E402
+from lightning_modules.storage import is_storage_error, release_if_empty, remove_killed_checkpoint_writes  # noqa: E402
+from lightning_modules.storage import storage_message  # noqa: E402
 from datamodules.lm import DataConfig  # noqa: E402
 from lightning_modules.flops_budget import require_counted_flops, validate_budget  # noqa: E402
 from lightning_modules.lm import OptimConfig  # noqa: E402
@@ -462,6 +463,9 @@ def fit_and_summarise(cfg: Namespace, parser: ArgumentParser, module, data, mcfg
     trainer, recorder = make_trainer(cfg, root, version, extra_callbacks=[StepRecorder(), writer],
                                      find_unused=module.model.may_skip_parameters, monitor=module.selection_metric)
     run_dir = pathlib.Path(trainer.logger.log_dir)
+    if trainer.is_global_zero:
+        for tmp in remove_killed_checkpoint_writes(root / version / "checkpoints"):
+            print(f"note: removed {tmp}, left by a checkpoint write that was killed", file=sys.stderr)
 
     try:
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)

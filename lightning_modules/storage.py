@@ -89,6 +89,19 @@ def release_if_empty(folder: pathlib.Path) -> None:
         pass  # not empty (or already gone): keep it
 
 
+def remove_killed_checkpoint_writes(folder: pathlib.Path) -> list:
+    """Remove the temp files (``.NAME.ckpt.XXXX.tmp``) that a checkpoint write killed mid-way left in ``folder``;
+    returns their paths. Called when a run starts, before it saves: nothing else writes into its folder."""
+    removed = []
+    for tmp in sorted(folder.glob(".*.ckpt.*.tmp")) if folder.is_dir() else []:
+        try:
+            tmp.unlink()
+            removed.append(tmp)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
 def fsync_folder(folder: pathlib.Path) -> None:
     """Make a rename durable (best effort: not every filesystem lets a folder be opened and synced)."""
     try:

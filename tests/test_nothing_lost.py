@@ -220,6 +220,21 @@ def test_a_full_disk_under_torchs_zip_writer_ends_a_run_in_one_line(tmp_path, co
     assert re.search(r"disk full: cannot save checkpoint \S+/checkpoints/\S+\.ckpt \(No space left on device\)", line), line
 
 
+def test_temp_files_of_a_killed_checkpoint_write_are_removed_when_the_run_starts_again(tmp_path, corpus, capsys):
+    """Issue 30: a write killed between mkstemp and the rename (SIGKILL, a node lost) left its temp file forever."""
+    first = run.main(_argv(tmp_path, corpus))
+    checkpoints = first / "checkpoints"
+    killed = [checkpoints / ".last.ckpt.k1ll3d.tmp", checkpoints / ".best-step=2.ckpt.x9y8z7.tmp"]
+    for path in killed:
+        path.write_bytes(b"half a checkpoint")
+    (checkpoints / ".notes.tmp").write_text("not a checkpoint write: kept")
+    capsys.readouterr()
+    resumed = run.main([*_argv(tmp_path, corpus), "--max_steps", "3", "--ckpt_path", "last"])
+    assert resumed == first and not any(p.exists() for p in killed) and (checkpoints / ".notes.tmp").exists()
+    err = capsys.readouterr().err
+    assert all(f"note: removed {p}, left by a checkpoint write that was killed" in err for p in killed), err
+
+
 def _refuse_under(folder: pathlib.Path, err: int):
     """Path.mkdir and mkstemp fail under ``folder`` as on a read-only or foreign-owned disk (tests run as root,
     where chmod does not stop a write)."""
