@@ -31,6 +31,7 @@ import dataclasses
 import glob
 import json
 import math
+import os
 import pathlib
 import statistics
 import sys
@@ -112,8 +113,8 @@ def find_run_folders(patterns: Sequence[str]) -> List[pathlib.Path]:
 
 
 def _run_folders_in(path: pathlib.Path) -> List[pathlib.Path]:
-    if path.is_file():
-        path = path.parent  # e.g. a glob of */summary.json
+    if path.is_file():  # a run folder's own file (a glob of */summary.json) names that folder; other files none
+        return [path.parent] if path.name in ("config.yaml", "summary.json") else []
     if _is_run_folder(path):
         return [path]
     if not path.is_dir():
@@ -185,10 +186,13 @@ def _read_yaml(path: pathlib.Path) -> Dict[str, Any]:
     if not path.is_file():
         raise CompareError(f"{path}: missing; every run folder of experiments.run holds its resolved config.yaml")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
         reason = " ".join(str(err).split())[:160]
         raise CompareError(f"{path}: unreadable ({reason}); restore it from the run's command line") from None
+    if data is None:  # read as no settings at all, it made runs look trained on "different validation sets"
+        raise CompareError(f"{path}: empty; every run folder of experiments.run holds its resolved config.yaml; "
+                           "restore it from the run's command line")
     if not isinstance(data, dict):
         raise CompareError(f"{path}: holds a {type(data).__name__}, not a run configuration")
     return data
@@ -520,8 +524,39 @@ def plot(board: Dict[str, Any], path: pathlib.Path) -> Optional[pathlib.Path]:
     return path
 
 
+def check_out(out: pathlib.Path) -> None:
+    """``--out`` must be a folder this user can write (created if missing), found before any run is read."""
+    import tempfile
+
+    if out.exists() and not out.is_dir():
+        raise CompareError(f"--out: {out} is a file, not a folder; give a folder for leaderboard.md/.csv/.json/.png")
+    missing = [p for p in [out, *out.parents] if not p.exists()]
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=out)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise CompareError(f"--out: cannot write to {err.filename or out} ({err.strerror or err}); make it "
+                           "writable or choose another folder") from None
+    finally:
+        for created in missing:  # nothing is left behind when the table cannot be made
+            try:
+                created.rmdir()
+            except OSError:
+                pass
+
+
 def write_leaderboard(board: Dict[str, Any], out: pathlib.Path, name: str = "leaderboard") -> Dict[str, pathlib.Path]:
     """``<out>/<name>.md``, ``.csv``, ``.json`` and ``.png`` (the plot, when there is something to plot)."""
+    try:
+        return _write_files(board, out, name)
+    except OSError as err:  # a disk that filled since check_out
+        raise CompareError(f"--out: cannot write {err.filename or out} ({err.strerror or err}); free space or "
+                           "choose another folder") from None
+
+
+def _write_files(board: Dict[str, Any], out: pathlib.Path, name: str) -> Dict[str, pathlib.Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = {"md": out / f"{name}.md", "csv": out / f"{name}.csv", "json": out / f"{name}.json"}
     paths["md"].write_text(to_markdown(board))
@@ -536,6 +571,8 @@ def write_leaderboard(board: Dict[str, Any], out: pathlib.Path, name: str = "lea
 def compare(patterns: Sequence[str], group_by: Optional[Sequence[str]] = None,
             out: Optional[pathlib.Path] = None) -> Dict[str, Any]:
     """Read the runs, build the table and write it (``out``); the table as a dict."""
+    if out is not None:
+        check_out(pathlib.Path(out))
     board = leaderboard(read_runs(find_run_folders(patterns)), group_by)
     if out is not None:
         board["files"] = {k: str(v) for k, v in write_leaderboard(board, pathlib.Path(out)).items()}

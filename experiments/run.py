@@ -42,7 +42,7 @@ from architectures.checkpointing import parse_policy, set_activation_checkpointi
 from architectures.config import ConfigError, SIZES, config_groups, flatten  # noqa: E402
 from architectures.registry import check_options_used  # noqa: E402
 from callbacks import CallbacksConfig, config_from as callbacks_config  # noqa: E402
-from datamodules.catalog import corpus_names, ignored_data_options  # noqa: E402
+from datamodules.catalog import REQUIRED_TOKENIZER, corpus_names, ignored_data_options  # noqa: E402
 from datamodules.corpora import DataError  # noqa: E402
 from lightning_modules.storage import StorageError, atomic_checkpoint_io, check_writable, claim_next_version  # noqa: E402
 from lightning_modules.storage import is_storage_error, release_if_empty, remove_killed_checkpoint_writes  # noqa: E402
@@ -73,6 +73,48 @@ def expand_aliases(argv: Sequence[str], aliases: Optional[Dict[str, str]] = None
     for arg in argv:
         head, sep, tail = arg.partition("=")
         out.append(aliases.get(head, head) + sep + tail if sep else aliases.get(arg, arg))
+    return out
+
+
+def join_negative_values(argv: Sequence[str]) -> List[str]:
+    """``--option -1e12`` -> ``--option=-1e12``: argparse takes ``-1e12`` and ``-inf`` (not ``-1``) for an option
+    and reports "expected one argument"; joined, the value reaches the option's own check and its message."""
+    out: List[str] = []
+    for arg in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and _is_negative_number(arg):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
+def _is_negative_number(arg: str) -> bool:
+    try:
+        float(arg)
+    except ValueError:
+        return False
+    return arg.startswith("-")
+
+
+# float options whose non-finite values (inf, -inf, nan: Python's spellings, not YAML's) must reach the option's
+# own check, which names the option and what it takes, instead of the parser's "does not validate" union dump
+_FINITE_FLOAT_OPTIONS = ("--max_train_flops",)
+
+
+def yaml_non_finite(argv: Sequence[str]) -> List[str]:
+    """``--max_train_flops=-inf`` -> ``--max_train_flops=-.inf`` (YAML's spelling), for the options above."""
+    joined: List[str] = []
+    for arg in argv:
+        if joined and joined[-1] in _FINITE_FLOAT_OPTIONS:
+            joined[-1] = f"{joined[-1]}={arg}"
+        else:
+            joined.append(arg)
+    out = []
+    for arg in joined:
+        head, sep, value = arg.partition("=")
+        if sep and head in _FINITE_FLOAT_OPTIONS and value.strip().lower().lstrip("+-") in ("inf", "infinity", "nan"):
+            value = ("-" if value.strip().startswith("-") else "") + (".nan" if "nan" in value.lower() else ".inf")
+        out.append(f"{head}{sep}{value}" if sep else arg)
     return out
 
 
@@ -193,7 +235,12 @@ def resolve_val_blocks(cfg: Namespace) -> None:
 
 
 def check_data_options(data: Namespace) -> None:
-    """Refuse data options the dataset does not read (``--data probe/arith --data.path X`` would ignore the path)."""
+    """Refuse data options the dataset does not read (``--data probe/arith --data.path X`` would ignore the path)
+    and a tokenizer it cannot be read with (the probe data are byte ids), before the data are built."""
+    required = REQUIRED_TOKENIZER.get(data.name)
+    if required is not None and data.tokenizer not in (None, required):
+        raise DataError(f"data.tokenizer: dataset {data.name!r} needs the byte-level {required!r} tokenizer, got "
+                        f"{data.tokenizer!r}; drop --tokenizer")
     ignored = ignored_data_options(data.name, _as_dict(data))
     if ignored:
         option, users = ignored[0]
@@ -210,6 +257,9 @@ def check_sources_up_front(cfg: Namespace) -> None:
         from experiments.weights import check_source
 
         check_source(cfg.init_from)
+    folder = run_root(cfg.log_dir, model_config(cfg)) / cfg.version if cfg.version else None
+    if folder is not None and folder.exists() and not folder.is_dir():
+        raise ConfigError(f"version: {folder} is a file, not a run folder; choose another --version")
     if cfg.ckpt_path:
         mcfg = model_config(cfg).resolve()
         model = {k: v for k, v in flatten(dataclasses.asdict(mcfg)).items() if k != "vocab_size"}  # from the tokenizer
@@ -410,7 +460,8 @@ def parse_with_presets(parser: ArgumentParser, argv: Sequence[str], prefix: str 
 
 def main(argv: Optional[Sequence[str]] = None) -> pathlib.Path:
     parser = build_parser()
-    cfg = parse_with_presets(parser, expand_aliases(list(sys.argv[1:] if argv is None else argv)))
+    argv = join_negative_values(expand_aliases(list(sys.argv[1:] if argv is None else argv)))
+    cfg = parse_with_presets(parser, yaml_non_finite(argv))
     validate_up_front(cfg)
     check_sources_up_front(cfg)
     return train(cfg, parser)

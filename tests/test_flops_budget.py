@@ -64,10 +64,11 @@ def first_step_reaching(counts, budget):
 
 # ---------------------------------------------------------------------------- bad values
 @pytest.mark.parametrize("value,error", [("0", ConfigError), ("-1e12", ConfigError), (".inf", ConfigError),
-                                         (".nan", ConfigError), ("inf", argparse.ArgumentError),
-                                         ("lots", argparse.ArgumentError)])
+                                         (".nan", ConfigError), ("inf", ConfigError), ("-inf", ConfigError),
+                                         ("nan", ConfigError), ("lots", argparse.ArgumentError)])
 def test_a_budget_that_is_not_positive_and_finite_is_refused_before_any_work(tmp_path, value, error):
-    # ".inf" / ".nan" are YAML's floats (they pass the parser's type check); "inf" and words fail it
+    # ".inf" / ".nan" are YAML's floats (they pass the parser's type check); Python's "inf", "-inf", "nan" are
+    # given YAML's spelling so that they reach the budget's own check too (issue 30); words fail the parser
     with pytest.raises(error, match=r"max_train_flops(: must be a positive, finite number|\")"):
         main([f"--max_train_flops={value}", "--log_dir", str(tmp_path), *FAST])
     assert not any(tmp_path.iterdir())
