@@ -20,7 +20,7 @@ from architectures import ModelConfig, build_model
 from architectures.config import ConfigError
 from architectures.contract import ModelOutput, first_nonfinite_site
 from architectures.experts import legacy_order, legacy_parameter_names
-from lightning_modules.flops_budget import FlopsBudget
+from lightning_modules.flops_budget import FlopsBudget, require_counted_flops
 from lightning_modules.steps import batch_step, completes_step, is_logging_step, log_step, may_be_last_step  # noqa: F401
 
 
