@@ -326,6 +326,18 @@ def resolved_namespace(cfg: Namespace, mcfg: ModelConfig) -> Namespace:
     return resolved
 
 
+def print_resolved_config(parser: ArgumentParser, cfg: Namespace) -> None:
+    """``--print_config``: the config as the run uses it (size defaults, preset, ``val_blocks`` filled in), not the
+    parser's raw defaults (``d_model: null`` for tiny). The vocabulary comes from the tokenizer, known only once
+    the data are prepared: its line says so."""
+    import re
+
+    text = parser.dump(resolved_namespace(cfg, model_config(cfg).resolve()), skip_unset=False, skip_validation=True)
+    tokenizer = cfg.data.tokenizer or f"the default of data.name {cfg.data.name}"
+    note = f"  # placeholder: the run replaces it by the vocabulary size of the tokenizer ({tokenizer})"
+    print(re.sub(r"^(  vocab_size: .*)$", lambda m: m.group(1) + note, text, count=1, flags=re.M), end="")
+
+
 def fixed_version(cfg: Namespace, root: pathlib.Path, ckpt_path: Optional[str] = None) -> Optional[str]:
     """The run folder when it is decided by the command or the launcher: explicit, the resumed run's own
     folder, inherited from the launching rank, or the SLURM job (several tasks); None: a new folder."""
@@ -458,11 +470,15 @@ def parse_with_presets(parser: ArgumentParser, argv: Sequence[str], prefix: str 
     return parser.parse_args(list(argv))
 
 
-def main(argv: Optional[Sequence[str]] = None) -> pathlib.Path:
+def main(argv: Optional[Sequence[str]] = None) -> Optional[pathlib.Path]:
     parser = build_parser()
-    argv = join_negative_values(expand_aliases(list(sys.argv[1:] if argv is None else argv)))
-    cfg = parse_with_presets(parser, yaml_non_finite(argv))
+    argv = yaml_non_finite(join_negative_values(expand_aliases(list(sys.argv[1:] if argv is None else argv))))
+    printing = "--print_config" in argv  # ours, resolved; "--print_config=..." forms stay jsonargparse's
+    cfg = parse_with_presets(parser, [a for a in argv if a != "--print_config"])
     validate_up_front(cfg)
+    if printing:
+        print_resolved_config(parser, cfg)
+        return None
     check_sources_up_front(cfg)
     return train(cfg, parser)
 

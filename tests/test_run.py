@@ -94,13 +94,19 @@ def test_command_line_error_exits_2_with_message():
     assert proc.returncode == 2 and "valid variants" in proc.stderr
 
 
-def test_print_config_shows_every_group():
-    proc = subprocess.run([sys.executable, "-m", "experiments.run", "--variant", "vanilla", "--print_config"],
-                          cwd=REPO, capture_output=True, text=True)
+def test_print_config_shows_every_group_resolved():
+    """Issue 30: tiny + bpe printed ``d_model: null``, ``n_layer: null`` and ``vocab_size: 50257`` as if final."""
+    proc = subprocess.run([sys.executable, "-m", "experiments.run", "--variant", "vanilla", "--tokenizer", "bpe",
+                           "--print_config"], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     config = yaml.safe_load(proc.stdout)
     assert config["model"]["variant"] == "vanilla"
     assert {"model", "data", "optim", "trainer"} <= set(config)
+    assert {k: config["model"][k] for k in ("d_model", "n_layer", "n_head", "block_size")} == \
+        {"d_model": 128, "n_layer": 4, "n_head": 4, "block_size": 128}  # the tiny size, resolved
+    assert config["val_blocks"] == 320 and config["version"] is None
+    (vocab,) = [line for line in proc.stdout.splitlines() if line.startswith("  vocab_size:")]
+    assert "placeholder: the run replaces it by the vocabulary size of the tokenizer (bpe)" in vocab
 
 
 def test_nonfinite_loss_stops_with_step_and_dump(tmp_path, monkeypatch):
