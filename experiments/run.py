@@ -636,6 +636,9 @@ def make_trainer(cfg: Namespace, root: pathlib.Path, version: str, extra_callbac
                  *extra_callbacks]
     callbacks.extend(extra_run_callbacks(cfg))
     kwargs = _as_dict(cfg.trainer)
+    if kwargs.get("enable_progress_bar") is not False:  # None: Lightning's default, a bar
+        callbacks.append(progress_bar())
+    quiet_lightning_notices()
     kwargs["precision"] = kwargs.get("precision") or default_precision()
     kwargs["devices"] = _devices(kwargs.get("devices", "auto"))
     if kwargs.get("strategy") == "ddp" and find_unused:
@@ -654,6 +657,49 @@ def make_trainer(cfg: Namespace, root: pathlib.Path, version: str, extra_callbac
     trainer = L.Trainer(**kwargs)
     recorder = next(c for c in callbacks if c.__class__.__name__ == "StepRecorder")
     return trainer, recorder
+
+
+def progress_bar():
+    """Lightning's progress bar without what reads as noise on a step-based run: ``Epoch 0/-2`` (max_epochs is
+    -1: the run ends at max_steps) and ``v_num: on_0`` (the last 4 characters of ``version_0``; the run folder
+    is the last line printed)."""
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+    from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
+
+    class RunProgressBar(RichProgressBar if _RICH_AVAILABLE else TQDMProgressBar):
+        def get_metrics(self, trainer, pl_module):
+            items = super().get_metrics(trainer, pl_module)
+            items.pop("v_num", None)
+            return items
+
+        def _get_train_description(self, current_epoch: int) -> str:  # RichProgressBar's
+            description = f"Epoch {current_epoch}"
+            if self.trainer.max_epochs not in (None, -1):
+                description += f"/{self.trainer.max_epochs - 1}"
+            return f"{description:{len(self.validation_description)}}"
+
+    return RunProgressBar()
+
+
+class _DropTips:
+    """A logging filter: Lightning's advertisement for its cloud logger, printed by every run."""
+
+    @staticmethod
+    def filter(record) -> bool:
+        return not str(record.getMessage()).startswith("💡 Tip:")
+
+
+def quiet_lightning_notices() -> None:
+    """The first screen of a run holds what concerns it: no cloud-logger tip, no deprecation notice that
+    Lightning's own pytree helper raises under this torch version (the user can do nothing about either)."""
+    import logging
+    import warnings
+
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropTips) for f in logger.filters):
+            logger.addFilter(_DropTips())
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
 
 
 def extra_run_callbacks(cfg: Namespace) -> list:
