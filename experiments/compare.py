@@ -31,7 +31,6 @@ import dataclasses
 import glob
 import json
 import math
-import os
 import pathlib
 import statistics
 import sys
@@ -525,26 +524,16 @@ def plot(board: Dict[str, Any], path: pathlib.Path) -> Optional[pathlib.Path]:
 
 
 def check_out(out: pathlib.Path) -> None:
-    """``--out`` must be a folder this user can write (created if missing), found before any run is read."""
-    import tempfile
+    """``--out`` must be a folder this user can write, found before any run is read (nothing is left behind)."""
+    from lightning_modules.storage import probe_writable  # the standard library only: no training stack
 
     if out.exists() and not out.is_dir():
         raise CompareError(f"--out: {out} is a file, not a folder; give a folder for leaderboard.md/.csv/.json/.png")
-    missing = [p for p in [out, *out.parents] if not p.exists()]
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=out)
-        os.close(fd)
-        os.unlink(probe)
+        probe_writable(out)
     except OSError as err:
         raise CompareError(f"--out: cannot write to {err.filename or out} ({err.strerror or err}); make it "
                            "writable or choose another folder") from None
-    finally:
-        for created in missing:  # nothing is left behind when the table cannot be made
-            try:
-                created.rmdir()
-            except OSError:
-                pass
 
 
 def write_leaderboard(board: Dict[str, Any], out: pathlib.Path, name: str = "leaderboard") -> Dict[str, pathlib.Path]:

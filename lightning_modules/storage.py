@@ -44,22 +44,29 @@ def is_storage_error(err: BaseException) -> bool:
     return isinstance(err, OSError) and err.errno in STORAGE_ERRNOS
 
 
-def check_writable(folder: pathlib.Path) -> None:
-    """Create ``folder`` and a probe file in it, then remove both: an unwritable or read-only log dir fails
-    here, in seconds, instead of after the corpus is tokenised; a run that fails later leaves no folder."""
+def probe_writable(folder: pathlib.Path) -> None:
+    """Create ``folder`` and a probe file in it, then remove both (and the folders this created): the
+    ``OSError`` of a place that cannot be written, found in seconds, with nothing left behind."""
     missing = [p for p in [folder, *folder.parents] if not p.exists()]
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=folder)
         os.close(fd)
         os.unlink(probe)
+    finally:
+        for created in missing:  # deepest first; a folder another job has written to meanwhile stays
+            release_if_empty(created)
+
+
+def check_writable(folder: pathlib.Path) -> None:
+    """``probe_writable`` for the log dir: an unwritable or read-only one fails here, in seconds, instead of
+    after the corpus is tokenised; a run that fails later leaves no folder."""
+    try:
+        probe_writable(folder)
     except OSError as err:
         if err.errno in STORAGE_ERRNOS or err.errno == errno.EEXIST:
             raise StorageError(f"log_dir: {storage_message(err.filename or folder, err, 'write to')}") from None
         raise
-    finally:
-        for created in missing:  # deepest first; a folder another job has written to meanwhile stays
-            release_if_empty(created)
 
 
 def claim_next_version(root: pathlib.Path, prefix: str = "version_") -> str:

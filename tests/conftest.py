@@ -6,6 +6,30 @@ import pathlib
 
 import pytest
 
+
+class DiskFillsAfter:
+    """A binary handle on a disk that fills after ``room`` bytes: then every write raises ENOSPC, as write(2) does."""
+
+    def __init__(self, handle, room: int = 0):
+        self.handle, self.room = handle, room
+
+    def write(self, data):
+        import errno
+
+        if len(data) > self.room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.room -= len(data)
+        return self.handle.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.handle, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.close()
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 

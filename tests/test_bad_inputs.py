@@ -6,7 +6,6 @@ catching its SystemExit and reading stderr; a few rows also run as real subproce
 status and the absence of a traceback end to end."""
 from __future__ import annotations
 
-import errno
 import os
 import pathlib
 import subprocess
@@ -16,7 +15,7 @@ import time
 import pytest
 
 from experiments import analyze, bench, compare, finetune, repro, run, sweep
-from tests.conftest import REPO, TINY_RUN
+from tests.conftest import REPO, TINY_RUN, DiskFillsAfter
 
 SECONDS = 30  # generous for a loaded 2-core CI machine; the failures themselves take well under 5 s
 TINY_FINETUNE = ["--model.d_model", "32", "--model.n_layer", "1", "--model.n_head", "2", "--model.block_size", "48",
@@ -317,24 +316,7 @@ def test_disk_full_while_building_the_cache_says_where_and_how_much(inputs, tmp_
     from datamodules import token_cache
 
     real_fdopen = os.fdopen
-
-    class FullDisk:
-        def __init__(self, handle):
-            self.handle = handle
-
-        def write(self, data):
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        def __getattr__(self, name):
-            return getattr(self.handle, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.handle.close()
-
-    monkeypatch.setattr(token_cache.os, "fdopen", lambda fd, mode="r", **kw: FullDisk(real_fdopen(fd, mode, **kw))
+    monkeypatch.setattr(token_cache.os, "fdopen", lambda fd, mode="r", **kw: DiskFillsAfter(real_fdopen(fd, mode, **kw))
                         if "b" in mode else real_fdopen(fd, mode, **kw))
     with pytest.raises(SystemExit) as exit_info:
         run.cli(run.main, _argv("run", _good(), inputs, tmp_path))

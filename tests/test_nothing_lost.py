@@ -21,7 +21,7 @@ import yaml
 
 from experiments import run
 from lightning_modules import storage
-from tests.conftest import REPO, TINY_RUN
+from tests.conftest import REPO, TINY_RUN, DiskFillsAfter
 
 CORPUS = "It was the best of times, it was the worst of times. " * 80
 
@@ -168,35 +168,13 @@ def test_disk_full_during_a_checkpoint_save_is_one_line_and_leaves_no_truncated_
     assert [p.name for p in checkpoints.iterdir()] == []  # nothing truncated under a final name, no temp file
 
 
-class _DiskFillsAfter:
-    """A binary handle on a disk that fills after ``room`` bytes: then every write raises ENOSPC, as write(2) does."""
-
-    def __init__(self, handle, room: int):
-        self.handle, self.room = handle, room
-
-    def write(self, data):
-        if len(data) > self.room:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        self.room -= len(data)
-        return self.handle.write(data)
-
-    def __getattr__(self, name):
-        return getattr(self.handle, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.handle.close()
-
-
 def _checkpoint_disk_fills(monkeypatch, room: int = 1000):
     """Checkpoint temp files (``.NAME.ckpt.XXXX.tmp``) get ``room`` bytes; every other file is written as usual."""
     real_fdopen = os.fdopen
 
     def fdopen(fd, mode="r", *args, **kwargs):
         handle = real_fdopen(fd, mode, *args, **kwargs)
-        return _DiskFillsAfter(handle, room) if ".ckpt." in os.readlink(f"/proc/self/fd/{fd}") else handle
+        return DiskFillsAfter(handle, room) if ".ckpt." in os.readlink(f"/proc/self/fd/{fd}") else handle
     monkeypatch.setattr(storage.os, "fdopen", fdopen)
 
 
