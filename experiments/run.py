@@ -76,16 +76,24 @@ def expand_aliases(argv: Sequence[str], aliases: Optional[Dict[str, str]] = None
     return out
 
 
-def join_negative_values(argv: Sequence[str]) -> List[str]:
+# float options whose every value must reach the option's own check (which names the option and what it takes):
+# Python's spellings of infinity and NaN get YAML's, which the parser reads as floats
+_FINITE_FLOAT_OPTIONS = ("--max_train_flops",)
+
+
+def join_option_values(argv: Sequence[str]) -> List[str]:
     """``--option -1e12`` -> ``--option=-1e12``: argparse takes ``-1e12`` and ``-inf`` (not ``-1``) for an option
-    and reports "expected one argument"; joined, the value reaches the option's own check and its message."""
+    and reports "expected one argument"; joined, the value reaches the option's own check and its message. The
+    options above are joined with any value, and ``inf`` / ``-inf`` / ``nan`` become ``.inf`` / ``-.inf`` / ``.nan``
+    (the parser refused Python's spellings with a dump of its union types)."""
     out: List[str] = []
     for arg in argv:
-        if out and out[-1].startswith("--") and "=" not in out[-1] and _is_negative_number(arg):
-            out[-1] = f"{out[-1]}={arg}"
+        option = out[-1] if out and out[-1].startswith("--") and "=" not in out[-1] else None
+        if option and (_is_negative_number(arg) or (option in _FINITE_FLOAT_OPTIONS and not arg.startswith("--"))):
+            out[-1] = f"{option}={arg}"
         else:
             out.append(arg)
-    return out
+    return [_yaml_float_spelling(arg) for arg in out]
 
 
 def _is_negative_number(arg: str) -> bool:
@@ -96,26 +104,12 @@ def _is_negative_number(arg: str) -> bool:
     return arg.startswith("-")
 
 
-# float options whose non-finite values (inf, -inf, nan: Python's spellings, not YAML's) must reach the option's
-# own check, which names the option and what it takes, instead of the parser's "does not validate" union dump
-_FINITE_FLOAT_OPTIONS = ("--max_train_flops",)
-
-
-def yaml_non_finite(argv: Sequence[str]) -> List[str]:
-    """``--max_train_flops=-inf`` -> ``--max_train_flops=-.inf`` (YAML's spelling), for the options above."""
-    joined: List[str] = []
-    for arg in argv:
-        if joined and joined[-1] in _FINITE_FLOAT_OPTIONS:
-            joined[-1] = f"{joined[-1]}={arg}"
-        else:
-            joined.append(arg)
-    out = []
-    for arg in joined:
-        head, sep, value = arg.partition("=")
-        if sep and head in _FINITE_FLOAT_OPTIONS and value.strip().lower().lstrip("+-") in ("inf", "infinity", "nan"):
-            value = ("-" if value.strip().startswith("-") else "") + (".nan" if "nan" in value.lower() else ".inf")
-        out.append(f"{head}{sep}{value}" if sep else arg)
-    return out
+def _yaml_float_spelling(arg: str) -> str:
+    head, sep, value = arg.partition("=")
+    word = value.strip().lower()
+    if not sep or head not in _FINITE_FLOAT_OPTIONS or word.lstrip("+-") not in ("inf", "infinity", "nan"):
+        return arg
+    return f"{head}={'-' if word.startswith('-') else ''}{'.nan' if word.endswith('nan') else '.inf'}"
 
 
 def default_precision() -> str:
@@ -472,7 +466,7 @@ def parse_with_presets(parser: ArgumentParser, argv: Sequence[str], prefix: str 
 
 def main(argv: Optional[Sequence[str]] = None) -> Optional[pathlib.Path]:
     parser = build_parser()
-    argv = yaml_non_finite(join_negative_values(expand_aliases(list(sys.argv[1:] if argv is None else argv))))
+    argv = join_option_values(expand_aliases(list(sys.argv[1:] if argv is None else argv)))
     printing = "--print_config" in argv  # ours, resolved; "--print_config=..." forms stay jsonargparse's
     cfg = parse_with_presets(parser, [a for a in argv if a != "--print_config"])
     validate_up_front(cfg)
