@@ -147,7 +147,16 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every field; ``from_dict`` of it builds the same model. Before the variant's preset is applied
+        (``preset`` None) a group lists only the fields set explicitly: the preset fills the others, and a
+        dict holding every field would make them all explicit (``from_dict`` passes them to the group's
+        constructor), so ``mom_e``, ``cea_paper``, ... would build without their preset."""
+        data = dataclasses.asdict(self)
+        if self.preset is None:
+            for name in config_groups():
+                group = getattr(self, name)
+                data[name] = {k: v for k, v in data[name].items() if k in explicit_fields(group)}
+        return data
 
     @classmethod
     def from_dict(cls, data: Dict[str, Any]) -> "ModelConfig":

@@ -47,6 +47,28 @@ def preempted_status(signum: int) -> int:
 PREEMPTED_STATUS = {signal.SIGTERM: preempted_status(signal.SIGTERM), signal.SIGUSR1: preempted_status(signal.SIGUSR1)}
 
 
+def stop_after_this_step(trainer) -> None:
+    """Stop as Lightning's SIGTERM handler does: its flag makes the loop raise ``SIGTERMException`` once the step
+    is over (its scalars logged, the loggers flushed, a due validation run). Raising here, in
+    ``on_train_batch_end``, skipped the step's logging and the later callbacks: its figures never reached
+    TensorBoard. (Lightning's only handle on this is its signal connector's flag.)"""
+    connector = getattr(trainer, "_signal_connector", None)
+    if connector is None or not hasattr(connector, "received_sigterm"):
+        raise SIGTERMException()
+    connector.received_sigterm = True
+
+
+def align_log_step_after_resume(trainer) -> None:
+    """Keep Lightning's logging step (``_batches_that_stepped``, the x value of every scalar) at
+    ``global_step`` when a batch starts, where it always is in an uninterrupted run. On resume Lightning
+    guesses where the checkpoint was saved and adds 1 when it guesses "before the step's counter moved"; a
+    checkpoint saved after an interrupted checkpoint write (SIGTERM during a save) made it guess wrong, and
+    the resumed run's scalars sat one step late in TensorBoard."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    if loop is not None and getattr(loop, "_batches_that_stepped", None) not in (None, trainer.global_step):
+        loop._batches_that_stepped = trainer.global_step
+
+
 class PreemptionCheckpoint(L.Callback):
     def __init__(self, dirpath, filename: str = "last.ckpt", signum: int = signal.SIGUSR1):
         self.path = pathlib.Path(dirpath) / filename
@@ -78,7 +100,10 @@ class PreemptionCheckpoint(L.Callback):
         if requested:
             self.requested = int(requested)  # ranks that did not get the signal exit with the same status
             rank_zero_info(f"preemption: signal {self.requested} received, stopping after step {trainer.global_step}")
-            raise SIGTERMException()
+            stop_after_this_step(trainer)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        align_log_step_after_resume(trainer)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         signum = self.requested or signal.SIGTERM  # None: Lightning's own SIGTERM handler stopped the run

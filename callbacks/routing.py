@@ -289,6 +289,12 @@ class RoutingAccumulator:
         return RoutingStats.unpack(total, self.layout)
 
 
+def _has_routers(model) -> bool:
+    """Whether ``model`` holds a router or gate module (the families name them so), i.e. should report routing."""
+    modules = model.named_modules() if isinstance(model, torch.nn.Module) else []
+    return any(name.rsplit(".", 1)[-1].endswith(("router", "gate")) for name, _ in modules)
+
+
 class RoutingStatistics(L.Callback):
     """Logs routing statistics every ``every`` steps (and at the last step), heatmaps every ``images_every``.
 
@@ -338,10 +344,11 @@ class RoutingStatistics(L.Callback):
         trace = out.trace if out is not None else []
         if not trace:
             self._disabled = True
-            config = getattr(getattr(pl_module, "model", None), "config", None)
-            variant = getattr(config, "variant", type(pl_module).__name__)
-            rank_zero_warn(f"routing statistics: variant {variant!r} has no routing sites; nothing is logged "
-                           "for routing")
+            model = getattr(pl_module, "model", None)
+            if _has_routers(model):  # a dense variant (vanilla, cea, ...) has nothing to log: no warning for it
+                variant = getattr(getattr(model, "config", None), "variant", type(pl_module).__name__)
+                rank_zero_warn(f"routing statistics: variant {variant!r} has routers but reported no routing sites; "
+                               "nothing is logged for routing")
             return
         if self.sample is None and isinstance(batch, torch.Tensor) and batch.dim() == 2:
             self.sample = batch[:1, :-1].detach().clone()

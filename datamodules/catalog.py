@@ -33,6 +33,12 @@ for _task in ("probe", "probe/arith", "probe/recall", "probe/text",
     CORPUS_OPTIONS[_task] = ("max_tokens",)  # generated: the number of episodes
 
 
+# the generated probe data are byte ids: only the ``bytes`` tokenizer reads them (experiments.run checks it up
+# front; datamodules.probe.byte_ids refuses any other when the data are generated, after the Trainer is built)
+REQUIRED_TOKENIZER: Dict[str, str] = {name: ProbeCorpus.default_tokenizer for name in CORPORA
+                                      if name.split("/")[0].startswith("probe")}
+
+
 def corpus_names() -> List[str]:
     return sorted(CORPORA)
 

@@ -164,18 +164,32 @@ def validation_indices(num_blocks: int, fraction: float) -> np.ndarray:
     return chosen
 
 
+def validation_share(count: int, rank: int, world: int) -> np.ndarray:
+    """Positions, among the ``count`` blocks one validation evaluates, of those rank ``rank`` of ``world``
+    evaluates: contiguous shares (sizes may differ by one block) that together are every block once,
+    whatever the world size and the per-rank batch."""
+    return np.array_split(np.arange(count), world)[rank]
+
+
 class LMDataModule(L.LightningDataModule):
-    def __init__(self, config: DataConfig, block_size: int, seed: int = 0, val_batches: Optional[int] = None):
+    def __init__(self, config: DataConfig, block_size: int, seed: int = 0, val_blocks: Optional[int] = None,
+                 val_batches: Optional[int] = None):
         super().__init__()
         config.validate()
-        if val_batches is not None and val_batches <= 0:
-            raise DataError(f"val_batches: must be a positive integer, got {val_batches}")
+        if val_batches is not None:  # deprecated: the count then depended on the per-rank batch
+            if val_blocks is not None:
+                raise DataError("val_batches: deprecated alias of val_blocks; give only val_blocks")
+            if val_batches <= 0:
+                raise DataError(f"val_batches: must be a positive integer, got {val_batches}")
+            val_blocks = val_batches * config.batch_size
+        if val_blocks is not None and val_blocks <= 0:
+            raise DataError(f"val_blocks: must be a positive integer, got {val_blocks}")
         self.config = config
         self.block_size = block_size
         self.seed = seed
-        # global: validation evaluates the first val_batches x batch_size blocks of each set, split across
-        # the ranks (None: every block), so the loss is the same for any number of processes
-        self.val_batches = val_batches
+        # global: validation evaluates the first val_blocks blocks of each set, split across the ranks
+        # (None: every block), so the loss is the same for any number of processes and any per-rank batch
+        self.val_blocks_count = val_blocks
         self.cache_dir = pathlib.Path(config.cache_dir) if config.cache_dir else default_cache_dir()
         self.corpus: Corpus = get_corpus(config.name, cache_dir=self.cache_dir, **config.corpus_options())
         self._tokenizer: Optional[TextTokenizer] = None
@@ -336,11 +350,11 @@ class LMDataModule(L.LightningDataModule):
         )
 
     def val_blocks(self, name: str) -> np.ndarray:
-        """Positions (in ``val_sets[name]``) of the blocks one validation evaluates, the same for any world size:
-        the first ``val_batches x batch_size`` blocks (every block when ``val_batches`` is None)."""
+        """Positions (in ``val_sets[name]``) of the blocks one validation evaluates, the same for any world size
+        and per-rank batch: the first ``val_blocks`` blocks (every block when it is None)."""
         size = len(self.val_sets[name])
-        if self.val_batches is not None:
-            size = min(size, self.val_batches * self.config.batch_size)
+        if self.val_blocks_count is not None:
+            size = min(size, self.val_blocks_count)
         return np.arange(size)
 
     def val_dataloader(self):
@@ -352,8 +366,8 @@ class LMDataModule(L.LightningDataModule):
             blocks = self.val_blocks(name)
             if len(blocks) < world:
                 raise DataError(f"validation set {name!r} evaluates {len(blocks)} blocks, fewer than the {world} ranks; "
-                                "raise val_batches or data.val_fraction, or use fewer processes")
-            share = np.array_split(blocks, world)[rank]
+                                "raise --val_blocks or data.val_fraction, or use fewer processes")
+            share = blocks[validation_share(len(blocks), rank, world)]
             subset = torch.utils.data.Subset(dataset, share.tolist())
             loaders.append(DataLoader(subset, batch_size=self.config.batch_size, shuffle=False, num_workers=0))
         return loaders if len(loaders) > 1 else loaders[0]

@@ -467,8 +467,11 @@ def _sha256(path: pathlib.Path) -> str:
 
 
 def _atomic_npy(path: pathlib.Path, array: np.ndarray) -> None:
+    from datamodules.files import follow_umask  # mkstemp's 0600: other users of a shared cache could not read
+
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp", suffix=".npy")
     os.close(fd)
+    follow_umask(tmp)
     np.save(tmp, array)
     os.replace(tmp, path)
 

@@ -42,6 +42,7 @@ from architectures.flops import vanilla_flops
 from callbacks.flops import PEAK_BF16_TFLOPS, peak_bf16_flops  # noqa: F401  (one peak table for bench and training MFU)
 from architectures.checkpointing import parse_policy, set_activation_checkpointing, watch_checkpoint_inputs
 from experiments.compiling import GraphReport, compile_model, compiled_graphs, graph_report
+from experiments.memory import check_plan_settings
 from experiments.minimal_gpt2 import minimal_from_config
 from lightning_modules.lm import make_adamw, parameter_groups
 
@@ -103,6 +104,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         parser.error("--device cuda: no CUDA device is available here; use --device cpu")
     if args.steps <= 0 or args.batch_size <= 0:
         parser.error("--steps and --batch_size must be positive")
+    check_plan_settings(args.gpu_memory_gb, args.batch_size, args.seq_len)  # the timed runs use seq_len too
     try:
         parse_policy(args.activation_checkpointing, "--activation_checkpointing")
     except ConfigError as err:

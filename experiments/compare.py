@@ -121,8 +121,8 @@ def find_run_folders(patterns: Sequence[str]) -> List[pathlib.Path]:
 
 
 def _run_folders_in(path: pathlib.Path) -> List[pathlib.Path]:
-    if path.is_file():
-        path = path.parent  # e.g. a glob of */summary.json
+    if path.is_file():  # a run folder's own file (a glob of */summary.json) names that folder; other files none
+        return [path.parent] if path.name in ("config.yaml", "summary.json") else []
     if _is_run_folder(path):
         return [path]
     if not path.is_dir():
@@ -194,10 +194,13 @@ def _read_yaml(path: pathlib.Path) -> Dict[str, Any]:
     if not path.is_file():
         raise CompareError(f"{path}: missing; every run folder of experiments.run holds its resolved config.yaml")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
         reason = " ".join(str(err).split())[:160]
         raise CompareError(f"{path}: unreadable ({reason}); restore it from the run's command line") from None
+    if data is None:  # read as no settings at all, it made runs look trained on "different validation sets"
+        raise CompareError(f"{path}: empty; every run folder of experiments.run holds its resolved config.yaml; "
+                           "restore it from the run's command line")
     if not isinstance(data, dict):
         raise CompareError(f"{path}: holds a {type(data).__name__}, not a run configuration")
     return data
@@ -245,13 +248,21 @@ def comparability(runs: Sequence[Run]) -> Dict[str, Dict[str, Any]]:
             data += f" labels {labels}"
         tokenizer = r.fingerprints["tokenizer"] if exact else f"data.tokenizer={c.get('data.tokenizer')} ({data})"
         val_fraction = r.fingerprints.get("val_fraction") if exact else c.get("data.val_fraction")
-        # val_batches is a global count, split across the ranks: the same blocks for any world size
-        evaluated = (c.get("val_batches"), c.get("data.batch_size"))
         checks["tokenizer"][str(r.folder)] = tokenizer
         checks["validation set"][str(r.folder)] = (
             f"data {data}, val_fraction {val_fraction}, block_size {c.get('model.block_size')}, "
-            f"{evaluated[0]} val batches x batch_size {evaluated[1]}")
+            f"{evaluated_blocks(c)} val blocks")
     return checks
+
+
+def evaluated_blocks(config: Dict[str, Any]) -> Any:
+    """The global number of blocks each validation evaluated: ``val_blocks``, or for runs from before it
+    ``val_batches`` x ``data.batch_size`` (also a global count since issue 20, split across the ranks)."""
+    if config.get("val_blocks") is not None:
+        return config["val_blocks"]
+    if config.get("val_batches") is not None and config.get("data.batch_size") is not None:
+        return config["val_batches"] * config["data.batch_size"]
+    return None
 
 
 # data options that change neither the tokens nor the tokenizer (the validation split is checked on its own)
@@ -620,8 +631,29 @@ def plot(board: Dict[str, Any], path: pathlib.Path) -> Optional[pathlib.Path]:
     return path
 
 
+def check_out(out: pathlib.Path) -> None:
+    """``--out`` must be a folder this user can write, found before any run is read (nothing is left behind)."""
+    from lightning_modules.storage import probe_writable  # the standard library only: no training stack
+
+    if out.exists() and not out.is_dir():
+        raise CompareError(f"--out: {out} is a file, not a folder; give a folder for leaderboard.md/.csv/.json/.png")
+    try:
+        probe_writable(out)
+    except OSError as err:
+        raise CompareError(f"--out: cannot write to {err.filename or out} ({err.strerror or err}); make it "
+                           "writable or choose another folder") from None
+
+
 def write_leaderboard(board: Dict[str, Any], out: pathlib.Path, name: str = "leaderboard") -> Dict[str, pathlib.Path]:
     """``<out>/<name>.md``, ``.csv``, ``.json`` and ``.png`` (the plot, when there is something to plot)."""
+    try:
+        return _write_files(board, out, name)
+    except OSError as err:  # a disk that filled since check_out
+        raise CompareError(f"--out: cannot write {err.filename or out} ({err.strerror or err}); free space or "
+                           "choose another folder") from None
+
+
+def _write_files(board: Dict[str, Any], out: pathlib.Path, name: str) -> Dict[str, pathlib.Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = {"md": out / f"{name}.md", "csv": out / f"{name}.csv", "json": out / f"{name}.json"}
     paths["md"].write_text(to_markdown(board))
@@ -636,6 +668,8 @@ def write_leaderboard(board: Dict[str, Any], out: pathlib.Path, name: str = "lea
 def compare(patterns: Sequence[str], group_by: Optional[Sequence[str]] = None,
             out: Optional[pathlib.Path] = None, baseline: Optional[str] = None) -> Dict[str, Any]:
     """Read the runs, build the table and write it (``out``); the table as a dict."""
+    if out is not None:
+        check_out(pathlib.Path(out))
     board = leaderboard(read_runs(find_run_folders(patterns)), group_by, baseline)
     if out is not None:
         board["files"] = {k: str(v) for k, v in write_leaderboard(board, pathlib.Path(out)).items()}

@@ -126,8 +126,8 @@ def training_run(args, out: pathlib.Path) -> Dict[str, Any]:
 
     corpus = write_text_corpus(out / "corpus.txt", 200_000 if args.quick else 4_000_000)
     argv = ["--variant", "mod", "--data", "text", "--data.path", str(corpus), "--tokenizer", "bytes",
-            "--max_steps", str(args.run_steps), "--val_every", str(args.run_steps), "--val_batches", "2",
-            "--log_dir", str(out / "runs"), "--trainer.enable_progress_bar", "false"]
+            "--max_steps", str(args.run_steps), "--val_every", str(args.run_steps), "--val_blocks",
+            "4" if args.quick else "16", "--log_dir", str(out / "runs"), "--trainer.enable_progress_bar", "false"]
     if args.quick:
         argv += ["--size", "tiny", "--model.d_model", "32", "--model.n_layer", "2", "--model.n_head", "2",
                  "--model.block_size", "64", "--data.batch_size", "2", "--trainer.accelerator", "cpu"]

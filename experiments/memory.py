@@ -29,11 +29,13 @@ import dataclasses
 import gc
 from collections import Counter
 import json
+import math
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from architectures.config import ConfigError
 from architectures.checkpointing import parse_policy, set_activation_checkpointing, watch_checkpoint_inputs
 
 GiB = 2 ** 30
@@ -192,9 +194,20 @@ class Plan:
         }
 
 
+def check_plan_settings(gpu_memory_gb: float, micro_batch: Optional[int] = None, seq_len: Optional[int] = None) -> None:
+    """Settings a plan can be made for (None: not given); anything else is one ConfigError line
+    (an infinite, zero or NaN memory made every plan "fit", a negative length planned negative activations)."""
+    if not (isinstance(gpu_memory_gb, (int, float)) and math.isfinite(gpu_memory_gb) and gpu_memory_gb > 0):
+        raise ConfigError(f"--gpu_memory_gb: must be a positive, finite number of GiB (e.g. 80), got {gpu_memory_gb}")
+    for name, value in (("--batch_size", micro_batch), ("--seq_len", seq_len)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ConfigError(f"{name}: must be a positive integer, got {value}")
+
+
 def plan_model(model, micro_batch: int, seq_len: int, accumulate: int = 1, gpus: int = 1,
                precision: str = "32-true", checkpointing: str = "none", gpu_memory_gb: float = 80.0) -> Plan:
     """The plan of training ``model`` (built on the CPU) with these settings."""
+    check_plan_settings(gpu_memory_gb, micro_batch, seq_len)
     n_params = sum(p.numel() for p in model.parameters())
     fp32 = 4.0 * n_params
     autocast = precision.startswith("bf16")

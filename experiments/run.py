@@ -43,13 +43,14 @@ from architectures.checkpointing import parse_policy, set_activation_checkpointi
 from architectures.config import ConfigError, SIZES, config_groups, flatten  # noqa: E402
 from architectures.registry import check_options_used  # noqa: E402
 from callbacks import CallbacksConfig, config_from as callbacks_config  # noqa: E402
-from datamodules.catalog import corpus_names, ignored_data_options  # noqa: E402
+from datamodules.catalog import REQUIRED_TOKENIZER, corpus_names, ignored_data_options  # noqa: E402
 from datamodules.corpora import DataError  # noqa: E402
 from lightning_modules.storage import StorageError, atomic_checkpoint_io, check_writable, claim_next_version  # noqa: E402
-from lightning_modules.storage import is_storage_error, release_if_empty, storage_message  # noqa: E402
+from lightning_modules.storage import is_storage_error, release_if_empty, remove_killed_checkpoint_writes  # noqa: E402
+from lightning_modules.storage import storage_message  # noqa: E402
 from datamodules.lm import DataConfig  # noqa: E402
 from datamodules.probe_labels import check_label_file  # noqa: E402
-from lightning_modules.flops_budget import validate_budget  # noqa: E402
+from lightning_modules.flops_budget import require_counted_flops, validate_budget  # noqa: E402
 from lightning_modules.lm import OptimConfig  # noqa: E402
 
 ALIASES = {
@@ -60,6 +61,8 @@ ALIASES = {
     "--max_steps": "--trainer.max_steps",
     "--batch_size": "--data.batch_size",
 }
+
+DEFAULT_VAL_BLOCKS = 320  # the blocks the old default (20 batches of the default data.batch_size 16) evaluated
 
 # Trainer arguments that the run wires itself (logger, callbacks) or that jsonargparse cannot type.
 _TRAINER_SKIP = {"logger", "callbacks", "plugins", "profiler", "strategy", "accelerator", "precision", "devices"}
@@ -73,6 +76,42 @@ def expand_aliases(argv: Sequence[str], aliases: Optional[Dict[str, str]] = None
         head, sep, tail = arg.partition("=")
         out.append(aliases.get(head, head) + sep + tail if sep else aliases.get(arg, arg))
     return out
+
+
+# float options whose every value must reach the option's own check (which names the option and what it takes):
+# Python's spellings of infinity and NaN get YAML's, which the parser reads as floats
+_FINITE_FLOAT_OPTIONS = ("--max_train_flops",)
+
+
+def join_option_values(argv: Sequence[str]) -> List[str]:
+    """``--option -1e12`` -> ``--option=-1e12``: argparse takes ``-1e12`` and ``-inf`` (not ``-1``) for an option
+    and reports "expected one argument"; joined, the value reaches the option's own check and its message. The
+    options above are joined with any value, and ``inf`` / ``-inf`` / ``nan`` become ``.inf`` / ``-.inf`` / ``.nan``
+    (the parser refused Python's spellings with a dump of its union types)."""
+    out: List[str] = []
+    for arg in argv:
+        option = out[-1] if out and out[-1].startswith("--") and "=" not in out[-1] else None
+        if option and (_is_negative_number(arg) or (option in _FINITE_FLOAT_OPTIONS and not arg.startswith("--"))):
+            out[-1] = f"{option}={arg}"
+        else:
+            out.append(arg)
+    return [_yaml_float_spelling(arg) for arg in out]
+
+
+def _is_negative_number(arg: str) -> bool:
+    try:
+        float(arg)
+    except ValueError:
+        return False
+    return arg.startswith("-")
+
+
+def _yaml_float_spelling(arg: str) -> str:
+    head, sep, value = arg.partition("=")
+    word = value.strip().lower()
+    if not sep or head not in _FINITE_FLOAT_OPTIONS or word.lstrip("+-") not in ("inf", "infinity", "nan"):
+        return arg
+    return f"{head}={'-' if word.startswith('-') else ''}{'.nan' if word.endswith('nan') else '.inf'}"
 
 
 def default_precision() -> str:
@@ -111,8 +150,13 @@ def build_parser() -> ArgumentParser:
                         "the first step that reaches it; the LR cosine follows the share spent; --max_steps stays a "
                         "hard cap (docs/compute-budget.md)")
     parser.add_argument("--val_every", type=int, default=100, help="validate every N optimisation steps")
-    parser.add_argument("--val_batches", type=int, default=20, help="validation batches (of data.batch_size blocks) per validation set, in all: "
-                        "split across the ranks, so the loss is the same for any number of processes")
+    parser.add_argument("--val_blocks", type=Optional[int], default=None,
+                        help=f"blocks each validation evaluates per validation set (the first N; default "
+                        f"{DEFAULT_VAL_BLOCKS}), in all: split across the ranks, so the loss is the same for any "
+                        "number of processes and any data.batch_size")
+    parser.add_argument("--val_batches", type=Optional[int], default=None,
+                        help="deprecated: --val_blocks N x data.batch_size (the count then depended on the "
+                        "per-rank batch)")
     parser.add_argument("--compile", type=bool, default=False,
                         help="torch.compile the model in place (names and checkpoints unchanged)")
     parser.add_argument("--activation_checkpointing", type=str, default="none",
@@ -157,8 +201,7 @@ def validate_up_front(cfg: Namespace) -> None:
         raise ConfigError(f"val_every: must be a positive integer, got {cfg.val_every}")
     if not 0.0 <= cfg.init_min_share <= 1.0:
         raise ConfigError(f"init_min_share: must be in [0, 1], got {cfg.init_min_share}")
-    if cfg.val_batches <= 0:
-        raise ConfigError(f"val_batches: must be a positive integer, got {cfg.val_batches}")
+    resolve_val_blocks(cfg)
     parse_policy(cfg.activation_checkpointing)
     DataConfig(**_as_dict(cfg.data)).validate()
     OptimConfig(**_as_dict(cfg.optim)).validate()
@@ -170,8 +213,32 @@ def validate_up_front(cfg: Namespace) -> None:
     check_data_options(cfg.data)
 
 
+def resolve_val_blocks(cfg: Namespace) -> None:
+    """Set ``cfg.val_blocks`` (a global count of blocks) from the deprecated ``--val_batches`` (N batches of
+    ``data.batch_size`` blocks: the blocks it evaluated on one process) or the default; ``val_batches`` is
+    then None, so ``config.yaml`` records the count in blocks only."""
+    for name in ("val_blocks", "val_batches"):
+        if cfg[name] is not None and cfg[name] <= 0:
+            raise ConfigError(f"{name}: must be a positive integer, got {cfg[name]}")
+    if cfg.val_batches is not None:
+        if cfg.val_blocks is not None:
+            raise ConfigError("val_batches: deprecated alias of --val_blocks, and both are set; keep only --val_blocks")
+        cfg.val_blocks = cfg.val_batches * cfg.data.batch_size
+        print(f"warning: --val_batches is deprecated; it now means --val_blocks {cfg.val_blocks} (val_batches x "
+              "data.batch_size: a global count of blocks, the same for any number of processes); use --val_blocks",
+              file=sys.stderr)
+        cfg.val_batches = None
+    elif cfg.val_blocks is None:
+        cfg.val_blocks = DEFAULT_VAL_BLOCKS
+
+
 def check_data_options(data: Namespace) -> None:
-    """Refuse data options the dataset does not read (``--data probe/arith --data.path X`` would ignore the path)."""
+    """Refuse data options the dataset does not read (``--data probe/arith --data.path X`` would ignore the path)
+    and a tokenizer it cannot be read with (the probe data are byte ids), before the data are built."""
+    required = REQUIRED_TOKENIZER.get(data.name)
+    if required is not None and data.tokenizer not in (None, required):
+        raise DataError(f"data.tokenizer: dataset {data.name!r} needs the byte-level {required!r} tokenizer, got "
+                        f"{data.tokenizer!r}; drop --tokenizer")
     ignored = ignored_data_options(data.name, _as_dict(data))
     if ignored:
         option, users = ignored[0]
@@ -188,6 +255,9 @@ def check_sources_up_front(cfg: Namespace) -> None:
         from experiments.weights import check_source
 
         check_source(cfg.init_from)
+    folder = run_root(cfg.log_dir, model_config(cfg)) / cfg.version if cfg.version else None
+    if folder is not None and folder.exists() and not folder.is_dir():
+        raise ConfigError(f"version: {folder} is a file, not a run folder; choose another --version")
     if cfg.ckpt_path:
         mcfg = model_config(cfg).resolve()
         model = {k: v for k, v in flatten(dataclasses.asdict(mcfg)).items() if k != "vocab_size"}  # from the tokenizer
@@ -254,6 +324,18 @@ def resolved_namespace(cfg: Namespace, mcfg: ModelConfig) -> Namespace:
     return resolved
 
 
+def print_resolved_config(parser: ArgumentParser, cfg: Namespace) -> None:
+    """``--print_config``: the config as the run uses it (size defaults, preset, ``val_blocks`` filled in), not the
+    parser's raw defaults (``d_model: null`` for tiny). The vocabulary comes from the tokenizer, known only once
+    the data are prepared: its line says so."""
+    import re
+
+    text = parser.dump(resolved_namespace(cfg, model_config(cfg).resolve()), skip_unset=False, skip_validation=True)
+    tokenizer = cfg.data.tokenizer or f"the default of data.name {cfg.data.name}"
+    note = f"  # placeholder: the run replaces it by the vocabulary size of the tokenizer ({tokenizer})"
+    print(re.sub(r"^(  vocab_size: .*)$", lambda m: m.group(1) + note, text, count=1, flags=re.M), end="")
+
+
 def fixed_version(cfg: Namespace, root: pathlib.Path, ckpt_path: Optional[str] = None) -> Optional[str]:
     """The run folder when it is decided by the command or the launcher: explicit, the resumed run's own
     folder, inherited from the launching rank, or the SLURM job (several tasks); None: a new folder."""
@@ -289,7 +371,17 @@ def resolve_ckpt(cfg: Namespace, root: pathlib.Path, expected: Optional[Dict[str
 
     ``last`` takes the newest ``last.ckpt`` under ``root`` among the runs trained with the same model,
     data and tokenizer (others are skipped, and named unless ``notes`` is False); an explicit path must
-    match too."""
+    match too. A FLOPs budget needs a checkpoint that counted its FLOPs: refused here, before anything is
+    written (the module's own refusal comes after ``config.yaml`` would be rewritten)."""
+    path = _matching_ckpt(cfg, root, expected, notes)
+    if path is not None and cfg.max_train_flops is not None:
+        from experiments.weights import read_checkpoint
+
+        require_counted_flops(read_checkpoint(path, "ckpt_path"))
+    return path
+
+
+def _matching_ckpt(cfg: Namespace, root: pathlib.Path, expected: Optional[Dict[str, Any]], notes: bool) -> Optional[str]:
     if cfg.ckpt_path is None:
         return None
     if cfg.ckpt_path != "last":
@@ -377,10 +469,15 @@ def parse_with_presets(parser: ArgumentParser, argv: Sequence[str], prefix: str 
     return parser.parse_args(list(argv))
 
 
-def main(argv: Optional[Sequence[str]] = None) -> pathlib.Path:
+def main(argv: Optional[Sequence[str]] = None) -> Optional[pathlib.Path]:
     parser = build_parser()
-    cfg = parse_with_presets(parser, expand_aliases(list(sys.argv[1:] if argv is None else argv)))
+    argv = join_option_values(expand_aliases(list(sys.argv[1:] if argv is None else argv)))
+    printing = "--print_config" in argv  # ours, resolved; "--print_config=..." forms stay jsonargparse's
+    cfg = parse_with_presets(parser, [a for a in argv if a != "--print_config"])
     validate_up_front(cfg)
+    if printing:
+        print_resolved_config(parser, cfg)
+        return None
     check_sources_up_front(cfg)
     return train(cfg, parser)
 
@@ -397,7 +494,7 @@ def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
     check_writable(pathlib.Path(cfg.log_dir) / f"{cfg.model.variant}-{cfg.model.size}")
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     data = LMDataModule(DataConfig(**_as_dict(cfg.data)), block_size=model_config(cfg).resolve().block_size, seed=cfg.seed,
-                        val_batches=cfg.val_batches)
+                        val_blocks=cfg.val_blocks)
     mcfg = model_config(cfg, vocab_size=data.vocab_size)
     mcfg.resolve()
     module = LanguageModelModule(model=dataclasses.asdict(mcfg), optim=_as_dict(cfg.optim),
@@ -433,6 +530,9 @@ def fit_and_summarise(cfg: Namespace, parser: ArgumentParser, module, data, mcfg
     trainer, recorder = make_trainer(cfg, root, version, extra_callbacks=[StepRecorder(), writer],
                                      find_unused=module.model.may_skip_parameters, monitor=module.selection_metric)
     run_dir = pathlib.Path(trainer.logger.log_dir)
+    if trainer.is_global_zero:
+        for tmp in remove_killed_checkpoint_writes(root / version / "checkpoints"):
+            print(f"note: removed {tmp}, left by a checkpoint write that was killed", file=sys.stderr)
 
     try:
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
@@ -492,14 +592,15 @@ def final_validation(metrics: Dict[str, float], key: str) -> Dict[str, Any]:
 
 
 def config_writer(save):
-    """A callback that writes the run folder's ``config.yaml`` (and appends this process's record to
-    ``provenance.json``) once the data is prepared (Lightning calls ``setup`` after ``prepare_data``), so a bad
-    corpus or tokenizer leaves no folder that looks like a run."""
+    """A callback that writes the run folder's ``config.yaml`` once the data is prepared and a resumed checkpoint
+    restored (Lightning calls ``on_fit_start`` after ``prepare_data``, ``setup`` and the restore), so a bad corpus,
+    tokenizer or checkpoint leaves no folder that looks like a run and a refused resume leaves the run as it was.
+    It also appends this process's record to ``provenance.json`` (each resume adds one)."""
     import lightning as L
 
     class ConfigWriter(L.Callback):
-        def setup(self, trainer, pl_module, stage: str) -> None:
-            if stage == "fit" and trainer.is_global_zero:
+        def on_fit_start(self, trainer, pl_module) -> None:
+            if trainer.is_global_zero:
                 run_dir = pathlib.Path(trainer.logger.log_dir)
                 from experiments.provenance import FILE, record_start
 
@@ -542,6 +643,9 @@ def make_trainer(cfg: Namespace, root: pathlib.Path, version: str, extra_callbac
                  *extra_callbacks]
     callbacks.extend(extra_run_callbacks(cfg))
     kwargs = _as_dict(cfg.trainer)
+    if kwargs.get("enable_progress_bar") is not False:  # None: Lightning's default, a bar
+        callbacks.append(progress_bar())
+    quiet_lightning_notices()
     kwargs["precision"] = kwargs.get("precision") or default_precision()
     kwargs["devices"] = _devices(kwargs.get("devices", "auto"))
     if kwargs.get("strategy") == "ddp" and find_unused:
@@ -553,13 +657,56 @@ def make_trainer(cfg: Namespace, root: pathlib.Path, version: str, extra_callbac
         default_root_dir=str(root / version),  # Lightning's SLURM requeue checkpoint (hpc_ckpt_N) goes here
         val_check_interval=cfg.val_every,
         check_val_every_n_epoch=None,
-        limit_val_batches=None,  # the datamodule takes val_batches (global) and splits them across the ranks
+        limit_val_batches=None,  # the datamodule takes val_blocks (global) and splits them across the ranks
         # checkpoints: temp file in the checkpoint folder, fsync, rename (never a truncated file under the final name)
         plugins=[atomic_checkpoint_io()],
     )
     trainer = L.Trainer(**kwargs)
     recorder = next(c for c in callbacks if c.__class__.__name__ == "StepRecorder")
     return trainer, recorder
+
+
+def progress_bar():
+    """Lightning's progress bar without what reads as noise on a step-based run: ``Epoch 0/-2`` (max_epochs is
+    -1: the run ends at max_steps) and ``v_num: on_0`` (the last 4 characters of ``version_0``; the run folder
+    is the last line printed)."""
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+    from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
+
+    class RunProgressBar(RichProgressBar if _RICH_AVAILABLE else TQDMProgressBar):
+        def get_metrics(self, trainer, pl_module):
+            items = super().get_metrics(trainer, pl_module)
+            items.pop("v_num", None)
+            return items
+
+        def _get_train_description(self, current_epoch: int) -> str:  # RichProgressBar's
+            description = f"Epoch {current_epoch}"
+            if self.trainer.max_epochs not in (None, -1):
+                description += f"/{self.trainer.max_epochs - 1}"
+            return f"{description:{len(self.validation_description)}}"
+
+    return RunProgressBar()
+
+
+class _DropTips:
+    """A logging filter: Lightning's advertisement for its cloud logger, printed by every run."""
+
+    @staticmethod
+    def filter(record) -> bool:
+        return not str(record.getMessage()).startswith("💡 Tip:")
+
+
+def quiet_lightning_notices() -> None:
+    """The first screen of a run holds what concerns it: no cloud-logger tip, no deprecation notice that
+    Lightning's own pytree helper raises under this torch version (the user can do nothing about either)."""
+    import logging
+    import warnings
+
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropTips) for f in logger.filters):
+            logger.addFilter(_DropTips())
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
 
 
 def extra_run_callbacks(cfg: Namespace) -> list:

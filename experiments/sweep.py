@@ -299,6 +299,9 @@ def main(argv: Optional[Sequence[str]] = None) -> List[List[str]]:
     parser.add_argument("--gpu_memory_gb", type=float, default=80.0,
                         help="--dry_run memory plan: GPU memory per device in GiB (docs/scale.md)")
     args = parser.parse_args(argv)
+    from experiments.memory import check_plan_settings
+
+    check_plan_settings(args.gpu_memory_gb)
     grid, file_common, sbatch = load_grid(args.grid_file, args.grid)
     configurations = drop_ignored_options([[*file_common, *common, *config] for config in grid])
     parsed = validate(configurations)

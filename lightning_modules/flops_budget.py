@@ -44,6 +44,13 @@ def validate_budget(value: Any, field: str = "max_train_flops") -> Optional[floa
     return float(value)
 
 
+def require_counted_flops(checkpoint: Dict[str, Any]) -> None:
+    """A run resumed with a budget must have counted its FLOPs from its start: its checkpoint holds the count."""
+    if "flops_budget" not in checkpoint:
+        raise ConfigError("max_train_flops: the checkpoint to resume was trained without a FLOPs budget, so the "
+                          "FLOPs it spent were not counted; resume it without --max_train_flops")
+
+
 class FlopsBudget:
     """Cumulative measured training FLOPs of the whole run (all ranks), and the step that reaches ``max_flops``."""
 

@@ -21,7 +21,7 @@ from architectures import ModelConfig, build_model
 from architectures.config import ConfigError
 from architectures.contract import ModelOutput, first_nonfinite_site
 from architectures.experts import legacy_order, legacy_parameter_names
-from lightning_modules.flops_budget import FlopsBudget
+from lightning_modules.flops_budget import FlopsBudget, require_counted_flops
 from lightning_modules.steps import batch_step, completes_step, is_logging_step, log_step, may_be_last_step  # noqa: F401
 
 
@@ -466,9 +466,7 @@ class LanguageModelModule(L.LightningModule):
                                               for state in checkpoint.get("optimizer_states", [])]
         if self.flops_budget is None:
             return
-        if "flops_budget" not in checkpoint:
-            raise ConfigError("max_train_flops: the checkpoint to resume was trained without a FLOPs budget, so the "
-                              "FLOPs it spent were not counted; resume it without --max_train_flops")
+        require_counted_flops(checkpoint)  # experiments.run refuses it before anything is written; other callers here
         self.flops_budget.load_state_dict(checkpoint["flops_budget"])
 
     def on_train_start(self) -> None:

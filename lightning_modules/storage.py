@@ -44,22 +44,29 @@ def is_storage_error(err: BaseException) -> bool:
     return isinstance(err, OSError) and err.errno in STORAGE_ERRNOS
 
 
-def check_writable(folder: pathlib.Path) -> None:
-    """Create ``folder`` and a probe file in it, then remove both: an unwritable or read-only log dir fails
-    here, in seconds, instead of after the corpus is tokenised; a run that fails later leaves no folder."""
+def probe_writable(folder: pathlib.Path) -> None:
+    """Create ``folder`` and a probe file in it, then remove both (and the folders this created): the
+    ``OSError`` of a place that cannot be written, found in seconds, with nothing left behind."""
     missing = [p for p in [folder, *folder.parents] if not p.exists()]
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=folder)
         os.close(fd)
         os.unlink(probe)
+    finally:
+        for created in missing:  # deepest first; a folder another job has written to meanwhile stays
+            release_if_empty(created)
+
+
+def check_writable(folder: pathlib.Path) -> None:
+    """``probe_writable`` for the log dir: an unwritable or read-only one fails here, in seconds, instead of
+    after the corpus is tokenised; a run that fails later leaves no folder."""
+    try:
+        probe_writable(folder)
     except OSError as err:
         if err.errno in STORAGE_ERRNOS or err.errno == errno.EEXIST:
             raise StorageError(f"log_dir: {storage_message(err.filename or folder, err, 'write to')}") from None
         raise
-    finally:
-        for created in missing:  # deepest first; a folder another job has written to meanwhile stays
-            release_if_empty(created)
 
 
 def claim_next_version(root: pathlib.Path, prefix: str = "version_") -> str:
@@ -87,6 +94,19 @@ def release_if_empty(folder: pathlib.Path) -> None:
         folder.rmdir()
     except OSError:
         pass  # not empty (or already gone): keep it
+
+
+def remove_killed_checkpoint_writes(folder: pathlib.Path) -> list:
+    """Remove the temp files (``.NAME.ckpt.XXXX.tmp``) that a checkpoint write killed mid-way left in ``folder``;
+    returns their paths. Called when a run starts, before it saves: nothing else writes into its folder."""
+    removed = []
+    for tmp in sorted(folder.glob(".*.ckpt.*.tmp")) if folder.is_dir() else []:
+        try:
+            tmp.unlink()
+            removed.append(tmp)
+        except FileNotFoundError:
+            pass
+    return removed
 
 
 def fsync_folder(folder: pathlib.Path) -> None:
@@ -130,12 +150,41 @@ def _write_atomic(path: pathlib.Path, write: Callable[[Any], None], mode: str, w
                 pass
 
 
-def atomic_torch_save(obj: Any, path: Any, what: str = "save checkpoint") -> None:
-    """``torch.save`` to a temp file beside ``path``, fsync, rename: ``path`` is whole or untouched."""
+class _WriteRecorder:
+    """A binary handle that keeps the first ``OSError`` its writes raise: torch's zip writer turns a failed write
+    (a full disk: ENOSPC) into ``RuntimeError: [enforce fail at inline_container.cc] unexpected pos``."""
+
+    def __init__(self, handle) -> None:
+        self.handle, self.error = handle, None
+
+    def write(self, data) -> int:
+        try:
+            return self.handle.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+
+def _torch_save(obj: Any, handle) -> None:
+    """``torch.save`` that raises the write's own ``OSError`` (errno and all) when a write failed."""
     import torch
 
+    recorder = _WriteRecorder(handle)
+    try:
+        torch.save(obj, recorder)
+    except RuntimeError as err:
+        if recorder.error is not None:
+            raise recorder.error from err
+        raise
+
+
+def atomic_torch_save(obj: Any, path: Any, what: str = "save checkpoint") -> None:
+    """``torch.save`` to a temp file beside ``path``, fsync, rename: ``path`` is whole or untouched."""
     hint = ", then resume with --ckpt_path last" if "checkpoint" in what else ""
-    _write_atomic(pathlib.Path(path), lambda handle: torch.save(obj, handle), "wb", what, hint)
+    _write_atomic(pathlib.Path(path), lambda handle: _torch_save(obj, handle), "wb", what, hint)
 
 
 def atomic_checkpoint_io():

@@ -6,6 +6,30 @@ import pathlib
 
 import pytest
 
+
+class DiskFillsAfter:
+    """A binary handle on a disk that fills after ``room`` bytes: then every write raises ENOSPC, as write(2) does."""
+
+    def __init__(self, handle, room: int = 0):
+        self.handle, self.room = handle, room
+
+    def write(self, data):
+        import errno
+
+        if len(data) > self.room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.room -= len(data)
+        return self.handle.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.handle, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.close()
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 
@@ -32,7 +56,7 @@ _share_the_cores_between_workers()
 # Options that make any CLI run tiny and fast on CPU.
 TINY_RUN = [
     "--model.d_model", "32", "--model.n_layer", "2", "--model.n_head", "2", "--model.block_size", "64",
-    "--data.batch_size", "4", "--val_batches", "2", "--trainer.enable_progress_bar", "false",
+    "--data.batch_size", "4", "--val_blocks", "8", "--trainer.enable_progress_bar", "false",
 ]
 
 # Presets that need more layers than a 1- or 2-layer test model has: MoM-E / MoM-I pick K=3 of a pool of

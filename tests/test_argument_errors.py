@@ -154,6 +154,20 @@ def test_damaged_probe_labels_are_rebuilt_before_training(damage, tmp_path):
     assert np.array_equal(np.asarray(levels), np.load(folder / "levels.npy"))
 
 
+def test_probe_labels_get_the_permissions_of_the_token_cache(tmp_path):
+    """Issue 30: the label files were mkstemp's 0600 beside a 0644 tokens.bin (a shared cache's other users could
+    read the tokens but not the labels)."""
+    import os
+
+    mask = os.umask(0o022)
+    try:
+        folder = _probe_data(tmp_path)._folder(probe.ProbeCorpus("probe/arith", SMALL))
+    finally:
+        os.umask(mask)
+    modes = {name: oct((folder / name).stat().st_mode & 0o777) for name in ("tokens.bin", *probe.LABEL_FILES)}
+    assert modes == {name: oct(0o644) for name in modes}
+
+
 def test_unreadable_probe_labels_are_one_data_error_naming_the_file(tmp_path):
     from datamodules.corpora import DataError
 

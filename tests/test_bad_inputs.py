@@ -6,7 +6,6 @@ catching its SystemExit and reading stderr; a few rows also run as real subproce
 status and the absence of a traceback end to end."""
 from __future__ import annotations
 
-import errno
 import os
 import pathlib
 import subprocess
@@ -16,7 +15,7 @@ import time
 import pytest
 
 from experiments import analyze, bench, compare, finetune, repro, run, sweep
-from tests.conftest import REPO, TINY_RUN
+from tests.conftest import REPO, TINY_RUN, DiskFillsAfter
 
 SECONDS = 30  # generous for a loaded 2-core CI machine; the failures themselves take well under 5 s
 TINY_FINETUNE = ["--model.d_model", "32", "--model.n_layer", "1", "--model.n_head", "2", "--model.block_size", "48",
@@ -65,6 +64,11 @@ def inputs(tmp_path_factory) -> pathlib.Path:
     for name in ("val.jsonl", "validation.jsonl"):
         (root / "glue_two" / "RTE" / name).write_text('{"premise": "a", "hypothesis": "b", "label": 0}\n')
     (root / "tiny.txt").write_text("a")
+    (root / "vlogs" / "vanilla-tiny").mkdir(parents=True)  # issue 30: a --version that names a file
+    (root / "vlogs" / "vanilla-tiny" / "notes.txt").write_text("not a run folder")
+    (root / "empty_config_run").mkdir()  # issue 30: a run folder whose config.yaml is empty
+    (root / "empty_config_run" / "config.yaml").write_text("")
+    (root / "empty_config_run" / "summary.json").write_text('{"steps": 2, "final_val_loss": 5.0}')
     (root / "hf_no_weights").mkdir()
     (root / "hf_no_weights" / "config.json").write_text('{"model_type": "gpt2"}')
     (root / "vanilla_with_moe.yaml").write_text("model:\n  moe:\n    top_k: 2\n")
@@ -210,6 +214,37 @@ CASES = [
     ("max_train_flops-0", "run", lambda d: ["--max_train_flops", "0"], r"max_train_flops: must be a positive, finite"),
     ("activation_checkpointing-bad", "run", lambda d: ["--activation_checkpointing", "every_k:0"],
      r"activation_checkpointing: unknown value 'every_k:0'"),
+    # issue 30: the validation set is a global count of blocks; --val_batches is its deprecated alias
+    ("val_blocks-0", "run", lambda d: ["--val_blocks", "0"], r"val_blocks: must be a positive integer, got 0"),
+    ("val_batches-and-val_blocks", "run", lambda d: ["--val_batches", "2", "--val_blocks", "8"],
+     r"val_batches: deprecated alias of --val_blocks, and both are set; keep only --val_blocks"),
+    ("version-is-a-file", "run", _good("--log_dir", "{d}/vlogs", "--version", "notes.txt"),
+     r"version: .*vlogs/vanilla-tiny/notes\.txt is a file, not a run folder; choose another --version"),
+    ("max_train_flops-negative-exponent", "run", lambda d: ["--max_train_flops", "-1e12"],
+     r"max_train_flops: must be a positive, finite number"),
+    ("max_train_flops-minus-inf", "run", lambda d: ["--max_train_flops", "-inf"],
+     r"max_train_flops: must be a positive, finite number .*got -inf"),
+    ("max_train_flops-inf", "run", lambda d: ["--max_train_flops", "inf"],
+     r"max_train_flops: must be a positive, finite number .*got inf"),
+    ("probe-v2-with-a-tokenizer-folder", "run", lambda d: ["--data", "probe-v2", "--tokenizer", str(d / "tok_json")],
+     r"data\.tokenizer: dataset 'probe-v2' needs the byte-level 'bytes' tokenizer, got '.*tok_json'; drop --tokenizer"),
+    ("bench-plan-gpu_memory-inf", "bench", lambda d: ["--plan", "--gpu_memory_gb", "inf"],
+     r"--gpu_memory_gb: must be a positive, finite number of GiB \(e\.g\. 80\), got inf"),
+    ("bench-plan-gpu_memory-0", "bench", lambda d: ["--plan", "--gpu_memory_gb", "0"], r"--gpu_memory_gb: .*got 0\.0"),
+    ("bench-plan-gpu_memory-negative", "bench", lambda d: ["--plan", "--gpu_memory_gb", "-1"],
+     r"--gpu_memory_gb: .*got -1\.0"),
+    ("bench-plan-gpu_memory-nan", "bench", lambda d: ["--plan", "--gpu_memory_gb", "nan"], r"--gpu_memory_gb: .*got nan"),
+    ("bench-plan-seq_len-negative", "bench", lambda d: ["--plan", "--seq_len", "-5"],
+     r"--seq_len: must be a positive integer, got -5"),
+    ("sweep-gpu_memory-inf", "sweep", lambda d: ["--grid", "variant=vanilla", "--dry_run", "--gpu_memory_gb", "inf"],
+     r"--gpu_memory_gb: must be a positive, finite number"),
+    ("compare-out-is-a-file", "compare", lambda d: [str(d / "ckpt_runs"), "--out", str(d / "good.txt")],
+     r"--out: .*good\.txt is a file, not a folder"),
+    ("compare-out-below-a-file", "compare", lambda d: [str(d / "ckpt_runs"), "--out", str(d / "good.txt" / "board")],
+     r"--out: cannot write to .*good\.txt/board \(Not a directory\); make it writable or choose another folder"),
+    ("compare-plain-file-argument", "compare", lambda d: [str(d / "good.txt")], r"no run folders matched .*good\.txt"),
+    ("compare-empty-config", "compare", lambda d: [str(d / "empty_config_run")],
+     r"empty_config_run/config\.yaml: empty; every run folder of experiments\.run holds its resolved config\.yaml"),
     ("compare-no-runs", "compare", lambda d: [str(d / "no_runs_here")], r"no run folders matched .*no_runs_here"),
     ("repro-jobs-0", "repro", lambda d: ["probe", "--out", str(d / "repro_out"), "--quick", "--jobs", "0"],
      r"--jobs: must be a positive integer, got 0"),
@@ -281,24 +316,7 @@ def test_disk_full_while_building_the_cache_says_where_and_how_much(inputs, tmp_
     from datamodules import token_cache
 
     real_fdopen = os.fdopen
-
-    class FullDisk:
-        def __init__(self, handle):
-            self.handle = handle
-
-        def write(self, data):
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        def __getattr__(self, name):
-            return getattr(self.handle, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.handle.close()
-
-    monkeypatch.setattr(token_cache.os, "fdopen", lambda fd, mode="r", **kw: FullDisk(real_fdopen(fd, mode, **kw))
+    monkeypatch.setattr(token_cache.os, "fdopen", lambda fd, mode="r", **kw: DiskFillsAfter(real_fdopen(fd, mode, **kw))
                         if "b" in mode else real_fdopen(fd, mode, **kw))
     with pytest.raises(SystemExit) as exit_info:
         run.cli(run.main, _argv("run", _good(), inputs, tmp_path))
@@ -316,7 +334,7 @@ BEFORE_THE_DATA = ["init_from-missing", "init_from-truncated", "init_from-not-a-
                    "init_from-hf-folder-without-weights", "ckpt-missing", "ckpt-truncated", "ckpt-not-a-checkpoint",
                    "ckpt-last-nothing", "ckpt-other-block_size", "ckpt-other-variant", "ckpt-other-size",
                    "unused-group-option", "unused-group-option-in-yaml", "overridden-field-cea_moe", "probe-with-path",
-                   "text-with-max_tokens"]
+                   "text-with-max_tokens", "version-is-a-file", "probe-v2-with-a-tokenizer-folder"]
 
 
 @pytest.mark.parametrize("name,command,build,pattern", [c for c in CASES if c[0] in BEFORE_THE_DATA],

@@ -165,18 +165,28 @@ def test_layout_change_is_an_error_and_no_sites_warns_once():
     acc.add([_site("a", [[0]], ["x", "y"])])
     with pytest.raises(RuntimeError, match="routing sites changed"):
         acc.add([_site("b", [[0]], ["x", "y"])])
-    callback = RoutingStatistics(every=1)
-    trainer = types.SimpleNamespace(global_step=1, is_global_zero=True)
-    module = types.SimpleNamespace(last_output=ModelOutput(torch.zeros(1, 2, 3), torch.zeros(())),
-                                   model=types.SimpleNamespace(config=types.SimpleNamespace(variant="vanilla")))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for step in (1, 2, 3):
-            trainer.global_step = step
-            callback.on_train_batch_end(trainer, module, None, torch.zeros(2, 3, dtype=torch.long), 0)
-    assert [str(w.message) for w in caught if "no routing sites" in str(w.message)] == [
-        "routing statistics: variant 'vanilla' has no routing sites; nothing is logged for routing"]
-    assert callback.latest is None and callback.accumulator.buffer is None
+    class Routed(torch.nn.Module):  # a model with a router that reports no sites: a bug worth a warning
+        def __init__(self):
+            super().__init__()
+            self.router = torch.nn.Linear(2, 2)
+            self.config = types.SimpleNamespace(variant="broken_mod")
+
+    dense = torch.nn.Module()  # vanilla: nothing routes, nothing to warn about (issue 30: the default run's first screen)
+    dense.config = types.SimpleNamespace(variant="vanilla")
+    warned = {}
+    for model in (dense, Routed()):
+        callback = RoutingStatistics(every=1)
+        trainer = types.SimpleNamespace(global_step=1, is_global_zero=True)
+        module = types.SimpleNamespace(last_output=ModelOutput(torch.zeros(1, 2, 3), torch.zeros(())), model=model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in (1, 2, 3):
+                trainer.global_step = step
+                callback.on_train_batch_end(trainer, module, None, torch.zeros(2, 3, dtype=torch.long), 0)
+        warned[model.config.variant] = [str(w.message) for w in caught if "no routing sites" in str(w.message)]
+        assert callback.latest is None and callback.accumulator.buffer is None
+    assert warned == {"vanilla": [], "broken_mod": [
+        "routing statistics: variant 'broken_mod' has routers but reported no routing sites; nothing is logged for routing"]}
 
 
 # ---------------------------------------------------------------------------- configuration

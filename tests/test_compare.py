@@ -244,10 +244,22 @@ def test_group_by_variant_merges_configurations_and_lists_their_values(runs, tmp
         compare.compare([str(tmp_path / "runs")], group_by=["colour"])
 
 
+def test_mean_and_std_are_over_the_values_that_exist():
+    stat = compare.mean_std([1.0, None, 3.0, float("nan")])
+    assert (stat["mean"], stat["n"]) == (2.0, 2) and stat["std"] == pytest.approx(math.sqrt(2.0))
+    single = compare.mean_std([None, 4.0])
+    assert (single["mean"], single["std"], single["n"]) == (4.0, None, 1)
+
+
 def test_a_number_only_some_runs_of_a_row_have_is_marked_with_its_n(runs):
     board = compare.compare([str(p) for p in runs.values()], group_by=["size"])  # all four runs in one row
     (row,) = board["rows"]
     assert row["n"] == 4 and row["val_loss_causal"]["n"] == 2  # only MoD has a causal loss
+    # and the mean is over those two runs, not the row's four (issue 30: a mean over every run let a planted bug by)
+    causal = [json.loads((folder / "summary.json").read_text())["val_metrics"]["val/loss_causal"]
+              for (variant, _), folder in runs.items() if variant == "mod"]
+    assert row["val_loss_causal"]["mean"] == pytest.approx(sum(causal) / 2)
+    assert row["val_loss_causal"]["std"] == pytest.approx(abs(causal[0] - causal[1]) / math.sqrt(2))
     assert sorted(row["variant"]) == ["mod", "vanilla"] and "variant" in row["varies"]
     line = compare.to_markdown(board).splitlines()[2]
     assert line.count("(n=2)") == 1 and line.count("(n=") == 1  # the causal loss; every other number has all 4
@@ -375,10 +387,16 @@ def test_runs_without_checkpoints_are_compared_by_their_data_options(runs, tmp_p
 
 def test_mixed_validation_sets_refused(runs, tmp_path, capsys):
     folders = copy_runs(runs, tmp_path, [("vanilla", 1), ("mod", 1)])
+    # a run from before --val_blocks: val_batches x data.batch_size = 2 x 4, the same 8 blocks as val_blocks 8
+    config = yaml.safe_load((folders[("mod", 1)] / "config.yaml").read_text())
+    assert config.pop("val_blocks") == 8 and config["data"]["batch_size"] == 4
+    (folders[("mod", 1)] / "config.yaml").write_text(yaml.safe_dump({**config, "val_batches": 2}))
+    code, _, err = run_cli([str(tmp_path / "runs")], capsys)
+    assert code == 0, err
     edit_config(folders[("mod", 1)], "val_batches", 7)  # its loss is a mean over other validation blocks
     code, _, err = run_cli([str(tmp_path / "runs")], capsys)
     assert code == 2 and err.count("\n") == 1
-    assert err.startswith("error: runs with different validation sets cannot be compared") and "7 val batches" in err
+    assert err.startswith("error: runs with different validation sets cannot be compared") and "28 val blocks" in err
 
 
 def test_unfinished_runs_skipped_with_a_warning(runs, tmp_path, capsys):

@@ -92,3 +92,20 @@ def test_explicit_values_beat_presets_in_the_python_api_and_bench_set():
     bench = apply_overrides(ModelConfig(variant="mom_e"), ["mom.top_k=1"])
     assert built(bench).mom.top_k == 1
 
+
+
+@pytest.mark.parametrize("variant", sorted(v for v in VARIANTS if VARIANTS[v].overrides))
+def test_a_config_before_its_preset_round_trips_through_a_dict_with_its_preset(variant):
+    """Issue 30: ``from_dict(cfg.to_dict())`` of a config whose preset was not applied yet made every group field
+    explicit, so mom_e, mom_p, cea_paper, moe_dense_ffn, ... built without their preset."""
+    from architectures import ModelConfig
+    from architectures.mom import MoMConfig
+    from architectures.registry import apply_preset
+
+    configs = [ModelConfig(variant=variant)]
+    if variant == "mom_e":  # an explicit value equal to the dataclass default stays explicit
+        configs.append(ModelConfig(variant=variant, mom=MoMConfig(top_k=1)))
+    for config in configs:
+        again = ModelConfig.from_dict(config.to_dict())
+        assert apply_preset(again) == apply_preset(config) != config
+        assert ModelConfig.from_dict(apply_preset(config).to_dict()) == apply_preset(config)  # applied: every field

@@ -19,7 +19,7 @@ from lightning_modules.lm import cosine_decay
 from tests.conftest import REPO, TINY_RUN
 
 B, T = 4, 64  # TINY_RUN's batch and context
-FAST = [*TINY_RUN, "--val_batches", "1", "--callbacks.contribution", "false", "--callbacks.throughput", "false"]
+FAST = [*TINY_RUN, "--val_blocks", "4", "--callbacks.contribution", "false", "--callbacks.throughput", "false"]
 ROUTED = {"vanilla": [], "mod": [], "mom_e": ["--model.n_layer", "4"]}  # mom_e: K=3 needs more modules than 2 layers give
 
 
@@ -64,10 +64,11 @@ def first_step_reaching(counts, budget):
 
 # ---------------------------------------------------------------------------- bad values
 @pytest.mark.parametrize("value,error", [("0", ConfigError), ("-1e12", ConfigError), (".inf", ConfigError),
-                                         (".nan", ConfigError), ("inf", argparse.ArgumentError),
-                                         ("lots", argparse.ArgumentError)])
+                                         (".nan", ConfigError), ("inf", ConfigError), ("-inf", ConfigError),
+                                         ("nan", ConfigError), ("lots", argparse.ArgumentError)])
 def test_a_budget_that_is_not_positive_and_finite_is_refused_before_any_work(tmp_path, value, error):
-    # ".inf" / ".nan" are YAML's floats (they pass the parser's type check); "inf" and words fail it
+    # ".inf" / ".nan" are YAML's floats (they pass the parser's type check); Python's "inf", "-inf", "nan" are
+    # given YAML's spelling so that they reach the budget's own check too (issue 30); words fail the parser
     with pytest.raises(error, match=r"max_train_flops(: must be a positive, finite number|\")"):
         main([f"--max_train_flops={value}", "--log_dir", str(tmp_path), *FAST])
     assert not any(tmp_path.iterdir())
@@ -212,12 +213,55 @@ def test_resume_keeps_the_count_and_stops_at_the_same_step(tmp_path, one_thread)
     assert again["steps"] == 6 and again["train_flops"] == resumed["train_flops"]
 
 
-def test_a_run_without_budget_cannot_be_resumed_with_one(tmp_path, one_thread):
+def _files(folder):
+    return {p.relative_to(folder): (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
+
+
+def test_a_run_without_budget_cannot_be_resumed_with_one_and_the_refusal_changes_nothing(tmp_path, one_thread, capsys,
+                                                                                         monkeypatch):
+    """Issue 30: the refusal came from on_load_checkpoint, after config.yaml had recorded the new budget and steps
+    (compare then took the run as finished): it must come before anything is written, before the data too."""
+    from datamodules import lm
+    from experiments import run
+
     plain = main(["--max_steps", "2", "--val_every", "2", "--log_dir", str(tmp_path), *FAST])
     assert _summary(plain)["max_train_flops"] is None and _summary(plain)["train_flops"] is None
+    before = _files(tmp_path)
+    monkeypatch.setattr(lm.LMDataModule, "__init__", lambda *a, **k: pytest.fail("the data module was built"))
+    with pytest.raises(SystemExit) as exit_info:
+        run.cli(main, ["--max_steps", "20", "--val_every", "2", "--log_dir", str(tmp_path), "--max_train_flops", "1e12",
+                       *FAST, "--ckpt_path", str(plain / "checkpoints" / "last.ckpt")])
+    assert exit_info.value.code == 2
+    assert "error: max_train_flops: the checkpoint to resume was trained without" in capsys.readouterr().err
+    assert _files(tmp_path) == before  # config.yaml still records the run as it was trained
     with pytest.raises(ConfigError, match="max_train_flops: the checkpoint to resume was trained without"):
-        main(["--max_steps", "4", "--val_every", "2", "--log_dir", str(tmp_path), "--max_train_flops", "1e12",
-              *FAST, "--ckpt_path", str(plain / "checkpoints" / "last.ckpt")])
+        main(["--max_steps", "4", "--log_dir", str(tmp_path), "--max_train_flops", "1e12", *FAST, "--ckpt_path", "last"])
+    assert _files(tmp_path) == before
+
+
+def test_the_budget_sums_every_ranks_count(one_thread):
+    """A fake two-rank reduction (the other rank's micro-batches cost differently): the budget counts both ranks,
+    so it stops at the first step whose global count reaches it (counting this rank alone stops two steps later)."""
+    from types import SimpleNamespace
+
+    from lightning_modules.flops_budget import FlopsBudget
+
+    other_rank = iter([6.0, 6.0, 6.0, 6.0, 6.0])
+    reductions = []
+
+    def reduce(tensor, reduce_op):
+        assert reduce_op == "sum" and tensor.dtype == torch.float64
+        reductions.append(float(tensor))
+        return tensor + next(other_rank)
+
+    trainer = SimpleNamespace(world_size=2, should_stop=False,
+                              strategy=SimpleNamespace(reduce=reduce, root_device=torch.device("cpu")))
+    counter, model, step = FlopsBudget(20.0), _Model([3.0] * 5), 0  # 3 here + 6 there = 9 per step: 9, 18, 27
+    while not trainer.should_stop:
+        step += 1
+        counter.add(model, None, (1, 1))
+        counter.close_step(trainer, step)
+    assert reductions == [3.0, 3.0, 3.0] and counter.spent == 27.0 and counter.stop_step == 3
 
 
 # ---------------------------------------------------------------------------- DDP

@@ -21,7 +21,7 @@ from architectures.moe import MoEConfig
 V, T = 97, 64
 TINY_RUN = [  # conftest.TINY_RUN's tiny CLI overrides (conftest is not importable as a module)
     "--model.d_model", "32", "--model.n_layer", "2", "--model.n_head", "2", "--model.block_size", "64",
-    "--data.batch_size", "4", "--val_batches", "2", "--trainer.enable_progress_bar", "false",
+    "--data.batch_size", "4", "--val_blocks", "8", "--trainer.enable_progress_bar", "false",
 ]
 
 

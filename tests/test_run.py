@@ -114,13 +114,38 @@ def test_command_line_error_exits_2_with_message():
     assert proc.returncode == 2 and "valid variants" in proc.stderr
 
 
-def test_print_config_shows_every_group():
-    proc = subprocess.run([sys.executable, "-m", "experiments.run", "--variant", "vanilla", "--print_config"],
-                          cwd=REPO, capture_output=True, text=True)
+def test_the_first_screen_of_a_default_run_holds_no_noise(tmp_path):
+    """Issue 30: the default run warned that vanilla has no routing sites, showed ``Epoch 0/-2`` and ``v_num: on_0``
+    in its progress bar, and Lightning's litlogger tip (and its pytree deprecation notice). The default command with
+    a smaller model; the measurement intervals at max_steps (the default run's 300 steps exceed the defaults)."""
+    bar = [a for a in TINY_RUN if a not in ("--trainer.enable_progress_bar", "false")]
+    intervals = [arg for name in ("routing_every", "routing_images_every", "flops_every", "contribution_every")
+                 for arg in (f"--callbacks.{name}", "2")]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("DYNCOMP_RUN_VERSION", None)
+    proc = subprocess.run([sys.executable, "-m", "experiments.run", "--max_steps", "2", "--val_every", "2",
+                           "--log_dir", str(tmp_path), *bar, *intervals], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    screen = proc.stdout + proc.stderr
+    assert "Epoch 0" in screen and "train/loss" in screen  # the bar is there
+    for noise in ("Warning", "warning", "v_num", "/-2", "litlogger", "Tip:", "LeafSpec", "no routing sites"):
+        assert noise not in screen, (noise, screen[-3000:])
+
+
+def test_print_config_shows_every_group_resolved():
+    """Issue 30: tiny + bpe printed ``d_model: null``, ``n_layer: null`` and ``vocab_size: 50257`` as if final."""
+    proc = subprocess.run([sys.executable, "-m", "experiments.run", "--variant", "vanilla", "--tokenizer", "bpe",
+                           "--print_config"], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     config = yaml.safe_load(proc.stdout)
     assert config["model"]["variant"] == "vanilla"
     assert {"model", "data", "optim", "trainer"} <= set(config)
+    assert {k: config["model"][k] for k in ("d_model", "n_layer", "n_head", "block_size")} == \
+        {"d_model": 128, "n_layer": 4, "n_head": 4, "block_size": 128}  # the tiny size, resolved
+    assert config["val_blocks"] == 320 and config["version"] is None
+    (vocab,) = [line for line in proc.stdout.splitlines() if line.startswith("  vocab_size:")]
+    assert "placeholder: the run replaces it by the vocabulary size of the tokenizer (bpe)" in vocab
 
 
 def test_nonfinite_loss_stops_with_step_and_dump(tmp_path, monkeypatch):

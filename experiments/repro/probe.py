@@ -64,11 +64,11 @@ PUBLISHED = pathlib.Path(__file__).resolve().parents[2] / "docs" / "results" / "
 # ``--data probe`` stays at chance beyond level 0 and can be chosen after ``--``).
 DEFAULTS = ["--data", "probe-v2/arith", "--model.d_model", "64", "--model.n_layer", "4", "--model.n_head", "4",
             "--model.block_size", "128", "--data.batch_size", "8", "--model.mom.router_hidden", "64",
-            "--optim.lr", "3e-3", "--optim.warmup_steps", "100", "--val_batches", "4",
+            "--optim.lr", "3e-3", "--optim.warmup_steps", "100", "--val_blocks", "32",
             "--callbacks.contribution", "false", "--callbacks.throughput", "false",
             "--trainer.enable_progress_bar", "false"]
 QUICK = ["--data.max_tokens", "16384", "--model.d_model", "32", "--model.n_layer", "2", "--model.n_head", "2",
-         "--data.batch_size", "4", "--val_batches", "1"]
+         "--data.batch_size", "4", "--val_blocks", "4"]
 
 
 # ---------------------------------------------------------------------------- entries
