@@ -153,8 +153,8 @@ def test_nonfinite_loss_stops_with_step_and_dump(tmp_path, monkeypatch):
 
     original = LanguageModelModule.lm_loss
 
-    def poisoned(self, logits, targets):
-        loss = original(self, logits, targets)
+    def poisoned(self, logits, targets, *weights):
+        loss = original(self, logits, targets, *weights)
         return loss * float("nan") if self.global_step >= 2 else loss
 
     monkeypatch.setattr(LanguageModelModule, "lm_loss", poisoned)
