@@ -399,15 +399,20 @@ class MoMChunk(nn.Module):
         shared = self.attn_modules[0].attn  # any module: head split/merge and the SDPA call are parameter-free
         real = (route.selected < self.n_attn).any()  # some token chose a real module: the attention runs
         traced = torch.compiler.is_compiling() and cache is None  # decoding may break the graph here
-        if not traced and not bool(real):
-            if cache is not None:  # keep this step's cache aligned: all-SKIP tokens have zero K/V
-                zeros = x.new_zeros(B, shared.n_head, T, d // shared.n_head)
-                cache.append(cache_key, zeros, zeros)
+        all_skip = not traced and not bool(real)
+        if all_skip and cache is not None:  # keep this step's cache aligned: all-SKIP tokens have zero K/V
+            zeros = x.new_zeros(B, shared.n_head, T, d // shared.n_head)
+            cache.append(cache_key, zeros, zeros)
+        if all_skip and not torch.is_grad_enabled():
             return torch.zeros_like(x)
+        # with gradients recorded the modules still run on their (empty) slices when all tokens SKIP: a zero
+        # gradient, as for any idle module (``sorted_dispatch``) and as the compiled graph gives
         qkv_weights = route.weights if self.cfg.weighted_qkv else torch.ones_like(route.weights)
         qkv = sorted_dispatch(flat, route.selected, qkv_weights, [m.project for m in self.attn_modules])
         if traced:  # the same skip as one graph: a cond on the flag instead of a Python branch on it
             y = torch.cond(real, shared.attend, lambda qkv: qkv.new_zeros(B, T, d), (qkv.view(B, T, 3 * d),))
+        elif all_skip:  # the shared attention does not run
+            y = qkv.new_zeros(B, T, d)
         else:
             y = shared.attend(qkv.view(B, T, 3 * d), cache, cache_key)
         out = sorted_dispatch(y.reshape(B * T, d), route.selected, route.weights,
