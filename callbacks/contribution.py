@@ -29,7 +29,7 @@ import torch
 
 from architectures.config import ConfigError
 from architectures.contract import SubLayerState
-from callbacks.common import require_positive
+from callbacks.common import eager_measurement, require_positive
 from callbacks.tensorboard import figure, log_figure, log_scalars
 from lightning_modules.steps import log_step
 
@@ -176,7 +176,7 @@ def measure_contribution(model, probe: torch.Tensor, seq_len: Optional[int] = No
     model.eval()
     try:
         cuda = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=cuda):
+        with torch.random.fork_rng(devices=cuda), eager_measurement():
             states = model(idx, return_residuals=True).residuals
         if not states:
             raise RuntimeError(f"{type(model).__name__} returned no residual states (contract: return_residuals=True)")
