@@ -18,7 +18,7 @@ from architectures.mom import MixtureOfModules
 from architectures.mot import MoT
 from architectures.registry import VARIANTS
 from experiments import compiling
-from tests.conftest import TINY_RUN, tiny_layers
+from tests.conftest import TINY_RUN, cli_summary, tiny_layers
 
 # one variant per family (MoM and MoT: their own tests below, with evaluation and recompiles); moe traces its
 # per-expert sizes as unbacked SymInts (~10 s here)
@@ -97,6 +97,35 @@ def test_run_with_compile_gives_the_eager_loss_curve(tmp_path, monkeypatch, one_
     assert curve(compiled) == pytest.approx(curve(eager), rel=1e-4)
     state = torch.load(compiled / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
     assert "model.wte.weight" in state  # in-place compile: the eager names
+
+
+# the smallest CLI run: 1 step of 2 x 16 tokens, one validation batch (the causal one included)
+CLI_TINY = ["--model.block_size", "16", "--data.batch_size", "2", "--val_batches", "1"]
+
+
+@pytest.mark.slow
+def test_every_registry_entry_trains_and_validates_compiled_through_the_cli(tmp_path, monkeypatch, one_thread):
+    """``--compile true``: one training step and the validations (causal routing included for the entries whose
+    routing sees the future, and the final ``trainer.validate``), every registry entry in this one process, each
+    compiling a training graph, an evaluation graph and (causal evaluation) one more, nothing recompiled: the
+    callbacks' measurement forwards run eagerly. Backend "eager": dynamo's tracing, where data-dependent guards
+    fail (MoD's causal path did), without AOT autograd's cost; the aot_eager tests above check compiled
+    gradients and multi-step training per mechanism."""
+    from architectures import variant_names
+
+    monkeypatch.setattr(compiling, "DEFAULT_BACKEND", "eager")
+    for variant in variant_names():
+        torch._dynamo.reset()
+        before = compiling.compiled_graphs()
+        layers = ["--model.n_layer", str(tiny_layers(variant, 2))]
+        summary = cli_summary(variant, tmp_path / variant, "--compile", "true", *CLI_TINY, *layers, steps=1)
+        model = build_model(ModelConfig(variant=variant, size="tiny", vocab_size=64))
+        causal = model.routing_sees_future and model.has_causal_routing
+        assert ("val/loss_causal" in summary["val_metrics"]) == causal, (variant, sorted(summary["val_metrics"]))
+        expected = 3 if causal else 2
+        graphs = compiling.compiled_graphs() - before
+        assert graphs == expected, f"{variant}: {graphs} graphs compiled, {expected} expected (a recompile)"
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("variant", ["moe", "mode_integrated"])
