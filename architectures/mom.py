@@ -409,10 +409,12 @@ class MoMChunk(nn.Module):
         # gradient, as for any idle module (``sorted_dispatch``) and as the compiled graph gives
         qkv_weights = route.weights if self.cfg.weighted_qkv else torch.ones_like(route.weights)
         qkv = sorted_dispatch(flat, route.selected, qkv_weights, [m.project for m in self.attn_modules])
+        # the shared attention skipped: zeros that still depend on the projections (their gradient zero, not None)
+        skipped = lambda qkv: qkv[..., :d] * 0
         if traced:  # the same skip as one graph: a cond on the flag instead of a Python branch on it
-            y = torch.cond(real, shared.attend, lambda qkv: qkv.new_zeros(B, T, d), (qkv.view(B, T, 3 * d),))
+            y = torch.cond(real, shared.attend, skipped, (qkv.view(B, T, 3 * d),))
         elif all_skip:  # the shared attention does not run
-            y = qkv.new_zeros(B, T, d)
+            y = skipped(qkv.view(B, T, 3 * d))
         else:
             y = shared.attend(qkv.view(B, T, 3 * d), cache, cache_key)
         out = sorted_dispatch(y.reshape(B * T, d), route.selected, route.weights,
