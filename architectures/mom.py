@@ -32,7 +32,10 @@ router may choose only module h or SKIP at step h, K=1).
 Under ``moe`` the FFN pool is restricted per step (``allowed_choices``): step h chooses among its own
 E = n_ffn / steps experts, so each step is an MoE layer with its own experts. Given the same weights
 and the same routing (a linear router on the step's LayerNorm, temperature 1, no SKIP) it computes
-exactly the ``moe`` variant (tested); its own router is the GRU.
+exactly the ``moe`` variant at K >= 2, where both renormalise the weights over the K picks (tested, K = 2
+and 3). At K = 1 it does not: MoM's weight is the renormalised 1 (``straight_through``: p / stopgrad(p),
+1 forward), where the ``moe`` variant (Switch) scales the expert's output by the raw probability p.
+Its own router is the GRU.
 Routers (GRUCell and W_o) start at N(0, 0.02) weights and zero biases, as in the official code.
 Fixed sites have no router; they still appear in the trace (one slot, weight 1).
 
