@@ -231,6 +231,9 @@ class RoutedBlock(nn.Module):
         B, T, d = x.shape
         decided, weight = route.chosen, route.weights
         flat = decided.reshape(-1).nonzero().squeeze(-1)
+        if not flat.numel() and ctx.cache is None and torch.is_grad_enabled():
+            # no token picked the block, gradients recorded: it runs on zero tokens (a zero gradient, not None)
+            return self._forward_causal_traced(x, route, ctx)
         counts = decided.sum(dim=1).tolist()
         pairs = [0.0]
 
@@ -254,14 +257,15 @@ class RoutedBlock(nn.Module):
         return chosen.out
 
     def _forward_causal_traced(self, x, route: Decision, ctx: ForwardState) -> torch.Tensor:
-        """``_forward_causal`` under torch.compile: the same update as one graph. The per-row counts are traced
+        """``_forward_causal`` under torch.compile (and, eager, for a block no token picked while gradients are
+        recorded): the same update as one graph. The per-row counts are traced
         sizes, on which no Python branch can be taken: the picked tokens attend in MoT's right-padded (B, M)
         layout (``mot.plan_segments``, M = the largest row count, at least 1; a real token never sees a pad),
         and a batch where nothing was picked runs the block on zero tokens. ``attn_pairs`` records the
         B * M * M scores that layout computes."""
         B, T, d = x.shape
         decided = route.chosen
-        seg = plan_segments(torch.zeros(B, T, 1, dtype=torch.long, device=x.device), decided, 1)[0]
+        seg = plan_segments(torch.zeros(B, T, 1, dtype=torch.long, device=x.device), decided, 1, keep_idle=True)[0]
 
         def attend_padded(qkv: torch.Tensor) -> torch.Tensor:
             layout = qkv.new_zeros(B * seg.width, qkv.shape[-1]).index_copy(0, seg.padded, qkv[0])
