@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from architectures import ModelConfig, build_model
+from architectures import ModelConfig, build_model, variant_names
 from architectures.mom import MixtureOfModules
 from architectures.mot import MoT
 from architectures.registry import VARIANTS
@@ -125,27 +125,25 @@ CLI_TINY = ["--model.block_size", "16", "--data.batch_size", "2", "--val_batches
 
 
 @pytest.mark.slow
-def test_every_registry_entry_trains_and_validates_compiled_through_the_cli(tmp_path, monkeypatch, one_thread):
+@pytest.mark.parametrize("variant", variant_names())
+def test_every_registry_entry_trains_and_validates_compiled_through_the_cli(variant, tmp_path, monkeypatch, one_thread):
     """``--compile true``: one training step and the validations (causal routing included for the entries whose
-    routing sees the future, and the final ``trainer.validate``), every registry entry in this one process, each
-    compiling a training graph, an evaluation graph and (causal evaluation) one more, nothing recompiled: the
-    callbacks' measurement forwards run eagerly. Backend "eager": dynamo's tracing, where data-dependent guards
-    fail (MoD's causal path did), without AOT autograd's cost; the aot_eager tests above check compiled
-    gradients and multi-step training per mechanism."""
-    from architectures import variant_names
-
+    routing sees the future, and the final ``trainer.validate``), every registry entry in the test process (one
+    test each: all together ran past pytest's 600 s timeout on a loaded machine), each compiling a training
+    graph, an evaluation graph and (causal evaluation) one more, nothing recompiled: the callbacks' measurement
+    forwards run eagerly. Backend "eager": dynamo's tracing, where data-dependent guards fail (MoD's causal
+    path did), without AOT autograd's cost; the aot_eager tests above check compiled gradients and multi-step
+    training per mechanism."""
     monkeypatch.setattr(compiling, "DEFAULT_BACKEND", "eager")
-    for variant in variant_names():
-        torch._dynamo.reset()
-        before = compiling.compiled_graphs()
-        layers = ["--model.n_layer", str(tiny_layers(variant, 2))]
-        summary = cli_summary(variant, tmp_path / variant, "--compile", "true", *CLI_TINY, *layers, steps=1)
-        model = build_model(ModelConfig(variant=variant, size="tiny", vocab_size=64))
-        causal = model.routing_sees_future and model.has_causal_routing
-        assert ("val/loss_causal" in summary["val_metrics"]) == causal, (variant, sorted(summary["val_metrics"]))
-        expected = 3 if causal else 2
-        graphs = compiling.compiled_graphs() - before
-        assert graphs == expected, f"{variant}: {graphs} graphs compiled, {expected} expected (a recompile)"
+    torch._dynamo.reset()
+    before = compiling.compiled_graphs()
+    layers = ["--model.n_layer", str(tiny_layers(variant, 2))]
+    summary = cli_summary(variant, tmp_path, "--compile", "true", *CLI_TINY, *layers, steps=1)
+    model = build_model(ModelConfig(variant=variant, size="tiny", vocab_size=64))
+    causal = model.routing_sees_future and model.has_causal_routing
+    assert ("val/loss_causal" in summary["val_metrics"]) == causal, sorted(summary["val_metrics"])
+    graphs, expected = compiling.compiled_graphs() - before, 3 if causal else 2
+    assert graphs == expected, f"{graphs} graphs compiled, {expected} expected (a recompile)"
     torch._dynamo.reset()
 
 
