@@ -146,6 +146,9 @@ class LanguageModel(nn.Module):
         self.ln_f = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied, as in GPT-2
+        # an instance attribute from the start: torch.compile guards on it, and one that appeared only after
+        # the first ``causal_routing()`` would recompile the evaluation graph once more (~40 s for MoT on CPU)
+        self._causal = False
 
     # ------------------------------------------------------------------ config hooks
     @staticmethod

@@ -77,13 +77,40 @@ class _ReplayTrace(list):
         i = len(self)
         super().append(site)
         ref = self.expected[i] if i < len(self.expected) else None
-        same = ref is not None and ref.name == site.name and torch.equal(ref.selected, site.selected) and (
-            (ref.dropped is None) == (site.dropped is None) and (ref.dropped is None or torch.equal(ref.dropped, site.dropped)))
-        if not same:
+        difference = replay_difference(ref, site)
+        if difference:
             raise RoutingMismatch(
                 f"activation checkpointing: recomputing routing site {site.name} gave other decisions than the "
-                "forward pass (non-deterministic kernels or randomness outside torch's RNG); train with "
+                f"forward pass: {difference}. The recomputation must see what the forward saw (inputs, RNG, the "
+                "padding mask, options); non-deterministic kernels can also cause this. Train with "
                 "--activation_checkpointing none")
+
+
+def _differing(a: torch.Tensor, b: torch.Tensor) -> str:
+    if a.shape != b.shape:
+        return f"shape {tuple(a.shape)} in the forward, {tuple(b.shape)} recomputed"
+    where = (a != b).nonzero()
+    first = tuple(int(v) for v in where[0]) if len(where) else ()
+    return f"{len(where)} of {a.numel()} entries differ, the first at {first}"
+
+
+def replay_difference(ref, site) -> str:
+    """What differs between the forward pass's site ``ref`` and the recomputation's ``site`` ('' if nothing)."""
+    if ref is None:
+        return "the forward pass reported no site at this point"
+    if ref.name != site.name:
+        return f"the forward pass reported {ref.name} here"
+    if (ref.valid is None) != (site.valid is None):
+        return f"the padding mask (valid) is {'missing' if site.valid is None else 'present'} in the recomputation"
+    if ref.valid is not None and not torch.equal(ref.valid, site.valid):
+        return f"valid (the padding mask): {_differing(ref.valid, site.valid)}"
+    if not torch.equal(ref.selected, site.selected):
+        return f"selected: {_differing(ref.selected, site.selected)}"
+    if (ref.dropped is None) != (site.dropped is None):
+        return "dropped is reported in only one of the two"
+    if ref.dropped is not None and not torch.equal(ref.dropped, site.dropped):
+        return f"dropped: {_differing(ref.dropped, site.dropped)}"
+    return ""
 
 
 def _copy_containers(value: Any) -> Any:

@@ -10,7 +10,8 @@
 - ``GroupedExperts.loop`` (one matmul pair per expert with tokens, on its contiguous slice) everywhere else.
 
 The environment variable ``DYNCOMP_GROUPED_MM`` overrides the choice: ``0`` always loops, ``1`` uses
-the grouped path wherever the op runs (CPU too: PyTorch >= 2.9 has a CPU kernel; tests use it).
+the grouped path wherever the op runs (CPU too: PyTorch >= 2.9 has a CPU kernel; tests use it) and has a
+kernel for the compute dtype (``GROUPED_DTYPES``: fp32, bf16, fp16; in fp64 it warns once and loops).
 
 Layout: the (token, slot) assignments are sorted by expert (``sort_by_expert``, shared with the loop) and
 each expert's rows start at a multiple of ``ALIGN_ROWS`` (bf16 grouped GEMM needs 16-byte aligned group
@@ -97,11 +98,33 @@ def _bf16_compute(x: torch.Tensor) -> bool:
     return torch.is_autocast_enabled(x.device.type) and torch.get_autocast_dtype(x.device.type) == torch.bfloat16
 
 
+#: the dtypes the grouped matmul has kernels for; ``DYNCOMP_GROUPED_MM=1`` in another (fp64) loops instead
+GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_WARNED: set = set()
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+
+
+def _warn_no_kernel(dtype: torch.dtype) -> None:
+    if dtype not in _WARNED:  # once per dtype and process, not per layer and step
+        _WARNED.add(dtype)
+        import warnings
+
+        warnings.warn(f"DYNCOMP_GROUPED_MM=1: the grouped matmul has no {dtype} kernel (it takes "
+                      f"{', '.join(str(d) for d in GROUPED_DTYPES)}); the MoE experts run the per-expert loop instead",
+                      stacklevel=3)
+
+
 def use_grouped_mm(x: torch.Tensor) -> bool:
     """The automatic choice (see the module docstring)."""
     if grouped_mm_op() is None:
         return False
     override = os.environ.get("DYNCOMP_GROUPED_MM")
+    if override == "1" and _compute_dtype(x) not in GROUPED_DTYPES:
+        _warn_no_kernel(_compute_dtype(x))
+        return False
     if override is not None:
         return override == "1"
     return x.is_cuda and _cuda_grouped_mm_capable(x.device.index or 0) and _bf16_compute(x)

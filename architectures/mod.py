@@ -41,6 +41,7 @@ from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ConfigError, ModelConfig, layer_selection, tracks_explicit
 from architectures.contract import RoutingSite
 from architectures.gpt2 import MLP, Block, CausalSelfAttention
+from architectures.mot import plan_segments
 from architectures.moe import MoEBlock, MoEConfig, MoEGPT, MoELayer, expert_hidden, validate_moe_config
 from architectures.routing import Decision, ExpertChoice, LinearRouter, capacity_tokens
 
@@ -223,9 +224,16 @@ class RoutedBlock(nn.Module):
         return chosen.out
 
     def _forward_causal(self, x, route: Decision, ctx: ForwardState) -> torch.Tensor:
+        """The tokens the causal decision picked run the block, each attending among its own row's picked
+        tokens (row by row); a token no row picked is copied through."""
+        if torch.compiler.is_compiling() and ctx.cache is None:
+            return self._forward_causal_traced(x, route, ctx)
         B, T, d = x.shape
         decided, weight = route.chosen, route.weights
         flat = decided.reshape(-1).nonzero().squeeze(-1)
+        if not flat.numel() and ctx.cache is None and torch.is_grad_enabled():
+            # no token picked the block, gradients recorded: it runs on zero tokens (a zero gradient, not None)
+            return self._forward_causal_traced(x, route, ctx)
         counts = decided.sum(dim=1).tolist()
         pairs = [0.0]
 
@@ -246,6 +254,27 @@ class RoutedBlock(nn.Module):
         # with a cache each query also scores the row's earlier keys: not derivable from this trace alone
         if ctx.cache is not None:
             route.site.extras["attn_pairs"] = torch.tensor(pairs[0])
+        return chosen.out
+
+    def _forward_causal_traced(self, x, route: Decision, ctx: ForwardState) -> torch.Tensor:
+        """``_forward_causal`` under torch.compile (and, eager, for a block no token picked while gradients are
+        recorded): the same update as one graph. The per-row counts are traced
+        sizes, on which no Python branch can be taken: the picked tokens attend in MoT's right-padded (B, M)
+        layout (``mot.plan_segments``, M = the largest row count, at least 1; a real token never sees a pad),
+        and a batch where nothing was picked runs the block on zero tokens. ``attn_pairs`` records the
+        B * M * M scores that layout computes."""
+        B, T, d = x.shape
+        decided = route.chosen
+        seg = plan_segments(torch.zeros(B, T, 1, dtype=torch.long, device=x.device), decided, 1, keep_idle=True)[0]
+
+        def attend_padded(qkv: torch.Tensor) -> torch.Tensor:
+            layout = qkv.new_zeros(B * seg.width, qkv.shape[-1]).index_copy(0, seg.padded, qkv[0])
+            y = self.attn.attend(layout.view(B, seg.width, qkv.shape[-1]))
+            return y.reshape(B * seg.width, -1).index_select(0, seg.padded).unsqueeze(0)
+
+        chosen = self._run(x, seg.tokens, (1, seg.tokens.numel()), route.weights, attend_padded, None, ctx)
+        width = decided.sum(dim=1).max().clamp(min=1).double()
+        route.site.extras["attn_pairs"] = B * width * width
         return chosen.out
 
     # -------------------------------------------------------------- compute on the processed tokens

@@ -32,7 +32,10 @@ router may choose only module h or SKIP at step h, K=1).
 Under ``moe`` the FFN pool is restricted per step (``allowed_choices``): step h chooses among its own
 E = n_ffn / steps experts, so each step is an MoE layer with its own experts. Given the same weights
 and the same routing (a linear router on the step's LayerNorm, temperature 1, no SKIP) it computes
-exactly the ``moe`` variant (tested); its own router is the GRU.
+exactly the ``moe`` variant at K >= 2, where both renormalise the weights over the K picks (tested, K = 2
+and 3). At K = 1 it does not: MoM's weight is the renormalised 1 (``straight_through``: p / stopgrad(p),
+1 forward), where the ``moe`` variant (Switch) scales the expert's output by the raw probability p.
+Its own router is the GRU.
 Routers (GRUCell and W_o) start at N(0, 0.02) weights and zero biases, as in the official code.
 Fixed sites have no router; they still appear in the trace (one slot, weight 1).
 
@@ -399,15 +402,22 @@ class MoMChunk(nn.Module):
         shared = self.attn_modules[0].attn  # any module: head split/merge and the SDPA call are parameter-free
         real = (route.selected < self.n_attn).any()  # some token chose a real module: the attention runs
         traced = torch.compiler.is_compiling() and cache is None  # decoding may break the graph here
-        if not traced and not bool(real):
-            if cache is not None:  # keep this step's cache aligned: all-SKIP tokens have zero K/V
-                zeros = x.new_zeros(B, shared.n_head, T, d // shared.n_head)
-                cache.append(cache_key, zeros, zeros)
+        all_skip = not traced and not bool(real)
+        if all_skip and cache is not None:  # keep this step's cache aligned: all-SKIP tokens have zero K/V
+            zeros = x.new_zeros(B, shared.n_head, T, d // shared.n_head)
+            cache.append(cache_key, zeros, zeros)
+        if all_skip and not torch.is_grad_enabled():
             return torch.zeros_like(x)
+        # with gradients recorded the modules still run on their (empty) slices when all tokens SKIP: a zero
+        # gradient, as for any idle module (``sorted_dispatch``) and as the compiled graph gives
         qkv_weights = route.weights if self.cfg.weighted_qkv else torch.ones_like(route.weights)
         qkv = sorted_dispatch(flat, route.selected, qkv_weights, [m.project for m in self.attn_modules])
+        # the shared attention skipped: zeros that still depend on the projections (their gradient zero, not None)
+        skipped = lambda qkv: qkv[..., :d] * 0
         if traced:  # the same skip as one graph: a cond on the flag instead of a Python branch on it
-            y = torch.cond(real, shared.attend, lambda qkv: qkv.new_zeros(B, T, d), (qkv.view(B, T, 3 * d),))
+            y = torch.cond(real, shared.attend, skipped, (qkv.view(B, T, 3 * d),))
+        elif all_skip:  # the shared attention does not run
+            y = skipped(qkv.view(B, T, 3 * d))
         else:
             y = shared.attend(qkv.view(B, T, 3 * d), cache, cache_key)
         out = sorted_dispatch(y.reshape(B * T, d), route.selected, route.weights,

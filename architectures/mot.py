@@ -83,8 +83,10 @@ class ExpertSegment:
     width: int  # M: the largest number of this expert's tokens in one sequence
 
 
-def plan_segments(selected: torch.Tensor, valid: Optional[torch.Tensor], num_experts: int) -> List[Optional[ExpertSegment]]:
-    """Group assignments by expert, then sequence, then position (one argsort); None for idle experts.
+def plan_segments(selected: torch.Tensor, valid: Optional[torch.Tensor], num_experts: int,
+                  keep_idle: bool = False) -> List[Optional[ExpertSegment]]:
+    """Group assignments by expert, then sequence, then position (one argsort); None for idle experts
+    unless ``keep_idle`` (then an empty segment).
 
     Padding tokens get expert id E and sort to the end (no boolean filtering: its nonzero would give a
     data-dependent shape). Under torch.compile the sizes are unbacked (``dispatch.traced_sizes``) and every
@@ -102,7 +104,7 @@ def plan_segments(selected: torch.Tensor, valid: Optional[torch.Tensor], num_exp
     segment = expert * B + tokens // T
     counts = torch.bincount(segment, minlength=(E + 1) * B)
     rank = torch.arange(tokens.numel(), device=tokens.device) - (torch.cumsum(counts, 0) - counts)[segment]
-    # M >= 1: an idle expert (skipped in eager, run on zero tokens when traced) keeps a non-empty attention
+    # M >= 1: an idle expert (run on zero tokens when traced or recording gradients) keeps a non-empty attention
     widths = counts[: E * B].view(E, B).max(dim=1).values.clamp(min=1)
     padded = (tokens // T) * torch.cat([widths, widths.new_zeros(1)])[expert] + rank
     per_expert = counts[: E * B].view(E, B).sum(1)
@@ -113,7 +115,16 @@ def plan_segments(selected: torch.Tensor, valid: Optional[torch.Tensor], num_exp
         sizes, width_list = torch.stack([per_expert, widths]).tolist()
     live = sum(sizes)  # the padding tokens' assignments sorted last
     parts = zip(*(t[:live].split(sizes) for t in (tokens, slots, padded)))
-    return [ExpertSegment(*part, width) if traced or n else None for part, n, width in zip(parts, sizes, width_list)]
+    keep = traced or keep_idle
+    return [ExpertSegment(*part, width) if keep or n else None for part, n, width in zip(parts, sizes, width_list)]
+
+
+def run_idle() -> bool:
+    """Whether an expert block no token chose runs anyway, on zero tokens (its attention core on a (B, 1)
+    layout of zeros): whenever gradients are recorded, so that it gets a zero gradient instead of None, the
+    rule of every routed path (``dispatch.sorted_dispatch``, ``experts.GroupedExperts``, the compiled graph):
+    AdamW's weight decay and momentum then treat it alike in eager and compiled training."""
+    return torch.is_grad_enabled()
 
 
 def cached_subset_attention(block: Block, qkv: torch.Tensor, new_valid: torch.Tensor, cache: KVCache,
@@ -166,7 +177,8 @@ def run_on_subset(block: Block, x: torch.Tensor, chosen: torch.Tensor, cache: Op
     Returns (x after the attention update, x after the whole block, tokens run, score pairs).
     """
     B, T, d = x.shape
-    seg = plan_segments(torch.zeros(B, T, 1, dtype=torch.long, device=x.device), chosen, 1)[0]
+    # with gradients recorded an unchosen block still runs, on zero tokens: a zero gradient (``run_idle``)
+    seg = plan_segments(torch.zeros(B, T, 1, dtype=torch.long, device=x.device), chosen, 1, run_idle())[0]
     if seg is None:
         return x, x, 0, 0
     flat = x.reshape(B * T, d)
@@ -287,7 +299,7 @@ class MoTLayer(nn.Module):
         x_flat, w_flat = x.reshape(N, d), weights.reshape(N * k)
         full, attn, slots = [], [], []
         pairs = 0
-        for e, seg in enumerate(plan_segments(selected, valid, self.cfg.num_experts)):
+        for e, seg in enumerate(plan_segments(selected, valid, self.cfg.num_experts, run_idle())):
             if seg is None:
                 continue
             name = f"{cache_prefix}.expert{e}"

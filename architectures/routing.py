@@ -188,7 +188,13 @@ def noop_budget_keep(wants: torch.Tensor, valid: torch.Tensor, share: float, k: 
 
 def z_loss(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """ST-MoE router z-loss: mean over valid tokens of logsumexp(logits)^2 (coefficient not applied)."""
-    lse = torch.logsumexp(logits, dim=-1)
+    if torch.compiler.is_compiling():
+        # logsumexp's decomposition branches on numel(), which a traced token count (MoD's causal decision
+        # ahead of staged MoDE's experts) cannot answer; the same max-shifted sum, written out
+        top = logits.amax(dim=-1, keepdim=True).detach()
+        lse = (logits - top).exp().sum(dim=-1).log() + top.squeeze(-1)
+    else:
+        lse = torch.logsumexp(logits, dim=-1)
     w = valid.to(lse.dtype)
     return (lse.square() * w).sum() / w.sum().clamp(min=1)
 

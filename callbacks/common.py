@@ -6,6 +6,14 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 
+def eager_measurement():
+    """Context for a callback's measurement forward (routing map, contribution, probe): a model compiled with
+    ``--compile true`` runs it eagerly. Each such forward has its own batch shape and options
+    (``return_residuals``), so compiled it would add a graph of its own to the training and evaluation ones
+    (for MoT tens of seconds to minutes each on CPU); eager gives the same numbers, within float rounding."""
+    return torch.compiler.set_stance("force_eager")
+
+
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum in place across the default process group (a no-op outside distributed runs)."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

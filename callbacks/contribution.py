@@ -29,7 +29,7 @@ import torch
 
 from architectures.config import ConfigError
 from architectures.contract import SubLayerState
-from callbacks.common import batch_tokens, require_positive
+from callbacks.common import batch_tokens, eager_measurement, require_positive
 from callbacks.tensorboard import figure, log_figure, log_scalars
 from lightning_modules.steps import log_step
 
@@ -176,7 +176,7 @@ def measure_contribution(model, probe: torch.Tensor, seq_len: Optional[int] = No
     model.eval()
     try:
         cuda = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=cuda):
+        with torch.random.fork_rng(devices=cuda), eager_measurement():
             states = model(idx, return_residuals=True).residuals
         if not states:
             raise RuntimeError(f"{type(model).__name__} returned no residual states (contract: return_residuals=True)")
@@ -192,17 +192,25 @@ def measure_contribution(model, probe: torch.Tensor, seq_len: Optional[int] = No
                         se["mha"], se["ffn"], int(idx.shape[0]), correct)
 
 
+#: the smallest font on the figure (points): tick labels at 5 pt were unreadable in TensorBoard
+TICK_FONT = 7
+
+
 def contribution_figure(result: Contribution):
-    fig, axes = figure(1, 2, width=max(4.0, 0.25 * len(result.labels) + 2))
+    fig, axes = figure(1, 2, width=max(4.0, 0.3 * len(result.labels) + 2), height=4.0)
     colours = ["tab:gray" if t == "embed" else "tab:blue" if t == "mha" else "tab:orange" for t in result.tags]
     x = range(len(result.labels))
     axes[0, 0].plot(list(x), result.accuracy, color="black", linewidth=0.8)
     axes[0, 0].scatter(list(x), result.accuracy, c=colours, s=14)
-    axes[0, 0].set_title("logit-lens top-1 accuracy (blue: after MHA, orange: after FFN)", fontsize=7)
+    axes[0, 0].set_title("logit-lens top-1 accuracy (blue: after MHA, orange: after FFN)", fontsize=8)
+    axes[0, 0].set_ylabel("top-1 accuracy (fraction of tokens)", fontsize=8)
     axes[0, 1].bar(list(x), result.dla, color=colours)
-    axes[0, 1].set_title("direct logit attribution to the correct token", fontsize=7)
+    axes[0, 1].set_title("direct logit attribution to the correct token", fontsize=8)
+    axes[0, 1].set_ylabel("mean contribution to its logit (logits)", fontsize=8)
     for ax in axes.flat:
-        ax.set_xticks(list(x), result.labels, rotation=90, fontsize=5)
+        ax.set_xticks(list(x), result.labels, rotation=90, fontsize=TICK_FONT)
+        ax.tick_params(axis="y", labelsize=TICK_FONT)
+        ax.set_xlabel("residual stream after", fontsize=8)
     fig.tight_layout()
     return fig
 

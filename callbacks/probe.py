@@ -52,7 +52,7 @@ import torch.nn.functional as F
 
 from architectures.config import ConfigError
 from architectures.contract import RoutingSite
-from callbacks.common import all_reduce_sum, require_positive
+from callbacks.common import all_reduce_sum, eager_measurement, require_positive
 from datamodules.probe_labels import evaluation_blocks
 
 HARD_FROM = 3  # default: the hardest levels: arith depth 3-4, recall 3 hops
@@ -132,7 +132,7 @@ def probe_batches(model, tokens: np.ndarray, levels: np.ndarray, families: np.nd
         for start in range(0, len(tokens), batch_size):
             batch = torch.as_tensor(tokens[start : start + batch_size], device=device)
             idx, targets = batch[:, :-1], batch[:, 1:]
-            with (model.causal_routing() if causal else contextlib.nullcontext()):
+            with (model.causal_routing() if causal else contextlib.nullcontext()), eager_measurement():
                 result = model(idx)
             logits = result.logits.float()
             loss = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none").cpu().double()

@@ -39,7 +39,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from architectures.contract import RoutingSite
-from callbacks.common import all_reduce_sum, require_positive, warn_if_longer_than_run
+from callbacks.common import all_reduce_sum, eager_measurement, require_positive, warn_if_longer_than_run
 from callbacks.tensorboard import figure, log_figure, log_histogram, log_scalars, tag_part
 from lightning_modules.steps import batch_step, completes_step, log_step, may_be_last_step
 
@@ -385,7 +385,7 @@ class RoutingStatistics(L.Callback):
         model.eval()
         try:
             cuda = [sample.device] if sample.device.type == "cuda" else []
-            with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+            with torch.no_grad(), torch.random.fork_rng(devices=cuda), eager_measurement():
                 trace = model(sample).trace
         finally:
             model.train(was_training)

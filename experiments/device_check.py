@@ -44,14 +44,20 @@ GOALS = {
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m experiments.device_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="folder for device_check.json / .md and the run")
     parser.add_argument("--quick", action="store_true", help="CPU smoke path: tiny shapes, a few steps")
-    parser.add_argument("--batch_size", type=int, default=16)
+    parser.add_argument("--batch_size", type=int, default=16,
+                        help="sequences per step in the GPU benchmark phases (ignored with --quick: 2)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant and phase")
-    parser.add_argument("--run_steps", type=int, default=50)
+    parser.add_argument("--run_steps", type=int, default=50,
+                        help="steps of the closing MoD training run (python -m experiments.run), validated at its end")
     parser.add_argument("--budget_s", type=float, default=420.0, help="start no phase after this many seconds")
-    return parser.parse_args(argv)
+    return parser
 
 
 def bench_argv(args, variants: List[str], compiled: bool, phase: str = "eager") -> List[str]:

@@ -431,7 +431,7 @@ def run_glue_task(cfg: Namespace, task: str, tokenizer, save_dir: pathlib.Path, 
         trainer.fit(module, datamodule=data)
     final = trainer.validate(module, datamodule=data, verbose=False)
     if trainer.is_global_zero:  # predictions of every rank, gathered by the module
-        module.write_predictions(pathlib.Path(trainer.logger.log_dir), data.val_sets, tokenizer.decode)
+        module.write_predictions(pathlib.Path(trainer.logger.log_dir), data.val_sets, tokenizer.decode, tokenizer.eot_id)
     logged = {k: float(v) for k, v in (final[0] if final else {}).items()}
     splits = {}
     for split in spec.val_splits:

@@ -254,9 +254,31 @@ def init_report(model: torch.nn.Module, state: Dict[str, torch.Tensor], mapping:
         used.add(source)
         (loaded.append(target) if source == target else mapped.append((target, source)))
     initialised = set(mapping)
+    tied = tied_copies(state)  # the source's lm_head.weight is its wte.weight: used when wte is, counted once
+    for name, first in tied.items():
+        if name in used or first in used:
+            used |= {name, first}
     return InitReport(loaded=loaded, mapped=mapped, unused=[k for k in state if k not in used],
                       new=[k for k in own if k not in initialised and sizes[k]], sizes=sizes,
-                      source_sizes={k: v.numel() for k, v in state.items()})
+                      source_sizes={k: 0 if k in tied else v.numel() for k, v in state.items()})
+
+
+def tied_copies(state: Dict[str, torch.Tensor]) -> Dict[str, str]:
+    """{name: the first name of the same tensor} for the source's tied tensors: the same storage, or (a state
+    dict that lost the sharing when saved) the same values under GPT-2's tied pair ``lm_head.weight`` /
+    ``wte.weight``."""
+    first: Dict[tuple, str] = {}
+    tied = {}
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape)) if tensor.numel() else (name,)
+        if key in first:
+            tied[name] = first[key]
+        else:
+            first[key] = name
+    for head, embedding in (("lm_head.weight", "wte.weight"),):
+        if head in state and embedding in state and head not in tied and torch.equal(state[head], state[embedding]):
+            tied[head] = embedding
+    return tied
 
 
 def load_initial_weights(model: torch.nn.Module, source: str, strict: bool = False,

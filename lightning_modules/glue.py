@@ -93,6 +93,27 @@ def last_token_features(model: nn.Module, idx: torch.Tensor, attention_mask: tor
     return model.ln_f(hidden[rows, last]), out
 
 
+#: how ``predictions.jsonl`` shows the end-of-text token after each text of an example
+SEPARATOR = " <|endoftext|> "
+
+
+def decode_input(ids: List[int], decode, eot_id: Optional[int]) -> str:
+    """An example's model input (``a EOT`` or ``a EOT b EOT``) as text, each EOT shown as ``SEPARATOR`` between
+    the texts (the trailing one dropped): decoded whole, a pair's two texts run together."""
+    if eot_id is None:
+        return decode(ids)
+    parts, current = [], []
+    for token in ids:
+        if token == eot_id:
+            parts.append(decode(current))
+            current = []
+        else:
+            current.append(token)
+    if current:
+        parts.append(decode(current))
+    return SEPARATOR.join(parts)
+
+
 class GlueModule(L.LightningModule):
     def __init__(self, model: Dict[str, Any], task: str, optim: Optional[Dict[str, Any]] = None,
                  max_steps: int = 1000, head_dropout: float = 0.1):
@@ -186,8 +207,10 @@ class GlueModule(L.LightningModule):
                     merged.setdefault(split, {}).setdefault(row["id"], row)
         self.predictions_by_split = {split: [rows[i] for i in sorted(rows)] for split, rows in merged.items()}
 
-    def write_predictions(self, folder: pathlib.Path, datasets: Dict[str, Any], decode) -> List[pathlib.Path]:
-        """``predictions.jsonl`` per validation split: id, inputs (the decoded model input), label, prediction."""
+    def write_predictions(self, folder: pathlib.Path, datasets: Dict[str, Any], decode,
+                          eot_id: Optional[int] = None) -> List[pathlib.Path]:
+        """``predictions.jsonl`` per validation split: id, inputs (the decoded model input; with ``eot_id`` its
+        end-of-text separators shown as ``SEPARATOR``, which decoding alone drops), label, prediction."""
         paths = []
         names = self.task.labels
         for split, rows in self.predictions_by_split.items():
@@ -197,7 +220,7 @@ class GlueModule(L.LightningModule):
                 for row in rows:
                     if row["id"] >= len(dataset):
                         continue  # the distributed sampler's padding
-                    out = {"id": row["id"], "inputs": decode(dataset.ids[row["id"]].tolist()),
+                    out = {"id": row["id"], "inputs": decode_input(dataset.ids[row["id"]].tolist(), decode, eot_id),
                            "label": names[int(row["label"])] if names else row["label"],
                            "prediction": names[int(row["prediction"])] if names else row["prediction"]}
                     handle.write(json.dumps(out, ensure_ascii=False) + "\n")

@@ -426,6 +426,12 @@ class LanguageModelModule(L.LightningModule):
         self.log(f"{prefix}/flops_causal", value, add_dataloader_idx=False, sync_dist=False)
         self.log(f"{prefix}/flops_causal_ratio_to_vanilla", value / vanilla, add_dataloader_idx=False, sync_dist=False)
 
+    def setup(self, stage: str) -> None:
+        # a compiled model's graphs guard on inference mode: trainer.validate()'s default (inference_mode)
+        # would compile the evaluation graphs a second time (minutes for MoT on CPU); no_grad, as during fit
+        if stage == "validate" and getattr(self.model, "_compiled_call_impl", None) is not None:
+            self.trainer.validate_loop.inference_mode = False
+
     def on_validation_start(self) -> None:
         # trainer.validate() after fit: Lightning writes val/* at its batch counter, one past the last batch's
         # x value; put them at the last batch, as the validations during fit are (one x-axis).

@@ -314,3 +314,35 @@ def train_briefly(model, batches, steps: int, vocab_size: int, lr: float = 3e-3)
         loss.backward()
         optimizer.step()
     model.eval()
+
+
+# ---------------------------------------------------------------------------- idle units
+def idle_choices(trace) -> List[str]:
+    """``site:choice`` for every real (not SKIP / no-op) choice of a learned site that no token took."""
+    idle = []
+    for site in trace:
+        if site.logits is None and site.probs is None:
+            continue  # a fixed choice: nothing is routed
+        counts = site.counts()
+        idle += [f"{site.name}:{c}" for i, c in enumerate(site.choice_names) if c != "skip" and int(counts[i]) == 0]
+    return idle
+
+
+def check_idle_units_get_zero_gradients(model, idx: torch.Tensor) -> List[str]:
+    """After one training forward + backward (LM loss + aux loss), every parameter has a gradient: an expert,
+    module or block that no token chose gets a zero one, never None, on every path (eager loop, grouped GEMM,
+    compiled), so AdamW's weight decay and momentum treat it alike everywhere. Returns the idle choices (the
+    caller checks that ``idx`` really left some unit idle)."""
+    with mode(model, True):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1234)
+        out = model(idx)
+        V = out.logits.shape[-1]
+        (F.cross_entropy(out.logits.reshape(-1, V), idx.reshape(-1)) + out.aux_loss).backward()
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    idle = idle_choices(out.trace)
+    assert not missing, (f"{len(missing)} parameters got no gradient (None, not zero) after a step where "
+                         f"{idle[:3] or 'no unit'} was idle: {missing[:4]}; run an idle unit on zero tokens "
+                         "when gradients are recorded (architectures.dispatch.sorted_dispatch)")
+    model.zero_grad(set_to_none=True)
+    return idle

@@ -382,3 +382,18 @@ def test_lightning_ddp_run_logs_the_routing_of_both_shards(tmp_path):
     assert "routing/layer0.moe/frac/expert0" in single and ddp.keys() == single.keys()
     for tag, value in single.items():
         assert ddp[tag] == pytest.approx(value, rel=1e-5, abs=1e-6), tag
+
+
+def test_the_contribution_figure_labels_its_axes_with_units_and_readable_ticks():
+    from callbacks.contribution import TICK_FONT, contribution_figure
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(variant="vanilla", size="tiny", vocab_size=64, d_model=32, n_layer=2, n_head=2,
+                                    block_size=16))
+    fig = contribution_figure(measure_contribution(model, torch.randint(0, 64, (2, 17))))
+    accuracy, dla = fig.axes
+    assert "fraction" in accuracy.get_ylabel() and "logits" in dla.get_ylabel()
+    for ax in fig.axes:
+        labels = ax.get_xticklabels() + ax.get_yticklabels()
+        assert labels and min(t.get_fontsize() for t in labels) >= TICK_FONT >= 7
+        assert ax.get_xlabel()

@@ -99,6 +99,23 @@ def test_every_router_parameter_gets_a_gradient_from_the_lm_loss_alone(name, ext
         assert p.grad is not None and p.grad.abs().max() > 0, f"{n} gets no gradient from the LM loss"
 
 
+# ---------------------------------------------------------------------------- b2. idle units: zero gradients
+# cases where a two-token batch leaves nothing idle: soft depth gating runs every layer, param_share's routing is
+# fixed (the dense entries, may_skip_parameters False, neither: MoD's blocks always take k >= 1 tokens)
+NOTHING_IDLES = {"depth_gate", "param_share"}
+
+
+@pytest.mark.parametrize("name,extra", CASES, ids=IDS)
+def test_an_idle_expert_module_or_block_gets_a_zero_gradient_not_none(name, extra):
+    """One rule on every path: a unit no token chose runs on zero tokens when gradients are recorded, so
+    AdamW treats it the same in eager and compiled training (a None gradient is skipped, a zero one decays).
+    A two-token batch leaves most experts / modules / blocks of every routed entry idle."""
+    model = build(name, extra)
+    idle = invariants.check_idle_units_get_zero_gradients(model, tokens(B=1, length=2))
+    expect_idle = model.may_skip_parameters and not (name in NOTHING_IDLES and not extra)
+    assert idle or not expect_idle, f"{name}: the batch left no unit idle, so the check saw nothing"
+
+
 # ---------------------------------------------------------------------------- c. fp32 routers
 @pytest.mark.parametrize("name,extra", CASES, ids=IDS)
 def test_router_values_are_those_of_an_fp32_computation_under_bf16_autocast(name, extra):

@@ -45,3 +45,12 @@ def test_without_a_gpu_the_full_check_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         device_check.main(["--out", str(tmp_path)])
     assert exit_info.value.code == 2 and "--quick" in capsys.readouterr().err
+
+
+def test_every_option_has_help(capsys):
+    actions = [a for a in device_check.build_parser()._actions if a.dest != "help"]
+    assert actions and all(a.help for a in actions), [a.dest for a in actions if not a.help]
+    with pytest.raises(SystemExit):
+        device_check.parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert "closing MoD training run" in out and "GPU benchmark phases" in out

@@ -19,7 +19,7 @@ from datamodules.corpora import DataError
 from datamodules.glue import (GLUE_TASKS, GlueDataModule, encode_split, fit_pair, get_task, load_split,
                               read_hub_file)
 from datamodules.tokenizer import get_tokenizer
-from lightning_modules.glue import GlueModule, glue_metrics, glue_score, last_token_features
+from lightning_modules.glue import SEPARATOR, GlueModule, decode_input, glue_metrics, glue_score, last_token_features
 from tests.conftest import tiny_layers
 
 TINY = dict(vocab_size=257, d_model=32, n_layer=2, n_head=2, block_size=48)
@@ -324,6 +324,9 @@ def test_one_finetuning_step_per_task_and_the_glue_table(glue_dir, tmp_path, cap
     assert [r["id"] for r in rows] == list(range(len(rows))) and rows
     assert set(rows[0]) == {"id", "inputs", "label", "prediction"} and rows[0]["inputs"]
     assert {r["label"] for r in rows} <= set(get_task("cola").labels)
+    assert all(SEPARATOR not in r["inputs"] for r in rows)  # one text
+    pairs = [json.loads(line) for line in next((run_dir / "rte").rglob("predictions.jsonl")).read_text().splitlines()]
+    assert pairs and all(r["inputs"].count(SEPARATOR) == 1 for r in pairs)  # the two texts, visibly apart
     assert len(list((run_dir / "mnli").rglob("predictions-*.jsonl"))) == 2  # matched and mismatched
 
 
@@ -508,3 +511,10 @@ def test_predictions_of_every_rank_are_gathered(tmp_path):
     gathered = json.loads(out.read_text())
     assert [r["id"] for r in gathered["xsum"]] == [f"doc{i}" for i in range(5)]
     assert [r["id"] for r in gathered["glue"]["validation"]] == [0, 1, 2, 3, 4]
+
+
+def test_a_decoded_pair_shows_its_separator():
+    decode = lambda ids: "".join(chr(i) for i in ids)
+    assert decode_input([104, 105, 0, 121, 111, 0], decode, eot_id=0) == "hi" + SEPARATOR + "yo"
+    assert decode_input([104, 105, 0], decode, eot_id=0) == "hi"
+    assert decode_input([104, 105, 0], decode, eot_id=None) == "hi\x00"

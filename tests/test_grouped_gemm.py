@@ -148,3 +148,22 @@ def test_the_lazy_constant_marker_is_torch_s_decorator():
     torch.compiler.assume_constant_result(torch_s)
     assert vars(ours) == vars(torch_s) == {"_dynamo_marked_constant": True}
     assert vars(grouped_gemm._cuda_grouped_mm_capable) == vars(torch_s)
+
+
+def test_a_forced_grouped_path_in_fp64_warns_and_loops(monkeypatch):
+    """The grouped matmul has no float64 kernel: ``DYNCOMP_GROUPED_MM=1`` says so once and the experts loop
+    (it raised "Expected mat_a to be Float32, BFloat16 or Float16" mid-forward)."""
+    from architectures import grouped_gemm
+
+    monkeypatch.setenv("DYNCOMP_GROUPED_MM", "1")
+    monkeypatch.setattr(grouped_gemm, "_WARNED", set())
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(variant="moe", size="tiny", vocab_size=64, d_model=32, n_layer=2, n_head=2,
+                                    block_size=16)).double()
+    idx = torch.randint(0, 64, (2, 16))
+    with pytest.warns(UserWarning, match="no torch.float64 kernel .* per-expert loop instead") as caught:
+        out = model(idx)
+    assert len([w for w in caught if "DYNCOMP_GROUPED_MM" in str(w.message)]) == 1  # once, not per layer
+    monkeypatch.setenv("DYNCOMP_GROUPED_MM", "0")
+    torch.testing.assert_close(out.logits, model(idx).logits, rtol=0, atol=0)  # exactly the loop
+    assert use_grouped_mm(torch.ones(2, dtype=torch.float32)) is False  # =0 still loops

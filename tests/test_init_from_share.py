@@ -49,3 +49,17 @@ def test_the_guard_refuses_a_source_that_initialises_a_quarter_of_the_blocks(tar
     assert "parameters outside the embeddings initialised from the source" in capsys.readouterr().err
     load_initial_weights(target, str(path), strict=False)  # --init_strict false: loads anyway
     torch.testing.assert_close(target.wte.weight, vanilla_state(1)["wte.weight"])
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["one-storage", "saved-apart"])
+def test_the_tied_lm_head_of_the_source_is_not_reported_unused(shared):
+    """Two-phase MoM training reported the vanilla checkpoint's ``lm_head.weight`` (GPT-2's tied copy of
+    ``wte.weight``) as unused; it is used with the embeddings, and counted once in the source's size."""
+    state = vanilla_state(4)
+    if not shared:  # a state dict whose save lost the sharing
+        state = {k: v.clone() for k, v in state.items()}
+    torch.manual_seed(0)
+    mom = build_model(ModelConfig(variant="mom_e", **SHAPE))
+    report = init_report(mom, state, mom.vanilla_state_mapping(state))
+    assert report.unused == []
+    assert sum(report.source_sizes.values()) == sum(v.numel() for k, v in state.items() if k != "lm_head.weight")

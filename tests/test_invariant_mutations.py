@@ -61,6 +61,8 @@ class ToyRoutedBlock(nn.Module):
             route = self.router(x, state, name=f"block{self.index}.toy")
             weights, selected = route.weights, route.selected
         run = (selected == 0).to(x.dtype) * weights.to(x.dtype)
+        if "idle_skipped" in self.bugs and not bool((selected == 0).any()):
+            return x  # a block no token chose does not run: its parameters get no gradient (None)
         return x + run * (self.block(x, state) - x)
 
     def route_by_hand(self, x: torch.Tensor, state: ForwardState):
@@ -156,6 +158,9 @@ MUTATIONS = [
     (("no_valid",), lambda m: invariants.check_routing_sites(m, tokens(), right_padded()), "no valid mask"),
     (("skip_init",), invariants.check_initialised, "PyTorch's default init"),
     (("collapse",), lambda m: invariants.check_routing_healthy(m.eval()(tokens()).trace), "go to skip"),
+    # every token prefers skip, so every block is idle; the clean toy still runs them (zero gradients)
+    (("collapse", "idle_skipped"), lambda m: invariants.check_idle_units_get_zero_gradients(m, tokens(B=1)),
+     r"got no gradient \(None, not zero\)"),
 ]
 
 
@@ -163,8 +168,13 @@ MUTATIONS = [
 def test_the_check_for_each_bug_class_fails_on_a_toy_variant_with_that_bug(toy, bugs, check, message):
     model = toy(*bugs)
     with pytest.raises(AssertionError, match=message):
-        with torch.no_grad():
+        with torch.enable_grad() if "idle_skipped" in bugs else torch.no_grad():
             check(model)
+
+
+def test_the_idle_check_passes_on_the_clean_toy_with_every_block_idle(toy):
+    """The toy runs a block no token chose (weight 0): its gradient is zero, not None."""
+    assert invariants.check_idle_units_get_zero_gradients(toy("collapse"), tokens(B=1))
 
 
 def test_a_repeated_site_name_is_refused_when_it_is_reported(toy):

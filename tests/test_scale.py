@@ -31,9 +31,9 @@ def _one_thread(one_thread):
     yield
 
 
-def forward_backward(model, idx, seed=5):
+def forward_backward(model, idx, seed=5, attention_mask=None):
     torch.manual_seed(seed)  # the same RNG stream for both models (dropout, MoT's random slot)
-    out = model(idx)
+    out = model(idx, attention_mask=attention_mask)
     loss = F.cross_entropy(out.logits.reshape(-1, V), idx.roll(-1, 1).reshape(-1)) + out.aux_loss
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -47,8 +47,9 @@ def test_checkpointed_training_step_equals_the_plain_one(name, extra, policy):
     plain = build_model(VARIANTS[name].test_config(name, **extra)).train()
     ckpt = set_activation_checkpointing(copy.deepcopy(plain), policy)
     idx = torch.randint(0, V, (3, T), generator=torch.Generator().manual_seed(1))
-    out_a, grads_a = forward_backward(plain, idx)
-    out_b, grads_b = forward_backward(ckpt, idx)
+    mask = right_padded()  # the replay must see the padding mask too (routing and capacity follow it)
+    out_a, grads_a = forward_backward(plain, idx, attention_mask=mask)
+    out_b, grads_b = forward_backward(ckpt, idx, attention_mask=mask)
     torch.testing.assert_close(out_b.logits, out_a.logits, rtol=0, atol=0)
     torch.testing.assert_close(out_b.aux_loss, out_a.aux_loss, rtol=0, atol=0)
     assert out_b.aux_losses.keys() == out_a.aux_losses.keys()
@@ -58,6 +59,27 @@ def test_checkpointed_training_step_equals_the_plain_one(name, extra, policy):
     assert grads_b.keys() == grads_a.keys()
     for key in grads_a:
         torch.testing.assert_close(grads_b[key], grads_a[key], rtol=1e-5, atol=1e-7, msg=key)
+
+
+def right_padded(lengths=(T, 23, 11)) -> torch.Tensor:
+    return (torch.arange(T) < torch.tensor(lengths).unsqueeze(1)).long()
+
+
+def test_a_replay_without_the_padding_mask_is_caught_and_named(monkeypatch):
+    """A planted bug: the recomputation's state drops the padding mask. MoD's capacity follows each row's
+    real length, so the replayed routing differs, and the error says what differs (not only "kernels")."""
+    import dataclasses
+
+    from architectures import checkpointing
+
+    scratch = checkpointing._scratch
+    monkeypatch.setattr(checkpointing, "_scratch",
+                        lambda state, options, trace: dataclasses.replace(scratch(state, options, trace), valid=None))
+    torch.manual_seed(0)
+    model = set_activation_checkpointing(build_model(VARIANTS["mod"].test_config("mod")), "blocks").train()
+    idx = torch.randint(0, V, (3, T), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(RoutingMismatch, match=r"block\d\.mod .*padding mask \(valid\) is missing in the recomputation"):
+        forward_backward(model, idx, attention_mask=right_padded())
 
 
 def test_checkpointing_really_recomputes_and_saves_less():
@@ -89,7 +111,7 @@ def test_a_recomputation_that_routes_differently_raises():
 
     block.router.scores = flaky
     out = model(torch.randint(0, V, (2, T)))
-    with pytest.raises(RoutingMismatch, match="block"):
+    with pytest.raises(RoutingMismatch, match=r"block\d\.mod .*: selected: \d+ of \d+ entries differ, the first at"):
         (out.logits.sum() + out.aux_loss).backward()
 
 
