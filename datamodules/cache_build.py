@@ -27,7 +27,6 @@ import sys
 import threading
 import time
 from collections import deque
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, List, Optional, Tuple
 
@@ -244,6 +243,8 @@ def encoded_shards(shards: Iterable[Tuple[int, List[str]]], spec: EncoderSpec, n
         yield from map(_encode_shard, shards)
         return
     # spawn: the caller may hold CUDA, threads or a forked tokenizer; a fork would copy them
+    from concurrent.futures import ProcessPoolExecutor  # here: experiments.run imports this module
+
     pool = ProcessPoolExecutor(num_proc, mp_context=multiprocessing.get_context("spawn"),
                                initializer=_init_worker, initargs=(spec,))
     try:
@@ -459,3 +460,21 @@ def build_corpus_cache(corpus, tokenizer: TextTokenizer, folder: pathlib.Path, d
                        max_tokens=getattr(corpus, "max_tokens", None), num_proc=num_proc, text_bytes=size,
                        total_docs=getattr(corpus, "num_documents", lambda: None),
                        wait_s=DDP_WAIT_S if world_size > 1 else None, hint=hint, refusal=refusal)
+
+def build_tokens(
+    documents: Iterable[str],
+    tokenizer: TextTokenizer,
+    folder: pathlib.Path,
+    description: str = "tokenising",
+    max_tokens: Optional[int] = None,
+    input_bytes: Optional[int] = None,
+    num_proc: Optional[int] = 1,
+) -> pathlib.Path:
+    """Tokenise ``documents`` (EOT after each) into ``folder/tokens.bin`` + ``meta.json``, atomically and
+    resumably, with ``num_proc`` processes (None: every CPU): ``datamodules/cache_build.py``.
+
+    ``max_tokens`` stops after that many tokens (streamed corpora larger than the disk).
+    ``input_bytes`` (the corpus's text size, when known) sizes the disk estimate printed before the build.
+    """
+    return build_cache(documents, tokenizer, folder, description, max_tokens=max_tokens, num_proc=num_proc,
+                       text_bytes=lambda: input_bytes).folder

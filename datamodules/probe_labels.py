@@ -37,7 +37,7 @@ Span = Tuple[int, int, int]  # (start character, end character (exclusive), leve
 
 # ---------------------------------------------------------------------------- spans -> per-token levels
 def label_tokens(documents: Iterable[str], spans: Iterable[Sequence[Span]], tokenizer) -> Tuple[np.ndarray, np.ndarray]:
-    """(token ids int64, levels int8) of the stream ``build_tokens`` writes for ``documents`` (each document's
+    """(token ids int64, levels int8) of the stream ``cache_build.build_tokens`` writes for ``documents`` (each document's
     tokens, then EOT), each token labelled with the highest level of the character spans it overlaps."""
     ids: List[np.ndarray] = []
     levels: List[np.ndarray] = []

@@ -101,25 +101,6 @@ def file_checksum(path: pathlib.Path) -> str:
     return digest.hexdigest()
 
 
-def build_tokens(
-    documents: Iterable[str],
-    tokenizer: TextTokenizer,
-    folder: pathlib.Path,
-    description: str = "tokenising",
-    max_tokens: Optional[int] = None,
-    input_bytes: Optional[int] = None,
-    num_proc: Optional[int] = 1,
-) -> pathlib.Path:
-    """Tokenise ``documents`` (EOT after each) into ``folder/tokens.bin`` + ``meta.json``, atomically and
-    resumably, with ``num_proc`` processes (None: every CPU): ``datamodules/cache_build.py``.
-
-    ``max_tokens`` stops after that many tokens (streamed corpora larger than the disk).
-    ``input_bytes`` (the corpus's text size, when known) sizes the disk estimate printed before the build.
-    """
-    from datamodules.cache_build import build_cache
-
-    return build_cache(documents, tokenizer, folder, description, max_tokens=max_tokens, num_proc=num_proc,
-                       text_bytes=lambda: input_bytes).folder
 
 
 def write_chunks(

@@ -121,7 +121,7 @@ def test_run_with_compile_gives_the_eager_loss_curve(tmp_path, monkeypatch, one_
 
 
 # the smallest CLI run: 1 step of 2 x 16 tokens, one validation batch (the causal one included)
-CLI_TINY = ["--model.block_size", "16", "--data.batch_size", "2", "--val_batches", "1"]
+CLI_TINY = ["--model.block_size", "16", "--data.batch_size", "2", "--val_blocks", "2"]
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from datamodules import token_cache
+from datamodules import cache_build, token_cache
 from datamodules.catalog import get_corpus
 from datamodules.corpora import DataError, EmbeddedCorpus, TextFilesCorpus
 from datamodules.lm import DataConfig, LMDataModule, PackedBlocks, ResumableShardSampler, validation_indices
@@ -80,7 +80,7 @@ def _build(tmp_path, text="alpha beta gamma delta. " * 400):
     corpus = TextFilesCorpus([str(_write_text(tmp_path / "c.txt", text))])
     tok = get_tokenizer("bytes", tmp_path)
     folder = token_cache.cache_folder(tmp_path, corpus.fingerprint(), tok)
-    token_cache.build_tokens(corpus.documents(), tok, folder)
+    cache_build.build_tokens(corpus.documents(), tok, folder)
     return corpus, tok, folder
 
 
@@ -173,7 +173,7 @@ def test_orphan_temporary_files_of_a_killed_build_are_removed_by_the_next_build(
         _age(orphan)
     live = folder / "tokens.bin.tmplive"  # another job building the same shared cache right now
     live.write_bytes(b"\0" * 1000)
-    token_cache.build_tokens(corpus.documents(), tok, folder)
+    cache_build.build_tokens(corpus.documents(), tok, folder)
     assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "tokens.bin", "tokens.bin.tmplive"]
 
 
@@ -193,7 +193,7 @@ def test_orphan_scratch_folder_of_a_killed_dataset_build_is_removed(tmp_path):
     (folder / "tokens.bin.tmpdead").write_bytes(b"\0" * 100)
     _age(folder / "map.tmpdead")
     _age(folder / "tokens.bin.tmpdead")
-    token_cache.build_tokens(["abc", "def"] * 10, tok, folder)
+    cache_build.build_tokens(["abc", "def"] * 10, tok, folder)
     assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "tokens.bin"]
 
 
@@ -217,7 +217,7 @@ def test_checksum_covers_every_chunk_and_large_caches_verify_each_chunk_when_fir
     raw[40 * 256 + 7] ^= 0x01  # one bit in the middle of the file
     data.write_bytes(bytes(raw))
     assert token_cache.open_tokens(folder) is None  # small cache: every chunk checked when opened
-    token_cache.build_tokens(corpus.documents(), tok, folder)
+    cache_build.build_tokens(corpus.documents(), tok, folder)
     data.write_bytes(bytes(raw))
     monkeypatch.setattr(token_cache, "EAGER_VERIFY_BYTES", 1024)  # "large": only first and last chunk at open
     tokens = token_cache.open_tokens(folder)

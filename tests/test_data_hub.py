@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from datamodules import hub, lm, token_cache
+from datamodules import cache_build, hub, lm, token_cache
 from datamodules.cache_build import build_corpus_cache
 from datamodules.catalog import get_corpus
 from datamodules.corpora import DataError, TextFilesCorpus
@@ -198,12 +198,12 @@ def test_openwebtext_holdout_is_fixed_disjoint_and_about_0_05_percent():
 def test_two_process_tokenisation_equals_the_one_process_path_and_the_cap_is_a_prefix(tmp_path):
     texts = [f"document {i}: " + "words and more words " * (i % 7) for i in range(300)]
     tok = get_tokenizer("bytes", tmp_path)
-    token_cache.build_tokens(iter(texts), tok, tmp_path / "seq")
-    token_cache.build_tokens(iter(texts), tok, tmp_path / "two", num_proc=2)
+    cache_build.build_tokens(iter(texts), tok, tmp_path / "seq")
+    cache_build.build_tokens(iter(texts), tok, tmp_path / "two", num_proc=2)
     seq, two = token_cache.open_tokens(tmp_path / "seq"), token_cache.open_tokens(tmp_path / "two")
     np.testing.assert_array_equal(seq, two)
     assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["meta.json", "tokens.bin"]  # nothing else left
-    token_cache.build_tokens(iter(texts), tok, tmp_path / "cap", max_tokens=1000, num_proc=2)
+    cache_build.build_tokens(iter(texts), tok, tmp_path / "cap", max_tokens=1000, num_proc=2)
     capped = token_cache.open_tokens(tmp_path / "cap")
     assert len(capped) == 1000 and np.array_equal(capped, seq[:1000])
 

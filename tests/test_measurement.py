@@ -145,8 +145,8 @@ def test_nonfinite_check_every_n_steps_names_the_first_bad_step(tmp_path, monkey
 
     original = LanguageModelModule.lm_loss
 
-    def poisoned(self, logits, targets):
-        loss = original(self, logits, targets)
+    def poisoned(self, logits, targets, *weights):
+        loss = original(self, logits, targets, *weights)
         return loss * float("nan") if self.global_step >= 2 else loss
 
     monkeypatch.setattr(LanguageModelModule, "lm_loss", poisoned)

@@ -12,7 +12,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from architectures.contract import RoutingSite
-from datamodules import probe_labels, token_cache
+from datamodules import cache_build, probe_labels, token_cache
 from datamodules.corpora import DataError
 from datamodules.lm import DataConfig, LMDataModule
 from datamodules.tokenizer import TextTokenizer, bytes_tokenizer, train_bpe
@@ -68,7 +68,7 @@ def test_label_tokens_labels_the_tokens_a_span_overlaps_in_the_cached_stream(kin
     tok = bytes_tokenizer() if kind == "bytes" else train_bpe(docs * 30, vocab_size=300)
     tokenizer = TextTokenizer(tok, kind)
     ids, levels = probe_labels.label_tokens(docs, spans, tokenizer)
-    cached = token_cache.build_tokens(docs, tokenizer, tmp_path / "c")
+    cached = cache_build.build_tokens(docs, tokenizer, tmp_path / "c")
     assert np.array_equal(ids, np.asarray(token_cache.open_tokens(cached), dtype=np.int64))  # the cache's stream
     expected = []
     for text, doc_spans in zip(docs, spans):
@@ -402,10 +402,10 @@ def test_two_process_masked_run_trains_on_the_global_weighted_mean(tmp_path, one
               "--data.loss_mask", "labelled", "--data.val_fraction", "0.2", "--max_steps", "3", "--val_every", "3",
               "--data.cache_dir", str(tmp_path / "c"), "--trainer.log_every_n_steps", "1", *TINY_RUN,
               "--model.block_size", str(BLOCK), "--variant", "vanilla", "--callbacks.contribution", "false"]
-    single = main([*common, "--data.batch_size", "8", "--val_batches", "2", "--log_dir", str(tmp_path / "one")])
+    single = main([*common, "--data.batch_size", "8", "--val_blocks", "16", "--log_dir", str(tmp_path / "one")])
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     env.pop("DYNCOMP_RUN_VERSION", None)
-    two_ranks = ["--data.batch_size", "4", "--val_batches", "4", "--log_dir", str(tmp_path / "two"),
+    two_ranks = ["--data.batch_size", "4", "--val_blocks", "16", "--log_dir", str(tmp_path / "two"),
                  "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp"]
     proc = subprocess.run([sys.executable, "-m", "experiments.run", *common, *two_ranks], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
