@@ -10,6 +10,7 @@ count); ``diff_sha256`` tells two dirty trees at one commit apart. Outside a git
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import pathlib
@@ -35,8 +36,20 @@ def _git(*args: str) -> Optional[bytes]:
     return done.stdout
 
 
+@functools.lru_cache(maxsize=None)
+def _code_state() -> Dict[str, Any]:
+    # read once per process, at its first record (after the suite's modules are imported): a checkout that
+    # moves on while a long-lived worker trains must not relabel the code that worker loaded
+    return _read_code_state()
+
+
 def code_state() -> Dict[str, Any]:
-    """{"commit", "dirty", "diff_sha256"} of the code this process runs (None values outside a checkout)."""
+    """{"commit", "dirty", "diff_sha256"} of the code this process runs (None values outside a checkout), as
+    the checkout was when this process first asked."""
+    return dict(_code_state())
+
+
+def _read_code_state() -> Dict[str, Any]:
     head = _git("rev-parse", "HEAD")
     if head is None:
         return {"commit": None, "dirty": None, "diff_sha256": None}
