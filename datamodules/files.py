@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import tempfile
 
 
 def default_cache_dir() -> pathlib.Path:
@@ -15,3 +16,15 @@ def follow_umask(path) -> None:
     mask = os.umask(0)
     os.umask(mask)
     os.chmod(path, 0o666 & ~mask)
+
+
+def atomic_npy(path: pathlib.Path, array) -> None:
+    """``np.save`` to ``path`` through a temporary file beside it (a killed write never leaves a torn array),
+    with the umask's permissions (mkstemp's 0600 would hide it from other users of a shared cache)."""
+    import numpy as np
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp", suffix=".npy")
+    os.close(fd)
+    follow_umask(tmp)
+    np.save(tmp, array)
+    os.replace(tmp, path)

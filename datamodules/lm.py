@@ -27,7 +27,7 @@ from datamodules import probe_labels, token_cache
 from datamodules.cache_build import build_corpus_cache
 from datamodules.catalog import get_corpus
 from datamodules.corpora import Corpus, DataError
-from datamodules.files import default_cache_dir
+from datamodules.files import atomic_npy, default_cache_dir
 from datamodules.tokenizer import TextTokenizer, ensure_tokenizer
 
 _GOLDEN = 2654435761  # Knuth's multiplicative hash: a fixed, seed-independent validation split
@@ -271,7 +271,7 @@ class LMDataModule(L.LightningDataModule):
         levels = probe_labels.levels_from_span_file(pathlib.Path(self.config.labels), self.corpus.documents(),
                                                     self.tokenizer, tokens)
         target.parent.mkdir(parents=True, exist_ok=True)
-        probe_labels.atomic_npy(target, levels)
+        atomic_npy(target, levels)
 
     def _open_levels(self, tokens: np.ndarray) -> Optional[np.ndarray]:
         from datamodules.probe import ProbeCorpus, open_labels

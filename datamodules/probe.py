@@ -58,14 +58,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import pathlib
-import tempfile
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
 from datamodules.corpora import Corpus, DataError
+from datamodules.files import atomic_npy
 
 EPISODE_LEN = 128
 MAX_DEPTH = 4
@@ -439,8 +438,8 @@ class ProbeCorpus(Corpus):
         tokens, levels, families = self.generate(tokenizer)
         folder.mkdir(parents=True, exist_ok=True)
         token_cache.invalidate(folder)  # a rebuild (corrupt labels): the old meta.json must not vouch for new files
-        _atomic_npy(folder / "levels.npy", levels)
-        _atomic_npy(folder / "families.npy", families)
+        atomic_npy(folder / "levels.npy", levels)
+        atomic_npy(folder / "families.npy", families)
         checksums = {name: _sha256(folder / name) for name in LABEL_FILES}
         chunks = iter([(tokens.astype(token_cache.token_dtype(tokenizer.vocab_size)), self.episodes)])
         return token_cache.write_chunks(chunks, tokenizer, folder, description, extra_meta={"labels_sha256": checksums})
@@ -466,14 +465,6 @@ def _sha256(path: pathlib.Path) -> str:
     return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
 
 
-def _atomic_npy(path: pathlib.Path, array: np.ndarray) -> None:
-    from datamodules.files import follow_umask  # mkstemp's 0600: other users of a shared cache could not read
-
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp", suffix=".npy")
-    os.close(fd)
-    follow_umask(tmp)
-    np.save(tmp, array)
-    os.replace(tmp, path)
 
 
 def open_labels(folder: pathlib.Path, num_tokens: int) -> Tuple[np.ndarray, np.ndarray]:

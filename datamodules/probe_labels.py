@@ -22,13 +22,12 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
-import tempfile
 from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from datamodules.corpora import DataError, jsonl_rows
-from datamodules.files import follow_umask
+from datamodules.files import atomic_npy
 
 NO_LABEL = -1
 FORMATS = (".npy", ".jsonl")
@@ -158,12 +157,6 @@ def file_fingerprint(path: pathlib.Path) -> str:
         return hashlib.file_digest(handle, "sha256").hexdigest()[:16]
 
 
-def atomic_npy(path: pathlib.Path, array: np.ndarray) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp", suffix=".npy")
-    os.close(fd)
-    follow_umask(tmp)
-    np.save(tmp, array)
-    os.replace(tmp, path)
 
 
 def converted_path(cache_folder: pathlib.Path, label_file: pathlib.Path) -> pathlib.Path:
