@@ -20,7 +20,6 @@ A token takes the highest level among the spans its characters overlap (a byte-l
 from __future__ import annotations
 
 import hashlib
-import os
 import pathlib
 from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
 
