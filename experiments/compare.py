@@ -414,24 +414,31 @@ def pareto_front(points: Sequence[Tuple[Optional[float], Optional[float]]]) -> L
     return [c is not None and l is not None and not dominated(i) for i, (c, l) in enumerate(points)]
 
 
+def _label_counts(runs: Sequence[Run], label) -> Dict[str, int]:
+    import collections
+
+    return dict(collections.Counter(label(r.summary) for r in runs))
+
+
 def code_versions(runs: Sequence[Run]) -> Dict[str, int]:
     """{code label (commit, '+dirty:<diff hash>', 'unknown'): runs}; warns in one line when there are several."""
-    from experiments.provenance import code_label, kernel_label
+    from experiments.provenance import code_label
 
-    counts: Dict[str, int] = {}
-    for r in runs:
-        label = code_label(r.summary)
-        counts[label] = counts.get(label, 0) + 1
-    kernel_counts: Dict[str, int] = {}
-    for r in runs:
-        label = kernel_label(r.summary)
-        kernel_counts[label] = kernel_counts.get(label, 0) + 1
-    if len(kernel_counts) > 1:
-        warn(f"the table mixes CPU kernel paths: {_code_list(kernel_counts)}; the same command on other kernels "
-             "differs like another seed (docs/results.md, 'Reproducibility')")
+    counts = _label_counts(runs, code_label)
     if len(counts) > 1:
         warn(f"the table mixes code versions: {_code_list(counts)}; rows trained by other code may differ for that "
              "reason alone: retrain them at one commit (python -m experiments.repro ... --no_reuse)")
+    return counts
+
+
+def kernel_paths(runs: Sequence[Run]) -> Dict[str, int]:
+    """{CPU kernel path label: runs}; warns in one line when there are several (they differ like seeds)."""
+    from experiments.provenance import kernel_label
+
+    counts = _label_counts(runs, kernel_label)
+    if len(counts) > 1:
+        warn(f"the table mixes CPU kernel paths: {_code_list(counts)}; the same command on other kernels "
+             "differs like another seed (docs/results.md, 'Reproducibility')")
     return counts
 
 
@@ -474,6 +481,7 @@ def leaderboard(runs: Sequence[Run], group_by: Optional[Sequence[str]] = None,
     """The table: rows sorted by mean validation loss, with the columns that describe them (and, with
     ``baseline``, each row's test against that row)."""
     refuse_incomparable(runs)
+    kernel_paths(runs)
     code = code_versions(runs)
     options = differing_options(runs)
     keys = resolve_group_by(group_by, runs)
