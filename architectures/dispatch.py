@@ -59,7 +59,7 @@ def sorted_dispatch(
 
 def traced_sizes(counts: torch.Tensor, total: int, low: int = 0) -> List[int]:
     """``counts.tolist()`` under torch.compile: unbacked sizes (``capture_scalar_outputs``, set by
-    ``experiments.compiling``) with the bounds the tracer cannot know (low <= count <= total), so the
+    ``model_tools.compiling``) with the bounds the tracer cannot know (low <= count <= total), so the
     per-expert slices stay in one graph and do not recompile when the routing changes."""
     sizes = counts.tolist()
     for size in sizes:

@@ -19,7 +19,7 @@ AdamW state and the activations saved for backward (measured with saved-tensor h
 ``--compile``, where the hooks would change the graph: then weights, gradients and AdamW state only).
 ``--activation_checkpointing`` applies to the variants; the report gives each variant's saved
 activations without and with checkpointing (the given policy, else ``blocks``). ``--plan`` prints the
-memory plan (``experiments.memory``) per variant instead of timing.
+memory plan (``model_tools.memory``) per variant instead of timing.
 Optionally (``--generate N``) it also times ``generate()`` with a KV cache, in new tokens/s.
 """
 from __future__ import annotations
@@ -41,8 +41,8 @@ from architectures.config import SIZES, ConfigError, config_groups
 from architectures.flops import vanilla_flops
 from callbacks.flops import PEAK_BF16_TFLOPS, peak_bf16_flops  # noqa: F401  (one peak table for bench and training MFU)
 from architectures.checkpointing import parse_policy, set_activation_checkpointing, watch_checkpoint_inputs
-from experiments.compiling import GraphReport, compile_model, compiled_graphs, graph_report
-from experiments.memory import check_plan_settings
+from model_tools.compiling import GraphReport, compile_model, compiled_graphs, graph_report
+from model_tools.memory import check_plan_settings
 from experiments.minimal_gpt2 import minimal_from_config
 from lightning_modules.lm import make_adamw, parameter_groups
 
@@ -319,7 +319,7 @@ class Contender:
 
     def forward_loss_saving(self, batch: torch.Tensor):
         """(loss, bytes saved for backward): storages saved by autograd, parameters excluded, plus the
-        inputs checkpointed units keep (``experiments.memory``)."""
+        inputs checkpointed units keep (``model_tools.memory``)."""
         params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
         saved: Dict[int, int] = {}
 
@@ -574,7 +574,7 @@ def print_table(results: Dict[str, Dict[str, float]], args, seq_len: int) -> Non
 
 def plan(args) -> Dict[str, Dict[str, object]]:
     """``--plan``: the memory plan of every variant at the bench's batch, length, precision and checkpointing."""
-    from experiments.memory import build_for_measurement, plan_model, print_plans
+    from model_tools.memory import build_for_measurement, plan_model, print_plans
 
     seq_len = args.seq_len or SIZES[args.size]["block_size"]
     rows = {}

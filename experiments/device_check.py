@@ -3,7 +3,7 @@
 1. ``experiments.bench`` of vanilla, mod, moe (E=8, top-1) and mom_e at ``small``, T=1024, bf16-mixed,
    eager and then compiled (``--compile``: graph breaks and recompilations per variant);
 2. ``medium`` vanilla at T=1024, batch 16, bf16 with ``--activation_checkpointing blocks``, alone in its
-   bench process: its CUDA peak next to the memory plan's prediction (``experiments.memory``);
+   bench process: its CUDA peak next to the memory plan's prediction (``model_tools.memory``);
 3. a 50-step ``experiments.run --variant mod --size small --trainer.precision bf16-mixed`` on a local
    text file (written from the embedded corpus, byte tokenizer: no network, no tokenizer training).
 
@@ -78,7 +78,8 @@ def bench_argv(args, variants: List[str], compiled: bool, phase: str = "eager") 
 
 
 def run_phase(args, variants: List[str], compiled: bool, phase: str = "eager") -> Dict[str, Dict[str, Any]]:
-    from experiments import bench, compiling
+    from experiments import bench
+    from model_tools import compiling
 
     bench_args = bench.parse_args(bench_argv(args, variants, compiled, phase))
     default_backend = compiling.DEFAULT_BACKEND
@@ -96,10 +97,10 @@ def run_phase(args, variants: List[str], compiled: bool, phase: str = "eager") -
 
 
 def add_planned_peak(results: Dict[str, Dict[str, Any]], bench_args, seq_len: int) -> None:
-    """The memory plan's peak (``experiments.memory``, measured on the CPU) next to the measured one
+    """The memory plan's peak (``model_tools.memory``, measured on the CPU) next to the measured one
     (``memory_mb``: CUDA peak allocated of the step; on the CPU smoke path the bench's CPU figure)."""
     from experiments import bench
-    from experiments.memory import build_for_measurement, plan_model
+    from model_tools.memory import build_for_measurement, plan_model
 
     for name, r in results.items():
         if name in bench.REFERENCES:

@@ -4,7 +4,7 @@
     --variant V, --size S, --model.* overrides   the backbone (as in experiments.run)
     --init_from CKPT | hf:gpt2 | HF_FOLDER       pre-trained weights; a suite checkpoint fixes the backbone's
                                                  shape (and, for the same variant, all its settings); a vanilla
-                                                 checkpoint initialises any variant (experiments/weights.py)
+                                                 checkpoint initialises any variant (model_tools/weights.py)
     --tokenizer T                                default: the one a fine-tuned --init_from recorded, else the
                                                  checkpoint's run config (config.yaml next to checkpoints/), else gpt2
     --data.path PATH                             local files instead of the Hub (see datamodules/glue.py, xsum.py)
@@ -142,7 +142,7 @@ def validate_up_front(cfg: Namespace) -> None:
     if cfg.eval_only and len(task_list(cfg.task)) > 1:
         raise ConfigError("eval_only: evaluates one fine-tuned task checkpoint; pass --task glue/<task>, not glue/all")
     from architectures.registry import apply_preset, check_options_used
-    from experiments.weights import check_source
+    from model_tools.weights import check_source
 
     check_options_used(apply_preset(ModelConfig.from_dict(_as_dict(cfg.model))))
     if cfg.init_from:
@@ -187,7 +187,7 @@ def checkpoint_model_config(source: str) -> ModelConfig:
     path = pathlib.Path(source)
     if not path.is_file():
         raise FileNotFoundError(f"init_from: {source} is neither a checkpoint file, 'hf:<id>' nor a Hugging Face folder")
-    from experiments.weights import read_checkpoint
+    from model_tools.weights import read_checkpoint
 
     blob = read_checkpoint(path, "init_from")
     model = (blob.get("hyper_parameters") or {}).get("model")
@@ -220,7 +220,7 @@ def backbone_config(cfg: Namespace, vocab_size: int) -> ModelConfig:
 def load_backbone(model, init_from: str, strict: bool = False, min_share: float = 0.5, tokenizer=None) -> None:
     """``--init_from`` into the backbone, with the table of loaded / mapped / unused / new tensors
     (a checkpoint of the same variant loads by name; a vanilla one through the variant's mapping)."""
-    from experiments.weights import load_initial_weights
+    from model_tools.weights import load_initial_weights
 
     fingerprint = f"{tokenizer.name}:{tokenizer.fingerprint}" if tokenizer is not None else None
     load_initial_weights(model, init_from, strict=strict, min_share=min_share, tokenizer=fingerprint)
@@ -229,7 +229,7 @@ def load_backbone(model, init_from: str, strict: bool = False, min_share: float 
 def load_task_head(module, init_from: str, spec) -> None:
     """``--eval_only`` on GLUE: the classification head must come from the checkpoint (a fresh head
     would measure nothing), so it must be a checkpoint fine-tuned on this task."""
-    from experiments.weights import read_checkpoint
+    from model_tools.weights import read_checkpoint
 
     if _is_hf(init_from):
         raise ConfigError(f"eval_only: {init_from} has no trained {spec.slug} classification head; fine-tune first "
@@ -250,7 +250,7 @@ def finetune_record(init_from: Optional[str]) -> Optional[Dict[str, Any]]:
     before the record)."""
     if not init_from or _is_hf(init_from) or not pathlib.Path(init_from).is_file():
         return None
-    from experiments.weights import read_checkpoint
+    from model_tools.weights import read_checkpoint
 
     record = read_checkpoint(init_from, "init_from").get(FINETUNE_RECORD)
     return record if isinstance(record, dict) else None
@@ -308,7 +308,7 @@ def check_init_from(cfg: Namespace, tasks: List[str]) -> None:
         return
     if cfg.max_steps is not None or cfg.epochs is not None:
         print("warning: --eval_only trains nothing, so --max_steps / --epochs are ignored", file=sys.stderr)
-    from experiments.weights import read_checkpoint
+    from model_tools.weights import read_checkpoint
 
     blob = read_checkpoint(cfg.init_from, "init_from")
     record = finetune_record(cfg.init_from)
@@ -402,7 +402,7 @@ def build_module(module_cls, cfg: Namespace, run_tokenizer, **kwargs):
     if cfg.init_from:
         load_backbone(module.model, cfg.init_from, strict=cfg.init_strict, min_share=cfg.init_min_share,
                       tokenizer=run_tokenizer)
-    from experiments.compiling import compile_model
+    from model_tools.compiling import compile_model
 
     compile_model(module.model, cfg.compile)
     return module, mcfg

@@ -47,7 +47,7 @@ class Run:
 def load_run(run_dir: PathLike) -> Run:
     """The run in ``run_dir`` (a folder ``experiments.run`` wrote), on the CPU."""
     from datamodules.lm import DataConfig, LMDataModule
-    from experiments.analyze import run_config
+    from analysis.contribution import run_config
     from experiments.repro.common import load_model
 
     folder = pathlib.Path(run_dir)

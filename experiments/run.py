@@ -16,7 +16,7 @@ The same command runs under DDP (Lightning re-launches it once per rank, so ever
 Trainer is deterministic), on SLURM (``srun python -m experiments.run ...``) and with torchrun.
 Run folder: ``<log_dir>/<variant>-<size>/version_<N>`` with TensorBoard events, ``config.yaml``
 (the resolved config), ``checkpoints/{last,best-*}.ckpt``, ``summary.json`` and ``provenance.json`` (the
-code commit, whether the tree was dirty, library versions: experiments/provenance.py). The folder path is
+code commit, whether the tree was dirty, library versions: analysis/provenance.py). The folder path is
 the last line printed.
 
 Exit status: 0 when the run finished; 2 for a user mistake (one ``error: ...`` line on stderr naming the
@@ -252,7 +252,7 @@ def check_sources_up_front(cfg: Namespace) -> None:
     on the Hub), ``--ckpt_path`` must exist, be readable and match the command's model settings; the data
     and tokenizer fingerprints are compared again once they are known (``train``)."""
     if cfg.init_from:
-        from experiments.weights import check_source
+        from model_tools.weights import check_source
 
         check_source(cfg.init_from)
     folder = run_root(cfg.log_dir, model_config(cfg)) / cfg.version if cfg.version else None
@@ -375,7 +375,7 @@ def resolve_ckpt(cfg: Namespace, root: pathlib.Path, expected: Optional[Dict[str
     written (the module's own refusal comes after ``config.yaml`` would be rewritten)."""
     path = _matching_ckpt(cfg, root, expected, notes)
     if path is not None and cfg.max_train_flops is not None:
-        from experiments.weights import read_checkpoint
+        from model_tools.weights import read_checkpoint
 
         require_counted_flops(read_checkpoint(path, "ckpt_path"))
     return path
@@ -417,7 +417,7 @@ def run_fingerprints(mcfg: ModelConfig, data) -> Dict[str, Any]:
 
 def checkpoint_differences(path: str, expected: Dict[str, Any]) -> List[str]:
     """Human-readable differences between the checkpoint's fingerprints and ``expected`` (empty: same)."""
-    from experiments.weights import read_checkpoint, saved_fingerprints
+    from model_tools.weights import read_checkpoint, saved_fingerprints
 
     blob = read_checkpoint(path, "ckpt_path")
     model = (blob.get("hyper_parameters") or {}).get("model")
@@ -486,8 +486,8 @@ def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
     import lightning as L
 
     from datamodules.lm import LMDataModule
-    from experiments.compiling import compile_model
-    from experiments.weights import load_initial_weights
+    from model_tools.compiling import compile_model
+    from model_tools.weights import load_initial_weights
     from lightning_modules.lm import LanguageModelModule
 
     # an unwritable or read-only log dir fails now, not after the corpus is tokenised
@@ -522,7 +522,7 @@ def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
 def fit_and_summarise(cfg: Namespace, parser: ArgumentParser, module, data, mcfg: ModelConfig, root: pathlib.Path,
                       version: str, ckpt_path: Optional[str]) -> pathlib.Path:
     from callbacks.run_summary import StepRecorder, measured_summary, write_summary
-    from experiments.provenance import summary_provenance
+    from analysis.provenance import summary_provenance
 
     inherited = os.environ.get("DYNCOMP_RUN_VERSION")
     writer = config_writer(lambda path: parser.save(resolved_namespace(cfg, mcfg), path, overwrite=True,
@@ -602,7 +602,7 @@ def config_writer(save):
         def on_fit_start(self, trainer, pl_module) -> None:
             if trainer.is_global_zero:
                 run_dir = pathlib.Path(trainer.logger.log_dir)
-                from experiments.provenance import FILE, record_start
+                from analysis.provenance import FILE, record_start
 
                 path = run_dir / "config.yaml"
                 try:

@@ -26,7 +26,7 @@ configuration: parameters, tokens (max_steps x batch x accumulation x devices x 
 FLOPs (tokens x the model's analytic ``flops_per_token().training``, the model built on the meta
 device, routing at its configured capacity) and GPU-hours at ``--mfu`` of ``--peak_tflops`` (default
 40% of 989.5 TFLOP/s, an H100/H200 SXM in dense bf16): a planning estimate, not a measurement; and the
-memory plan per job (``experiments.memory``: peak per GPU from measured activations, whether it fits
+memory plan per job (``model_tools.memory``: peak per GPU from measured activations, whether it fits
 ``--gpu_memory_gb``, else the largest micro-batch that does at the same global batch; docs/scale.md).
 Paper-scale recipes live in ``experiments/configs/paper/`` (see docs/scale.md).
 
@@ -208,7 +208,7 @@ def commands(configurations: Sequence[Sequence[str]], parsed: Sequence[Any], lau
         if launcher == "local":
             out.append([sys.executable, "-m", "experiments.run", *argv])
             continue
-        from experiments.memory import geometry
+        from model_tools.memory import geometry
 
         nodes, tasks, gpus = geometry(cfg)
         allocation = [f"--job-name=dyncomp-{cfg.model.variant}-{i}", f"--nodes={nodes}", f"--ntasks-per-node={tasks}"]
@@ -228,7 +228,7 @@ def estimate(cfg) -> Dict[str, Any]:
     mcfg = model_config(cfg).resolve()
     with torch.device("meta"):
         model = build_model(mcfg)
-    from experiments.memory import geometry
+    from model_tools.memory import geometry
 
     nodes, tasks, _ = geometry(cfg)
     accumulate = int(cfg.trainer.accumulate_grad_batches or 1)
@@ -239,13 +239,14 @@ def estimate(cfg) -> Dict[str, Any]:
 
 
 def memory_plans(parsed: Sequence[Any], gpu_memory_gb: float = 80.0) -> List[Dict[str, Any]]:
-    """The memory plan (``experiments.memory``) of every parsed configuration: peak per GPU and what fits.
+    """The memory plan (``model_tools.memory``) of every parsed configuration: peak per GPU and what fits.
     One measurement per distinct model / precision / checkpointing (``memory.measurement_key``), reused by
     every job that shares it."""
     import concurrent.futures
     import multiprocessing
 
-    from experiments.memory import job_plan, measure, measurement_inputs, measurement_key
+    from model_tools.memory import job_plan, measure, measurement_key
+    from model_tools.memory import measurement_inputs
 
     inputs = [measurement_inputs(cfg) for cfg in parsed]
     keys = [measurement_key(item) for item in inputs]
@@ -299,7 +300,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[List[str]]:
     parser.add_argument("--gpu_memory_gb", type=float, default=80.0,
                         help="--dry_run memory plan: GPU memory per device in GiB (docs/scale.md)")
     args = parser.parse_args(argv)
-    from experiments.memory import check_plan_settings
+    from model_tools.memory import check_plan_settings
 
     check_plan_settings(args.gpu_memory_gb)
     grid, file_common, sbatch = load_grid(args.grid_file, args.grid)
@@ -315,7 +316,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[List[str]]:
             row["gpu_hours"] = gpu_hours(row["flops"], args.peak_tflops, args.mfu)
         print_estimates(rows, args.peak_tflops, args.mfu)
         if not args.no_plan:
-            from experiments.memory import print_plans
+            from model_tools.memory import print_plans
 
             plans = memory_plans(parsed, args.gpu_memory_gb)
             print_plans(plans, [f"{cfg.model.variant}" for cfg in parsed], lambda line: print(line, file=sys.stderr))

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 import yaml
 
 from datamodules.lm import DataConfig, LMDataModule
-from experiments.analyze import contribution, main, mutual_information
+from analysis.contribution import contribution, mutual_information
+from experiments.analyze import main
 from lightning_modules.lm import LanguageModelModule
 from tests.conftest import REPO
 

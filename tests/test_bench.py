@@ -9,7 +9,7 @@ import torch
 from architectures import ModelConfig, build_model
 from architectures.config import ConfigError
 from experiments import bench
-from experiments.weights import load_initial_weights
+from model_tools.weights import load_initial_weights
 
 
 def test_bench_reports_every_variant_with_ratios(tmp_path):
@@ -68,7 +68,7 @@ def test_mfu_uses_training_flops_over_the_peak():
 
 
 def test_bench_compile_reports_breaks_and_recompiles(monkeypatch, one_thread):
-    from experiments import compiling
+    from model_tools import compiling
 
     monkeypatch.setattr(compiling, "DEFAULT_BACKEND", "aot_eager")  # inductor's C++ build: ~30 s per model
     results = bench.main(["--variants", "vanilla,mod", "--no_hf", "--no_minimal", "--size", "tiny", "--steps", "2",

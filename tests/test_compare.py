@@ -14,7 +14,8 @@ import pytest
 import torch
 import yaml
 
-from experiments import compare
+from analysis import compare
+from experiments import compare as compare_cli
 from experiments.repro.common import Context
 from tests.conftest import REPO, TINY_RUN
 
@@ -72,7 +73,7 @@ def edit_config(folder: pathlib.Path, key: str, value) -> None:
 def run_cli(argv, capsys) -> tuple:
     """(exit status, stdout, stderr) of the command as ``python -m experiments.compare`` runs it."""
     try:
-        compare.cli(list(argv))
+        compare_cli.cli(list(argv))
         code = 0
     except SystemExit as exit_:
         code = exit_.code
@@ -267,10 +268,10 @@ def test_a_number_only_some_runs_of_a_row_have_is_marked_with_its_n(runs):
 
 def test_baseline_rows_get_intervals_effect_sizes_and_holm_corrected_p(runs, tmp_path, capsys):
     """Three configurations (vanilla, a second vanilla learning rate, MoD) with known per-seed losses, tested
-    against MoD: the numbers are those of experiments.stats, recomputed here from the seeds by hand."""
+    against MoD: the numbers are those of analysis.stats, recomputed here from the seeds by hand."""
     from scipy.stats import ttest_ind
 
-    from experiments import stats
+    from analysis import stats
 
     folders = copy_runs(runs, tmp_path)
     for seed in SEEDS:

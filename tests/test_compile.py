@@ -17,7 +17,8 @@ from architectures import ModelConfig, build_model, variant_names
 from architectures.mom import MixtureOfModules
 from architectures.mot import MoT
 from architectures.registry import VARIANTS
-from experiments import compiling
+from experiments import compiling as compiling_cli
+from model_tools import compiling
 from tests import invariants
 from tests.conftest import TINY_RUN, cli_summary, tiny_layers
 
@@ -100,7 +101,7 @@ def test_graph_report_counts_breaks(one_thread):
 
 def test_vanilla_mod_and_moe_compile_to_one_graph(one_thread, capsys):
     """MoE's loop path too: ``compiling`` traces the per-expert counts of ``sorted_dispatch`` as unbacked sizes."""
-    reports = compiling.main(["--variants", "vanilla,mod,moe", "--batch_size", "2"])
+    reports = compiling_cli.main(["--variants", "vanilla,mod,moe", "--batch_size", "2"])
     for variant in ("vanilla", "mod", "moe"):
         assert (reports[variant].graphs, reports[variant].graph_breaks) == (1, 0), reports[variant].reasons
     assert "mod" in capsys.readouterr().out

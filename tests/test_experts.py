@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from architectures import ModelConfig, build_model
 from architectures.experts import GroupedExperts, StackedLinear
-from experiments.weights import load_initial_weights
+from model_tools.weights import load_initial_weights
 from lightning_modules.lm import LanguageModelModule, make_adamw, parameter_groups
 
 SHAPE = dict(vocab_size=101, d_model=32, n_layer=4, n_head=4, block_size=32)

@@ -34,7 +34,7 @@ def fine_tuned(tmp_path_factory):
 
 def test_fine_tuned_checkpoint_records_task_and_tokenizer(fine_tuned):
     from experiments.finetune import FINETUNE_RECORD
-    from experiments.weights import read_checkpoint
+    from model_tools.weights import read_checkpoint
 
     record = read_checkpoint(fine_tuned[2])[FINETUNE_RECORD]
     assert record["task"] == "glue/sst2" and record["tokenizer"]["spec"] == "bytes"

@@ -101,7 +101,7 @@ def test_moe_model_trains_identically_on_either_path(monkeypatch, dropless):
 
 def test_grouped_path_traces_to_one_graph_in_bf16():
     """Static shapes: dynamo traces the whole dispatch without a break (the loop breaks at .tolist() unless
-    its sizes are traced as unbacked SymInts, as ``experiments.compiling`` sets up)."""
+    its sizes are traced as unbacked SymInts, as ``model_tools.compiling`` sets up)."""
     experts, x, selected, weights, keep = experts_and_inputs()
     x = x.detach().bfloat16()
     experts = experts.to(torch.bfloat16)

@@ -2,7 +2,11 @@
 
 Layers, lowest first; a module may import only from its own layer or a lower one:
 
-    architectures  <  datamodules  <  lightning_modules, callbacks  <  experiments
+    architectures  <  datamodules  <  model_tools, lightning_modules, callbacks  <  analysis  <  experiments
+
+``model_tools/`` acts on a built model (initial weights, checkpoint reading, memory plan, ``torch.compile``);
+``analysis/`` reads finished runs (leaderboards, statistics, tables, contribution ratios, provenance);
+``experiments/`` holds the command lines and the experiment programmes that use both.
 
 ``architectures/`` is plain PyTorch: it imports no Lightning (``lightning``, ``pytorch_lightning``,
 ``torchmetrics``) and no other project layer. Every import counts, including the ones inside functions
@@ -17,7 +21,8 @@ from typing import Dict, List, Set, Tuple
 
 from tests.conftest import REPO
 
-LAYERS = {"architectures": 0, "datamodules": 1, "lightning_modules": 2, "callbacks": 2, "experiments": 3}
+LAYERS = {"architectures": 0, "datamodules": 1, "model_tools": 2, "lightning_modules": 2, "callbacks": 2, "analysis": 3,
+          "experiments": 4}
 LIGHTNING = ("lightning", "pytorch_lightning", "torchmetrics")
 
 
@@ -197,6 +202,6 @@ def test_experiments_run_adds_nothing_heavy_beyond_lightning():
 
 def test_the_probe_names_the_module_that_imports_dynamo():
     """The test of the test: a suite module that imports torch._dynamo at import time is named."""
-    assert modules_loaded("experiments.compiling")["dynamo_importer"] is None  # it imports it inside a function
+    assert modules_loaded("model_tools.compiling")["dynamo_importer"] is None  # it imports it inside a function
     found = modules_loaded("tests.dynamo_at_import")
     assert found["dynamo_importer"] == "tests.dynamo_at_import"

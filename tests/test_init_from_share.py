@@ -10,7 +10,7 @@ import torch
 
 from architectures import ModelConfig, build_model
 from architectures.config import ConfigError
-from experiments.weights import init_report, load_initial_weights
+from model_tools.weights import init_report, load_initial_weights
 
 # GPT-2's vocabulary at a small width: the embeddings outweigh the blocks, as at the suite's small sizes
 SHAPE = dict(vocab_size=50257, d_model=32, n_layer=4, n_head=2, block_size=32)

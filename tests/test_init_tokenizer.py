@@ -6,7 +6,7 @@ import torch
 
 from architectures import ModelConfig, build_model
 from architectures.config import ConfigError
-from experiments.weights import load_initial_weights
+from model_tools.weights import load_initial_weights
 
 SHAPE = dict(vocab_size=97, d_model=32, n_layer=2, n_head=2, block_size=32)
 

@@ -63,7 +63,7 @@ def test_vanilla_order_reproduces_gpt2_logits_and_residuals_exactly(layout):
 
 
 def test_phase2_init_from_a_lightning_checkpoint_reproduces_phase1_logits(tmp_path):
-    from experiments.weights import load_initial_weights
+    from model_tools.weights import load_initial_weights
 
     van = sgd_steps(vanilla())
     path = tmp_path / "last.ckpt"
@@ -495,7 +495,7 @@ def test_cli_short_run_of_each_registry_name(variant, tmp_path):
 
 def test_init_from_a_hugging_face_gpt2_folder_reproduces_its_logits(tmp_path):
     import transformers  # a hard dependency (pyproject.toml): a broken install must fail, not skip
-    from experiments.weights import load_initial_weights
+    from model_tools.weights import load_initial_weights
 
     torch.manual_seed(4)
     hf_config = transformers.GPT2Config(vocab_size=V, n_positions=128, n_embd=128, n_layer=4, n_head=4,

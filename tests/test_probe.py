@@ -462,7 +462,7 @@ def test_goals_are_met_only_when_the_corrected_test_against_the_best_dense_model
     tests = dense_tests(per_variant)
     assert tests["best_dense"] == "dense:2x64" and set(tests["loss"]) == {"mod", "mod:n_layer=8", "mom", "moe"}
     loss = tests["loss"]
-    from experiments import stats
+    from analysis import stats
 
     raw = {v: stats.welch_p(per_variant[v]["headline_val_loss_seeds"], [1.9, 1.95, 1.92], "less") for v in loss}
     assert {v: t["p_holm"] for v, t in loss.items()} == pytest.approx(stats.holm(raw))

@@ -2,7 +2,7 @@
 trains (``experiments.repro --jobs N``) does not relabel what that worker loaded; the kernel record."""
 import torch
 
-from experiments import provenance
+from analysis import provenance
 
 
 def test_the_code_state_is_read_once_per_process(monkeypatch):

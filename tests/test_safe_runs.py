@@ -10,7 +10,7 @@ from architectures import ModelConfig, build_model
 from architectures.config import ConfigError
 from architectures.registry import apply_preset
 from experiments.run import main
-from experiments.weights import init_report
+from model_tools.weights import init_report
 from tests.conftest import TINY_RUN
 
 
@@ -106,7 +106,7 @@ def test_init_from_prints_the_table_and_refuses_a_small_share_unless_not_strict(
 
 
 def test_init_from_vanilla_into_vanilla_loads_everything(tmp_path, two_corpora, capsys):
-    from experiments.weights import load_initial_weights
+    from model_tools.weights import load_initial_weights
     from lightning_modules.lm import LanguageModelModule
 
     a, _ = two_corpora
@@ -119,7 +119,7 @@ def test_init_from_vanilla_into_vanilla_loads_everything(tmp_path, two_corpora, 
 
 
 def test_init_from_a_checkpoint_trained_with_another_tokenizer_is_refused(tmp_path, two_corpora):
-    from experiments.weights import load_initial_weights
+    from model_tools.weights import load_initial_weights
     from lightning_modules.lm import LanguageModelModule
 
     a, _ = two_corpora

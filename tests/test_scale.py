@@ -84,7 +84,7 @@ def test_a_replay_without_the_padding_mask_is_caught_and_named(monkeypatch):
 
 def test_checkpointing_really_recomputes_and_saves_less():
     """The saved-for-backward bytes drop with checkpointing (so the test above compares a real recompute)."""
-    from experiments.memory import saved_activation_bytes
+    from model_tools.memory import saved_activation_bytes
 
     torch.manual_seed(0)
     model = build_model(VARIANTS["moe"].test_config("moe"))
@@ -148,7 +148,7 @@ def test_memory_plan_matches_the_measured_cpu_peak_at_two_batch_sizes(name, poli
     """The plan (activations measured at T=64, batch 1 and 2, scaled) against MemTracker's peak of real
     training steps at T=128, batch 8 and 16: within 10%."""
     from architectures import ModelConfig
-    from experiments.memory import measured_cpu_peak, plan_model
+    from model_tools.memory import measured_cpu_peak, plan_model
     from lightning_modules.lm import make_adamw, parameter_groups
 
     torch.manual_seed(0)
@@ -179,7 +179,7 @@ def test_sweep_dry_run_prints_each_jobs_memory_plan(capsys):
 
 def test_largest_fitting_micro_batch_keeps_the_global_batch():
     from architectures import ModelConfig
-    from experiments.memory import GiB, plan_model
+    from model_tools.memory import GiB, plan_model
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(variant="vanilla", vocab_size=512, d_model=64, n_layer=2, n_head=2, block_size=128))
@@ -195,7 +195,7 @@ def test_largest_fitting_micro_batch_keeps_the_global_batch():
 
 def test_checkpointing_lowers_the_planned_activations_and_ddp_adds_gradient_buckets():
     from architectures import ModelConfig
-    from experiments.memory import plan_model
+    from model_tools.memory import plan_model
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(variant="vanilla", vocab_size=512, d_model=64, n_layer=4, n_head=2, block_size=128))
@@ -349,7 +349,7 @@ def test_the_plan_builds_stacked_experts_on_one_experts_storage():
     activations equal those of the model with distinct experts' storage."""
     from architectures import ModelConfig
     from architectures.experts import StackedLinear
-    from experiments.memory import build_for_measurement, saved_activation_bytes
+    from model_tools.memory import build_for_measurement, saved_activation_bytes
 
     config = ModelConfig.from_dict(dict(variant="moe", size="tiny", vocab_size=V, d_model=32, n_layer=2, n_head=2,
                                         block_size=T, moe={"num_experts": 64}))

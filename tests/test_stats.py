@@ -1,4 +1,4 @@
-"""experiments/stats.py on known numbers: Holm on a textbook case, Welch's p by hand, Hedges' g by hand, the
+"""analysis/stats.py on known numbers: Holm on a textbook case, Welch's p by hand, Hedges' g by hand, the
 bootstrap's coverage over repeated draws and exact values on degenerate cases."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from experiments import stats
+from analysis import stats
 
 
 def test_holm_on_a_textbook_example():

@@ -1,7 +1,7 @@
 """``--init_from`` a vanilla checkpoint: step 0 computes the checkpoint's function wherever the routing allows it.
 
 Every variant is started from one (perturbed, so biases and LayerNorms are not at their init) vanilla state
-through ``experiments.weights.load_initial_weights``; the variants claimed function-preserving must give
+through ``model_tools.weights.load_initial_weights``; the variants claimed function-preserving must give
 the dense logits to float tolerance, the others must not (so the list in docs/bad-input.md is right both ways).
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from architectures import ModelConfig, build_model, variant_names
-from experiments.weights import load_initial_weights
+from model_tools.weights import load_initial_weights
 
 SHAPE = dict(vocab_size=97, d_model=32, n_layer=4, n_head=2, block_size=32)
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from architectures.config import ConfigError
-from experiments.tables import figure, fmt, markdown_table  # noqa: F401  (the experiments import them from here)
+from analysis.tables import figure, fmt, markdown_table  # noqa: F401  (the experiments import them from here)
 
 
 @dataclasses.dataclass
@@ -184,7 +184,7 @@ class Context:
         runs, files = self.run_table()
         (self.out / "results.md").write_text("\n".join(header + list(sections) + runs).rstrip() + "\n")
         results = {**results, "leaderboard": files} if files else results
-        from experiments.provenance import provenance
+        from analysis.provenance import provenance
 
         results = {**results, "provenance": provenance()}  # the code that computed the tables from the runs
         (self.out / "results.json").write_text(json.dumps(results, indent=2, default=_jsonable) + "\n")
@@ -193,7 +193,7 @@ class Context:
     def run_table(self) -> Tuple[List[str], Dict[str, str]]:
         """The runs of this invocation through ``experiments.compare``: written to ``<out>/leaderboard.*``,
         returned as results.md lines with the files. Runs that cannot be compared leave a note, not a table."""
-        from experiments import compare
+        from analysis import compare
 
         if not self._run_dirs:
             return [], {}
@@ -302,14 +302,14 @@ def checkpoint_of(run_dir: pathlib.Path) -> pathlib.Path:
 
 def load_model(run_dir: pathlib.Path):
     """The trained model of a run (its final ``last.ckpt``), in eval mode on CPU."""
-    from experiments.analyze import load_model as load
+    from analysis.contribution import load_model as load
 
     return load(checkpoint_of(run_dir), "cpu")
 
 
 def validation_sequences(run_dir: pathlib.Path, model, count: int) -> torch.Tensor:
     """(N, T+1): the first ``count`` blocks of the run's validation set, rebuilt from its config.yaml."""
-    from experiments.analyze import probe_sequences
+    from analysis.contribution import probe_sequences
 
     return probe_sequences(pathlib.Path(run_dir), model.config.block_size, model.config.vocab_size, count)
 
@@ -331,7 +331,7 @@ def mean_loss(model, sequences: torch.Tensor, batch_size: int = 8) -> float:
 def run_tokenizer(run_dir: pathlib.Path):
     """The tokenizer a run trained with (from its config.yaml)."""
     from datamodules.lm import DataConfig, LMDataModule
-    from experiments.analyze import run_config
+    from analysis.contribution import run_config
 
     config = run_config(pathlib.Path(run_dir))
     fields = {f.name for f in dataclasses.fields(DataConfig)}

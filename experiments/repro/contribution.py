@@ -2,7 +2,7 @@
 
 Trains vanilla (FFN 4d), ``ffn_wider`` (FFN ``wide_ratio`` x d) and ``caa`` at total FFN width
 ``wide_ratio`` x d for each Outer-FFN ratio r, then measures each final model's contribution ratios with
-``experiments.analyze.contribution`` (logit lens / linear probe / mutual information over the run's
+``analysis.contribution.contribution`` (logit lens / linear probe / mutual information over the run's
 validation sequences). Out-of-distribution loss comes from two places:
 
 * runs trained on SlimPajama (``-- --data slimpajama --data.path ...``) validate on every non-CC/C4
@@ -65,7 +65,7 @@ def with_se(value: Optional[float], se: Optional[float]) -> str:
 def contribution_experiment(ctx: Context, wide_ratio: float = 32.0, ratios: Sequence[float] = (0.125, 0.25, 0.5, 0.75),
                             methods: Sequence[str] = ("logit_lens", "mi"), sequences: int = 64,
                             ood: Optional[Dict[str, pathlib.Path]] = None, ood_tokens: int = 32768) -> Dict[str, Any]:
-    from experiments.analyze import METHODS, contribution
+    from analysis.contribution import METHODS, contribution
 
     bad = [m for m in methods if m not in METHODS]
     if bad:

@@ -19,7 +19,7 @@ The final model of every run is evaluated by ``callbacks/probe.py`` (causal rout
 it) on the first ``--blocks`` validation blocks: loss, accuracy and FLOPs per token per difficulty level,
 per-block counts, Spearman(difficulty, compute) over all labelled tokens and over the answers only.
 
-Statistics (``experiments/stats.py``, 95%, seeded percentile bootstrap): a level's accuracy interval is
+Statistics (``analysis/stats.py``, 95%, seeded percentile bootstrap): a level's accuracy interval is
 hierarchical (seeds resampled, then validation blocks within each seed: never the tokens of one block on
 their own); the loss, Spearman and wall-clock intervals resample seeds. Every routed entry is tested against
 the best dense model over seeds with Welch's one-sided t-test (lower loss; higher accuracy per level), with
@@ -46,7 +46,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from architectures.config import ConfigError
 from architectures.registry import tagged
-from experiments import stats
+from analysis import stats
 from experiments.repro.common import Context, budget_spent, budget_step_cap, figure, fmt, markdown_table
 
 VARIANTS = tuple(tagged("probe"))  # the registry entries tagged "probe" (vanilla first)
@@ -272,7 +272,7 @@ def evaluate_run(run_dir: pathlib.Path, blocks: int, causal: bool = True,
 
     from callbacks.probe import evaluate_probe
     from datamodules.lm import DataConfig, LMDataModule
-    from experiments.analyze import run_config
+    from analysis.contribution import run_config
     from experiments.repro.common import load_model
 
     model = load_model(run_dir)
