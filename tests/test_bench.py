@@ -9,6 +9,7 @@ import torch
 from architectures import ModelConfig, build_model
 from architectures.config import ConfigError
 from experiments import bench
+from model_tools import benchmark
 from model_tools.weights import load_initial_weights
 
 
@@ -53,18 +54,18 @@ def test_bench_cuda_without_a_gpu_is_a_usage_error(capsys):
 
 
 def test_peak_flops_lookup_by_gpu_name():
-    assert bench.peak_bf16_flops("NVIDIA H100 80GB HBM3") == 989.5e12
-    assert bench.peak_bf16_flops("NVIDIA H200") == 989.5e12
-    assert bench.peak_bf16_flops("NVIDIA H100 PCIe") == 756e12
-    assert bench.peak_bf16_flops("NVIDIA A100-SXM4-80GB") == 312e12
-    assert bench.peak_bf16_flops("NVIDIA GeForce GTX 1080") is None
+    assert benchmark.peak_bf16_flops("NVIDIA H100 80GB HBM3") == 989.5e12
+    assert benchmark.peak_bf16_flops("NVIDIA H200") == 989.5e12
+    assert benchmark.peak_bf16_flops("NVIDIA H100 PCIe") == 756e12
+    assert benchmark.peak_bf16_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert benchmark.peak_bf16_flops("NVIDIA GeForce GTX 1080") is None
 
 
 def test_mfu_uses_training_flops_over_the_peak():
     args = bench.argparse.Namespace(device="cuda", precision="bf16-mixed", peak_tflops=100.0)
-    assert bench.mfu({"flops_per_token": 1e9}, 10_000, args) == pytest.approx(3 * 1e9 * 1e4 / 100e12)
+    assert benchmark.mfu({"flops_per_token": 1e9}, 10_000, args) == pytest.approx(3 * 1e9 * 1e4 / 100e12)
     args.precision = "32-true"
-    assert bench.mfu({"flops_per_token": 1e9}, 10_000, args) is None
+    assert benchmark.mfu({"flops_per_token": 1e9}, 10_000, args) is None
 
 
 def test_bench_compile_reports_breaks_and_recompiles(monkeypatch, one_thread):
@@ -79,12 +80,12 @@ def test_bench_compile_reports_breaks_and_recompiles(monkeypatch, one_thread):
         assert (results[name]["graphs"], results[name]["graph_breaks"], results[name]["recompiles"]) == (1, 0, 0)
 
 def test_bench_override_parsing():
-    config = bench.apply_overrides(ModelConfig(), ["d_model=64", "mod.capacity=0.25", "mod.routed_blocks=[1, 2]",
+    config = benchmark.apply_overrides(ModelConfig(), ["d_model=64", "mod.capacity=0.25", "mod.routed_blocks=[1, 2]",
                                                    "moe.dropless=false", "mod.routed_blocks=odd"])
     assert config.d_model == 64 and config.mod.capacity == 0.25 and config.moe.dropless is False
     assert config.mod.routed_blocks == "odd"
     with pytest.raises(ConfigError, match="no such"):
-        bench.apply_overrides(ModelConfig(), ["mod.nope=1"])
+        benchmark.apply_overrides(ModelConfig(), ["mod.nope=1"])
 
 
 def test_init_from_hugging_face_folder_and_own_checkpoint(tmp_path):
@@ -130,7 +131,7 @@ def test_vanilla_training_step_dispatches_the_minimal_models_ops():
     batch = torch.randint(0, 256, (2, 33))
     counts = {}
     for name in args.variant_list:
-        contender = bench.Contender(name, args)
+        contender = benchmark.Contender(name, args)
         with CountOps() as mode:
             contender.forward_loss(batch).backward()
         counts[name] = mode.ops
@@ -143,7 +144,7 @@ def test_training_mfu_uses_the_same_peak_table_as_the_bench():
     from callbacks.flops import peak_flops
 
     for name in ("NVIDIA H100 NVL", "NVIDIA GH200 480GB", "NVIDIA L40S", "NVIDIA H200"):
-        assert peak_flops(name, torch.bfloat16) == bench.peak_bf16_flops(name) is not None
+        assert peak_flops(name, torch.bfloat16) == benchmark.peak_bf16_flops(name) is not None
     assert peak_flops("NVIDIA H200", torch.float32) == 66.9e12 and peak_flops("NVIDIA L40S", torch.float32) is None
 
 
@@ -175,7 +176,7 @@ def test_hf_mixtral_references_have_our_moe_s_experts_and_one(one_thread):
     mixtral, one = results["hf_mixtral"], results["hf_mixtral_1"]
     assert mixtral["time_x_one_expert"] == pytest.approx(mixtral["median_step_s"] / one["median_step_s"])
     config = build_model(ModelConfig(variant="vanilla", size="tiny", vocab_size=64, d_model=32, n_layer=1)).config
-    model = bench.mixtral_model(config, 4, 1)
+    model = benchmark.mixtral_model(config, 4, 1)
     assert model.config.num_local_experts == 4 and model.config.num_experts_per_tok == 1
     assert model.config.hidden_size == 32 and model.config.intermediate_size == config.ffn_hidden
     # four experts' gate/up/down stacks, one expert's, and the rest of the two models alike

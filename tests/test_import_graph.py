@@ -2,9 +2,10 @@
 
 Layers, lowest first; a module may import only from its own layer or a lower one:
 
-    architectures  <  datamodules  <  model_tools, lightning_modules, callbacks  <  analysis  <  experiments
+    architectures  <  datamodules  <  lightning_modules, callbacks  <  model_tools  <  analysis  <  experiments
 
-``model_tools/`` acts on a built model (initial weights, checkpoint reading, memory plan, ``torch.compile``);
+``model_tools/`` acts on a built model (initial weights, checkpoint reading, memory plan, ``torch.compile``,
+the training-step benchmark's contenders);
 ``analysis/`` reads finished runs (leaderboards, statistics, tables, contribution ratios, provenance);
 ``experiments/`` holds the command lines and the experiment programmes that use both.
 
@@ -21,8 +22,8 @@ from typing import Dict, List, Set, Tuple
 
 from tests.conftest import REPO
 
-LAYERS = {"architectures": 0, "datamodules": 1, "model_tools": 2, "lightning_modules": 2, "callbacks": 2, "analysis": 3,
-          "experiments": 4}
+LAYERS = {"architectures": 0, "datamodules": 1, "lightning_modules": 2, "callbacks": 2, "model_tools": 3, "analysis": 4,
+          "experiments": 5}
 LIGHTNING = ("lightning", "pytorch_lightning", "torchmetrics")
 
 
@@ -140,6 +141,64 @@ def test_the_checker_sees_circles_upward_imports_and_private_names(tmp_path):
     assert ("lightning", "", 1) in found and ("experiments.y", "_helper", 2) in found
     assert project_target("experiments.y", modules) == "experiments.y"
 
+
+
+# ---------------------------------------------------------------------------- sizes (issue 31)
+#: no top-level package may hold more than this share of the project's lines: a package that grows past it
+#: mixes things a newcomer should find apart
+MAX_PACKAGE_SHARE = 0.30
+#: no function or method (nested ones included) longer than this many lines, ``def`` to its last line
+MAX_FUNCTION_LINES = 50
+
+
+def package_lines() -> Dict[str, int]:
+    """Lines (``.py`` files, every line counted) per top-level package of the project (``LAYERS``)."""
+    return {package: sum(len(path.read_text().splitlines()) for path in (REPO / package).rglob("*.py"))
+            for package in LAYERS}
+
+
+def oversized_packages(lines: Dict[str, int], limit: float = MAX_PACKAGE_SHARE) -> List[str]:
+    total = sum(lines.values())
+    return [f"{package}: {count} of {total} lines ({count / total:.1%} > {limit:.0%})"
+            for package, count in sorted(lines.items(), key=lambda item: -item[1]) if count > limit * total]
+
+
+def long_functions(paths, limit: int = MAX_FUNCTION_LINES) -> List[Tuple[int, str]]:
+    """(lines, "file:line name") of every function or method over ``limit`` lines, longest first."""
+    found = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > limit:
+                    where = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+                    found.append((length, f"{where}:{node.lineno} {node.name}"))
+    return sorted(found, key=lambda item: (-item[0], item[1]))
+
+
+def test_no_top_level_package_holds_more_than_30_percent_of_the_lines():
+    lines = package_lines()
+    found = oversized_packages(lines)
+    shares = ", ".join(f"{package} {count}" for package, count in sorted(lines.items(), key=lambda item: -item[1]))
+    assert not found, "; ".join(found) + f" (lines per package: {shares}; move reusable code to its own package)"
+
+
+def test_no_function_is_longer_than_50_lines():
+    found = long_functions(path for path in project_modules().values())
+    assert not found, f"{len(found)} functions over {MAX_FUNCTION_LINES} lines, longest first:\n" + "\n".join(
+        f"  {length} lines: {where}" for length, where in found[:20])
+
+
+def test_the_size_checks_see_a_large_package_and_a_long_nested_function(tmp_path):
+    """The test of the test: a package with 31% of the lines and a nested function of 51 lines are reported,
+    30% and 50 lines are not."""
+    assert oversized_packages({"a": 31, "b": 69}) == ["a: 31 of 100 lines (31.0% > 30%)"]
+    assert oversized_packages({"a": 30, "b": 70}) == []
+    body = "\n".join(["def outer():", "    def inner():"] + ["        x = 1"] * 49 + ["    return inner"])
+    (tmp_path / "m.py").write_text(body + "\n")
+    found = long_functions([tmp_path / "m.py"])
+    assert [length for length, _ in found] == [52, 51] and found[1][1].endswith(":2 inner")
+    assert long_functions([tmp_path / "m.py"], limit=52) == []
 
 # ---------------------------------------------------------------------------- what an import loads (issue 29)
 #: run in a fresh interpreter: which modules an import loads, and which module first imported torch._dynamo
