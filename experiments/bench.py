@@ -39,7 +39,7 @@ from model_tools.memory import check_plan_settings
 
 PRECISIONS = ("32-true", "bf16-mixed")
 
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m experiments.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", default="vanilla",
                         help=f"comma-separated; valid: {', '.join(variant_names())}, {', '.join(REFERENCES)}; a "
@@ -75,6 +75,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                              "and on the first MoE variant's routing (the other experts idle)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the results here")
+    return parser
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """The parsed options, checked before any model is built, with the variant list completed (vanilla
+    first for the ratios, the references after it unless left out)."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     args.variant_list = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in args.variant_list if variant_of(v) not in variant_names() and v not in REFERENCES]

@@ -130,6 +130,31 @@ def build_parser() -> ArgumentParser:
         default_env=False,
         exit_on_error=False,  # parse errors reach cli(): one line, exit status 2
     )
+    add_run_options(parser)
+    parser.add_class_arguments(ModelConfig, "model")
+    parser.add_class_arguments(DataConfig, "data")
+    parser.add_class_arguments(OptimConfig, "optim")
+    parser.add_class_arguments(CallbacksConfig, "callbacks")
+    parser.add_class_arguments(Trainer, "trainer", skip=_TRAINER_SKIP, fail_untyped=False)
+    parser.add_argument("--trainer.accelerator", type=str, default="auto")
+    parser.add_argument("--trainer.devices", type=str, default="auto")
+    parser.add_argument("--trainer.strategy", type=str, default="auto")
+    parser.add_argument("--trainer.precision", type=Optional[str], default=None,
+                        help="default: bf16-mixed on a bf16-capable GPU, else 32-true")
+    parser.set_defaults({
+        "trainer.max_steps": 300,
+        "trainer.gradient_clip_val": 1.0,
+        "trainer.log_every_n_steps": 10,
+        "trainer.num_sanity_val_steps": 0,
+        "trainer.use_distributed_sampler": False,
+        "trainer.enable_model_summary": False,
+    })
+    return parser
+
+
+def add_run_options(parser: ArgumentParser) -> None:
+    """The options outside the config groups: seed, folders, resume and initial weights, budget, validation,
+    compiling and activation checkpointing."""
     parser.add_argument("--config", action=ActionConfigFile, help="YAML file with any of the options below")
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--log_dir", type=str, default="runs")
@@ -162,25 +187,6 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--activation_checkpointing", type=str, default="none",
                         help="none | blocks | every_k:N: recompute the blocks' activations in backward "
                         "(routing replayed exactly; docs/scale.md)")
-    parser.add_class_arguments(ModelConfig, "model")
-    parser.add_class_arguments(DataConfig, "data")
-    parser.add_class_arguments(OptimConfig, "optim")
-    parser.add_class_arguments(CallbacksConfig, "callbacks")
-    parser.add_class_arguments(Trainer, "trainer", skip=_TRAINER_SKIP, fail_untyped=False)
-    parser.add_argument("--trainer.accelerator", type=str, default="auto")
-    parser.add_argument("--trainer.devices", type=str, default="auto")
-    parser.add_argument("--trainer.strategy", type=str, default="auto")
-    parser.add_argument("--trainer.precision", type=Optional[str], default=None,
-                        help="default: bf16-mixed on a bf16-capable GPU, else 32-true")
-    parser.set_defaults({
-        "trainer.max_steps": 300,
-        "trainer.gradient_clip_val": 1.0,
-        "trainer.log_every_n_steps": 10,
-        "trainer.num_sanity_val_steps": 0,
-        "trainer.use_distributed_sampler": False,
-        "trainer.enable_model_summary": False,
-    })
-    return parser
 
 
 def validate_up_front(cfg: Namespace) -> None:

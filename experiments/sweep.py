@@ -279,12 +279,7 @@ def print_estimates(rows: Sequence[Dict[str, Any]], peak_tflops: float, mfu: flo
     say(f"# total: {sum(r['flops'] for r in rows):.3e} FLOPs, {total:.1f} GPU-hours")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> List[List[str]]:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    common: List[str] = []
-    if "--" in argv:
-        split = argv.index("--")
-        argv, common = argv[:split], argv[split + 1:]
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m experiments.sweep", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("grid_file", nargs="?", default=None, help="YAML grid (see below)")
@@ -299,7 +294,16 @@ def main(argv: Optional[Sequence[str]] = None) -> List[List[str]]:
                         help="--dry_run without the memory plan (which builds every model on the CPU: ~1 min per job)")
     parser.add_argument("--gpu_memory_gb", type=float, default=80.0,
                         help="--dry_run memory plan: GPU memory per device in GiB (docs/scale.md)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> List[List[str]]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    common: List[str] = []
+    if "--" in argv:
+        split = argv.index("--")
+        argv, common = argv[:split], argv[split + 1:]
+    args = build_parser().parse_args(argv)
     from model_tools.memory import check_plan_settings
 
     check_plan_settings(args.gpu_memory_gb)
@@ -309,18 +313,29 @@ def main(argv: Optional[Sequence[str]] = None) -> List[List[str]]:
     jobs = commands(configurations, parsed, args.launcher, [*sbatch, *shlex.split(args.sbatch_args)],
                     pathlib.Path(args.sbatch))
     if args.dry_run:
-        for job in jobs:
-            print(shlex.join(job))
-        rows = [estimate(cfg) for cfg in parsed]
-        for row in rows:
-            row["gpu_hours"] = gpu_hours(row["flops"], args.peak_tflops, args.mfu)
-        print_estimates(rows, args.peak_tflops, args.mfu)
-        if not args.no_plan:
-            from model_tools.memory import print_plans
+        dry_run(jobs, parsed, args)
+    else:
+        launch(jobs)
+    return jobs
 
-            plans = memory_plans(parsed, args.gpu_memory_gb)
-            print_plans(plans, [f"{cfg.model.variant}" for cfg in parsed], lambda line: print(line, file=sys.stderr))
-        return jobs
+
+def dry_run(jobs: Sequence[List[str]], parsed: Sequence[Any], args: argparse.Namespace) -> None:
+    """One command per line on stdout; the estimates and (unless ``--no_plan``) the memory plans on stderr."""
+    for job in jobs:
+        print(shlex.join(job))
+    rows = [estimate(cfg) for cfg in parsed]
+    for row in rows:
+        row["gpu_hours"] = gpu_hours(row["flops"], args.peak_tflops, args.mfu)
+    print_estimates(rows, args.peak_tflops, args.mfu)
+    if not args.no_plan:
+        from model_tools.memory import print_plans
+
+        plans = memory_plans(parsed, args.gpu_memory_gb)
+        print_plans(plans, [f"{cfg.model.variant}" for cfg in parsed], lambda line: print(line, file=sys.stderr))
+
+
+def launch(jobs: Sequence[List[str]]) -> None:
+    """Run the jobs one after another; exit status 1 naming the failed ones."""
     failed = []
     for job in jobs:
         print(shlex.join(job), file=sys.stderr, flush=True)
@@ -329,7 +344,6 @@ def main(argv: Optional[Sequence[str]] = None) -> List[List[str]]:
     if failed:
         print(f"{len(failed)} of {len(jobs)} jobs failed:\n" + "\n".join(failed), file=sys.stderr)
         sys.exit(1)
-    return jobs
 
 
 if __name__ == "__main__":

@@ -367,6 +367,28 @@ def run(args) -> Dict[str, Dict[str, float]]:
     saved_mb = {c.name: {"none": c.saved_activation_mb(batches[0], "none"),
                          checkpointed: c.saved_activation_mb(batches[0], checkpointed)}
                 for c in contenders if c.name not in REFERENCES}
+    time_steps(contenders, batches, new_batch, args)
+    dispatch = dispatch_times(contenders, batches[0], args.steps) if args.dispatch else {}
+    results: Dict[str, Dict[str, float]] = {}
+    for c in contenders:
+        results[c.name] = contender_result(c, args, seq_len)
+        results[c.name].update(dispatch.get(c.name, {}))
+        if c.name in saved_mb:  # the saved activations without and with checkpointing (``checkpointing``)
+            results[c.name].update(saved_activation_mb=saved_mb[c.name]["none"], checkpointing=checkpointed,
+                                    saved_activation_mb_checkpointed=saved_mb[c.name][checkpointed])
+        if c.graphs is not None:
+            results[c.name].update(graphs=c.graphs.graphs, graph_breaks=c.graphs.graph_breaks,
+                                    break_reasons=c.graphs.reasons, recompiles=c.recompiles)
+        if args.generate:
+            prompt = batches[0][:1, : max(1, min(seq_len, c.config.block_size - args.generate) // 2)]
+            results[c.name]["generate_tokens_per_s"] = time_generation(c, prompt, args.generate)
+    add_ratios(results)
+    return results
+
+
+def time_steps(contenders: List[Contender], batches: List[torch.Tensor], new_batch, args) -> None:
+    """Warm-up (compiling first under ``--compile``), the interleaved timed steps, then with ``--compile`` the
+    steps on fresh batches that count recompilations."""
     if args.compile:
         for c in contenders:
             c.report_graphs_then_compile(batches[0])
@@ -385,31 +407,27 @@ def run(args) -> Dict[str, Dict[str, float]]:
             batch = new_batch()
             for c in contenders:
                 c.step(batch)
-    dispatch = dispatch_times(contenders, batches[0], args.steps) if args.dispatch else {}
-    results: Dict[str, Dict[str, float]] = {}
+
+
+def contender_result(c: Contender, args, seq_len: int) -> Dict[str, float]:
+    """Medians of the timed steps, memory, FLOPs per token, parameters and MFU of one contender."""
     tokens = args.batch_size * seq_len
-    for c in contenders:
-        median = statistics.median(c.times)
-        results[c.name] = {
-            "median_step_s": median,
-            "tokens_per_s": tokens / median,
-            "memory_mb": c.memory_bytes / 2**20,
-            "forward_backward_s": statistics.median(t[0] for t in c.split),
-            "optimizer_s": statistics.median(t[1] for t in c.split),
-            "flops_per_token": c.flops_per_token(seq_len),
-            "params": sum(p.numel() for p in c.model.parameters()),
-        }
-        results[c.name]["mfu"] = mfu(results[c.name], tokens / median, args)
-        results[c.name].update(dispatch.get(c.name, {}))
-        if c.name in saved_mb:  # the saved activations without and with checkpointing (``checkpointing``)
-            results[c.name].update(saved_activation_mb=saved_mb[c.name]["none"], checkpointing=checkpointed,
-                                    saved_activation_mb_checkpointed=saved_mb[c.name][checkpointed])
-        if c.graphs is not None:
-            results[c.name].update(graphs=c.graphs.graphs, graph_breaks=c.graphs.graph_breaks,
-                                    break_reasons=c.graphs.reasons, recompiles=c.recompiles)
-        if args.generate:
-            prompt = batches[0][:1, : max(1, min(seq_len, c.config.block_size - args.generate) // 2)]
-            results[c.name]["generate_tokens_per_s"] = time_generation(c, prompt, args.generate)
+    median = statistics.median(c.times)
+    result = {
+        "median_step_s": median,
+        "tokens_per_s": tokens / median,
+        "memory_mb": c.memory_bytes / 2**20,
+        "forward_backward_s": statistics.median(t[0] for t in c.split),
+        "optimizer_s": statistics.median(t[1] for t in c.split),
+        "flops_per_token": c.flops_per_token(seq_len),
+        "params": sum(p.numel() for p in c.model.parameters()),
+    }
+    result["mfu"] = mfu(result, tokens / median, args)
+    return result
+
+
+def add_ratios(results: Dict[str, Dict[str, float]]) -> None:
+    """Every contender's ratios to vanilla, vanilla's speed against the references, Mixtral's over its own dense."""
     base = results["vanilla"]
     for name, r in results.items():
         r["step_time_ratio"] = r["median_step_s"] / base["median_step_s"]
@@ -424,7 +442,6 @@ def run(args) -> Dict[str, Dict[str, float]]:
     if MIXTRAL_REFERENCE in results and MIXTRAL_ONE_EXPERT in results:  # the peer's MoE over its own dense
         results[MIXTRAL_REFERENCE]["time_x_one_expert"] = (results[MIXTRAL_REFERENCE]["median_step_s"]
                                                            / results[MIXTRAL_ONE_EXPERT]["median_step_s"])
-    return results
 
 
 def mfu(result: Dict[str, float], tokens_per_s: float, args) -> Optional[float]:

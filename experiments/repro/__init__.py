@@ -28,7 +28,7 @@ import argparse
 import os
 import shlex
 import sys
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 EXPERIMENTS = ("mom_kh", "mom_removal", "mom_transitions", "mom_two_phase", "mod_isoflop", "contribution",
                "head_to_head", "probe")
@@ -52,6 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
                               "the other experiments train one after another; default 1)")
         return sub
 
+    add_mom_experiments(add)
+    add_training_experiments(add)
+    add_probe_experiment(add)
+    return parser
+
+
+def add_mom_experiments(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
+    """The MoM paper's experiments: K x H, module removal, transitions, two-phase training."""
     p = add("mom_kh", "MoM validation loss over K x H")
     p.add_argument("--ks", default="1,2,3", help="K values (modules per step)")
     p.add_argument("--hs", default="1,2,4,6", help="H values (assembly steps)")
@@ -68,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variant", default="mom")
     p.add_argument("--phase1_steps", type=int, default=None, help="default: steps / 2")
     p.add_argument("--phase2_steps", type=int, default=None, help="default: steps - phase1_steps")
+
+
+def add_training_experiments(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
+    """MoD at equal FLOPs, MHA/FFN contribution, every variant head to head."""
     p = add("mod_isoflop", "MoD vs vanilla at equal training FLOPs")
     p.add_argument("--budgets", default=None,
                    help="training FLOP budgets, comma-separated (default: 0.5x and 1x the FLOPs of --steps steps "
@@ -87,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("head_to_head", "all variants at equal measured training FLOPs (vanilla's --steps steps)")
     p.add_argument("--variants", default=None, help="comma-separated (default: every registered variant)")
     p.add_argument("--bench_steps", type=int, default=5, help="timed steps per variant in the interleaved benchmark")
+
+
+def add_probe_experiment(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
+    """The routing probes at matched training FLOPs, and ``--verify`` of a published row."""
     p = add("probe", "routing probes: compute vs per-token difficulty at matched training FLOPs")
     p.set_defaults(steps=600)  # --steps: vanilla's steps; the budget every variant spends
     p.add_argument("--variants", default=None,
@@ -106,7 +122,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "report each figure beside the published one with its interval")
     p.add_argument("--published", default=None, metavar="RESULTS_JSON",
                    help="the published table's results.json for --verify (default docs/results/probe/results.json)")
-    return parser
 
 
 def split_argv(argv: Sequence[str]) -> Tuple[List[str], List[str]]:

@@ -146,19 +146,7 @@ def isoflop_experiment(ctx: Context, budgets: Optional[Sequence[float]] = None, 
     jobs = [(budget, c) for budget, configs in plan.items() for c in configs]
     summaries = ctx.run_many([(c.run_options(), budget_step_cap(budget, tokens, c.flops_per_token), budget)
                               for budget, c in jobs])
-    rows = []
-    for (budget, c), s in zip(jobs, summaries):
-        spent = budget_spent(s)
-        rows.append({"budget": budget, "variant": c.variant, "d_model": c.d_model, "n_layer": c.n_layer,
-                     "parameters": s["parameters"], "steps": s["steps"], "planned_steps": c.steps,
-                     "train_flops_per_token": c.flops_per_token, "planned_flops": c.total_flops,
-                     "planned_deviation": c.deviation, "measured_flops": spent["train_flops"],
-                     "measured_deviation": spent["spent_deviation"], "matched": spent["matched"],
-                     # routing decided as in generation (MoD's causal loss): what the curves compare
-                     "val_loss": headline_val_loss(s), "val_loss_noncausal": noncausal_val_loss(s),
-                     "val_loss_causal": s.get("val_metrics", {}).get("val/loss_causal"),
-                     "forward_flops_per_token": s["flops_per_token"]["forward"],
-                     "step_time_s": s["median_step_time_s"], "run_dir": s["run_dir"]})
+    rows = [isoflop_row(budget, c, s) for (budget, c), s in zip(jobs, summaries)]
     table = markdown_table(
         ["budget", "variant", "d", "params", "steps (planned)", "planned train FLOPs/token", "FLOPs spent",
          "spent vs budget", "val loss (MoD: causal)", "val loss, top-k over T", "step s"],
@@ -171,6 +159,30 @@ def isoflop_experiment(ctx: Context, budgets: Optional[Sequence[float]] = None, 
                 "the steps it took and those the analytic plan predicted.", "", table, "",
                 "Observations (computed from the numbers above):", "",
                 *isoflop_observations(rows), ""]
+    plot_isoflop(ctx, plan, variants, rows)
+    ctx.log_table("mod_isoflop", table)
+    results = {"tokens_per_step": tokens, "budgets": list(plan), "widths": widths, "runs": rows}
+    ctx.write_report("MoD isoFLOP comparison", sections, results)
+    return results
+
+
+def isoflop_row(budget: float, c, s: Dict[str, Any]) -> Dict[str, Any]:
+    """One run's row: its plan ``c`` at ``budget`` and its summary ``s``."""
+    spent = budget_spent(s)
+    return {"budget": budget, "variant": c.variant, "d_model": c.d_model, "n_layer": c.n_layer,
+            "parameters": s["parameters"], "steps": s["steps"], "planned_steps": c.steps,
+            "train_flops_per_token": c.flops_per_token, "planned_flops": c.total_flops,
+            "planned_deviation": c.deviation, "measured_flops": spent["train_flops"],
+            "measured_deviation": spent["spent_deviation"], "matched": spent["matched"],
+            # routing decided as in generation (MoD's causal loss): what the curves compare
+            "val_loss": headline_val_loss(s), "val_loss_noncausal": noncausal_val_loss(s),
+            "val_loss_causal": s.get("val_metrics", {}).get("val/loss_causal"),
+            "forward_flops_per_token": s["flops_per_token"]["forward"],
+            "step_time_s": s["median_step_time_s"], "run_dir": s["run_dir"]}
+
+
+def plot_isoflop(ctx: Context, plan: Dict[float, Any], variants: Sequence[str], rows: Sequence[Dict[str, Any]]) -> None:
+    """Validation loss over parameters, one curve per budget and variant."""
     fig, axes = figure(1, 1, width=6.0, height=4.2)
     ax = axes[0, 0]
     colours = {b: f"C{i}" for i, b in enumerate(plan)}
@@ -185,10 +197,6 @@ def isoflop_experiment(ctx: Context, budgets: Optional[Sequence[float]] = None, 
     ax.legend(fontsize=7)
     ax.set_title("isoFLOP curves: MoD vs vanilla at matched measured FLOPs")
     ctx.save_figure(fig, "mod_isoflop")
-    ctx.log_table("mod_isoflop", table)
-    results = {"tokens_per_step": tokens, "budgets": list(plan), "widths": widths, "runs": rows}
-    ctx.write_report("MoD isoFLOP comparison", sections, results)
-    return results
 
 
 def _spent_cell(row: Dict[str, Any]) -> str:

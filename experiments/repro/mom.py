@@ -173,13 +173,11 @@ def trained_run(ctx: Context, variant: str, options: Sequence[str], run: Optiona
     return pathlib.Path(ctx.run(argv)["run_dir"])
 
 
-def removal(ctx: Context, variant: str = "mom", options: Sequence[str] = (), run: Optional[str] = None,
-            sequences: int = 64, order: str = "usage") -> Dict[str, Any]:
-    run_dir = trained_run(ctx, variant, options, run)
-    model = load_model(run_dir)
+def removal_grid(model, data: torch.Tensor, attn_order: Sequence[int], ffn_order: Sequence[int]
+                 ) -> Dict[Tuple[int, int], Optional[float]]:
+    """Validation loss with every (attention, FFN) count of modules kept, removing in the given orders; None
+    where fewer choices than K remain."""
     n_a, n_f = mom_model(model).pool_sizes()
-    data = validation_sequences(run_dir, model, sequences)
-    attn_order, ffn_order = removal_order(model, data, order)
     k = model.config.mom.top_k
     skip = 1 if model.config.mom.allow_skip else 0
     grid: Dict[Tuple[int, int], Optional[float]] = {}
@@ -190,6 +188,38 @@ def removal(ctx: Context, variant: str = "mom", options: Sequence[str] = (), run
                 continue
             with removed_modules(model, attn_order[: n_a - keep_a], ffn_order[: n_f - keep_f]):
                 grid[(keep_a, keep_f)] = mean_loss(model, data)
+    return grid
+
+
+def plot_removal(ctx: Context, grid: Dict[Tuple[int, int], Optional[float]], a_keep: List[int], f_keep: List[int],
+                 variant: str) -> None:
+    """The removal grid as a heat map, each cell labelled with its loss."""
+    fig, axes = figure(1, 1, width=5.0, height=4.2)
+    ax = axes[0, 0]
+    matrix = torch.tensor([[float("nan") if grid[(a, f)] is None else grid[(a, f)] for f in f_keep] for a in a_keep])
+    image = ax.imshow(matrix.numpy(), cmap="viridis_r")
+    ax.set_xticks(range(len(f_keep)), f_keep)
+    ax.set_yticks(range(len(a_keep)), a_keep)
+    ax.set_xlabel("FFN modules kept (N_F)")
+    ax.set_ylabel("attention modules kept (N_A)")
+    for i, a in enumerate(a_keep):
+        for j, f in enumerate(f_keep):
+            if grid[(a, f)] is not None:
+                ax.text(j, i, f"{grid[(a, f)]:.2f}", ha="center", va="center", fontsize=7, color="white")
+    fig.colorbar(image, ax=ax, label="validation loss")
+    ax.set_title(f"MoM module removal ({variant})")
+    ctx.save_figure(fig, "mom_removal")
+
+
+def removal(ctx: Context, variant: str = "mom", options: Sequence[str] = (), run: Optional[str] = None,
+            sequences: int = 64, order: str = "usage") -> Dict[str, Any]:
+    run_dir = trained_run(ctx, variant, options, run)
+    model = load_model(run_dir)
+    n_a, n_f = mom_model(model).pool_sizes()
+    data = validation_sequences(run_dir, model, sequences)
+    attn_order, ffn_order = removal_order(model, data, order)
+    k = model.config.mom.top_k
+    grid = removal_grid(model, data, attn_order, ffn_order)
     intact = grid[(n_a, n_f)]
     half_a, three_quarter_f = max(1, round(n_a / 2)), max(1, round(0.75 * n_f))
     checks = {
@@ -210,21 +240,7 @@ def removal(ctx: Context, variant: str = "mom", options: Sequence[str] = (), run
                          None if value is None else f"{100 * (value - intact) / intact:+.2f}%"]
                         for name, value in [("intact", intact), *checks.items()]]), "",
     ]
-    fig, axes = figure(1, 1, width=5.0, height=4.2)
-    ax = axes[0, 0]
-    matrix = torch.tensor([[float("nan") if grid[(a, f)] is None else grid[(a, f)] for f in f_keep] for a in a_keep])
-    image = ax.imshow(matrix.numpy(), cmap="viridis_r")
-    ax.set_xticks(range(len(f_keep)), f_keep)
-    ax.set_yticks(range(len(a_keep)), a_keep)
-    ax.set_xlabel("FFN modules kept (N_F)")
-    ax.set_ylabel("attention modules kept (N_A)")
-    for i, a in enumerate(a_keep):
-        for j, f in enumerate(f_keep):
-            if grid[(a, f)] is not None:
-                ax.text(j, i, f"{grid[(a, f)]:.2f}", ha="center", va="center", fontsize=7, color="white")
-    fig.colorbar(image, ax=ax, label="validation loss")
-    ax.set_title(f"MoM module removal ({model.config.variant})")
-    ctx.save_figure(fig, "mom_removal")
+    plot_removal(ctx, grid, a_keep, f_keep, model.config.variant)
     ctx.log_table("mom_removal", sections[3])
     results = {"run_dir": str(run_dir), "order": order, "attn_order": attn_order, "ffn_order": ffn_order,
                "n_attn": n_a, "n_ffn": n_f, "top_k": k, "intact": intact,
@@ -349,6 +365,23 @@ def routing_profile(model, sequences: torch.Tensor) -> Dict[str, Optional[float]
     return {"router_entropy": mean(entropies), "load_cv": mean(cvs), "skip_share": mean(skips)}
 
 
+def plot_two_phase(ctx: Context, variant: str, s1: int, phase1: Dict[str, Any], phase2: Dict[str, Any],
+                   from_scratch: Dict[str, Any], vanilla: Dict[str, Any]) -> None:
+    """The training-loss curves of both phases, the from-scratch arm and vanilla, over the total step."""
+    fig, axes = figure(1, 1, width=6.0)
+    ax = axes[0, 0]
+    curve = lambda s, offset=0: ([p + offset for p, _ in s["train_loss_curve"]], [l for _, l in s["train_loss_curve"]])  # noqa: E731
+    ax.plot(*curve(phase1), label="phase 1 (vanilla)", color="tab:gray")
+    ax.plot(*curve(phase2, s1), label=f"phase 2 ({variant} from vanilla)", color="tab:blue")
+    ax.plot(*curve(from_scratch), label=f"{variant} from scratch", color="tab:red", alpha=0.7)
+    ax.plot(*curve(vanilla), label="vanilla", color="black", alpha=0.4)
+    ax.set_xlabel("total training step")
+    ax.set_ylabel("training loss")
+    ax.legend(fontsize=7)
+    ax.set_title("two-phase vs from-scratch MoM")
+    ctx.save_figure(fig, "mom_two_phase")
+
+
 def two_phase(ctx: Context, variant: str = "mom", phase1_steps: Optional[int] = None,
               phase2_steps: Optional[int] = None, options: Sequence[str] = (), sequences: int = 32) -> Dict[str, Any]:
     from experiments import two_phase as two_phase_cli
@@ -387,18 +420,7 @@ def two_phase(ctx: Context, variant: str = "mom", phase1_steps: Optional[int] = 
         f"Two-phase {'beats' if better else 'does not beat'} from-scratch at equal steps "
         f"({phase2['final_val_loss']:.4f} vs {from_scratch['final_val_loss']:.4f}).", "",
     ]
-    fig, axes = figure(1, 1, width=6.0)
-    ax = axes[0, 0]
-    curve = lambda s, offset=0: ([p + offset for p, _ in s["train_loss_curve"]], [l for _, l in s["train_loss_curve"]])  # noqa: E731
-    ax.plot(*curve(phase1), label="phase 1 (vanilla)", color="tab:gray")
-    ax.plot(*curve(phase2, s1), label=f"phase 2 ({variant} from vanilla)", color="tab:blue")
-    ax.plot(*curve(from_scratch), label=f"{variant} from scratch", color="tab:red", alpha=0.7)
-    ax.plot(*curve(vanilla), label="vanilla", color="black", alpha=0.4)
-    ax.set_xlabel("total training step")
-    ax.set_ylabel("training loss")
-    ax.legend(fontsize=7)
-    ax.set_title("two-phase vs from-scratch MoM")
-    ctx.save_figure(fig, "mom_two_phase")
+    plot_two_phase(ctx, variant, s1, phase1, phase2, from_scratch, vanilla)
     results = {"variant": variant, "phase1_steps": s1, "phase2_steps": s2, "phase1": phase1["run_dir"],
                "two_phase": phase2["run_dir"], "from_scratch": from_scratch["run_dir"], "vanilla": vanilla["run_dir"],
                "val_loss": {"two_phase": phase2["final_val_loss"], "from_scratch": from_scratch["final_val_loss"],
