@@ -395,21 +395,22 @@ def code_versions(runs: Sequence[Run]) -> Dict[str, int]:
     """{code label (commit, '+dirty:<diff hash>', 'unknown'): runs}; warns in one line when there are several."""
     from analysis.provenance import code_label
 
-    counts = _label_counts(runs, code_label)
-    if len(counts) > 1:
-        warn(f"the table mixes code versions: {_code_list(counts)}; rows trained by other code may differ for that "
-             "reason alone: retrain them at one commit (python -m experiments.repro ... --no_reuse)")
-    return counts
+    return _warn_if_mixed(runs, code_label, "code versions", "rows trained by other code may differ for that reason "
+                          "alone: retrain them at one commit (python -m experiments.repro ... --no_reuse)")
 
 
 def kernel_paths(runs: Sequence[Run]) -> Dict[str, int]:
     """{CPU kernel path label: runs}; warns in one line when there are several (they differ like seeds)."""
     from analysis.provenance import kernel_label
 
-    counts = _label_counts(runs, kernel_label)
+    return _warn_if_mixed(runs, kernel_label, "CPU kernel paths", "the same command on other kernels differs like "
+                          "another seed (docs/results.md, 'Reproducibility')")
+
+
+def _warn_if_mixed(runs: Sequence[Run], label, what: str, consequence: str) -> Dict[str, int]:
+    counts = _label_counts(runs, label)
     if len(counts) > 1:
-        warn(f"the table mixes CPU kernel paths: {_code_list(counts)}; the same command on other kernels "
-             "differs like another seed (docs/results.md, 'Reproducibility')")
+        warn(f"the table mixes {what}: {_code_list(counts)}; {consequence}")
     return counts
 
 

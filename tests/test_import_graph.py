@@ -190,15 +190,15 @@ def test_no_function_is_longer_than_50_lines():
 
 
 def test_the_size_checks_see_a_large_package_and_a_long_nested_function(tmp_path):
-    """The test of the test: a package with 31% of the lines and a nested function of 51 lines are reported,
-    30% and 50 lines are not."""
-    assert oversized_packages({"a": 31, "b": 69}) == ["a: 31 of 100 lines (31.0% > 30%)"]
-    assert oversized_packages({"a": 30, "b": 70}) == []
-    body = "\n".join(["def outer():", "    def inner():"] + ["        x = 1"] * 49 + ["    return inner"])
+    """The test of the test: a package with 31% of the lines and a nested function of 51 lines are reported;
+    a package at exactly 30% and a function at exactly the limit are not."""
+    assert oversized_packages({"a": 31, "b": 23, "c": 23, "d": 23}) == ["a: 31 of 100 lines (31.0% > 30%)"]
+    assert oversized_packages({"a": 30, "b": 30, "c": 20, "d": 20}) == []
+    body = "\n".join(["def outer():", "    def inner():"] + ["        x = 1"] * 50 + ["    return inner"])
     (tmp_path / "m.py").write_text(body + "\n")
     found = long_functions([tmp_path / "m.py"])
-    assert [length for length, _ in found] == [52, 51] and found[1][1].endswith(":2 inner")
-    assert long_functions([tmp_path / "m.py"], limit=52) == []
+    assert [length for length, _ in found] == [53, 51] and found[1][1].endswith(":2 inner")
+    assert [length for length, _ in long_functions([tmp_path / "m.py"], limit=51)] == [53]  # 51 at a limit of 51: not over
 
 # ---------------------------------------------------------------------------- what an import loads (issue 29)
 #: run in a fresh interpreter: which modules an import loads, and which module first imported torch._dynamo
