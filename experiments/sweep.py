@@ -246,7 +246,7 @@ def memory_plans(parsed: Sequence[Any], gpu_memory_gb: float = 80.0) -> List[Dic
     import multiprocessing
 
     from model_tools.memory import job_plan, measure, measurement_key
-    from model_tools.memory import measurement_inputs
+    from experiments.memory import measurement_inputs
 
     inputs = [measurement_inputs(cfg) for cfg in parsed]
     keys = [measurement_key(item) for item in inputs]
