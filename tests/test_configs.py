@@ -75,7 +75,7 @@ def test_explicit_values_beat_presets_in_the_python_api_and_bench_set():
     from architectures import ModelConfig
     from architectures.combination import CombinationConfig
     from architectures.mom import MoMConfig
-    from experiments.bench import apply_overrides
+    from model_tools.benchmark import apply_overrides
 
     def built(config):
         with torch.device("meta"):
