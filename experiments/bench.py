@@ -37,7 +37,7 @@ import torch.nn.functional as F
 import yaml
 
 from architectures import ModelConfig, build_model, variant_names
-from architectures.config import SIZES, ConfigError, config_groups
+from architectures.config import SHARED_FIELDS, SIZES, ConfigError, config_groups
 from architectures.flops import vanilla_flops
 from callbacks.flops import PEAK_BF16_TFLOPS, peak_bf16_flops  # noqa: F401  (one peak table for bench and training MFU)
 from architectures.checkpointing import parse_policy, set_activation_checkpointing, watch_checkpoint_inputs
@@ -128,7 +128,7 @@ def parse_override(item: str) -> Tuple[List[str], Any]:
         raise ConfigError(f"--set {item}: expected FIELD=VALUE or GROUP.FIELD=VALUE (e.g. --set mod.capacity=0.25)")
     path = key.split(".")
     groups = config_groups()
-    top = {f.name for f in dataclasses.fields(ModelConfig)} - set(groups) - {"variant", "preset"}
+    top = set(SHARED_FIELDS) - {"variant", "preset"}
     if len(path) == 1 and path[0] in top:
         pass
     elif len(path) == 2 and path[0] in groups and path[1] in {f.name for f in dataclasses.fields(groups[path[0]])}:

@@ -40,8 +40,8 @@ from jsonargparse import ActionConfigFile, ArgumentParser, Namespace  # noqa: E4
 
 from architectures import ModelConfig, variant_names  # noqa: E402
 from architectures.checkpointing import parse_policy, set_activation_checkpointing  # noqa: E402
-from architectures.config import ConfigError, SIZES, config_groups, flatten  # noqa: E402
-from architectures.registry import check_options_used  # noqa: E402
+from architectures.config import ConfigError, SIZES, SharedModelConfig, config_groups, flatten  # noqa: E402
+from architectures.registry import check_groups_read, check_options_used  # noqa: E402
 from callbacks import CallbacksConfig, config_from as callbacks_config  # noqa: E402
 from datamodules.catalog import REQUIRED_TOKENIZER, corpus_names, ignored_data_options  # noqa: E402
 from datamodules.corpora import DataError  # noqa: E402
@@ -162,7 +162,7 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--activation_checkpointing", type=str, default="none",
                         help="none | blocks | every_k:N: recompute the blocks' activations in backward "
                         "(routing replayed exactly; docs/scale.md)")
-    parser.add_class_arguments(ModelConfig, "model")
+    add_model_arguments(parser)
     parser.add_class_arguments(DataConfig, "data")
     parser.add_class_arguments(OptimConfig, "optim")
     parser.add_class_arguments(CallbacksConfig, "callbacks")
@@ -183,8 +183,17 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-def validate_up_front(cfg: Namespace) -> None:
-    """Fail before any work: unknown names list the valid ones, bad values name the field."""
+def add_model_arguments(parser: ArgumentParser, prefix: str = "model") -> None:
+    """``--model.<field>`` for the shared fields and ``--model.<group>.<field>`` for every registered group; a
+    run's config keeps only its variant's groups, and options of the others are refused (``check_groups_read``)."""
+    parser.add_class_arguments(SharedModelConfig, prefix)
+    for group, cls in config_groups().items():
+        parser.add_class_arguments(cls, f"{prefix}.{group}")
+
+
+def validate_up_front(cfg: Namespace, argv: Sequence[str] = ()) -> None:
+    """Fail before any work: unknown names list the valid ones, bad values name the field. ``argv`` (the command
+    line, when there is one) makes an option of a group the variant does not read an error even at its default."""
     if cfg.model.variant not in variant_names():
         raise ConfigError(f"model.variant: unknown variant {cfg.model.variant!r}; valid variants: {', '.join(variant_names())}")
     if cfg.model.size not in SIZES:
@@ -208,6 +217,9 @@ def validate_up_front(cfg: Namespace) -> None:
     callbacks_config(cfg).validate(model_config(cfg).resolve().block_size)
     if cfg.data.labels:  # its levels against --callbacks.probe_levels; its length once the token cache exists
         check_label_file(cfg.data.labels, callbacks_config(cfg).probe_levels)
+    given = [head.removeprefix("--model.") for head in (item.partition("=")[0] for item in argv)
+             if head.startswith("--model.")]
+    check_groups_read(cfg.model.variant, _as_dict(cfg.model), given)
     model_config(cfg).resolve()
     check_options_used(model_config(cfg))
     check_data_options(cfg.data)
@@ -260,7 +272,7 @@ def check_sources_up_front(cfg: Namespace) -> None:
         raise ConfigError(f"version: {folder} is a file, not a run folder; choose another --version")
     if cfg.ckpt_path:
         mcfg = model_config(cfg).resolve()
-        model = {k: v for k, v in flatten(dataclasses.asdict(mcfg)).items() if k != "vocab_size"}  # from the tokenizer
+        model = {k: v for k, v in flatten(mcfg.to_dict()).items() if k != "vocab_size"}  # from the tokenizer
         resolve_ckpt(cfg, run_root(cfg.log_dir, mcfg), {"model": model}, notes=False)
 
 
@@ -316,10 +328,11 @@ def model_config(cfg: Namespace, vocab_size: Optional[int] = None) -> ModelConfi
 
 
 def resolved_namespace(cfg: Namespace, mcfg: ModelConfig) -> Namespace:
-    """The config as it actually ran: size defaults, preset and tokenizer vocabulary filled in."""
+    """The config as it actually ran: size defaults, preset and tokenizer vocabulary filled in, and of the model
+    groups only those the variant reads."""
     resolved = cfg.clone()
-    resolved.model = Namespace(**dataclasses.asdict(mcfg.resolve()))
-    for group in config_groups():
+    resolved.model = Namespace(**mcfg.resolve().to_dict())
+    for group in mcfg.groups:
         resolved.model[group] = Namespace(**resolved.model[group])
     return resolved
 
@@ -412,7 +425,7 @@ def _matching_ckpt(cfg: Namespace, root: pathlib.Path, expected: Optional[Dict[s
 
 def run_fingerprints(mcfg: ModelConfig, data) -> Dict[str, Any]:
     """What a resumed run must share with the command: every resolved model field, data and tokenizer."""
-    return {"model": flatten(dataclasses.asdict(mcfg.resolve())), **data.fingerprints()}
+    return {"model": flatten(mcfg.resolve().to_dict()), **data.fingerprints()}
 
 
 def checkpoint_differences(path: str, expected: Dict[str, Any]) -> List[str]:
@@ -424,7 +437,7 @@ def checkpoint_differences(path: str, expected: Dict[str, Any]) -> List[str]:
     if not model:
         return ["model (the checkpoint holds no hyper_parameters.model; not written by experiments.run)"]
     try:
-        saved_model = flatten(dataclasses.asdict(ModelConfig.from_dict(model).resolve()))
+        saved_model = flatten(ModelConfig.from_dict(model).resolve().to_dict())
     except (ConfigError, TypeError, ValueError) as err:
         return [f"model ({err})"]
     out = [f"model.{k} ({saved_model.get(k)!r} in the checkpoint, {v!r} now)"
@@ -474,7 +487,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Optional[pathlib.Path]:
     argv = join_option_values(expand_aliases(list(sys.argv[1:] if argv is None else argv)))
     printing = "--print_config" in argv  # ours, resolved; "--print_config=..." forms stay jsonargparse's
     cfg = parse_with_presets(parser, [a for a in argv if a != "--print_config"])
-    validate_up_front(cfg)
+    validate_up_front(cfg, argv)
     if printing:
         print_resolved_config(parser, cfg)
         return None
@@ -497,7 +510,7 @@ def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
                         val_blocks=cfg.val_blocks)
     mcfg = model_config(cfg, vocab_size=data.vocab_size)
     mcfg.resolve()
-    module = LanguageModelModule(model=dataclasses.asdict(mcfg), optim=_as_dict(cfg.optim),
+    module = LanguageModelModule(model=mcfg.to_dict(), optim=_as_dict(cfg.optim),
                                  max_steps=cfg.trainer.max_steps, val_names=data.val_names_from_corpus(),
                                  max_train_flops=cfg.max_train_flops)
     if cfg.init_from:
