@@ -292,9 +292,9 @@ def check_groups_read(variant: str, model: Dict[str, Any], given: Sequence[str] 
     reads = get_variant(variant).model_class().config_groups
     users = [name for name in variant_names() if uses_option(name, key)]
     more = f" (also unread: {', '.join('model.' + k for k, _ in unread[1:])})" if len(unread) > 1 else ""
-    raise ConfigError(f"model.{key}: the {variant} variant does not use this option (set to {value!r}); it reads "
-                      f"the groups {', '.join(reads) or 'none'}; model.{key.split('.')[0]} applies to "
-                      f"{', '.join(users) or 'no variant'}; drop it or choose one of those variants{more}")
+    raise ConfigError(f"model.{key}: the {variant} variant does not use this option (set to {value!r}); it applies "
+                      f"to {', '.join(users) or 'no variant'}; drop it or choose one of those variants (groups "
+                      f"{variant} reads: {', '.join(reads) or 'none'}){more}")
 
 
 def check_options_used(config: ModelConfig) -> None:

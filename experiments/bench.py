@@ -161,8 +161,13 @@ def uses_moe_layer(label: str) -> bool:
 
 
 def apply_overrides(config: ModelConfig, overrides: List[str]) -> ModelConfig:
+    """``config`` with each ``--set`` applied; one of a group the variant does not read (the same ``--set`` goes
+    to every benchmarked variant, vanilla included; ``check_overrides`` makes sure some variant reads it) is
+    skipped, as the config holds only its variant's groups."""
     for item in overrides:
         (*path, leaf), value = parse_override(item)
+        if path and path[0] not in config.groups:
+            continue
         target = config
         for part in path:
             target = getattr(target, part)

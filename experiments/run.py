@@ -121,8 +121,6 @@ def default_precision() -> str:
 
 
 def build_parser() -> ArgumentParser:
-    from lightning import Trainer
-
     parser = ArgumentParser(
         prog="python -m experiments.run",
         description="Train a dynamic-computation Transformer variant. Aliases: "
@@ -166,6 +164,14 @@ def build_parser() -> ArgumentParser:
     parser.add_class_arguments(DataConfig, "data")
     parser.add_class_arguments(OptimConfig, "optim")
     parser.add_class_arguments(CallbacksConfig, "callbacks")
+    add_trainer_arguments(parser)
+    return parser
+
+
+def add_trainer_arguments(parser: ArgumentParser) -> None:
+    """``--trainer.*``: Lightning's Trainer options, less those the run wires itself, with the run's defaults."""
+    from lightning import Trainer
+
     parser.add_class_arguments(Trainer, "trainer", skip=_TRAINER_SKIP, fail_untyped=False)
     parser.add_argument("--trainer.accelerator", type=str, default="auto")
     parser.add_argument("--trainer.devices", type=str, default="auto")
@@ -180,7 +186,6 @@ def build_parser() -> ArgumentParser:
         "trainer.use_distributed_sampler": False,
         "trainer.enable_model_summary": False,
     })
-    return parser
 
 
 def add_model_arguments(parser: ArgumentParser, prefix: str = "model") -> None:
@@ -280,7 +285,8 @@ def without_ignored_options(argv: Sequence[str], parser: ArgumentParser) -> Tupl
     """(``argv`` without the model options its variant does not use, the variant, the dropped option names).
 
     For commands built for several variants at once (sweeps, reproduction grids); a command line a user
-    typed is refused instead (``check_options_used``). Options from ``--config`` files are not dropped."""
+    typed is refused instead (``check_groups_read``, ``check_options_used``). Options from ``--config`` files are
+    not dropped."""
     from architectures.registry import get_variant, uses_option
 
     argv, canonical = list(argv), expand_aliases(list(argv))  # item for item

@@ -23,7 +23,7 @@ import torch
 import yaml
 
 from architectures import ModelConfig, build_model
-from architectures.config import ConfigError, config_groups, flatten
+from architectures.config import SHARED_FIELDS, ConfigError, config_groups, flatten
 from architectures.registry import VARIANTS, Variant, register, unregister
 from tests.conftest import REPO, TINY_RUN
 
@@ -112,8 +112,8 @@ def test_a_toy_variant_gets_cli_options_preset_and_validation_from_its_registry_
     assert list(config.groups) == ["toy"] and list(config.to_dict())[-1] == "toy"
     assert ModelConfig.from_dict(config.to_dict()).toy.ffn_mult == 1.5
     assert dataclasses.replace(config, d_model=64).toy.ffn_mult == 1.5
-    with pytest.raises(ConfigError, match=r"^model\.toy\.ffn_mult: the vanilla variant does not use this option .*"
-                                          r"it reads the groups none; model\.toy applies to toy_wide"):
+    with pytest.raises(ConfigError, match=r"^model\.toy\.ffn_mult: the vanilla variant does not use this option "
+                                          r"\(set to 1\.5\); it applies to toy_wide; .*\(groups vanilla reads: none\)$"):
         validate_up_front(parsed("--variant", "vanilla", "--model.toy.ffn_mult", "1.5"))
 
 
@@ -154,6 +154,25 @@ def test_the_toy_variant_passes_the_invariant_suite(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_tests_that_enumerate_the_registry_and_groups_pass_with_the_toy_registered(tmp_path):
+    """A newcomer's variant with an option (the toy's ``model.toy``) must break no existing test: the tests that
+    go over every variant or every config group, and the old-layout loading, run with the toy registered."""
+    write_toy(tmp_path)
+    (tmp_path / "toy_plugin.py").write_text(f"import {TOY_MODULE}  # noqa: F401  (registers toy_wide)\n")
+    selected = "toy_wide or old_layout or old_run_folders or presets_and_defaults or explicit"
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "toy_plugin", "-p", "no:cacheprovider", "-m", "not slow",
+         "-k", selected, "tests/test_configs.py", "tests/test_argument_errors.py",
+         "tests/test_one_file_variant.py"],
+        cwd=REPO, env=toy_env(tmp_path), capture_output=True, text=True, timeout=600)
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-2000:]
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in summary and "failed" not in summary and "error" not in summary, summary
+    toy_cases = [line for line in result.stdout.splitlines() if line.startswith("PASSED") and "[toy_wide]" in line]
+    assert len(toy_cases) >= 3, result.stdout[-4000:]  # the registry-wide cases ran on the toy too
+
+
+@pytest.mark.slow
 def test_the_toy_variant_trains_three_steps_from_the_command_line(tmp_path):
     write_toy(tmp_path)
     command = [sys.executable, "-c", f"import {TOY_MODULE}; from experiments.run import cli; cli()"]
@@ -165,6 +184,7 @@ def test_the_toy_variant_trains_three_steps_from_the_command_line(tmp_path):
     run_dir = pathlib.Path(run.stdout.strip().splitlines()[-1])
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert saved["model"]["variant"] == "toy_wide" and saved["model"]["toy"] == {"ffn_mult": 3.0}
+    assert set(saved["model"]) == {*SHARED_FIELDS, "toy"}  # the variant's group only
     summary = yaml.safe_load((run_dir / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["final_val_loss"] is not None
 
