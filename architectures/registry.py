@@ -73,8 +73,8 @@ VARIANTS: Dict[str, Variant] = {}
 
 
 def register(name: str, variant: Variant) -> Variant:
-    """Add ``variant`` under ``name``: its class's config groups are recorded (``register_group``), its preset checked
-    against them. Raises ConfigError when the name is taken or the preset names an unknown group or field."""
+    """Add ``variant`` under ``name``: its class's config groups are recorded (``register_group``), its preset
+    checked against them. Raises ConfigError when the name is taken or the preset names an unknown group or field."""
     if name in VARIANTS:
         raise ConfigError(f"model.variant: {name!r} is already registered ({VARIANTS[name].description}); "
                           "choose another name")
@@ -212,8 +212,9 @@ def get_variant(name: str) -> Variant:
 def apply_preset(config: ModelConfig) -> ModelConfig:
     """``config`` with its variant's preset in its groups. A config gets its preset when it is built
     (``ModelConfig``'s docstring: explicit values win), so this is ``config`` itself unless ``variant`` was
-    assigned afterwards: then a copy fills the new variant's preset into the fields left at their default.
-    The CLI puts the preset into the parser's defaults instead (``preset_defaults``)."""
+    assigned afterwards: then a copy holds the new variant's groups, those it shares with the old variant as
+    they were, the others with the new preset. The CLI puts the preset into the parser's defaults instead
+    (``preset_defaults``), so an explicit command-line value wins there too."""
     get_variant(config.variant)
     return config if config.preset == config.variant else dataclasses.replace(config)
 
