@@ -121,9 +121,9 @@ def read_run(folder: pathlib.Path) -> Optional[Run]:
 
 
 def without_unused_groups(config: Dict[str, Any]) -> Dict[str, Any]:
-    """The config without the option groups its variant does not read (``model.mom.*`` of a MoD run: every
-    config.yaml holds every group at its defaults, which are no difference between runs). A variant the
-    registry does not know keeps all its options."""
+    """The config without the option groups its variant does not read (``model.mom.*`` of a MoD run: a
+    config.yaml written before configs held only their variant's groups holds every group at its defaults,
+    which are no difference between runs). A variant the registry does not know keeps all its options."""
     from architectures.config import config_groups
     from architectures.registry import VARIANTS
 

@@ -76,13 +76,12 @@ import torch.nn.functional as F
 
 from architectures import flops as F_
 from architectures.base import ForwardState, LanguageModel, require
-from architectures.config import ModelConfig, tracks_explicit
+from architectures.config import ModelConfig
 from architectures.contract import KVCache, RoutingSite
 from architectures.gpt2 import MLP, CausalSelfAttention, causal_attention
 from architectures.moe import MoEConfig, MoELayer, MoEResult, validate_moe_config
 
 
-@tracks_explicit
 @dataclass
 class CombinationConfig:
     """FFN-Wider / Combination Adjustable (caa) / Enhanced (cea) architectures (Lu et al. 2024).

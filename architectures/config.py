@@ -1,12 +1,28 @@
-"""The model configuration: shared fields plus one group per variant family, registered by the family.
+"""The model configuration: shared fields plus the option groups of the active variant.
 
-``ModelConfig`` holds the fields every model shares (``variant``, ``size``, the dimensions, dropout,
-...). A family's options live in its own dataclass in its architecture file (``MoMConfig`` in
-``architectures/mom.py``, ...); the registry (``architectures/registry.py``, which imports this module,
-never the other way round) adds it here as the group ``model.<name>`` via ``register_group`` when a
-variant using it is registered. A group is then an ordinary dataclass field of ``ModelConfig``: the CLI
-option ``--model.<group>.<field>``, ``dataclasses.asdict``, ``config.yaml`` and checkpoints all see it, in
-the same layout as before the groups moved (old run folders and checkpoints load unchanged).
+``ModelConfig`` is plain typed data. It holds the fields every model shares (``variant``, ``size``, the
+dimensions, dropout, ...) and ``groups``: ``{group name: options dataclass}`` for exactly the groups the
+variant reads. A family's options live in its own dataclass in its architecture file (``MoMConfig`` in
+``architectures/mom.py``, ...); the model class names the groups it reads (``config_groups = {"mom":
+MoMConfig}``) and the registry (``architectures/registry.py``, which imports this module, never the
+other way round) records each one with ``register_group`` and tells this module, through
+``set_variant_options``, which groups and which preset a variant has. ``config.mom.top_k`` reads the group
+(``__getattr__`` looks the name up in ``groups``), so a family reads its options as an attribute.
+
+The variant's preset is applied when the config is built, to the fields the user did not give:
+
+* a group given as a dict (``from_dict``, a run folder's ``config.yaml``, a checkpoint, the CLI,
+  ``ModelConfig(variant="mom_e", mom={"top_k": 1})``): its keys are explicit and beat the preset, even when
+  equal to the dataclass default; the preset fills the other fields;
+* a group given as an object (``mom=MoMConfig(top_k=1)``, or the groups a ``dataclasses.replace`` copy
+  passes on): taken as it is: every field of it is explicit, the preset fills none;
+* a group not given: the preset over the dataclass defaults.
+
+Assigning afterwards (``config.combo.outer_ratio = 0.5``) simply changes the value: nothing re-applies a
+preset later. Groups the variant does not read are dropped, so ``to_dict()``, ``config.yaml`` and checkpoint
+hyper-parameters hold only the variant's groups; old run folders and checkpoints, which hold all of them,
+still load (``from_dict`` drops the others). The command line refuses options of a group the variant does
+not read (``registry.check_groups_read``).
 
 Sizes (``tiny`` .. ``large``) fill the shared dimensions that were left as ``None`` (see ``SIZES``),
 litgpt-style: every real size has a tiny sibling for CPU runs and tests.
@@ -18,9 +34,8 @@ checks reach it through ``set_variant_validator`` (installed by the registry).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 
 class ConfigError(ValueError):
@@ -28,49 +43,9 @@ class ConfigError(ValueError):
 
 
 def tracks_explicit(cls):
-    """Class decorator for a config group: remember which fields the user set explicitly.
-
-    ``explicit_fields(group)`` is the set of fields given to the constructor (by name or position) or
-    assigned afterwards; ``dataclasses.replace`` keeps the original's set and adds the fields it changes.
-    Variant presets (``registry.apply_preset``) fill only the other fields, so an explicit value wins
-    even when it equals the dataclass default (``MoMConfig(top_k=1)`` with ``mom_e`` builds K=1).
-    """
-    init = cls.__init__
-    names = [f.name for f in dataclasses.fields(cls) if f.init]
-
-    @functools.wraps(init)  # keeps the signature that jsonargparse reads
-    def __init__(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        given = set(names[: len(args)]) | set(kwargs)
-        source = _replaced_object(cls)
-        if source is not None:  # dataclasses.replace passes every field: keep what was explicit before
-            given = set(explicit_fields(source)) | {n for n in names if getattr(self, n) != getattr(source, n)}
-        object.__setattr__(self, "_explicit", frozenset(given))
-
-    def __setattr__(self, name, value):
-        if "_explicit" in self.__dict__ and name in names:
-            object.__setattr__(self, "_explicit", self._explicit | {name})
-        object.__setattr__(self, name, value)
-
-    cls.__init__, cls.__setattr__ = __init__, __setattr__
+    """Deprecated no-op, kept so that variant files written for the old config still import: explicit values
+    are now told apart where the config is built (``ModelConfig``'s docstring), not by the group class."""
     return cls
-
-
-def _replaced_object(cls):
-    """The object ``dataclasses.replace`` is copying when it is the caller of ``cls.__init__``, else None."""
-    import sys
-
-    frame = sys._getframe(2)
-    # Python <= 3.12 builds the copy in dataclasses.replace itself, 3.13+ in dataclasses._replace.
-    if frame.f_globals.get("__name__") == "dataclasses" and frame.f_code.co_name in ("replace", "_replace"):
-        obj = frame.f_locals.get("obj")
-        return obj if isinstance(obj, cls) else None
-    return None
-
-
-def explicit_fields(group) -> frozenset:
-    """Fields of a config group the user set explicitly (see ``tracks_explicit``)."""
-    return getattr(group, "_explicit", frozenset())
 
 
 # d = width, L = layers, heads, T = context (block size). See ../shared/SPEC.md §1.
@@ -85,13 +60,9 @@ GPT2_VOCAB_SIZE = 50257
 
 
 @dataclass
-class ModelConfig:
-    """Everything needed to build any registered architecture.
-
-    Shared dimensions left as ``None`` are filled from ``SIZES[size]`` by ``resolve()``. The family groups
-    (``mod``, ``moe``, ``mot``, ``depth_gate``, ``mom``, ``combo``, and any variant registered later) are
-    fields added by ``register_group``; ``config_groups()`` lists them.
-    """
+class SharedModelConfig:
+    """The fields every model shares (the CLI's ``--model.<field>`` options). Dimensions left as ``None`` are
+    filled from ``SIZES[size]`` by ``ModelConfig.resolve()``."""
 
     variant: str = "vanilla"
     size: str = "tiny"
@@ -105,10 +76,50 @@ class ModelConfig:
     bias: bool = True
     layer_norm_eps: float = 1e-5
     init_std: float = 0.02
-    # Name of the variant whose preset overrides (registry) are already in these fields; set by
-    # registry.apply_preset and by the CLI, so a preset is applied exactly once and explicit user
-    # values always win.
+    # The variant whose preset filled the config's groups: set when the config is built (a record for
+    # config.yaml and ``registry.apply_preset``; the preset is never applied twice).
     preset: Optional[str] = None
+
+
+@dataclass(init=False)
+class ModelConfig(SharedModelConfig):
+    """Everything needed to build any registered architecture: the shared fields (``SharedModelConfig``) and
+    ``groups``, the option groups the variant reads with its preset applied (module docstring); each group is
+    also an attribute (``config.mom``). Build one with keywords: the shared fields, and a group by its name
+    (``ModelConfig(variant="mom_e", size="small", mom={"top_k": 2})``).
+    """
+
+    groups: Dict[str, Any] = field(default_factory=dict)
+
+    def __init__(self, **values: Any) -> None:
+        unknown = sorted(set(values) - set(SHARED_FIELDS) - {"groups"} - set(_GROUPS))
+        if unknown:
+            raise ConfigError(f"model.{unknown[0]}: not a model field or registered config group (groups: "
+                              f"{', '.join(_GROUPS)}); register the variant that defines it first")
+        for name in SHARED_FIELDS:
+            object.__setattr__(self, name, values.pop(name, _SHARED_DEFAULTS[name]))
+        given = {**dict(values.pop("groups", None) or {}), **values}
+        object.__setattr__(self, "groups", _variant_groups(self.variant, given))
+        if _variant_options(self.variant) is not None:
+            object.__setattr__(self, "preset", self.variant)
+
+    def __getattr__(self, name: str) -> Any:
+        groups = self.__dict__.get("groups")  # absent while unpickling
+        if groups is not None and name in groups:
+            return groups[name]
+        if groups is not None and name in _GROUPS:
+            raise AttributeError(f"model.{name}: the {self.variant} variant does not read this group "
+                                 f"(its groups: {', '.join(groups) or 'none'})")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self.__dict__.get("groups", {}):
+            self.groups[name] = value
+        elif name in _GROUPS:
+            raise ConfigError(f"model.{name}: the {self.variant} variant does not read this group "
+                              f"(its groups: {', '.join(self.groups) or 'none'})")
+        else:
+            object.__setattr__(self, name, value)
 
     # ------------------------------------------------------------------ resolution
     def resolve(self) -> "ModelConfig":
@@ -147,33 +158,26 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> Dict[str, Any]:
-        """Every field; ``from_dict`` of it builds the same model. Before the variant's preset is applied
-        (``preset`` None) a group lists only the fields set explicitly: the preset fills the others, and a
-        dict holding every field would make them all explicit (``from_dict`` passes them to the group's
-        constructor), so ``mom_e``, ``cea_paper``, ... would build without their preset."""
-        data = dataclasses.asdict(self)
-        if self.preset is None:
-            for name in config_groups():
-                group = getattr(self, name)
-                data[name] = {k: v for k, v in data[name].items() if k in explicit_fields(group)}
+        """The shared fields, then one dict per group the variant reads (``model.<group>.<field>``, the layout
+        of ``config.yaml`` and checkpoint hyper-parameters); ``from_dict`` of it builds the same config."""
+        data = {name: getattr(self, name) for name in SHARED_FIELDS}
+        data.update({name: dataclasses.asdict(group) for name, group in self.groups.items()})
         return data
 
     @classmethod
-    def from_dict(cls, data: Dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, data: Mapping[str, Any]) -> "ModelConfig":
         """From a dict such as ``to_dict()``, a run folder's ``config.yaml`` ``model:`` section or a checkpoint's
-        ``hyper_parameters["model"]``. A group missing from ``data`` keeps its defaults (a run saved before the
-        group existed); a key that is neither a field nor a registered group is refused by name."""
-        kwargs = dict(data)
-        groups = config_groups()
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - fields)
-        if unknown:
-            raise ConfigError(f"model.{unknown[0]}: not a model field or registered config group (groups: "
-                              f"{', '.join(groups)}); register the variant that defines it before loading this config")
-        for name, group in groups.items():
-            if name in kwargs and isinstance(kwargs[name], dict):
-                kwargs[name] = group(**kwargs[name])
-        return cls(**kwargs)
+        ``hyper_parameters["model"]``. Its group keys are explicit (they beat the preset); a group the variant
+        does not read is dropped (old run folders and checkpoints hold all of them), one the variant reads but
+        ``data`` lacks takes the preset; a key that is neither a field nor a registered group is refused by name.
+        ``dataclasses.asdict``'s layout (the groups under ``groups``) is read too."""
+        values = dict(data)
+        nested = values.pop("groups", None) or {}
+        return cls(**{**nested, **values})
+
+
+SHARED_FIELDS: Tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SharedModelConfig))
+_SHARED_DEFAULTS: Dict[str, Any] = {f.name: f.default for f in dataclasses.fields(SharedModelConfig)}
 
 
 def _no_variant_check(config: ModelConfig) -> None:
@@ -190,57 +194,78 @@ def set_variant_validator(check: Callable[[ModelConfig], None]) -> None:
     _variant_validator = check
 
 
+# ---------------------------------------------------------------------------- the groups
+#: {group name: its dataclass}: every group some registered variant reads.
+_GROUPS: Dict[str, type] = {}
+
+#: ``variant -> ({group: dataclass} it reads, {group: {field: preset value}})``, or None for an unknown
+#: variant; installed by the registry (``set_variant_options``).
+VariantOptions = Callable[[str], Optional[Tuple[Dict[str, type], Dict[str, Dict[str, Any]]]]]
+
+
+def _no_variants(variant: str):
+    return None
+
+
+_variant_options: VariantOptions = _no_variants
+
+
+def set_variant_options(lookup: VariantOptions) -> None:
+    """Install the registry's answer to "which groups does this variant read, with which preset"."""
+    global _variant_options
+    _variant_options = lookup
+
+
 def config_groups() -> Dict[str, type]:
-    """{group name: its dataclass}, collected from ``ModelConfig``'s fields: the one list of config groups
-    (``from_dict``, the CLI's resolved config and the tests all read it)."""
-    return {f.name: f.default_factory for f in dataclasses.fields(ModelConfig)
-            if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)}
-
-
-_SHARED_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig))
+    """{group name: its dataclass} of every registered group: the one list of config groups (the CLI's
+    options, ``from_dict``'s check of names and the tests read it). A config holds only its variant's."""
+    return dict(_GROUPS)
 
 
 def register_group(name: str, group: type) -> None:
-    """Make the dataclass ``group`` the config group ``model.<name>``: a ``ModelConfig`` field defaulting to
-    ``group()``. Registering the same class again is a no-op; another class under a taken name is refused."""
-    current = config_groups().get(name)
+    """Record the dataclass ``group`` as the config group ``model.<name>``. Registering the same class again
+    is a no-op; another class under a taken name is refused."""
+    current = _GROUPS.get(name)
     if current is group:
         return
     if not dataclasses.is_dataclass(group):
         raise TypeError(f"config group model.{name}: {group!r} is not a dataclass")
-    if current is not None or name in _SHARED_FIELDS or not name.isidentifier():
+    if current is not None or name in SHARED_FIELDS or name == "groups" or not name.isidentifier():
         taken = f"by {current.__module__}.{current.__qualname__}" if current is not None else "by ModelConfig"
         raise ConfigError(f"model.{name}: the name is taken {taken}; give the new group another name")
-    _redefine_model_config({**config_groups(), name: group})
+    _GROUPS[name] = group
 
 
 def unregister_group(name: str) -> None:
-    """Remove the config group ``model.<name>`` (tests registering a temporary variant clean up with it)."""
-    groups = config_groups()
-    if name in groups:
-        del groups[name]
-        _redefine_model_config(groups)
+    """Forget the config group ``model.<name>`` (tests registering a temporary variant clean up with it)."""
+    _GROUPS.pop(name, None)
 
 
-def _redefine_model_config(groups: Dict[str, type]) -> None:
-    """Re-run the dataclass machinery on ``ModelConfig`` (the same class object, so every import of it stays
-    valid) with the shared fields followed by ``groups``."""
-    cls = ModelConfig
-    shared = [f for f in dataclasses.fields(cls) if f.name in _SHARED_FIELDS]
-    for name in ("__init__", "__repr__", "__eq__", "__hash__", "__match_args__", "__dataclass_fields__",
-                 "__dataclass_params__"):
-        if name in cls.__dict__:
-            delattr(cls, name)
-    for name in set(cls.__annotations__) - _SHARED_FIELDS:
-        del cls.__annotations__[name]
-        if name in cls.__dict__:
-            delattr(cls, name)
-    for f in shared:  # the dataclass machinery replaced each Field by its default: give the Field back
-        setattr(cls, f.name, f)
-    for name, group in groups.items():
-        cls.__annotations__[name] = group
-        setattr(cls, name, field(default_factory=group))
-    dataclass(cls)
+def _variant_groups(variant: str, given: Dict[str, Any]) -> Dict[str, Any]:
+    """The groups ``variant`` reads, built from ``given`` (dicts or group objects) and the variant's preset
+    (module docstring); given groups the variant does not read are dropped. For an unknown variant the given
+    groups are kept as they are (``validate`` names the variant)."""
+    options = _variant_options(variant)
+    if options is None:
+        return {name: _GROUPS[name](**value) if isinstance(value, Mapping) else value for name, value in given.items()}
+    reads, presets = options
+    return {name: _group(name, cls, given.get(name), presets.get(name, {})) for name, cls in reads.items()}
+
+
+def _group(name: str, cls: type, given: Any, preset: Dict[str, Any]) -> Any:
+    """One group: an object as it is (every field of it was given), else ``preset`` under the dict's fields."""
+    if isinstance(given, cls):
+        return given
+    if given is not None and not isinstance(given, Mapping):
+        raise ConfigError(f"model.{name}: expected a {cls.__qualname__} or a dict of its fields, got "
+                          f"{type(given).__name__}")
+    given = dict(given or {})
+    known = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ConfigError(f"model.{name}.{unknown[0]}: not a field of {cls.__qualname__}; fields: "
+                          f"{', '.join(sorted(known))}")
+    return cls(**{**preset, **given})
 
 
 def flatten(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:

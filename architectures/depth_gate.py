@@ -32,13 +32,12 @@ import torch.nn as nn
 
 from architectures import flops as F_
 from architectures.base import ForwardState, LanguageModel, require
-from architectures.config import ModelConfig, tracks_explicit
+from architectures.config import ModelConfig
 from architectures.gpt2 import Block
 from architectures.mot import run_on_subset
 from architectures.routing import LinearRouter, SoftGate, TopK
 
 
-@tracks_explicit
 @dataclass
 class DepthGateConfig:
     """Soft / hard depth gating over layer outputs (the blog-post "MoD"; saves no compute)."""

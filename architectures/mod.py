@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from architectures import flops as F_
 from architectures.base import ForwardState, LanguageModel, require
-from architectures.config import ConfigError, ModelConfig, layer_selection, tracks_explicit
+from architectures.config import ConfigError, ModelConfig, layer_selection
 from architectures.contract import RoutingSite
 from architectures.gpt2 import MLP, Block, CausalSelfAttention
 from architectures.mot import plan_segments
@@ -46,7 +46,6 @@ from architectures.moe import MoEBlock, MoEConfig, MoEGPT, MoELayer, expert_hidd
 from architectures.routing import Decision, ExpertChoice, LinearRouter, capacity_tokens
 
 
-@tracks_explicit
 @dataclass
 class MoDConfig:
     """Mixture-of-Depths (Raposo et al. 2024). Used by ``mod``, ``mode_staged``, ``mode_integrated``."""

@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from architectures import flops as F_
 from architectures.base import ForwardState, LanguageModel, require
-from architectures.config import ModelConfig, layer_selection, tracks_explicit
+from architectures.config import ModelConfig, layer_selection
 from architectures.contract import KVCache, RoutingSite
 from architectures.routing import (  # noqa: F401  (re-exported: the MoE layer's routing pieces)
     LinearRouter, Switch, balance_loss, capacity_keep, fp32_linear, noop_budget_keep, sorted_dispatch, token_topk,
@@ -46,7 +46,6 @@ from architectures.experts import GroupedExperts
 from architectures.gpt2 import MLP, Block, CausalSelfAttention
 
 
-@tracks_explicit
 @dataclass
 class MoEConfig:
     """Token-choice Mixture-of-Experts FFN (Switch / top-k)."""

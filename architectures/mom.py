@@ -75,14 +75,13 @@ import torch.nn as nn
 
 from architectures import flops as F_
 from architectures.base import ForwardState, LanguageModel, require
-from architectures.config import ConfigError, ModelConfig, tracks_explicit
+from architectures.config import ConfigError, ModelConfig
 from architectures.contract import KVCache, RoutingSite
 from architectures.dispatch import sorted_dispatch
 from architectures.gpt2 import MLP, Block, CausalSelfAttention
 from architectures.routing import FixedChoice, GRURouter, TopK, balance_loss
 
 
-@tracks_explicit
 @dataclass
 class MoMConfig:
     """Mixture-of-Modules (Gong et al. 2024). Semantics and defaults: ``architectures/mom.py``.

@@ -45,14 +45,13 @@ import torch.nn.functional as F
 
 from architectures import flops as F_
 from architectures.base import ForwardState, LanguageModel, require
-from architectures.config import ModelConfig, layer_selection, tracks_explicit
+from architectures.config import ModelConfig, layer_selection
 from architectures.contract import KVCache, RoutingSite
 from architectures.dispatch import traced_sizes
 from architectures.gpt2 import Block
 from architectures.routing import LinearRouter, MLPRouter, TopK, balance_loss
 
 
-@tracks_explicit
 @dataclass
 class MoTConfig:
     """Mixture of Transformers: whole blocks as experts, top-k gate per mixture layer."""

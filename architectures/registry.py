@@ -6,10 +6,11 @@ The architecture file holds the model class and, when the variant has options, t
 class names its groups (``config_groups = {"mom": MoMConfig}``). Registering collects everything else
 from the entry:
 
-* config groups: each group becomes the ``ModelConfig`` field ``model.<group>`` (``config.register_group``),
-  hence the CLI options ``--model.<group>.<field>``, the ``config.yaml`` section and checkpoint hparams;
-* presets: ``overrides`` fill the group fields the user did not set (``mom_e`` is the ``mom`` class with
-  other defaults), checked against the group's fields when registered;
+* config groups: each group is recorded as ``model.<group>`` (``config.register_group``), hence the CLI
+  options ``--model.<group>.<field>``; a config of the variant holds exactly its class's groups
+  (``ModelConfig.groups``, what ``config.yaml`` and checkpoint hparams hold);
+* presets: ``overrides`` fill the group fields the user did not give when the config is built (``mom_e`` is
+  the ``mom`` class with other defaults), checked against the group's fields when registered;
 * validation: ``ModelConfig.validate`` ends with the variant name and the class's ``validate_config``;
 * tests: ``test_settings`` make the tiny case every registry-driven test runs.
 
@@ -21,10 +22,11 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Tuple, Union
+from typing import Any, Dict, List, Sequence, Tuple, Union
 
 from architectures.config import (
-    ConfigError, ModelConfig, config_groups, explicit_fields, register_group, set_variant_validator, unregister_group,
+    ConfigError, ModelConfig, config_groups, register_group, set_variant_options, set_variant_validator,
+    unregister_group,
 )
 
 
@@ -71,8 +73,8 @@ VARIANTS: Dict[str, Variant] = {}
 
 
 def register(name: str, variant: Variant) -> Variant:
-    """Add ``variant`` under ``name``: its class's config groups join ``ModelConfig``, its preset is checked
-    against them. Raises ConfigError when the name is taken or the preset names an unknown group or field."""
+    """Add ``variant`` under ``name``: its class's config groups are recorded (``register_group``), its preset
+    checked against them. Raises ConfigError when the name is taken or the preset names an unknown group or field."""
     if name in VARIANTS:
         raise ConfigError(f"model.variant: {name!r} is already registered ({VARIANTS[name].description}); "
                           "choose another name")
@@ -208,24 +210,13 @@ def get_variant(name: str) -> Variant:
 
 
 def apply_preset(config: ModelConfig) -> ModelConfig:
-    """Return ``config`` with the variant's preset overrides applied, once.
-
-    For a config whose ``preset`` is unset, the overrides fill every group field the user did not set
-    explicitly (``config.explicit_fields``: given to the group's constructor, assigned, or changed by
-    ``dataclasses.replace``), so ``ModelConfig(variant="mom_e", mom=MoMConfig(top_k=1))`` builds K=1
-    even though 1 is the dataclass default. The CLI instead puts the preset into the parser's defaults
-    (``preset_defaults``), so an explicit command-line value always wins there too.
-    """
-    variant = get_variant(config.variant)
-    if config.preset == config.variant:
-        return config
-    config = dataclasses.replace(config, preset=config.variant)
-    for group_name, values in variant.overrides.items():
-        group = getattr(config, group_name)
-        explicit = explicit_fields(group)
-        changes = {k: v for k, v in values.items() if k not in explicit}
-        setattr(config, group_name, dataclasses.replace(group, **changes))
-    return config
+    """``config`` with its variant's preset in its groups. A config gets its preset when it is built
+    (``ModelConfig``'s docstring: explicit values win), so this is ``config`` itself unless ``variant`` was
+    assigned afterwards: then a copy holds the new variant's groups, those it shares with the old variant as
+    they were, the others with the new preset. The CLI puts the preset into the parser's defaults instead
+    (``preset_defaults``), so an explicit command-line value wins there too."""
+    get_variant(config.variant)
+    return config if config.preset == config.variant else dataclasses.replace(config)
 
 
 def preset_defaults(variant: str, prefix: str = "model") -> Dict[str, Any]:
@@ -242,7 +233,15 @@ def _validate_variant(config: ModelConfig) -> None:
     get_variant(config.variant).validate(config)
 
 
+def _variant_options(name: str):
+    """(the groups ``name`` reads, its preset), or None for an unknown name: ``ModelConfig`` builds its groups
+    from them (installed with ``config.set_variant_options``)."""
+    variant = VARIANTS.get(name)
+    return None if variant is None else (variant.model_class().config_groups, variant.overrides)
+
+
 set_variant_validator(_validate_variant)
+set_variant_options(_variant_options)
 
 
 def uses_option(variant: str, key: str) -> bool:
@@ -253,18 +252,50 @@ def uses_option(variant: str, key: str) -> bool:
 
 
 def ignored_options(config: ModelConfig) -> List[Tuple[str, Any]]:
-    """``(group.field, value)`` of every group option the variant would silently ignore although it was set
-    away from its default (the variant's preset, else the dataclass default), e.g. ``mod.capacity`` for vanilla."""
+    """``(group.field, value)`` of every option of the variant's groups that its class overrides
+    (``config_fields_ignored``) although it was set away from its default (the variant's preset, else the
+    dataclass default), e.g. ``moe.num_experts`` for cea_moe (its Inner MoE's size comes from model.combo)."""
     overrides = get_variant(config.variant).overrides
     out = []
-    for group, group_cls in config_groups().items():
-        default = group_cls()
-        for f in dataclasses.fields(group_cls):
+    for group, options in config.groups.items():
+        default = type(options)()
+        for f in dataclasses.fields(options):
             key = f"{group}.{f.name}"
-            value = getattr(getattr(config, group), f.name)
+            value = getattr(options, f.name)
             if value != overrides.get(group, {}).get(f.name, getattr(default, f.name)) and not uses_option(config.variant, key):
                 out.append((key, value))
     return out
+
+
+def unread_group_options(variant: str, model: Dict[str, Any], given: Sequence[str] = ()) -> List[Tuple[str, Any]]:
+    """``(group.field, value)`` of the options in ``model`` (a parsed ``model`` section: every registered group)
+    whose group ``variant`` does not read, which its config would drop: those set away from the dataclass
+    default, and those named in ``given`` (``group.field`` keys the user typed, even at their default)."""
+    reads = get_variant(variant).model_class().config_groups
+    out = []
+    for group, cls in config_groups().items():
+        values = model.get(group) or {}
+        if group in reads or not isinstance(values, dict):
+            continue
+        default = cls()
+        out += [(f"{group}.{k}", v) for k, v in values.items()
+                if hasattr(default, k) and (v != getattr(default, k) or f"{group}.{k}" in given)]
+    return out
+
+
+def check_groups_read(variant: str, model: Dict[str, Any], given: Sequence[str] = ()) -> None:
+    """Refuse options of a group ``variant`` does not read (``unread_group_options``): one line naming the
+    option, the variant's groups and the variants that read it."""
+    unread = unread_group_options(variant, model, given)
+    if not unread:
+        return
+    key, value = unread[0]
+    reads = get_variant(variant).model_class().config_groups
+    users = [name for name in variant_names() if uses_option(name, key)]
+    more = f" (also unread: {', '.join('model.' + k for k, _ in unread[1:])})" if len(unread) > 1 else ""
+    raise ConfigError(f"model.{key}: the {variant} variant does not use this option (set to {value!r}); it applies "
+                      f"to {', '.join(users) or 'no variant'}; drop it or choose one of those variants (groups "
+                      f"{variant} reads: {', '.join(reads) or 'none'}){more}")
 
 
 def check_options_used(config: ModelConfig) -> None:

@@ -41,7 +41,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser, Namespace  # noqa: E4
 from architectures import ModelConfig, variant_names  # noqa: E402
 from architectures.config import ConfigError, SIZES  # noqa: E402
 from datamodules.corpora import DataError  # noqa: E402
-from experiments.run import expand_aliases, parse_with_presets  # noqa: E402
+from experiments.run import add_model_arguments, expand_aliases, parse_with_presets  # noqa: E402
 
 ALIASES = {"--variant": "--model.variant", "--size": "--model.size", "--batch_size": "--data.batch_size"}
 FINETUNE_RECORD = "dyncomp_finetune"  # checkpoint key: {"task": "glue/sst2" | "xsum", "tokenizer": tokenizer_source}
@@ -93,7 +93,7 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--trainer.devices", type=str, default="auto")
     parser.add_argument("--trainer.precision", type=Optional[str], default=None)
     parser.add_argument("--trainer.enable_progress_bar", type=bool, default=True)
-    parser.add_class_arguments(ModelConfig, "model")
+    add_model_arguments(parser)
     parser.add_class_arguments(FinetuneData, "data")
     return parser
 
@@ -141,9 +141,10 @@ def validate_up_front(cfg: Namespace) -> None:
         raise ConfigError("eval_only: needs --init_from (the checkpoint to evaluate)")
     if cfg.eval_only and len(task_list(cfg.task)) > 1:
         raise ConfigError("eval_only: evaluates one fine-tuned task checkpoint; pass --task glue/<task>, not glue/all")
-    from architectures.registry import apply_preset, check_options_used
+    from architectures.registry import apply_preset, check_groups_read, check_options_used
     from model_tools.weights import check_source
 
+    check_groups_read(cfg.model.variant, _as_dict(cfg.model))
     check_options_used(apply_preset(ModelConfig.from_dict(_as_dict(cfg.model))))
     if cfg.init_from:
         check_source(cfg.init_from)  # a missing file or an unreachable Hub model: now, not after the data
@@ -398,7 +399,7 @@ def build_module(module_cls, cfg: Namespace, run_tokenizer, **kwargs):
 
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     mcfg = backbone_config(cfg, run_tokenizer.vocab_size)
-    module = module_cls(model=dataclasses.asdict(mcfg), **kwargs)
+    module = module_cls(model=mcfg.to_dict(), **kwargs)
     if cfg.init_from:
         load_backbone(module.model, cfg.init_from, strict=cfg.init_strict, min_share=cfg.init_min_share,
                       tokenizer=run_tokenizer)

@@ -40,8 +40,8 @@ from jsonargparse import ActionConfigFile, ArgumentParser, Namespace  # noqa: E4
 
 from architectures import ModelConfig, variant_names  # noqa: E402
 from architectures.checkpointing import parse_policy, set_activation_checkpointing  # noqa: E402
-from architectures.config import ConfigError, SIZES, config_groups, flatten  # noqa: E402
-from architectures.registry import check_options_used  # noqa: E402
+from architectures.config import ConfigError, SIZES, SharedModelConfig, config_groups, flatten  # noqa: E402
+from architectures.registry import check_groups_read, check_options_used  # noqa: E402
 from callbacks import CallbacksConfig, config_from as callbacks_config  # noqa: E402
 from datamodules.catalog import REQUIRED_TOKENIZER, corpus_names, ignored_data_options  # noqa: E402
 from datamodules.corpora import DataError  # noqa: E402
@@ -121,8 +121,6 @@ def default_precision() -> str:
 
 
 def build_parser() -> ArgumentParser:
-    from lightning import Trainer
-
     parser = ArgumentParser(
         prog="python -m experiments.run",
         description="Train a dynamic-computation Transformer variant. Aliases: "
@@ -131,24 +129,11 @@ def build_parser() -> ArgumentParser:
         exit_on_error=False,  # parse errors reach cli(): one line, exit status 2
     )
     add_run_options(parser)
-    parser.add_class_arguments(ModelConfig, "model")
+    add_model_arguments(parser)
     parser.add_class_arguments(DataConfig, "data")
     parser.add_class_arguments(OptimConfig, "optim")
     parser.add_class_arguments(CallbacksConfig, "callbacks")
-    parser.add_class_arguments(Trainer, "trainer", skip=_TRAINER_SKIP, fail_untyped=False)
-    parser.add_argument("--trainer.accelerator", type=str, default="auto")
-    parser.add_argument("--trainer.devices", type=str, default="auto")
-    parser.add_argument("--trainer.strategy", type=str, default="auto")
-    parser.add_argument("--trainer.precision", type=Optional[str], default=None,
-                        help="default: bf16-mixed on a bf16-capable GPU, else 32-true")
-    parser.set_defaults({
-        "trainer.max_steps": 300,
-        "trainer.gradient_clip_val": 1.0,
-        "trainer.log_every_n_steps": 10,
-        "trainer.num_sanity_val_steps": 0,
-        "trainer.use_distributed_sampler": False,
-        "trainer.enable_model_summary": False,
-    })
+    add_trainer_arguments(parser)
     return parser
 
 
@@ -189,8 +174,37 @@ def add_run_options(parser: ArgumentParser) -> None:
                         "(routing replayed exactly; docs/scale.md)")
 
 
-def validate_up_front(cfg: Namespace) -> None:
-    """Fail before any work: unknown names list the valid ones, bad values name the field."""
+def add_trainer_arguments(parser: ArgumentParser) -> None:
+    """``--trainer.*``: Lightning's Trainer options, less those the run wires itself, with the run's defaults."""
+    from lightning import Trainer
+
+    parser.add_class_arguments(Trainer, "trainer", skip=_TRAINER_SKIP, fail_untyped=False)
+    parser.add_argument("--trainer.accelerator", type=str, default="auto")
+    parser.add_argument("--trainer.devices", type=str, default="auto")
+    parser.add_argument("--trainer.strategy", type=str, default="auto")
+    parser.add_argument("--trainer.precision", type=Optional[str], default=None,
+                        help="default: bf16-mixed on a bf16-capable GPU, else 32-true")
+    parser.set_defaults({
+        "trainer.max_steps": 300,
+        "trainer.gradient_clip_val": 1.0,
+        "trainer.log_every_n_steps": 10,
+        "trainer.num_sanity_val_steps": 0,
+        "trainer.use_distributed_sampler": False,
+        "trainer.enable_model_summary": False,
+    })
+
+
+def add_model_arguments(parser: ArgumentParser, prefix: str = "model") -> None:
+    """``--model.<field>`` for the shared fields and ``--model.<group>.<field>`` for every registered group; a
+    run's config keeps only its variant's groups, and options of the others are refused (``check_groups_read``)."""
+    parser.add_class_arguments(SharedModelConfig, prefix)
+    for group, cls in config_groups().items():
+        parser.add_class_arguments(cls, f"{prefix}.{group}")
+
+
+def validate_up_front(cfg: Namespace, argv: Sequence[str] = ()) -> None:
+    """Fail before any work: unknown names list the valid ones, bad values name the field. ``argv`` (the command
+    line, when there is one) makes an option of a group the variant does not read an error even at its default."""
     if cfg.model.variant not in variant_names():
         raise ConfigError(f"model.variant: unknown variant {cfg.model.variant!r}; valid variants: {', '.join(variant_names())}")
     if cfg.model.size not in SIZES:
@@ -214,6 +228,9 @@ def validate_up_front(cfg: Namespace) -> None:
     callbacks_config(cfg).validate(model_config(cfg).resolve().block_size)
     if cfg.data.labels:  # its levels against --callbacks.probe_levels; its length once the token cache exists
         check_label_file(cfg.data.labels, callbacks_config(cfg).probe_levels)
+    given = [head.removeprefix("--model.") for head in (item.partition("=")[0] for item in argv)
+             if head.startswith("--model.")]
+    check_groups_read(cfg.model.variant, _as_dict(cfg.model), given)
     model_config(cfg).resolve()
     check_options_used(model_config(cfg))
     check_data_options(cfg.data)
@@ -266,7 +283,7 @@ def check_sources_up_front(cfg: Namespace) -> None:
         raise ConfigError(f"version: {folder} is a file, not a run folder; choose another --version")
     if cfg.ckpt_path:
         mcfg = model_config(cfg).resolve()
-        model = {k: v for k, v in flatten(dataclasses.asdict(mcfg)).items() if k != "vocab_size"}  # from the tokenizer
+        model = {k: v for k, v in flatten(mcfg.to_dict()).items() if k != "vocab_size"}  # from the tokenizer
         resolve_ckpt(cfg, run_root(cfg.log_dir, mcfg), {"model": model}, notes=False)
 
 
@@ -274,7 +291,8 @@ def without_ignored_options(argv: Sequence[str], parser: ArgumentParser) -> Tupl
     """(``argv`` without the model options its variant does not use, the variant, the dropped option names).
 
     For commands built for several variants at once (sweeps, reproduction grids); a command line a user
-    typed is refused instead (``check_options_used``). Options from ``--config`` files are not dropped."""
+    typed is refused instead (``check_groups_read``, ``check_options_used``). Options from ``--config`` files are
+    not dropped."""
     from architectures.registry import get_variant, uses_option
 
     argv, canonical = list(argv), expand_aliases(list(argv))  # item for item
@@ -322,10 +340,11 @@ def model_config(cfg: Namespace, vocab_size: Optional[int] = None) -> ModelConfi
 
 
 def resolved_namespace(cfg: Namespace, mcfg: ModelConfig) -> Namespace:
-    """The config as it actually ran: size defaults, preset and tokenizer vocabulary filled in."""
+    """The config as it actually ran: size defaults, preset and tokenizer vocabulary filled in, and of the model
+    groups only those the variant reads."""
     resolved = cfg.clone()
-    resolved.model = Namespace(**dataclasses.asdict(mcfg.resolve()))
-    for group in config_groups():
+    resolved.model = Namespace(**mcfg.resolve().to_dict())
+    for group in mcfg.groups:
         resolved.model[group] = Namespace(**resolved.model[group])
     return resolved
 
@@ -418,7 +437,7 @@ def _matching_ckpt(cfg: Namespace, root: pathlib.Path, expected: Optional[Dict[s
 
 def run_fingerprints(mcfg: ModelConfig, data) -> Dict[str, Any]:
     """What a resumed run must share with the command: every resolved model field, data and tokenizer."""
-    return {"model": flatten(dataclasses.asdict(mcfg.resolve())), **data.fingerprints()}
+    return {"model": flatten(mcfg.resolve().to_dict()), **data.fingerprints()}
 
 
 def checkpoint_differences(path: str, expected: Dict[str, Any]) -> List[str]:
@@ -430,7 +449,7 @@ def checkpoint_differences(path: str, expected: Dict[str, Any]) -> List[str]:
     if not model:
         return ["model (the checkpoint holds no hyper_parameters.model; not written by experiments.run)"]
     try:
-        saved_model = flatten(dataclasses.asdict(ModelConfig.from_dict(model).resolve()))
+        saved_model = flatten(ModelConfig.from_dict(model).resolve().to_dict())
     except (ConfigError, TypeError, ValueError) as err:
         return [f"model ({err})"]
     out = [f"model.{k} ({saved_model.get(k)!r} in the checkpoint, {v!r} now)"
@@ -480,7 +499,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Optional[pathlib.Path]:
     argv = join_option_values(expand_aliases(list(sys.argv[1:] if argv is None else argv)))
     printing = "--print_config" in argv  # ours, resolved; "--print_config=..." forms stay jsonargparse's
     cfg = parse_with_presets(parser, [a for a in argv if a != "--print_config"])
-    validate_up_front(cfg)
+    validate_up_front(cfg, argv)
     if printing:
         print_resolved_config(parser, cfg)
         return None
@@ -503,7 +522,7 @@ def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
                         val_blocks=cfg.val_blocks)
     mcfg = model_config(cfg, vocab_size=data.vocab_size)
     mcfg.resolve()
-    module = LanguageModelModule(model=dataclasses.asdict(mcfg), optim=_as_dict(cfg.optim),
+    module = LanguageModelModule(model=mcfg.to_dict(), optim=_as_dict(cfg.optim),
                                  max_steps=cfg.trainer.max_steps, val_names=data.val_names_from_corpus(),
                                  max_train_flops=cfg.max_train_flops)
     if cfg.init_from:

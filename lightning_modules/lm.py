@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import re
 import pathlib
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Tuple
 
 import lightning as L
@@ -519,7 +519,7 @@ class LanguageModelModule(L.LightningModule):
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"nonfinite-step{step}-rank{self.global_rank}.pt"
         torch.save({"step": step, "checked_at": self.global_step, "site": site, "batch": batch.cpu(),
-                    "model": self.model.state_dict(), "config": asdict(self.model_config)}, path)
+                    "model": self.model.state_dict(), "config": self.model_config.to_dict()}, path)
         return path
 
 

@@ -16,7 +16,7 @@ import yaml
 
 from architectures import ModelConfig, build_model
 from architectures.checkpointing import parse_policy, set_activation_checkpointing, watch_checkpoint_inputs
-from architectures.config import SIZES, ConfigError, config_groups
+from architectures.config import SHARED_FIELDS, SIZES, ConfigError, config_groups
 from architectures.flops import vanilla_flops
 from callbacks.flops import peak_bf16_flops  # one peak table for bench and training MFU
 from lightning_modules.lm import make_adamw, parameter_groups
@@ -40,7 +40,7 @@ def parse_override(item: str) -> Tuple[List[str], Any]:
         raise ConfigError(f"--set {item}: expected FIELD=VALUE or GROUP.FIELD=VALUE (e.g. --set mod.capacity=0.25)")
     path = key.split(".")
     groups = config_groups()
-    top = {f.name for f in dataclasses.fields(ModelConfig)} - set(groups) - {"variant", "preset"}
+    top = set(SHARED_FIELDS) - {"variant", "preset"}
     if len(path) == 1 and path[0] in top:
         pass
     elif len(path) == 2 and path[0] in groups and path[1] in {f.name for f in dataclasses.fields(groups[path[0]])}:
@@ -73,8 +73,13 @@ def uses_moe_layer(label: str) -> bool:
 
 
 def apply_overrides(config: ModelConfig, overrides: List[str]) -> ModelConfig:
+    """``config`` with each ``--set`` applied; one of a group the variant does not read (the same ``--set`` goes
+    to every benchmarked variant, vanilla included; ``check_overrides`` makes sure some variant reads it) is
+    skipped, as the config holds only its variant's groups."""
     for item in overrides:
         (*path, leaf), value = parse_override(item)
+        if path and path[0] not in config.groups:
+            continue
         target = config
         for part in path:
             target = getattr(target, part)

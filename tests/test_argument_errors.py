@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from architectures.config import ConfigError, config_groups
+from architectures.config import ConfigError
 from architectures.registry import VARIANTS, apply_preset, build_model, check_options_used, ignored_options
 from datamodules import probe
 
@@ -35,7 +35,8 @@ def test_each_variant_reads_exactly_the_config_groups_it_declares(variant, one_t
     running the model (train and eval forward, FLOPs) must read those groups and no other."""
     reads: set = set()
     config = VARIANTS[variant].test_config(variant)
-    groups = {g: _recording(cls, g, reads)(**dataclasses.asdict(getattr(config, g))) for g, cls in config_groups().items()}
+    assert set(config.groups) == set(VARIANTS[variant].model_class().config_groups)  # a config holds those only
+    groups = {g: _recording(type(v), g, reads)(**dataclasses.asdict(v)) for g, v in config.groups.items()}
     config = dataclasses.replace(config, **groups)
     model = build_model(config)
     tokens = torch.randint(0, config.vocab_size, (2, config.block_size))

@@ -158,6 +158,9 @@ CASES = [
     ("unused-group-option", "run", lambda d: ["--model.mod.capacity", "0.5"],
      r"model\.mod\.capacity: the vanilla variant does not use this option \(set to 0\.5\); it applies to mod, "
      r"mode_integrated, mode_staged"),
+    ("unused-group-option-at-its-default", "run", lambda d: ["--model.mod.capacity", "0.125"],
+     r"model\.mod\.capacity: the vanilla variant does not use this option \(set to 0\.125\); .*\(groups vanilla "
+     r"reads: none\)$"),
     ("unused-group-option-in-yaml", "run", lambda d: ["--config", str(d / "vanilla_with_moe.yaml")],
      r"model\.moe\.top_k: the vanilla variant does not use this option"),
     ("overridden-field-cea_moe", "run", lambda d: ["--variant", "cea_moe", "--model.moe.num_experts", "16"],

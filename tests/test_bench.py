@@ -80,10 +80,12 @@ def test_bench_compile_reports_breaks_and_recompiles(monkeypatch, one_thread):
         assert (results[name]["graphs"], results[name]["graph_breaks"], results[name]["recompiles"]) == (1, 0, 0)
 
 def test_bench_override_parsing():
-    config = benchmark.apply_overrides(ModelConfig(), ["d_model=64", "mod.capacity=0.25", "mod.routed_blocks=[1, 2]",
-                                                   "moe.dropless=false", "mod.routed_blocks=odd"])
+    config = benchmark.apply_overrides(ModelConfig(variant="mode_staged"), ["d_model=64", "mod.capacity=0.25",
+                                       "mod.routed_blocks=[1, 2]", "moe.dropless=false", "mod.routed_blocks=odd"])
     assert config.d_model == 64 and config.mod.capacity == 0.25 and config.moe.dropless is False
     assert config.mod.routed_blocks == "odd"
+    vanilla = benchmark.apply_overrides(ModelConfig(), ["d_model=64", "mod.capacity=0.25"])  # reads no group: skipped
+    assert vanilla.d_model == 64 and vanilla.groups == {}
     with pytest.raises(ConfigError, match="no such"):
         benchmark.apply_overrides(ModelConfig(), ["mod.nope=1"])
 

@@ -19,7 +19,7 @@ D, VOCAB, T = 32, 64, 16
 def small(variant: str, bias: bool = True, **combo) -> ModelConfig:
     combo.setdefault("total_ffn_ratio", 4.0)
     return ModelConfig(variant=variant, vocab_size=VOCAB, d_model=D, n_layer=2, n_head=4, block_size=T,
-                       bias=bias, combo=CombinationConfig(**combo))
+                       bias=bias, combo=combo)  # a dict: the preset fills the rest
 
 
 def build(variant: str, seed: int = 0, **kw):

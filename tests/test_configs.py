@@ -69,7 +69,8 @@ def test_explicit_values_beat_presets_even_when_equal_to_the_dataclass_default()
 
 
 def test_explicit_values_beat_presets_in_the_python_api_and_bench_set():
-    """Issue 12 §3.5: ModelConfig(variant="mom_e", mom=MoMConfig(top_k=1)) built K=3."""
+    """Issue 12 §3.5: ModelConfig(variant="mom_e", mom=MoMConfig(top_k=1)) built K=3. Issue 31: without frame
+    inspection: a dict's keys are explicit (the preset fills the rest), an object is taken whole."""
     import dataclasses
 
     from architectures import ModelConfig
@@ -82,30 +83,33 @@ def test_explicit_values_beat_presets_in_the_python_api_and_bench_set():
             return build_model(config).config
 
     assert built(ModelConfig(variant="mom_e")).mom.top_k == 3  # the preset fills what the user left alone
-    assert built(ModelConfig(variant="mom_e", mom=MoMConfig(top_k=1))).mom.top_k == 1  # == dataclass default
-    both = built(ModelConfig(variant="mom_e", mom=dataclasses.replace(MoMConfig(top_k=1), router_hidden=64)))
-    assert (both.mom.top_k, both.mom.router_hidden, both.mom.steps) == (1, 64, 1)  # replace keeps it explicit
+    one = built(ModelConfig(variant="mom_e", mom={"top_k": 1}))  # == dataclass default: still explicit
+    assert (one.mom.top_k, one.mom.steps, one.mom.layout) == (1, 1, "chunked")
+    whole = built(ModelConfig(variant="mom_e", mom=MoMConfig(top_k=1, router_hidden=64)))  # an object: as given
+    assert (whole.mom.top_k, whole.mom.router_hidden, whole.mom.steps, whole.mom.layout) == (1, 64, None, "plain")
+    assert built(ModelConfig(variant="cea", combo=CombinationConfig(0.5 * 64))).combo.outer_ratio == 0.5
+    copied = dataclasses.replace(ModelConfig(variant="mom_e", mom={"top_k": 1, "router_hidden": 64}), d_model=64)
+    assert (built(copied).mom.top_k, copied.mom.router_hidden, copied.mom.steps) == (1, 64, 1)  # a copy keeps it
     assigned = ModelConfig(variant="cea")
     assigned.combo.outer_ratio = 0.5
     assert built(assigned).combo.outer_ratio == 0.5
-    assert built(ModelConfig(variant="cea", combo=CombinationConfig(0.5 * 64))).combo.outer_ratio == 0.125
     bench = apply_overrides(ModelConfig(variant="mom_e"), ["mom.top_k=1"])
     assert built(bench).mom.top_k == 1
 
 
-
 @pytest.mark.parametrize("variant", sorted(v for v in VARIANTS if VARIANTS[v].overrides))
-def test_a_config_before_its_preset_round_trips_through_a_dict_with_its_preset(variant):
+def test_a_config_round_trips_through_a_dict_with_its_preset(variant):
     """Issue 30: ``from_dict(cfg.to_dict())`` of a config whose preset was not applied yet made every group field
-    explicit, so mom_e, mom_p, cea_paper, moe_dense_ffn, ... built without their preset."""
+    explicit, so mom_e, mom_p, cea_paper, moe_dense_ffn, ... built without their preset. The preset is now in
+    the config from the start, explicit values beside it, and the dict keeps both."""
     from architectures import ModelConfig
-    from architectures.mom import MoMConfig
     from architectures.registry import apply_preset
 
-    configs = [ModelConfig(variant=variant)]
-    if variant == "mom_e":  # an explicit value equal to the dataclass default stays explicit
-        configs.append(ModelConfig(variant=variant, mom=MoMConfig(top_k=1)))
-    for config in configs:
+    explicit = [{}] + ([{"mom": {"top_k": 1}}] if variant == "mom_e" else [])  # 1 == the dataclass default
+    for given in explicit:
+        config = ModelConfig(variant=variant, **given)
         again = ModelConfig.from_dict(config.to_dict())
-        assert apply_preset(again) == apply_preset(config) != config
-        assert ModelConfig.from_dict(apply_preset(config).to_dict()) == apply_preset(config)  # applied: every field
+        assert again == config == apply_preset(again)
+        for group, values in VARIANTS[variant].overrides.items():
+            expected = {**values, **{k: v for k, v in given.get(group, {}).items() if k in values}}
+            assert {k: getattr(getattr(again, group), k) for k in values} == expected, f"{variant}: model.{group}"

@@ -244,7 +244,7 @@ def test_an_explicit_value_equal_to_the_default_beats_the_preset(name):
             default = getattr(cls(), field)
             if default == preset:
                 continue
-            config = ModelConfig(variant=name, **{group: cls(**{field: default})})
+            config = ModelConfig(variant=name, **{group: {field: default}})  # a dict: the preset fills the rest
             conflict = CONFLICTS_WITH_THE_PRESET.get((name, f"{group}.{field}"))
             if conflict:  # the explicit default won, and does not fit the rest of the preset: rejected, named
                 with pytest.raises(ConfigError, match=conflict):

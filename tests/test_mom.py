@@ -23,7 +23,7 @@ SLIM = dict(d_model=64, n_head=2, block_size=64)  # for the tests that run many 
 
 def mom(variant: str = "mom", size: str = "tiny", dims=None, **mom_fields) -> MixtureOfModules:
     torch.manual_seed(0)
-    return build_model(ModelConfig(variant=variant, size=size, vocab_size=V, mom=MoMConfig(**mom_fields), **(dims or {})))
+    return build_model(ModelConfig(variant=variant, size=size, vocab_size=V, mom=mom_fields, **(dims or {})))
 
 
 def vanilla(**fields):
@@ -471,7 +471,7 @@ def test_bad_configs_raise_config_error_naming_the_field(fields, match):
 def test_presets_keep_user_overrides():
     from architectures.registry import apply_preset
 
-    cfg = apply_preset(ModelConfig(variant="mom_e", mom=MoMConfig(top_k=2)))
+    cfg = apply_preset(ModelConfig(variant="mom_e", mom={"top_k": 2}))  # a dict: the preset fills the rest
     assert (cfg.mom.top_k, cfg.mom.steps, cfg.mom.layout) == (2, 1, "chunked")
     with pytest.raises(ConfigError, match="model.variant: unknown variant 'mom_x'"):
         build_model(ModelConfig(variant="mom_x"))

@@ -3,9 +3,10 @@
 A toy variant is written to a temporary module OUTSIDE the package (no project file is touched): its model
 class, its config dataclass and one ``register(...)`` call. From that alone it must get its CLI options
 (``--model.toy.ffn_mult``), its preset, config validation with a one-line error naming the field, the
-invariant suite (tests/test_contract.py, which is driven by the registry) and a 3-step training run. Old run
-folders and checkpoints (config groups written by the code before the groups moved into the architecture
-files) still load.
+invariant suite (tests/test_contract.py, which is driven by the registry) and a 3-step training run; with
+it registered, the tests that enumerate the registry or the config groups still pass. Old run folders and
+checkpoints (every group in every config, as the code wrote them before configs held only their variant's
+groups) still load, their unread groups dropped.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch
 import yaml
 
 from architectures import ModelConfig, build_model
-from architectures.config import ConfigError, config_groups
+from architectures.config import SHARED_FIELDS, ConfigError, config_groups, flatten
 from architectures.registry import VARIANTS, Variant, register, unregister
 from tests.conftest import REPO, TINY_RUN
 
@@ -34,12 +35,10 @@ TOY_SOURCE = textwrap.dedent('''
     import torch.nn as nn
 
     from architectures.base import LanguageModel, require
-    from architectures.config import tracks_explicit
     from architectures.gpt2 import Block
     from architectures.registry import Variant, register
 
 
-    @tracks_explicit
     @dataclass
     class ToyConfig:
         ffn_mult: float = 2.0  # FFN hidden width = ffn_mult * d_model
@@ -73,7 +72,7 @@ def write_toy(folder: pathlib.Path) -> pathlib.Path:
 
 @pytest.fixture
 def toy(tmp_path, monkeypatch):
-    """The toy variant registered in this process; unregistered afterwards (its group leaves ModelConfig)."""
+    """The toy variant registered in this process; unregistered afterwards (its group is forgotten)."""
     write_toy(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     module = importlib.import_module(TOY_MODULE)
@@ -108,10 +107,14 @@ def test_a_toy_variant_gets_cli_options_preset_and_validation_from_its_registry_
     assert model.config.toy.ffn_mult == 2.0 and model.blocks[0].mlp.c_fc.out_features == 2 * model.config.d_model
     with pytest.raises(ConfigError, match=r"^model\.toy\.ffn_mult: must be > 0, got -1"):
         validate_up_front(parsed("--variant", "toy_wide", "--model.toy.ffn_mult", "-1"))
-    # the group is an ordinary ModelConfig field: to_dict / from_dict / replace keep it
+    # the group is the config's only group: to_dict / from_dict / replace keep it
     config = ModelConfig(variant="toy_wide", toy=toy.ToyConfig(ffn_mult=1.5))
+    assert list(config.groups) == ["toy"] and list(config.to_dict())[-1] == "toy"
     assert ModelConfig.from_dict(config.to_dict()).toy.ffn_mult == 1.5
     assert dataclasses.replace(config, d_model=64).toy.ffn_mult == 1.5
+    with pytest.raises(ConfigError, match=r"^model\.toy\.ffn_mult: the vanilla variant does not use this option "
+                                          r"\(set to 1\.5\); it applies to toy_wide; .*\(groups vanilla reads: none\)$"):
+        validate_up_front(parsed("--variant", "vanilla", "--model.toy.ffn_mult", "1.5"))
 
 
 def test_registering_refuses_a_taken_name_and_a_preset_the_class_cannot_read(toy):
@@ -151,6 +154,25 @@ def test_the_toy_variant_passes_the_invariant_suite(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_tests_that_enumerate_the_registry_and_groups_pass_with_the_toy_registered(tmp_path):
+    """A newcomer's variant with an option (the toy's ``model.toy``) must break no existing test: the tests that
+    go over every variant or every config group, and the old-layout loading, run with the toy registered."""
+    write_toy(tmp_path)
+    (tmp_path / "toy_plugin.py").write_text(f"import {TOY_MODULE}  # noqa: F401  (registers toy_wide)\n")
+    selected = "toy_wide or old_layout or old_run_folders or presets_and_defaults or explicit"
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "toy_plugin", "-p", "no:cacheprovider", "-m", "not slow",
+         "-k", selected, "tests/test_configs.py", "tests/test_argument_errors.py",
+         "tests/test_one_file_variant.py"],
+        cwd=REPO, env=toy_env(tmp_path), capture_output=True, text=True, timeout=600)
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-2000:]
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in summary and "failed" not in summary and "error" not in summary, summary
+    toy_cases = [line for line in result.stdout.splitlines() if line.startswith("PASSED") and "[toy_wide]" in line]
+    assert len(toy_cases) >= 3, result.stdout[-4000:]  # the registry-wide cases ran on the toy too
+
+
+@pytest.mark.slow
 def test_the_toy_variant_trains_three_steps_from_the_command_line(tmp_path):
     write_toy(tmp_path)
     command = [sys.executable, "-c", f"import {TOY_MODULE}; from experiments.run import cli; cli()"]
@@ -162,6 +184,7 @@ def test_the_toy_variant_trains_three_steps_from_the_command_line(tmp_path):
     run_dir = pathlib.Path(run.stdout.strip().splitlines()[-1])
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert saved["model"]["variant"] == "toy_wide" and saved["model"]["toy"] == {"ffn_mult": 3.0}
+    assert set(saved["model"]) == {*SHARED_FIELDS, "toy"}  # the variant's group only
     summary = yaml.safe_load((run_dir / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["final_val_loss"] is not None
 
@@ -207,11 +230,12 @@ def test_an_old_layout_config_and_checkpoint_still_load_and_resume(tmp_path):
 
     old = yaml.safe_load(OLD_MODEL_SECTION)
     config = ModelConfig.from_dict(old)
-    assert config.to_dict() == old  # same groups, same fields, same values: nothing renamed or lost
+    # the groups mom_e reads, every field and value kept; the others dropped (whatever groups are registered)
+    assert config.to_dict() == {k: v for k, v in old.items() if k not in config_groups() or k == "mom"}
     # the run folder's config.yaml goes back into the CLI
     (tmp_path / "config.yaml").write_text(yaml.safe_dump({"model": old}))
     cfg = build_parser().parse_args(["--config", str(tmp_path / "config.yaml")])
-    assert model_config(cfg).to_dict() == old
+    assert model_config(cfg) == config
     # a checkpoint written by the old code: Lightning's hyper_parameters hold the old model dict
     torch.manual_seed(0)
     model = build_model(config)
@@ -229,3 +253,23 @@ def test_an_old_layout_config_and_checkpoint_still_load_and_resume(tmp_path):
             return {}
 
     assert checkpoint_differences(str(ckpt), run_fingerprints(config, Data())) == []
+    assert list(loaded.config.groups) == ["mom"]  # and what it saves from now on holds only that group
+
+
+# Real run folders written by the old code (every group in every config.yaml), committed with the results.
+OLD_RUN_CONFIGS = sorted((REPO / "docs" / "results" / "probe_kernels").glob("*/*-tiny/config.yaml"))
+
+
+@pytest.mark.parametrize("path", OLD_RUN_CONFIGS[:2], ids=lambda p: f"{p.parent.parent.name}/{p.parent.name}")
+def test_real_old_run_folders_load_with_their_variants_groups_only(path):
+    from experiments.compare import without_unused_groups
+
+    old = yaml.safe_load(path.read_text())["model"]
+    config = ModelConfig.from_dict(old)
+    reads = VARIANTS[old["variant"]].model_class().config_groups
+    assert set(old) - set(config.to_dict()) == set(old) & set(config_groups()) - set(reads)  # the unread groups gone
+    for group in reads:  # every value the old file holds is kept (fields added since take their defaults)
+        assert dataclasses.asdict(getattr(config, group)).items() >= old[group].items()
+    new = {"model": config.to_dict()}  # experiments.compare reads old and new alike
+    same = {k: v for k, v in flatten(new).items() if k in flatten({"model": old})}
+    assert without_unused_groups(flatten({"model": old})) == same

@@ -27,8 +27,7 @@ def results(out: pathlib.Path) -> dict:
 # ---------------------------------------------------------------------------- isoFLOP sizing
 @pytest.mark.parametrize("budget", [3e10, 2e11, 1.7e12])
 def test_isoflop_configs_spend_the_budget_within_5_percent(budget):
-    base = ModelConfig(size="tiny", vocab_size=4096, block_size=64)
-    base.mod.capacity = 0.25
+    base = ModelConfig(variant="mod", size="tiny", vocab_size=4096, block_size=64, mod={"capacity": 0.25})
     configs = isoflop_configs(budget, base, tokens_per_step=512, variants=("vanilla", "mod"), widths=(32, 48, 64, 96))
     assert {c.variant for c in configs} == {"vanilla", "mod"}
     for c in configs:

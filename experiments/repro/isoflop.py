@@ -70,7 +70,8 @@ def isoflop_configs(budget: float, base: ModelConfig, tokens_per_step: int, vari
                     min_steps: int = 20, tolerance: float = TOLERANCE) -> List[IsoFlopConfig]:
     """Every (variant, width) that can spend ``budget`` training FLOPs in at least ``min_steps`` steps.
 
-    ``base`` supplies everything else (size, vocabulary, block size, the variants' config groups).
+    ``base`` supplies everything else (size, vocabulary, block size, and its own variant's config groups: a
+    config holds only those, so another variant gets its preset).
     Raises ``ConfigError`` when the budget is not positive or too small for a variant's smallest model.
     """
     if not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget > 0):

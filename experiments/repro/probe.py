@@ -88,11 +88,11 @@ class Entry:
 def option_path(variant: str, key: str) -> str:
     """``key`` as a ModelConfig option path: a field (``n_layer``), ``group.field``, or a field that only one
     of the variant's option groups has (``capacity`` of MoD: ``mod.capacity``)."""
-    from architectures.config import ModelConfig, config_groups
+    from architectures.config import SHARED_FIELDS
     from architectures.registry import get_variant
 
     groups = get_variant(variant).model_class().config_groups or {}
-    top = {f.name for f in dataclasses.fields(ModelConfig)} - set(config_groups()) - {"variant", "preset"}
+    top = set(SHARED_FIELDS) - {"variant", "preset"}
     if key in top:
         return key
     group, _, field = key.rpartition(".")
