@@ -262,7 +262,7 @@ OLD_RUN_CONFIGS = sorted((REPO / "docs" / "results" / "probe_kernels").glob("*/*
 
 @pytest.mark.parametrize("path", OLD_RUN_CONFIGS[:2], ids=lambda p: f"{p.parent.parent.name}/{p.parent.name}")
 def test_real_old_run_folders_load_with_their_variants_groups_only(path):
-    from experiments.compare import without_unused_groups
+    from analysis.compare import without_unused_groups
 
     old = yaml.safe_load(path.read_text())["model"]
     config = ModelConfig.from_dict(old)
