@@ -48,6 +48,7 @@ from architectures import flops as F_
 from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ModelConfig, tracks_explicit
 from architectures.contract import RoutingSite
+from architectures.dispatch import traced_sizes
 from architectures.gpt2 import Block
 from architectures.routing import Decision, LinearRouter, TopK, balance_loss, capacity_tokens, row_capacity
 
@@ -166,29 +167,39 @@ def depth_balance(coef: float, depths: int):
 @dataclass
 class Gathered:
     """The tokens that run one recursion: ``flat`` (N,) indices into the (B*T) grid, batch-major, by position;
-    ``padded`` (N,) their slots in the (B, M) layout (None: the layout is exactly ``flat``); ``counts`` per row."""
+    ``padded`` (N,) their slots in the (B, width) layout (None: the layout is exactly ``flat``); ``counts`` per
+    row; ``width`` a Python int (static or, under torch.compile, an unbacked size); ``width_t`` it as a tensor."""
 
     flat: torch.Tensor
     padded: Optional[torch.Tensor]
     width: int
     counts: torch.Tensor
+    width_t: Optional[torch.Tensor] = None
 
 
 def gather_plan(run: torch.Tensor, static_width: Optional[int] = None) -> Gathered:
     """Lay the tokens of ``run`` (B, T) out right-padded: row b's tokens by position, then pads. With
-    ``static_width`` (every row runs exactly that many: expert choice without padding) the shapes are static."""
+    ``static_width`` (every row runs exactly that many: expert choice without padding) the shapes are static;
+    otherwise one argsort (no boolean filtering, whose shape would be data-dependent) and the sizes as unbacked
+    values under torch.compile (``dispatch.traced_sizes``), so the recursion stays in one graph."""
     B, T = run.shape
     counts = run.sum(dim=1)
-    # at least 1 wide: a recursion no token reached still runs (on pads only) when gradients are recorded
-    width = static_width if static_width is not None else max(1, int(counts.max())) if B * T else 0
-    positions = torch.arange(T, device=run.device).expand(B, T)
-    idx = torch.where(run, positions, positions + T).topk(width, dim=1, largest=False, sorted=True).indices
-    flat = (idx + torch.arange(B, device=run.device).unsqueeze(1) * T).reshape(-1)
+    grid = torch.arange(B * T, device=run.device)
     if static_width is not None:
-        return Gathered(flat, None, width, counts)
-    real = (torch.arange(width, device=run.device).unsqueeze(0) < counts.unsqueeze(1)).reshape(-1)
-    slots = torch.arange(B * width, device=run.device)
-    return Gathered(flat[real], slots[real], width, counts)
+        positions = torch.arange(T, device=run.device).expand(B, T)
+        idx = torch.where(run, positions, positions + T).topk(static_width, dim=1, largest=False, sorted=True).indices
+        flat = (idx + torch.arange(B, device=run.device).unsqueeze(1) * T).reshape(-1)
+        return Gathered(flat, None, static_width, counts)
+    order = torch.argsort(torch.where(run.reshape(-1), grid, grid + B * T))  # running tokens first, in grid order
+    # at least 1 wide: a recursion no token reached still runs (on pads only) when gradients are recorded
+    width_t = counts.max().clamp(min=1) if B * T else counts.new_zeros(())
+    if torch.compiler.is_compiling():
+        n, width = traced_sizes(counts.sum().view(1), B * T)[0], traced_sizes(width_t.view(1), T, low=1)[0]
+    else:
+        n, width = torch.stack([counts.sum(), width_t]).tolist()
+    flat = order[:n]
+    rank = (run.cumsum(dim=1) - 1).reshape(-1).index_select(0, flat)
+    return Gathered(flat, torch.div(flat, T, rounding_mode="floor") * width + rank, width, counts, width_t)
 
 
 class _Stats:
@@ -268,7 +279,8 @@ class MixtureOfRecursions(LanguageModel):
             depth = depth + run.to(depth.dtype) * self.S
             active = run
         site.extras.update({"depth": depth, "max_depth": torch.tensor(float(self.N * self.S)),
-                            "block_tokens": torch.tensor(stats.tokens), "attn_pairs": torch.tensor(stats.pairs)})
+                            "block_tokens": torch.as_tensor(stats.tokens, dtype=torch.float64),
+                            "attn_pairs": torch.as_tensor(stats.pairs, dtype=torch.float64)})
         return x
 
     # -------------------------------------------------------------- routing
@@ -314,7 +326,8 @@ class MixtureOfRecursions(LanguageModel):
         """Recursion r on the tokens of ``run`` only: gathered, the shared stack, the update, scattered back."""
         B, T, d = x.shape
         plan = gather_plan(run, width)
-        if plan.flat.numel() == 0 and not (torch.is_grad_enabled() and state.cache is None):
+        idle = not torch.compiler.is_compiling() and plan.flat.numel() == 0
+        if idle and not (torch.is_grad_enabled() and state.cache is None):
             for block in self.shared:  # nothing runs: the stream is unchanged
                 state.record("mha", block.index + r * self.S, x)
                 state.record("ffn", block.index + r * self.S, x)
@@ -328,7 +341,7 @@ class MixtureOfRecursions(LanguageModel):
         y = _combine(x_sel, f_sel, pick(gate), None if last is None else pick(last), self.cfg.update)
         out = xf.index_copy(0, plan.flat, y).view(B, T, d)
         state.record("ffn", self.shared[-1].index + r * self.S, out)
-        stats.tokens += float(plan.flat.numel() * self.S)
+        stats.tokens = stats.tokens + (plan.counts.sum() if plan.padded is not None else plan.flat.numel()) * self.S
         return out
 
     def stack(self, r: int, xs, attend, xf, flat, state: ForwardState) -> torch.Tensor:
@@ -345,7 +358,8 @@ class MixtureOfRecursions(LanguageModel):
     def padded_attention(self, plan: Gathered, B: int, stats: _Stats):
         """Causal attention in the (B, M) layout: a row's tokens among themselves, pads last (never seen)."""
         M = plan.width
-        stats.pairs += float(B * M * M * self.S)
+        M_t = plan.width_t if plan.width_t is not None else M  # a tensor where the width is data-dependent
+        stats.pairs = stats.pairs + B * M_t * M_t * self.S
 
         def attend(j: int, qkv: torch.Tensor) -> torch.Tensor:
             attn = self.shared[j].attn
