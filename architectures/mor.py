@@ -14,8 +14,8 @@ Routing (``model.mor.routing``):
 * ``expert`` (expert choice, the official ``MoRLlamaDecoderLayer``): at recursion r a router per recursion scores
   the still-active tokens (the residual stream, fp32), ``g = alpha * sigmoid(w_r^T x / temperature)``, and each
   row keeps its top ``k_r = max(1, floor(beta_r * real length))`` of them (hierarchical filtering: only tokens
-  chosen at r - 1 are candidates at r). ``beta_r`` = ``model.mor.capacities``, by default the paper's
-  ``(N_r - r) / N_r`` (r = 0 .. N_r - 1: 1, 1/2 for two recursions; 1, 2/3, 1/3 for three). The top-k is not
+  chosen at r - 1 are candidates at r). ``beta_r`` = ``model.mor.capacities``, by default
+  ``(N_r - r) / N_r`` (our reading of the paper; the official configs were not available) (r = 0 .. N_r - 1: 1, 1/2 for two recursions; 1, 2/3, 1/3 for three). The top-k is not
   causal, so, as in MoD, each recursion has a causal decision (``model.mor.sampling``): ``predictor`` (an MLP on the
   stop-gradient stream trained with BCE on top-k membership, the official ``aux_router``) or ``aux_loss`` (BCE on
   the router logit itself); generation and ``causal_routing()`` route by it (sigmoid > 0.5).
@@ -66,7 +66,7 @@ class MoRConfig:
     routing: str = "expert"  # "expert" | "token"
     sharing: str = "middle_cycle"  # "middle_cycle" | "cycle"
     num_recursions: int = 2  # N_r; must divide the shared positions (L - 2, or L for cycle)
-    # expert choice: capacity per recursion, non-increasing in (0, 1]; None: the paper's (N_r - r) / N_r
+    # expert choice: capacity per recursion, non-increasing in (0, 1]; None: (N_r - r) / N_r
     capacities: Optional[List[float]] = None
     alpha: float = 0.1  # expert choice: g = alpha * sigmoid(logit / temperature)
     temperature: float = 1.0  # router temperature (both routings)
@@ -86,7 +86,7 @@ def recursion_layout(n_layer: int, num_recursions: int, sharing: str) -> Tuple[i
 
 
 def capacity_schedule(cfg: MoRConfig) -> List[float]:
-    """beta_r per recursion: the given list, else (N_r - r) / N_r."""
+    """beta_r per recursion: the given list, else (N_r - r) / N_r (1, 1/2; 1, 2/3, 1/3; ...)."""
     n = cfg.num_recursions
     return list(cfg.capacities) if cfg.capacities is not None else [(n - r) / n for r in range(n)]
 
@@ -99,7 +99,10 @@ def validate_mor(config: ModelConfig) -> None:
     n = cfg.num_recursions
     require(isinstance(n, int) and n >= 1, "model.mor.num_recursions", f"must be an integer >= 1, got {n!r}")
     shared = config.n_layer - (2 if cfg.sharing == "middle_cycle" else 0)
-    require(shared >= n and shared % n == 0, "model.mor.num_recursions",
+    edge = config.n_layer - shared
+    require(shared >= n, "model.mor.num_recursions",
+            f"{n} recursions need model.n_layer >= {n + edge} with sharing {cfg.sharing!r} (got {config.n_layer})")
+    require(shared % n == 0, "model.mor.num_recursions",
             f"{n} does not divide the {shared} shared positions of model.n_layer={config.n_layer} with sharing "
             f"{cfg.sharing!r}; choose a divisor of {shared}")
     if cfg.capacities is not None:
@@ -336,7 +339,7 @@ class MixtureOfRecursions(LanguageModel):
             self.padded_attention(plan, B, stats)
         xf = x.reshape(B * T, d)
         x_sel = xf.index_select(0, plan.flat)
-        f_sel = state.run(lambda st, xs: self.stack(r, xs, attend, xf, plan.flat, st), x_sel)
+        f_sel = state.run(lambda st, xs: self.stack(r, xs, attend, x, plan.flat, st), x_sel)
         pick = lambda t: t.reshape(-1).index_select(0, plan.flat)  # noqa: E731
         y = _combine(x_sel, f_sel, pick(gate), None if last is None else pick(last), self.cfg.update)
         out = xf.index_copy(0, plan.flat, y).view(B, T, d)
@@ -344,15 +347,17 @@ class MixtureOfRecursions(LanguageModel):
         stats.tokens = stats.tokens + (plan.counts.sum() if plan.padded is not None else plan.flat.numel()) * self.S
         return out
 
-    def stack(self, r: int, xs, attend, xf, flat, state: ForwardState) -> torch.Tensor:
-        """F: the shared blocks (their residuals included) on the gathered tokens (N, d)."""
+    def stack(self, r: int, xs, attend, x, flat, state: ForwardState) -> torch.Tensor:
+        """F: the shared blocks (their residuals included) on the gathered tokens (N, d); the snapshots show the
+        (B, T, d) stream ``x`` with the gathered tokens at their intermediate states."""
+        xf = x.reshape(-1, x.shape[-1])
         for j, block in enumerate(self.shared):
             a = block.attn.resid_drop(block.attn.c_proj(attend(j, block.attn.c_attn(block.ln_1(xs)))))
             xs = xs + a
-            state.record("mha", block.index + r * self.S, xf.index_copy(0, flat, xs).view_as(xf))
+            state.record("mha", block.index + r * self.S, xf.index_copy(0, flat, xs).view_as(x))
             xs = xs + block.mlp(block.ln_2(xs))
             if j < len(self.shared) - 1:
-                state.record("ffn", block.index + r * self.S, xf.index_copy(0, flat, xs).view_as(xf))
+                state.record("ffn", block.index + r * self.S, xf.index_copy(0, flat, xs).view_as(x))
         return xs
 
     def padded_attention(self, plan: Gathered, B: int, stats: _Stats):

@@ -238,3 +238,14 @@ def test_the_balance_loss_is_switch_over_the_depths():
     f = torch.bincount(chosen, minlength=model.N).float() / chosen.numel()
     expected = model.cfg.balance_coef * model.N * (f * probs.mean(0)).sum()
     torch.testing.assert_close(out.aux_losses["mor.depth/balance"], expected)
+
+
+@pytest.mark.parametrize("name", ["mor", "mor_token"])
+def test_every_residual_snapshot_is_the_whole_stream(name):
+    """(B, T, d) after every block application, inside a shared stack of 2 (cycle) too: the contribution
+    callback's logit lens reads each one."""
+    model = build(name, sharing="cycle")
+    with torch.no_grad():
+        out = model(tokens(), return_residuals=True)
+    assert len(out.residuals) == 1 + 2 * 4
+    assert all(s.hidden.shape == (3, 32, 32) for s in out.residuals)
