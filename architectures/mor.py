@@ -14,11 +14,12 @@ Routing (``model.mor.routing``):
 * ``expert`` (expert choice, the official ``MoRLlamaDecoderLayer``): at recursion r a router per recursion scores
   the still-active tokens (the residual stream, fp32), ``g = alpha * sigmoid(w_r^T x / temperature)``, and each
   row keeps its top ``k_r = max(1, floor(beta_r * real length))`` of them (hierarchical filtering: only tokens
-  chosen at r - 1 are candidates at r). ``beta_r`` = ``model.mor.capacities``, by default
-  ``(N_r - r) / N_r`` (our reading of the paper; the official configs were not available) (r = 0 .. N_r - 1: 1, 1/2 for two recursions; 1, 2/3, 1/3 for three). The top-k is not
-  causal, so, as in MoD, each recursion has a causal decision (``model.mor.sampling``): ``predictor`` (an MLP on the
-  stop-gradient stream trained with BCE on top-k membership, the official ``aux_router``) or ``aux_loss`` (BCE on
-  the router logit itself); generation and ``causal_routing()`` route by it (sigmoid > 0.5).
+  chosen at r - 1 are candidates at r). ``beta_r`` = ``model.mor.capacities``, by default ``(N_r - r) / N_r``
+  (r = 0 .. N_r - 1: 1, 1/2 for two recursions; 1, 2/3, 1/3 for three; our reading of the paper, the official
+  configs were not available). The top-k is not causal, so, as in MoD, each recursion has a causal decision
+  (``model.mor.sampling``): ``predictor`` (an MLP on the stop-gradient stream trained with BCE on top-k
+  membership, the official ``aux_router``) or ``aux_loss`` (BCE on the router logit itself); generation and
+  ``causal_routing()`` route by it (sigmoid > 0.5).
 * ``token`` (token choice): one router over the ``N_r`` depths reads the stream once, before the first
   recursion; each token takes its argmax depth, with weight ``g`` = that depth's softmax probability, and a
   Switch balance loss over the depths (``mor.depth/balance``). Causal by construction.
