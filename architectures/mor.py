@@ -398,15 +398,32 @@ class MixtureOfRecursions(LanguageModel):
         schedule), attention scores as computed, the routers (and predictors) on every token."""
         d, hidden = self.config.d_model, self.config.ffn_hidden
         site = sites.get(self.depth_site_name)
-        if site is not None:
+        if site is not None and "block_tokens" in site.extras:  # as run
             n_tokens = site.selected.shape[0] * site.selected.shape[1]
             frac = float(site.extras["block_tokens"]) / n_tokens
             pairs = float(site.extras["attn_pairs"]) / n_tokens
+        elif site is not None:
+            frac, pairs = self.selected_fractions(sites)
         else:
             frac, pairs = self.planned_fractions(T)
         out = F_.Flops(attn_proj=frac * F_.attention_projections(d), attn_scores=pairs * 4.0 * d,
                        ffn=frac * F_.ffn(d, hidden))
         return out + F_.Flops(router=self.router_flops())
+
+    def selected_fractions(self, sites: Dict[str, RoutingSite]) -> Tuple[float, float]:
+        """Shared-block applications and score pairs per token from the sites' selections alone (a trace whose
+        statistics were dropped: the probe callback's one-token cuts), each row's runners attending among
+        themselves (a lone token: its own key)."""
+        site = sites[self.depth_site_name]
+        valid = torch.ones_like(site.selected[..., 0], dtype=torch.bool) if site.valid is None else site.valid.bool()
+        if self.cfg.routing == "expert":
+            runs = [sites[f"mor.rec{r}"].selected[..., 0].bool() & valid for r in range(self.N)]
+        else:
+            runs = [(site.selected[..., 0] >= r) & valid for r in range(self.N)]
+        n_tokens = valid.numel()
+        tokens = sum(float(run.sum()) for run in runs) * self.S
+        pairs = sum(float(run.sum(dim=1).double().square().sum()) for run in runs) * self.S
+        return tokens / n_tokens, pairs / n_tokens
 
     def planned_fractions(self, T: int) -> Tuple[float, float]:
         """Shared-block applications and score pairs per token of a full-length row, without a trace:

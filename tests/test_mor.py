@@ -249,3 +249,24 @@ def test_every_residual_snapshot_is_the_whole_stream(name):
         out = model(tokens(), return_residuals=True)
     assert len(out.residuals) == 1 + 2 * 4
     assert all(s.hidden.shape == (3, 32, 32) for s in out.residuals)
+
+
+@pytest.mark.parametrize("name", ["mor", "mor_token"])
+def test_per_token_compute_of_the_probe_callback_is_the_depth_each_token_ran(name):
+    """``callbacks.probe.token_flops`` cuts the trace to one token (statistics dropped): a token pays the distinct
+    blocks, ``depth`` shared-block applications (its own key in their attention) and the routers."""
+    from architectures import flops as F_
+    from callbacks.probe import token_flops
+
+    model = build(name, n_layer=5, num_recursions=3)
+    if name == "mor_token":
+        model.router.weight.data.mul_(50.0)
+    with torch.no_grad():
+        out = model(tokens())
+    per_token = token_flops(model, out.trace, 32)
+    cfg, d = model.config, model.config.d_model
+    edge = F_.dense_block(d, cfg.ffn_hidden, 32).scale(2) + F_.lm_head(d, cfg.vocab_size)
+    shared = F_.dense_block(d, cfg.ffn_hidden, 1).forward
+    expected = edge.forward + model.router_flops() + out.trace[-1].extras["depth"].double() * shared
+    torch.testing.assert_close(per_token, expected, rtol=1e-12, atol=0)
+    assert len(set(out.trace[-1].extras["depth"].flatten().tolist())) > 1, "one depth only: nothing checked"
