@@ -187,6 +187,14 @@ _BUILT_IN: Dict[str, Variant] = {
     "param_share": Variant("architectures.mom:MixtureOfModules",
                            "parameter sharing as MoM: one attention + one FFN module reused at all L steps",
                            overrides={"mom": {"routing": "param_share", "n_attn": 1, "n_ffn": 1}}),
+    "mor": Variant("architectures.mor:MixtureOfRecursions",
+                   "Mixture-of-Recursions, expert choice: a shared middle stack cycled num_recursions times, the "
+                   "top-k of the still-active tokens continue at each recursion (capacity shrinking)",
+                   # top-k at both recursions in the invariant suite (the default schedule's first is 1: all tokens)
+                   test_settings={"mor": {"capacities": [0.5, 0.25]}}),
+    "mor_token": Variant("architectures.mor:MixtureOfRecursions",
+                         "Mixture-of-Recursions, token choice: each token's recursion depth chosen once by a router "
+                         "over the depths, with a balance loss", overrides={"mor": {"routing": "token"}}),
 }
 for _name, _variant in _BUILT_IN.items():
     register(_name, _variant)

@@ -60,8 +60,9 @@ TINY_RUN = [
 ]
 
 # Presets that need more layers than a 1- or 2-layer test model has: MoM-E / MoM-I pick K=3 of a pool of
-# n_layer - 1 modules + SKIP. Cross-variant loops build every variant, with at least these layers.
-MIN_LAYERS = {"mom_e": 3, "mom_i": 3}
+# n_layer - 1 modules + SKIP; MoR's middle-cycle default (N_r = 2) needs a first, a last and 2 shared positions.
+# Cross-variant loops build every variant, with at least these layers.
+MIN_LAYERS = {"mom_e": 3, "mom_i": 3, "mor": 4, "mor_token": 4}
 
 
 def tiny_layers(variant: str, n_layer: int) -> int:

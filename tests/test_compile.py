@@ -24,9 +24,12 @@ from tests.conftest import TINY_RUN, cli_summary, tiny_layers
 
 # one variant per family (MoM and MoT: their own tests below, with evaluation and recompiles); moe traces its
 # per-expert sizes as unbacked SymInts (~10 s here); depth_gate_skip runs a layer no token chose on zero tokens
-FAMILIES = ["vanilla", "caa", "mod", "depth_gate", "depth_gate_skip", pytest.param("moe", marks=pytest.mark.slow)]
+# mor_token gathers a data-dependent number of tokens per recursion (unbacked sizes)
+FAMILIES = ["vanilla", "caa", "mod", "depth_gate", "depth_gate_skip", "mor_token",
+            pytest.param("moe", marks=pytest.mark.slow)]
 TINY = dict(size="tiny", vocab_size=64, d_model=32, n_layer=2, n_head=2, block_size=16, dropout=0.0)
-SHAPE = {"mom_e": {"n_layer": 4}}  # K=3 needs a chunk of 3 modules + anchor
+SHAPE = {"mom_e": {"n_layer": 4},  # K=3 needs a chunk of 3 modules + anchor
+         "mor_token": {"n_layer": 4}}  # middle-cycle, 2 recursions: first + 2 shared positions + last
 STEPS = 4  # AdamW steps compared: a None gradient (skipped) against a zero one (decayed) shows from step 2 on
 
 

@@ -37,6 +37,9 @@ ROUTING_SETTINGS = [
     ("depth_gate", {"depth_gate": {"mode": "hard", "top_k": 1}}),
     ("depth_gate", {"depth_gate": {"mode": "hard", "top_k": 2}}),
     ("mom", {"mom": {"top_k": 2}}),
+    ("mor", {"mor": {"sharing": "cycle"}}),  # a shared stack of 2 blocks, nothing distinct
+    ("mor", {"mor": {"sampling": "aux_loss"}}),
+    ("mor_token", {"mor": {"sharing": "cycle"}}),
 ]
 CASES = [(name, {}) for name in variant_names()] + ROUTING_SETTINGS
 IDS = [name + "".join(f"-{g}.{k}={v}" for g, d in extra.items() for k, v in d.items()) for name, extra in CASES]
