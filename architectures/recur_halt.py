@@ -1,0 +1,402 @@
+"""Recursion with online per-token halting (``recur_halt``): Adaptive Computation Time (Graves 2016,
+"Adaptive Computation Time for Recurrent Neural Networks", arXiv 1603.08983) over a shared block, with
+the per-position halting of Universal Transformers (Dehghani et al. 2019); PonderNet (Banino et al. 2021,
+arXiv 2107.05407) is the other halting rule (``model.recur_halt.halting ponder``, preset ``recur_halt_ponder``).
+
+Layout: ``prelude`` distinct dense blocks, then a shared stack of ``n_shared`` blocks applied up to
+``max_steps`` times per token (0: (n_layer - prelude - coda) / n_shared, the vanilla model's depth), then
+``coda`` distinct dense blocks, the final LayerNorm and the tied head.
+
+Halting (read at every step s < S = max_steps, from the token's state x_s after the step, fp32 with
+autocast off): h_s = sigmoid(w . x_s + b).
+
+* ACT: the halting mass of step s is p_s = h_s. A token halts after the first step N with
+  sum_{s<=N} p_s >= 1 - eps (``threshold`` eps), or at S. Its remainder R = 1 - sum_{s<N} p_s; the stream
+  the next layer reads is the mean-field mix y = sum_{s<N} p_s x_s + R x_N. Ponder cost tau * (N + R)
+  (gradient through R; ``ponder_cost`` tau), aux loss ``recur_halt/ponder``.
+* PonderNet: h_s is the conditional halting probability lambda_s; p_s = lambda_s prod_{j<s}(1 - lambda_j).
+  The same threshold rule, remainder and mean-field mix (deterministic halting at training and evaluation,
+  not the paper's sampling, so compute is decided per token and causally); the KL to a geometric prior
+  (``prior`` lambda_p, truncated at S and renormalised), ``kl_coef`` beta, aux loss ``recur_halt/ponder_kl``.
+
+``halt_bias_init`` sets b at initialisation; a negative bias is the "deep start" (arXiv 2604.21999: every
+token first runs all steps), 0 the neutral start (ACT halts most tokens after 2 steps). The default is what
+trained better here (docs/variants.md, "recur_halt", the measurement).
+
+Compute follows the halting: at step s the still-running tokens are gathered (flat indices, never a mask),
+and only they pay the projections, the FFN and the halting unit. Attention at step s: a running token's
+query sees, for every earlier position (and its own), that position's key / value of step s of the same
+shared block: computed this step when that token still runs, else REUSED from the last step it ran (its
+K/V are frozen when it halts). So a halted token costs nothing later, everything a query reads depends
+on earlier positions only, and the KV cache keeps one entry per (step, shared block) holding, per
+position, the K/V of that step as run (a halted token's frozen K/V are written into the entries of the
+steps it skipped): decoding equals the full forward. Queries of a step are laid out right-padded per row
+(rows with a running token only, width = the row's most running tokens); the scores of that layout
+(rows x width x keys) are what the FLOPs count.
+
+Trace: one site per halting decision, ``recur_halt.step{s}`` (s = 1 .. S-1, group ``recur_halt``), kind
+``token_choice``, choices {continue, skip} ("skip": halt, the remaining steps are skipped), valid = the
+real tokens that ran step s. ``weights``: the token's weight in the mix (p_s, or R when it halts);
+``probs``: (1 - h_s, h_s). ``extras["attn_pairs"]``: the scores step s + 1 computed. The last site carries the
+per-token depth convention: ``extras["depth"]`` (B, T) shared-block applications each token received
+(steps run x n_shared; padding runs step 1 only) and ``extras["max_depth"]`` = S x n_shared.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from architectures import flops as F_
+from architectures.base import ForwardState, LanguageModel, require
+from architectures.config import ModelConfig, tracks_explicit
+from architectures.contract import RoutingSite
+from architectures.gpt2 import Block
+from architectures.routing import Decision, Router
+
+HALTING = ("act", "ponder")
+CHOICES = ("continue", "skip")
+
+
+@tracks_explicit
+@dataclass
+class RecurHaltConfig:
+    """A shared block stack applied up to ``max_steps`` times per token, halted per token (ACT / PonderNet)."""
+
+    halting: str = "act"  # "act" (Graves 2016) or "ponder" (PonderNet, Banino et al. 2021)
+    max_steps: int = 0  # S; 0: (n_layer - prelude - coda) / n_shared
+    n_shared: int = 1  # blocks in the shared stack (one step applies all of them)
+    prelude: int = 0  # distinct dense blocks before the recursion
+    coda: int = 0  # distinct dense blocks after it
+    halt_bias_init: float = -3.0  # b at init: < 0 "deep start" (all steps first), 0 neutral (measured: docs)
+    threshold: float = 0.01  # eps: a token halts once its cumulative halting mass reaches 1 - eps
+    ponder_cost: float = 0.01  # ACT's tau: aux loss tau * mean(N + R)
+    prior: float = 0.5  # PonderNet's lambda_p of the geometric prior
+    kl_coef: float = 0.01  # PonderNet's beta: aux loss beta * mean KL(p || geometric(lambda_p))
+
+
+# ---------------------------------------------------------------------------- the halting unit
+@dataclass
+class HaltDecision(Decision):
+    """A halting decision on the gathered running tokens: ``halt`` (N,) bool, ``mass`` (N,) the weight each
+    token's state gets in the mix (p_s, or the remainder R when it halts), ``cum`` / ``remaining`` the
+    running sums after this step (for the tokens that continue)."""
+
+    halt: Optional[torch.Tensor] = None
+    mass: Optional[torch.Tensor] = None
+    cum: Optional[torch.Tensor] = None
+    remaining: Optional[torch.Tensor] = None
+
+
+class HaltingRule:
+    """The pick rule of the halting unit: ACT's or PonderNet's halting mass, the threshold, the remainder.
+
+    Called by ``Router.forward`` on the gathered tokens (logits (1, N, 1)) with their running sums; the site
+    it reports is laid on the (B, T) grid by ``relay``.
+    """
+
+    kind = "token_choice"
+
+    def __init__(self, halting: str, threshold: float):
+        self.halting, self.threshold = halting, threshold
+
+    def __call__(self, logits, state, valid, report, name: str, cum=None, remaining=None) -> HaltDecision:
+        h = torch.sigmoid(logits.reshape(-1))
+        p = h if self.halting == "act" else remaining * h  # halting mass of this step
+        new_cum = cum + p
+        halt = new_cum >= 1.0 - self.threshold
+        if valid is not None:
+            halt = halt | ~valid.reshape(-1)  # padding runs one step only
+        mass = torch.where(halt, 1.0 - cum, p)  # the halting token's remainder R = 1 - sum of earlier masses
+        probs = torch.stack([1.0 - h, h], dim=-1)
+        site = report(halt.long().view(1, -1, 1), mass.detach().view(1, -1, 1), probs=probs.detach().unsqueeze(0),
+                      logits=logits.detach())
+        return HaltDecision(site, logits, probs, mass, halt.long(), {}, halt=halt, mass=mass, cum=new_cum,
+                            remaining=remaining * (1.0 - h))
+
+
+class HaltRouter(Router):
+    """The halting unit: logit w . x + b in fp32 (a bias-free ``nn.Linear`` for w, so the suite's init
+    covers it, and a bias set by ``halt_bias_init``)."""
+
+    def __init__(self, d_model: int, cfg: RecurHaltConfig):
+        super().__init__()
+        self.proj = nn.Linear(d_model, 1, bias=False)
+        self.bias = nn.Parameter(torch.zeros(1))
+        self.setup(HaltingRule(cfg.halting, cfg.threshold), CHOICES)
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.proj.weight.float()) + self.bias.float()
+
+
+def _on_grid(site: RoutingSite, flat: torch.Tensor, B: int, T: int) -> RoutingSite:
+    """A site computed on the gathered tokens ``flat`` laid on the (B, T) grid: the other tokens did not
+    run this step (invalid, "skip", weight 0)."""
+
+    def put(t, fill):
+        values = t.reshape(flat.numel(), *t.shape[2:])
+        full = values.new_full((B * T, *values.shape[1:]), fill).index_copy(0, flat, values)
+        return full.view(B, T, *values.shape[1:])
+
+    ran = torch.ones(flat.numel(), dtype=torch.bool, device=flat.device) if site.valid is None else site.valid
+    return RoutingSite(name=site.name, kind=site.kind, choice_names=site.choice_names,
+                       selected=put(site.selected, 1), weights=put(site.weights, 0.0), group=site.group,
+                       step=site.step, probs=put(site.probs, 0.0), valid=put(ran.reshape(1, -1), False),
+                       logits=put(site.logits, 0.0), extras=site.extras)
+
+
+# ---------------------------------------------------------------------------- a step on the gathered tokens
+@dataclass
+class Layout:
+    """Where the running tokens of a step sit in the right-padded query layout: ``rows`` (R,) batch rows with a
+    running token, ``slots`` (N,) each token's place in the (R * width) layout, ``positions`` (R * width,)
+    absolute query positions (padding slots: 0, they see key 0 and are discarded)."""
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    positions: torch.Tensor
+    width: int
+
+
+def plan_layout(run: torch.Tensor, B: int, T: int, offset: int) -> Layout:
+    """The padded query layout of the running tokens ``run`` (flat indices b * T + t, ascending)."""
+    row, pos = run // T, run % T
+    counts = torch.bincount(row, minlength=B)
+    width = int(counts.max()) if run.numel() else 0
+    rows = counts.nonzero().squeeze(-1)
+    row_rank = torch.cumsum((counts > 0).long(), 0) - 1  # a row's place among the rows with running tokens
+    first = torch.cumsum(counts, 0) - counts  # index in ``run`` of each row's first token
+    rank = torch.arange(run.numel(), device=run.device) - first[row]
+    slots = row_rank[row] * width + rank
+    positions = torch.zeros(rows.numel() * width, dtype=torch.long, device=run.device)
+    positions = positions.index_copy(0, slots, pos + offset)
+    return Layout(rows, slots, positions, width)
+
+
+def gathered_attention(block: Block, h: torch.Tensor, kv: Tuple[torch.Tensor, torch.Tensor], run: torch.Tensor,
+                       layout: Layout, state: ForwardState, key: str, shape):
+    """Attention of the running tokens (h = ln_1 of their states, (N, d)) at one step of one shared block.
+
+    ``kv``: this call's (B * T, d) keys / values as of the previous step; the running tokens' rows are
+    replaced by their fresh ones (the halted ones keep theirs: frozen). Returns (update (N, d), new kv)."""
+    attn = block.attn
+    B, T = shape
+    q, k, v = attn.c_attn(h).chunk(3, dim=-1)
+    keys, values = kv[0].index_copy(0, run, k), kv[1].index_copy(0, run, v)
+    K, V = (attn.split_heads(t.view(B, T, -1)) for t in (keys, values))
+    if state.cache is not None:
+        K, V = state.cache.append(key, K, V)
+    K, V = K.index_select(0, layout.rows), V.index_select(0, layout.rows)
+    R, width = layout.rows.numel(), layout.width
+    Q = attn.split_heads(q.new_zeros(R * width, q.shape[-1]).index_copy(0, layout.slots, q).view(R, width, q.shape[-1]))
+    see = torch.arange(K.shape[2], device=q.device) <= layout.positions.view(R, 1, width, 1)
+    y = F.scaled_dot_product_attention(Q, K, V, attn_mask=see, dropout_p=attn.dropout if attn.training else 0.0)
+    y = attn.merge_heads(y).reshape(R * width, q.shape[-1]).index_select(0, layout.slots)
+    return attn.resid_drop(attn.c_proj(y)), (keys, values)
+
+
+def _grid(x: torch.Tensor, run: torch.Tensor, x_run: torch.Tensor, shape) -> torch.Tensor:
+    return x.index_copy(0, run, x_run).view(*shape, -1)
+
+
+# ---------------------------------------------------------------------------- the model
+@dataclass
+class _Run:
+    """The per-token bookkeeping of one forward (flat over the B * T tokens of the call)."""
+
+    x: torch.Tensor  # each token's current state (frozen once it halted)
+    mix: torch.Tensor  # the mean-field mix y
+    cum: torch.Tensor  # cumulative halting mass
+    remaining: torch.Tensor  # PonderNet's prod (1 - lambda)
+    steps: torch.Tensor  # steps run
+    remainder: torch.Tensor  # R of the halting step (live)
+    kl: torch.Tensor  # PonderNet's sum p log(p / prior) (live)
+    kv: List[Tuple[torch.Tensor, torch.Tensor]]  # per shared block: keys / values as of the last step run
+    run: torch.Tensor  # flat indices of the running tokens
+    sites: List[RoutingSite] = field(default_factory=list)
+
+
+class RecurHalt(LanguageModel):
+    """A shared block stack with per-token online halting (see the module docstring)."""
+
+    config_groups = {"recur_halt": RecurHaltConfig}
+    may_skip_parameters = False  # every token runs step 1, and the halting unit always gets a gradient
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        cfg = config.recur_halt
+        self.max_steps = resolved_steps(config)
+        first_shared = cfg.prelude
+        self.prelude = nn.ModuleList([Block(config, i) for i in range(cfg.prelude)])
+        self.shared = nn.ModuleList([Block(config, first_shared + j, cache_key=f"recur.block{j}")
+                                     for j in range(cfg.n_shared)])
+        coda_start = cfg.prelude + self.max_steps * cfg.n_shared
+        self.coda = nn.ModuleList([Block(config, coda_start + i) for i in range(cfg.coda)])
+        self.halt_router = HaltRouter(config.d_model, cfg)
+
+    @staticmethod
+    def validate_config(config: ModelConfig) -> None:
+        cfg = config.recur_halt
+        require(cfg.halting in HALTING, "model.recur_halt.halting", f"must be one of {', '.join(HALTING)}, got {cfg.halting!r}")
+        for name in ("n_shared",):
+            require(isinstance(getattr(cfg, name), int) and getattr(cfg, name) >= 1, f"model.recur_halt.{name}",
+                    f"must be an integer >= 1, got {getattr(cfg, name)!r}")
+        for name in ("prelude", "coda", "max_steps"):
+            require(isinstance(getattr(cfg, name), int) and getattr(cfg, name) >= 0, f"model.recur_halt.{name}",
+                    f"must be an integer >= 0, got {getattr(cfg, name)!r}")
+        require(resolved_steps(config) >= 2, "model.recur_halt.max_steps",
+                f"must be >= 2 (one halting decision at least), got {resolved_steps(config)} (0 derives it from "
+                f"model.n_layer={config.n_layer}: (n_layer - prelude - coda) / n_shared); set it or raise n_layer")
+        require(0.0 < cfg.threshold < 1.0, "model.recur_halt.threshold", f"must be in (0, 1), got {cfg.threshold!r}")
+        require(0.0 < cfg.prior < 1.0, "model.recur_halt.prior", f"must be in (0, 1), got {cfg.prior!r}")
+        for name in ("ponder_cost", "kl_coef"):
+            require(getattr(cfg, name) >= 0, f"model.recur_halt.{name}", f"must be >= 0, got {getattr(cfg, name)!r}")
+        require(math.isfinite(cfg.halt_bias_init), "model.recur_halt.halt_bias_init", "must be a finite number")
+
+    def init_weights(self) -> None:
+        super().init_weights()
+        with torch.no_grad():
+            self.halt_router.bias.fill_(self.config.recur_halt.halt_bias_init)
+
+    # -------------------------------------------------------------- the forward
+    def body(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
+        for block in self.prelude:
+            x = state.block(block, x)
+        B, T, d = x.shape
+        track = self._start(x.reshape(B * T, d))
+        for step in range(1, self.max_steps + 1):
+            self._step(track, step, state, (B, T))
+        self._finish(track, state, (B, T))
+        x = track.mix.view(B, T, d)
+        if not self.coda:
+            state.hidden = x  # the head reads the mix; the residual snapshots end at the last step as run
+        for block in self.coda:
+            x = state.block(block, x)
+        return x
+
+    def _start(self, x: torch.Tensor) -> _Run:
+        n = x.shape[0]
+        zeros = x.new_zeros(n, dtype=torch.float32)
+        kv = [(x.new_zeros(n, self.config.d_model), x.new_zeros(n, self.config.d_model)) for _ in self.shared]
+        return _Run(x=x, mix=torch.zeros_like(x), cum=zeros, remaining=zeros + 1.0, steps=zeros.clone(),
+                    remainder=zeros.clone(), kl=zeros.clone(), kv=kv, run=torch.arange(n, device=x.device))
+
+    def _step(self, track: _Run, step: int, state: ForwardState, shape) -> None:
+        """Step ``step`` on the running tokens: the shared stack, then (before the last step) the halting unit;
+        the tokens that halt leave ``track.run``."""
+        run, B, T = track.run, *shape
+        layout = plan_layout(run, B, T, state.offset)
+        if track.sites:
+            track.sites[-1].extras["attn_pairs"] = self._pairs(layout, state.offset + T)
+        x_run, kv = state.run(lambda s, full, *flat_kv: self._stack(s, full, flat_kv, run, layout, step, shape),
+                              track.x, *[t for pair in track.kv for t in pair])
+        track.x, track.kv = track.x.index_copy(0, run, x_run), kv
+        track.steps = track.steps.index_add(0, run, torch.ones_like(run, dtype=torch.float32))
+        if step == self.max_steps:  # every token still running halts: its remainder
+            mass = 1.0 - track.cum.index_select(0, run)
+            halt = torch.ones_like(run, dtype=torch.bool)
+        else:
+            mass, halt = self._decide(track, x_run, step, state, shape)
+        self._accumulate(track, x_run, mass, halt, step)
+
+    def _stack(self, state: ForwardState, full: torch.Tensor, flat_kv, run, layout: Layout, step: int, shape):
+        """The shared blocks on the running tokens of ``full`` (B * T, d), gathered; ``flat_kv``: k0, v0, k1, v1,
+        ... (B * T, d). Returns their new states (N, d) and the new keys / values."""
+        x, kv = full.index_select(0, run), []
+        first_layer = self.config.recur_halt.prelude + (step - 1) * len(self.shared)
+        for j, block in enumerate(self.shared):
+            pair = (flat_kv[2 * j], flat_kv[2 * j + 1])
+            a, pair = gathered_attention(block, block.ln_1(x), pair, run, layout, state, f"recur.step{step}.block{j}",
+                                         shape)
+            x = x + a
+            if state.residuals is not None:
+                state.record("mha", first_layer + j, _grid(full, run, x, shape))
+            x = x + block.mlp(block.ln_2(x))
+            if state.residuals is not None:
+                full = full.index_copy(0, run, x)
+                state.record("ffn", first_layer + j, full.view(*shape, -1))
+            kv.append(pair)
+        return x, kv
+
+    def _decide(self, track: _Run, x_run: torch.Tensor, step: int, state: ForwardState, shape):
+        run, (B, T) = track.run, shape
+        valid = None if state.valid is None else state.valid.reshape(-1).index_select(0, run)
+        decision = self.halt_router(x_run.unsqueeze(0), state, name=f"recur_halt.step{step}", group="recur_halt",
+                                    step=step - 1, valid=valid, relay=lambda site: _on_grid(site, run, B, T),
+                                    cum=track.cum.index_select(0, run), remaining=track.remaining.index_select(0, run))
+        track.sites.append(decision.site)
+        go = ~decision.halt
+        track.cum = track.cum.index_copy(0, run[go], decision.cum[go])
+        track.remaining = track.remaining.index_copy(0, run[go], decision.remaining[go])
+        return decision.mass, decision.halt
+
+    def _accumulate(self, track: _Run, x_run, mass, halt, step: int) -> None:
+        """The mix, the remainder and the KL term of this step; the halted tokens leave the run."""
+        run = track.run
+        track.mix = track.mix.index_add(0, run, mass.unsqueeze(-1).to(x_run.dtype) * x_run)
+        track.remainder = track.remainder.index_copy(0, run[halt], mass[halt])
+        if self.config.recur_halt.halting == "ponder":
+            prior = self._prior(x_run.device)[step - 1]
+            track.kl = track.kl.index_add(0, run, mass * (mass.clamp_min(1e-12).log() - prior.log()))
+        track.run = run[~halt]
+
+    def _prior(self, device) -> torch.Tensor:
+        """The geometric prior lambda_p (1 - lambda_p)^(s-1) over s = 1..S, renormalised."""
+        lam = self.config.recur_halt.prior
+        g = lam * (1.0 - lam) ** torch.arange(self.max_steps, dtype=torch.float32, device=device)
+        return g / g.sum()
+
+    def _finish(self, track: _Run, state: ForwardState, shape) -> None:
+        """The aux loss and the depth convention on the last site."""
+        cfg, valid = self.config.recur_halt, state.valid
+        per_token = track.steps + track.remainder if cfg.halting == "act" else track.kl
+        w = torch.ones_like(per_token) if valid is None else valid.reshape(-1).to(per_token.dtype)
+        mean = (per_token * w).sum() / w.sum().clamp(min=1)
+        if cfg.halting == "act":
+            state.report(None, {"recur_halt/ponder": cfg.ponder_cost * mean})
+        else:
+            state.report(None, {"recur_halt/ponder_kl": cfg.kl_coef * mean})
+        last = track.sites[-1]
+        last.extras["depth"] = (track.steps * len(self.shared)).view(*shape).detach()
+        last.extras["max_depth"] = torch.tensor(float(self.max_steps * len(self.shared)))
+
+    @staticmethod
+    def _pairs(layout: Layout, keys: int) -> torch.Tensor:
+        return torch.tensor(float(layout.rows.numel() * layout.width * keys))
+
+    # -------------------------------------------------------------- FLOPs
+    def flop_blocks(self):
+        return [*self.prelude, *self.coda]
+
+    def extra_flops(self, sites: Dict[str, RoutingSite], T: int) -> F_.Flops:
+        """The shared stack as run: projections and FFN per running token and step, the scores of each step's
+        query layout (``attn_pairs``; a lone token's T keys per query when cut out of its batch), the halting
+        unit on the tokens of steps 1 .. S-1. Without a trace: every token runs all S steps."""
+        cfg, d = self.config, self.config.d_model
+        per_app = F_.Flops(attn_proj=F_.attention_projections(d), ffn=F_.ffn(d, cfg.ffn_hidden))
+        scores, halting = F_.attention_scores(d, 1), F_.linear(d, 1)
+        n, S = len(self.shared), self.max_steps
+        chain = [sites.get(f"recur_halt.step{s}") for s in range(1, S)]
+        if any(site is None for site in chain):
+            return (per_app + F_.Flops(attn_scores=scores * T)).scale(S * n) + F_.Flops(router=(S - 1) * halting)
+        tokens = chain[0].selected.shape[0] * chain[0].selected.shape[1]
+        running, pairs = [float(tokens)], [float(tokens * T)]
+        for site in chain:
+            going = float((site.valid.bool() & (site.selected[..., 0] == 0)).sum())
+            running.append(going)
+            pairs.append(float(site.extras["attn_pairs"]) if "attn_pairs" in site.extras else going * T)
+        total = per_app.scale(n * sum(running)) + F_.Flops(attn_scores=scores * n * sum(pairs),
+                                                           router=halting * sum(running[:-1]))
+        return total.scale(1.0 / tokens)
+
+
+def resolved_steps(config: ModelConfig) -> int:
+    """S: ``max_steps``, or (0) the vanilla model's depth in shared-stack applications."""
+    cfg = config.recur_halt
+    if cfg.max_steps:
+        return cfg.max_steps
+    return max(0, (config.n_layer - cfg.prelude - cfg.coda) // max(1, cfg.n_shared))
