@@ -34,11 +34,12 @@ steps it skipped): decoding equals the full forward. Queries of a step are laid 
 (rows with a running token only, width = the row's most running tokens); the scores of that layout
 (rows x width x keys) are what the FLOPs count.
 
-Trace: one site per halting decision, ``recur_halt.step{s}`` (s = 1 .. S-1, group ``recur_halt``), kind
-``token_choice``, choices {continue, skip} ("skip": halt, the remaining steps are skipped), valid = the
-real tokens that ran step s. ``weights``: the token's weight in the mix (p_s, or R when it halts);
-``probs``: (1 - h_s, h_s). ``extras["attn_pairs"]``: the scores step s + 1 computed. The last site carries the
-per-token depth convention: ``extras["depth"]`` (B, T) shared-block applications each token received
+Trace: one site per forward, ``recur_halt`` (the halting chain: the unit is read at every step, the depth is
+decided online), kind ``token_choice`` over the depths ``depth1 .. depth{S}`` (steps run): ``selected`` = steps - 1,
+``weights`` = the weight of the halting step's state in the mix (R), ``probs`` = each step's weight in the mix
+(ACT's / PonderNet's distribution over depths, sums to 1), ``logits`` = the halting logits read at steps 1 .. S-1
+(0 where the token had halted), ``valid`` = the real tokens. ``extras["attn_pairs"]`` (S,): the scores each step
+computed. The per-token depth convention: ``extras["depth"]`` (B, T) shared-block applications each token received
 (steps run x n_shared; padding runs step 1 only) and ``extras["max_depth"]`` = S x n_shared.
 """
 from __future__ import annotations
@@ -56,10 +57,10 @@ from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ModelConfig, tracks_explicit
 from architectures.contract import RoutingSite
 from architectures.gpt2 import Block
-from architectures.routing import Decision, Router
+from architectures.routing import Router, report_site
 
 HALTING = ("act", "ponder")
-CHOICES = ("continue", "skip")
+SITE = "recur_halt"  # the one routing site: the halting chain of a forward
 
 
 @tracks_explicit
@@ -81,72 +82,44 @@ class RecurHaltConfig:
 
 # ---------------------------------------------------------------------------- the halting unit
 @dataclass
-class HaltDecision(Decision):
-    """A halting decision on the gathered running tokens: ``halt`` (N,) bool, ``mass`` (N,) the weight each
-    token's state gets in the mix (p_s, or the remainder R when it halts), ``cum`` / ``remaining`` the
-    running sums after this step (for the tokens that continue)."""
+class Halting:
+    """One step's halting decision on the gathered running tokens (all (N,)): ``logits``; ``halt``; ``mass``,
+    the weight of the token's state in the mix (p_s, or the remainder R when it halts); ``cum`` /
+    ``remaining``: the running sums after this step (used by the tokens that continue)."""
 
-    halt: Optional[torch.Tensor] = None
-    mass: Optional[torch.Tensor] = None
-    cum: Optional[torch.Tensor] = None
-    remaining: Optional[torch.Tensor] = None
-
-
-class HaltingRule:
-    """The pick rule of the halting unit: ACT's or PonderNet's halting mass, the threshold, the remainder.
-
-    Called by ``Router.forward`` on the gathered tokens (logits (1, N, 1)) with their running sums; the site
-    it reports is laid on the (B, T) grid by ``relay``.
-    """
-
-    kind = "token_choice"
-
-    def __init__(self, halting: str, threshold: float):
-        self.halting, self.threshold = halting, threshold
-
-    def __call__(self, logits, state, valid, report, name: str, cum=None, remaining=None) -> HaltDecision:
-        h = torch.sigmoid(logits.reshape(-1))
-        p = h if self.halting == "act" else remaining * h  # halting mass of this step
-        new_cum = cum + p
-        halt = new_cum >= 1.0 - self.threshold
-        if valid is not None:
-            halt = halt | ~valid.reshape(-1)  # padding runs one step only
-        mass = torch.where(halt, 1.0 - cum, p)  # the halting token's remainder R = 1 - sum of earlier masses
-        probs = torch.stack([1.0 - h, h], dim=-1)
-        site = report(halt.long().view(1, -1, 1), mass.detach().view(1, -1, 1), probs=probs.detach().unsqueeze(0),
-                      logits=logits.detach())
-        return HaltDecision(site, logits, probs, mass, halt.long(), {}, halt=halt, mass=mass, cum=new_cum,
-                            remaining=remaining * (1.0 - h))
+    logits: torch.Tensor
+    halt: torch.Tensor
+    mass: torch.Tensor
+    cum: torch.Tensor
+    remaining: torch.Tensor
 
 
 class HaltRouter(Router):
-    """The halting unit: logit w . x + b in fp32 (a bias-free ``nn.Linear`` for w, so the suite's init
-    covers it, and a bias set by ``halt_bias_init``)."""
+    """The halting unit: logit w . x + b in fp32 with autocast off (``Router.logits``; a bias-free
+    ``nn.Linear`` for w, so the suite's init covers it, and a bias set by ``halt_bias_init``). ``decide`` is the
+    halting rule (ACT's or PonderNet's mass, the threshold, the remainder), read at every step; the chain of
+    decisions is reported once per forward, as one site (``RecurHalt._report``)."""
 
     def __init__(self, d_model: int, cfg: RecurHaltConfig):
         super().__init__()
         self.proj = nn.Linear(d_model, 1, bias=False)
         self.bias = nn.Parameter(torch.zeros(1))
-        self.setup(HaltingRule(cfg.halting, cfg.threshold), CHOICES)
+        self.halting, self.threshold = cfg.halting, cfg.threshold
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), self.proj.weight.float()) + self.bias.float()
 
-
-def _on_grid(site: RoutingSite, flat: torch.Tensor, B: int, T: int) -> RoutingSite:
-    """A site computed on the gathered tokens ``flat`` laid on the (B, T) grid: the other tokens did not
-    run this step (invalid, "skip", weight 0)."""
-
-    def put(t, fill):
-        values = t.reshape(flat.numel(), *t.shape[2:])
-        full = values.new_full((B * T, *values.shape[1:]), fill).index_copy(0, flat, values)
-        return full.view(B, T, *values.shape[1:])
-
-    ran = torch.ones(flat.numel(), dtype=torch.bool, device=flat.device) if site.valid is None else site.valid
-    return RoutingSite(name=site.name, kind=site.kind, choice_names=site.choice_names,
-                       selected=put(site.selected, 1), weights=put(site.weights, 0.0), group=site.group,
-                       step=site.step, probs=put(site.probs, 0.0), valid=put(ran.reshape(1, -1), False),
-                       logits=put(site.logits, 0.0), extras=site.extras)
+    def decide(self, x: torch.Tensor, cum: torch.Tensor, remaining: torch.Tensor,
+               valid: Optional[torch.Tensor]) -> Halting:
+        logits = self.logits(x).reshape(-1)
+        h = torch.sigmoid(logits)
+        p = h if self.halting == "act" else remaining * h  # the halting mass of this step
+        new_cum = cum + p
+        halt = new_cum >= 1.0 - self.threshold
+        if valid is not None:
+            halt = halt | ~valid  # padding runs one step only
+        mass = torch.where(halt, 1.0 - cum, p)  # a halting token's remainder R = 1 - its earlier masses
+        return Halting(logits, halt, mass, new_cum, remaining * (1.0 - h))
 
 
 # ---------------------------------------------------------------------------- a step on the gathered tokens
@@ -217,7 +190,9 @@ class _Run:
     kl: torch.Tensor  # PonderNet's sum p log(p / prior) (live)
     kv: List[Tuple[torch.Tensor, torch.Tensor]]  # per shared block: keys / values as of the last step run
     run: torch.Tensor  # flat indices of the running tokens
-    sites: List[RoutingSite] = field(default_factory=list)
+    logits: torch.Tensor  # (B * T, S - 1) halting logits as read (0 where the step did not run)
+    masses: torch.Tensor  # (B * T, S) each step's weight in the mix: the distribution over depths
+    pairs: List[torch.Tensor] = field(default_factory=list)  # per step: the attention scores computed
 
 
 class RecurHalt(LanguageModel):
@@ -282,16 +257,17 @@ class RecurHalt(LanguageModel):
         n = x.shape[0]
         zeros = x.new_zeros(n, dtype=torch.float32)
         kv = [(x.new_zeros(n, self.config.d_model), x.new_zeros(n, self.config.d_model)) for _ in self.shared]
+        S = self.max_steps
         return _Run(x=x, mix=torch.zeros_like(x), cum=zeros, remaining=zeros + 1.0, steps=zeros.clone(),
-                    remainder=zeros.clone(), kl=zeros.clone(), kv=kv, run=torch.arange(n, device=x.device))
+                    remainder=zeros.clone(), kl=zeros.clone(), kv=kv, run=torch.arange(n, device=x.device),
+                    logits=x.new_zeros(n, S - 1, dtype=torch.float32), masses=x.new_zeros(n, S, dtype=torch.float32))
 
     def _step(self, track: _Run, step: int, state: ForwardState, shape) -> None:
         """Step ``step`` on the running tokens: the shared stack, then (before the last step) the halting unit;
         the tokens that halt leave ``track.run``."""
         run, B, T = track.run, *shape
         layout = plan_layout(run, B, T, state.offset)
-        if track.sites:
-            track.sites[-1].extras["attn_pairs"] = self._pairs(layout, state.offset + T)
+        track.pairs.append(self._pairs(layout, state.offset + T))
         x_run, kv = state.run(lambda s, full, *flat_kv: self._stack(s, full, flat_kv, run, layout, step, shape),
                               track.x, *[t for pair in track.kv for t in pair])
         track.x, track.kv = track.x.index_copy(0, run, x_run), kv
@@ -300,7 +276,7 @@ class RecurHalt(LanguageModel):
             mass = 1.0 - track.cum.index_select(0, run)
             halt = torch.ones_like(run, dtype=torch.bool)
         else:
-            mass, halt = self._decide(track, x_run, step, state, shape)
+            mass, halt = self._decide(track, x_run, step, state)
         self._accumulate(track, x_run, mass, halt, step)
 
     def _stack(self, state: ForwardState, full: torch.Tensor, flat_kv, run, layout: Layout, step: int, shape):
@@ -322,13 +298,14 @@ class RecurHalt(LanguageModel):
             kv.append(pair)
         return x, kv
 
-    def _decide(self, track: _Run, x_run: torch.Tensor, step: int, state: ForwardState, shape):
-        run, (B, T) = track.run, shape
+    def _decide(self, track: _Run, x_run: torch.Tensor, step: int, state: ForwardState):
+        """The halting unit on the running tokens' states after step ``step``; the running sums move on for the
+        tokens that continue."""
+        run = track.run
         valid = None if state.valid is None else state.valid.reshape(-1).index_select(0, run)
-        decision = self.halt_router(x_run.unsqueeze(0), state, name=f"recur_halt.step{step}", group="recur_halt",
-                                    step=step - 1, valid=valid, relay=lambda site: _on_grid(site, run, B, T),
-                                    cum=track.cum.index_select(0, run), remaining=track.remaining.index_select(0, run))
-        track.sites.append(decision.site)
+        decision = self.halt_router.decide(x_run, track.cum.index_select(0, run),
+                                           track.remaining.index_select(0, run), valid)
+        track.logits[:, step - 1] = track.logits[:, step - 1].index_copy(0, run, decision.logits.detach())
         go = ~decision.halt
         track.cum = track.cum.index_copy(0, run[go], decision.cum[go])
         track.remaining = track.remaining.index_copy(0, run[go], decision.remaining[go])
@@ -339,6 +316,7 @@ class RecurHalt(LanguageModel):
         run = track.run
         track.mix = track.mix.index_add(0, run, mass.unsqueeze(-1).to(x_run.dtype) * x_run)
         track.remainder = track.remainder.index_copy(0, run[halt], mass[halt])
+        track.masses[:, step - 1] = track.masses[:, step - 1].index_copy(0, run, mass.detach())
         if self.config.recur_halt.halting == "ponder":
             prior = self._prior(x_run.device)[step - 1]
             track.kl = track.kl.index_add(0, run, mass * (mass.clamp_min(1e-12).log() - prior.log()))
@@ -351,44 +329,45 @@ class RecurHalt(LanguageModel):
         return g / g.sum()
 
     def _finish(self, track: _Run, state: ForwardState, shape) -> None:
-        """The aux loss and the depth convention on the last site."""
+        """The aux loss, and the one site of the halting chain (the depth convention in its extras)."""
         cfg, valid = self.config.recur_halt, state.valid
         per_token = track.steps + track.remainder if cfg.halting == "act" else track.kl
         w = torch.ones_like(per_token) if valid is None else valid.reshape(-1).to(per_token.dtype)
         mean = (per_token * w).sum() / w.sum().clamp(min=1)
-        if cfg.halting == "act":
-            state.report(None, {"recur_halt/ponder": cfg.ponder_cost * mean})
-        else:
-            state.report(None, {"recur_halt/ponder_kl": cfg.kl_coef * mean})
-        last = track.sites[-1]
-        last.extras["depth"] = (track.steps * len(self.shared)).view(*shape).detach()
-        last.extras["max_depth"] = torch.tensor(float(self.max_steps * len(self.shared)))
+        aux = {"recur_halt/ponder": cfg.ponder_cost * mean} if cfg.halting == "act" else {
+            "recur_halt/ponder_kl": cfg.kl_coef * mean}
+        n, S = len(self.shared), self.max_steps
+        steps = track.steps.view(*shape)
+        extras = {"depth": (steps * n).detach(), "max_depth": torch.tensor(float(S * n)),
+                  "attn_pairs": torch.stack(track.pairs)}
+        report_site(state, "token_choice", [f"depth{s}" for s in range(1, S + 1)], SITE,
+                    (steps.long() - 1).unsqueeze(-1), track.remainder.detach().view(*shape, 1),
+                    probs=track.masses.view(*shape, S), logits=track.logits.view(*shape, S - 1), extras=extras, aux=aux)
 
     @staticmethod
     def _pairs(layout: Layout, keys: int) -> torch.Tensor:
-        return torch.tensor(float(layout.rows.numel() * layout.width * keys))
+        return torch.tensor(float(layout.rows.numel() * layout.width * keys), dtype=torch.float64)
 
     # -------------------------------------------------------------- FLOPs
     def flop_blocks(self):
         return [*self.prelude, *self.coda]
 
     def extra_flops(self, sites: Dict[str, RoutingSite], T: int) -> F_.Flops:
-        """The shared stack as run: projections and FFN per running token and step, the scores of each step's
-        query layout (``attn_pairs``; a lone token's T keys per query when cut out of its batch), the halting
-        unit on the tokens of steps 1 .. S-1. Without a trace: every token runs all S steps."""
+        """The shared stack as run: projections and FFN per token and step it ran, the scores of each step's
+        query layout (``attn_pairs``; a token cut out of its batch: T keys per query), the halting unit on the
+        tokens of steps 1 .. S-1. Without a trace: every token runs all S steps."""
         cfg, d = self.config, self.config.d_model
         per_app = F_.Flops(attn_proj=F_.attention_projections(d), ffn=F_.ffn(d, cfg.ffn_hidden))
         scores, halting = F_.attention_scores(d, 1), F_.linear(d, 1)
         n, S = len(self.shared), self.max_steps
-        chain = [sites.get(f"recur_halt.step{s}") for s in range(1, S)]
-        if any(site is None for site in chain):
+        site = sites.get(SITE)
+        if site is None:
             return (per_app + F_.Flops(attn_scores=scores * T)).scale(S * n) + F_.Flops(router=(S - 1) * halting)
-        tokens = chain[0].selected.shape[0] * chain[0].selected.shape[1]
-        running, pairs = [float(tokens)], [float(tokens * T)]
-        for site in chain:
-            going = float((site.valid.bool() & (site.selected[..., 0] == 0)).sum())
-            running.append(going)
-            pairs.append(float(site.extras["attn_pairs"]) if "attn_pairs" in site.extras else going * T)
+        steps = site.selected[..., 0] + 1  # every token, padding too (it runs step 1)
+        tokens = steps.numel()
+        running = [float((steps >= s).sum()) for s in range(1, S + 1)]
+        pairs = site.extras.get("attn_pairs")
+        pairs = [r * T for r in running] if pairs is None else pairs.tolist()
         total = per_app.scale(n * sum(running)) + F_.Flops(attn_scores=scores * n * sum(pairs),
                                                            router=halting * sum(running[:-1]))
         return total.scale(1.0 / tokens)
