@@ -114,10 +114,6 @@ def _group_settings(settings: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
 
 _SMALL_GRU = {"mom": {"router_hidden": 32}}
 
-# tokens of the tiny test case halt after 2, 3 or 4 steps at initialisation (the default deep start runs all 4):
-# larger init weights spread the halting logits, a threshold 1 - eps = 0.8 within their reach
-_HALT_MIXED = {"init_std": 0.2, "recur_halt": {"halt_bias_init": -1.0, "threshold": 0.2}}
-
 _BUILT_IN: Dict[str, Variant] = {
     "vanilla": Variant("architectures.gpt2:GPT2", "dense GPT-2 (the reference for every ratio)",
                        tags=("device_check", "probe")),
@@ -191,11 +187,10 @@ _BUILT_IN: Dict[str, Variant] = {
                            overrides={"mom": {"routing": "param_share", "n_attn": 1, "n_ffn": 1}}),
     "recur_halt": Variant("architectures.recur_halt:RecurHalt",
                           "a shared block applied up to max_steps times per token, halted per token online (ACT, "
-                          "Graves 2016): halted tokens stop paying compute",
-                          test_settings=_HALT_MIXED),
+                          "Graves 2016): halted tokens stop paying compute"),
     "recur_halt_ponder": Variant("architectures.recur_halt:RecurHalt",
                                  "recur_halt with PonderNet's halting (Banino et al. 2021): geometric prior, KL term",
-                                 overrides={"recur_halt": {"halting": "ponder"}}, test_settings=_HALT_MIXED),
+                                 overrides={"recur_halt": {"halting": "ponder"}}),
 }
 for _name, _variant in _BUILT_IN.items():
     register(_name, _variant)
