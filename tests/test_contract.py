@@ -42,7 +42,9 @@ ROUTING_SETTINGS = [
     ("recur_halt_ponder", {"init_std": 0.2, "recur_halt": {"halt_bias_init": -1.0, "threshold": 0.2}}),
 ]
 CASES = [(name, {}) for name in variant_names()] + ROUTING_SETTINGS
-IDS = [name + "".join(f"-{g}.{k}={v}" for g, d in extra.items() for k, v in d.items()) for name, extra in CASES]
+IDS = [name + "".join(f"-{g}.{k}={v}" if isinstance(d, dict) else f"-{g}={d}"  # a group's fields, or a model field
+                     for g, d in extra.items() for k, v in (d.items() if isinstance(d, dict) else [(None, d)]))
+       for name, extra in CASES]
 
 
 def capacity_limited(extra) -> bool:
