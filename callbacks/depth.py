@@ -72,7 +72,8 @@ def level_depth_figure(levels: Dict[str, Dict[str, float]]):
     rows = sorted((int(level), row["depth"]) for level, row in levels.items() if "depth" in row)
     if not rows:
         return None
-    fig, ax = figure()
+    fig, axes = figure()
+    ax = axes[0, 0]
     ax.bar([str(level) for level, _ in rows], [depth for _, depth in rows])
     ax.set_xlabel("difficulty level")
     ax.set_ylabel("mean depth per token")
