@@ -98,7 +98,7 @@ class HaltRouter(Router):
     """The halting unit: logit w . x + b in fp32 with autocast off (``Router.logits``; a bias-free
     ``nn.Linear`` for w, so the suite's init covers it, and a bias set by ``halt_bias_init``). ``decide`` is the
     halting rule (ACT's or PonderNet's mass, the threshold, the remainder), read at every step; the chain of
-    decisions is reported once per forward, as one site (``RecurHalt._report``)."""
+    decisions is reported once per forward, as one site (``RecurHalt._finish``)."""
 
     def __init__(self, d_model: int, cfg: RecurHaltConfig):
         super().__init__()
@@ -165,10 +165,11 @@ def gathered_attention(block: Block, h: torch.Tensor, kv: Tuple[torch.Tensor, to
         K, V = state.cache.append(key, K, V)
     K, V = K.index_select(0, layout.rows), V.index_select(0, layout.rows)
     R, width = layout.rows.numel(), layout.width
-    Q = attn.split_heads(q.new_zeros(R * width, q.shape[-1]).index_copy(0, layout.slots, q).view(R, width, q.shape[-1]))
+    d = q.shape[-1]
+    Q = attn.split_heads(q.new_zeros(R * width, d).index_copy(0, layout.slots, q).view(R, width, d))
     see = torch.arange(K.shape[2], device=q.device) <= layout.positions.view(R, 1, width, 1)
     y = F.scaled_dot_product_attention(Q, K, V, attn_mask=see, dropout_p=attn.dropout if attn.training else 0.0)
-    y = attn.merge_heads(y).reshape(R * width, q.shape[-1]).index_select(0, layout.slots)
+    y = attn.merge_heads(y).reshape(R * width, d).index_select(0, layout.slots)
     return attn.resid_drop(attn.c_proj(y)), (keys, values)
 
 
@@ -216,7 +217,8 @@ class RecurHalt(LanguageModel):
     @staticmethod
     def validate_config(config: ModelConfig) -> None:
         cfg = config.recur_halt
-        require(cfg.halting in HALTING, "model.recur_halt.halting", f"must be one of {', '.join(HALTING)}, got {cfg.halting!r}")
+        require(cfg.halting in HALTING, "model.recur_halt.halting",
+                f"must be one of {', '.join(HALTING)}, got {cfg.halting!r}")
         for name in ("n_shared",):
             require(isinstance(getattr(cfg, name), int) and getattr(cfg, name) >= 1, f"model.recur_halt.{name}",
                     f"must be an integer >= 1, got {getattr(cfg, name)!r}")

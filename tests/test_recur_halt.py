@@ -71,7 +71,8 @@ def reference(model, idx):
             p = h if cfg.halting == "act" else remaining * h
             halt = running & (cum + p >= 1 - cfg.threshold)
             w = torch.where(halt, 1 - cum, p)
-            cum, remaining = torch.where(running & ~halt, cum + p, cum), torch.where(running & ~halt, remaining * (1 - h), remaining)
+            going = running & ~halt
+            cum, remaining = torch.where(going, cum + p, cum), torch.where(going, remaining * (1 - h), remaining)
         else:
             halt, w = running, 1 - cum
         w = torch.where(running, w, torch.zeros_like(w))
@@ -85,7 +86,8 @@ def reference(model, idx):
     return model.head(mix), steps, aux
 
 
-SHAPES = [{}, {"recur_halt": {"n_shared": 2, "max_steps": 4}}, {"recur_halt": {"prelude": 1, "coda": 1, "max_steps": 4}}]
+SHAPES = [{}, {"recur_halt": {"n_shared": 2, "max_steps": 4}},
+          {"recur_halt": {"prelude": 1, "coda": 1, "max_steps": 4}}]
 
 
 @pytest.mark.parametrize("name", ["recur_halt", "recur_halt_ponder"])
@@ -182,7 +184,8 @@ def test_bad_options_are_refused_naming_the_field(field, value, message):
 
 
 def test_max_steps_zero_takes_the_vanilla_depth():
-    model = build_model(VARIANTS["recur_halt"].test_config("recur_halt", n_layer=6, recur_halt={"prelude": 1, "coda": 1}))
+    model = build_model(VARIANTS["recur_halt"].test_config("recur_halt", n_layer=6,
+                                                           recur_halt={"prelude": 1, "coda": 1}))
     assert model.max_steps == 4 and len(model.prelude) == len(model.coda) == 1
     with pytest.raises(ConfigError, match=r"^model\.recur_halt\.max_steps: must be >= 2.*n_layer=2"):
         build_model(VARIANTS["recur_halt"].test_config("recur_halt", n_layer=2, recur_halt={"prelude": 1}))
