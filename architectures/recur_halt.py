@@ -133,13 +133,14 @@ class Layout:
     slots: torch.Tensor
     positions: torch.Tensor
     width: int
+    query_slots: torch.Tensor  # 0-dim float64: R * width, the queries the scores are computed for
 
 
 def plan_layout(run: torch.Tensor, B: int, T: int, offset: int) -> Layout:
     """The padded query layout of the running tokens ``run`` (flat indices b * T + t, ascending)."""
     row, pos = run // T, run % T
     counts = torch.bincount(row, minlength=B)
-    width = int(counts.max()) if run.numel() else 0
+    width = int(counts.max())  # 0 when no token runs (counts has B entries); a traced size under compile
     rows = counts.nonzero().squeeze(-1)
     row_rank = torch.cumsum((counts > 0).long(), 0) - 1  # a row's place among the rows with running tokens
     first = torch.cumsum(counts, 0) - counts  # index in ``run`` of each row's first token
@@ -147,7 +148,8 @@ def plan_layout(run: torch.Tensor, B: int, T: int, offset: int) -> Layout:
     slots = row_rank[row] * width + rank
     positions = torch.zeros(rows.numel() * width, dtype=torch.long, device=run.device)
     positions = positions.index_copy(0, slots, pos + offset)
-    return Layout(rows, slots, positions, width)
+    query_slots = (counts > 0).sum().double() * counts.max().double()  # a tensor: no host sync, no graph break
+    return Layout(rows, slots, positions, width, query_slots)
 
 
 def gathered_attention(block: Block, h: torch.Tensor, kv: Tuple[torch.Tensor, torch.Tensor], run: torch.Tensor,
@@ -269,7 +271,7 @@ class RecurHalt(LanguageModel):
         the tokens that halt leave ``track.run``."""
         run, B, T = track.run, *shape
         layout = plan_layout(run, B, T, state.offset)
-        track.pairs.append(self._pairs(layout, state.offset + T))
+        track.pairs.append(layout.query_slots * (state.offset + T))
         x_run, kv = state.run(lambda s, full, *flat_kv: self._stack(s, full, flat_kv, run, layout, step, shape),
                               track.x, *[t for pair in track.kv for t in pair])
         track.x, track.kv = track.x.index_copy(0, run, x_run), kv
@@ -345,10 +347,6 @@ class RecurHalt(LanguageModel):
         report_site(state, "token_choice", [f"depth{s}" for s in range(1, S + 1)], SITE,
                     (steps.long() - 1).unsqueeze(-1), track.remainder.detach().view(*shape, 1),
                     probs=track.masses.view(*shape, S), logits=track.logits.view(*shape, S - 1), extras=extras, aux=aux)
-
-    @staticmethod
-    def _pairs(layout: Layout, keys: int) -> torch.Tensor:
-        return torch.tensor(float(layout.rows.numel() * layout.width * keys), dtype=torch.float64)
 
     # -------------------------------------------------------------- FLOPs
     def flop_blocks(self):
