@@ -57,6 +57,7 @@ from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ModelConfig, tracks_explicit
 from architectures.contract import RoutingSite
 from architectures.gpt2 import Block
+from architectures.dispatch import traced_sizes
 from architectures.routing import Router, report_site
 
 HALTING = ("act", "ponder")
@@ -137,18 +138,28 @@ class Layout:
 
 
 def plan_layout(run: torch.Tensor, B: int, T: int, offset: int) -> Layout:
-    """The padded query layout of the running tokens ``run`` (flat indices b * T + t, ascending)."""
+    """The padded query layout of the running tokens ``run`` (flat indices b * T + t, ascending).
+
+    Eager: only the rows with a running token, as wide as the widest. Under torch.compile every row, at least
+    one slot wide (traced sizes with their bounds, ``dispatch.traced_sizes``: a branch on a traced size would
+    break the graph), as MoD's traced path does; the FLOPs count the layout that ran, either way."""
     row, pos = run // T, run % T
     counts = torch.bincount(row, minlength=B)
-    width = int(counts.max())  # 0 when no token runs (counts has B entries); a traced size under compile
-    rows = counts.nonzero().squeeze(-1)
-    row_rank = torch.cumsum((counts > 0).long(), 0) - 1  # a row's place among the rows with running tokens
+    if torch.compiler.is_compiling():
+        rows = torch.arange(B, device=run.device)
+        (width,) = traced_sizes(counts.max().clamp(min=1).view(1), T, low=1)
+        row_rank = rows
+        query_slots = B * counts.max().clamp(min=1).double()  # a tensor: no host sync
+    else:
+        width = int(counts.max())  # 0 when no token runs (counts has B entries)
+        rows = counts.nonzero().squeeze(-1)
+        row_rank = torch.cumsum((counts > 0).long(), 0) - 1  # a row's place among the rows with running tokens
+        query_slots = (counts > 0).sum().double() * counts.max().double()
     first = torch.cumsum(counts, 0) - counts  # index in ``run`` of each row's first token
     rank = torch.arange(run.numel(), device=run.device) - first[row]
     slots = row_rank[row] * width + rank
     positions = torch.zeros(rows.numel() * width, dtype=torch.long, device=run.device)
     positions = positions.index_copy(0, slots, pos + offset)
-    query_slots = (counts > 0).sum().double() * counts.max().double()  # a tensor: no host sync, no graph break
     return Layout(rows, slots, positions, width, query_slots)
 
 
