@@ -20,8 +20,8 @@ autocast off): h_s = sigmoid(w . x_s + b).
   (``prior`` lambda_p, truncated at S and renormalised), ``kl_coef`` beta, aux loss ``recur_halt/ponder_kl``.
 
 ``halt_bias_init`` sets b at initialisation; a negative bias is the "deep start" (arXiv 2604.21999: every
-token first runs all steps), 0 the neutral start (ACT halts most tokens after 2 steps). The default is what
-trained better here (docs/variants.md, "recur_halt", the measurement).
+token first runs all steps), 0 the neutral start (ACT halts nearly every token after 2 steps). The default is 0:
+the deep start (-3) did not train better here (3 seeds x 300 steps, docs/variants.md, "recur_halt").
 
 Compute follows the halting: at step s the still-running tokens are gathered (flat indices, never a mask),
 and only they pay the projections, the FFN and the halting unit. Attention at step s: a running token's
@@ -74,7 +74,7 @@ class RecurHaltConfig:
     n_shared: int = 1  # blocks in the shared stack (one step applies all of them)
     prelude: int = 0  # distinct dense blocks before the recursion
     coda: int = 0  # distinct dense blocks after it
-    halt_bias_init: float = -3.0  # b at init: < 0 "deep start" (all steps first), 0 neutral (measured: docs)
+    halt_bias_init: float = 0.0  # b at init: 0 neutral; < 0 "deep start" (all steps first; did not train better: docs)
     threshold: float = 0.01  # eps: a token halts once its cumulative halting mass reaches 1 - eps
     ponder_cost: float = 0.01  # ACT's tau: aux loss tau * mean(N + R)
     prior: float = 0.5  # PonderNet's lambda_p of the geometric prior

@@ -37,7 +37,7 @@ ROUTING_SETTINGS = [
     ("depth_gate", {"depth_gate": {"mode": "hard", "top_k": 1}}),
     ("depth_gate", {"depth_gate": {"mode": "hard", "top_k": 2}}),
     ("mom", {"mom": {"top_k": 2}}),
-    # recur_halt's default deep start runs every step at init: these weights and threshold mix depths 2, 3 and 4
+    # recur_halt's default puts every token at one depth at init: these weights and threshold mix depths 2, 3 and 4
     ("recur_halt", {"init_std": 0.2, "recur_halt": {"halt_bias_init": -1.0, "threshold": 0.2}}),
     ("recur_halt_ponder", {"init_std": 0.2, "recur_halt": {"halt_bias_init": -1.0, "threshold": 0.2}}),
 ]

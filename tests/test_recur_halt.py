@@ -19,7 +19,7 @@ from architectures.gpt2 import causal_attention
 from architectures.registry import VARIANTS
 
 V, T = 97, 32
-# tokens halt after 2, 3 or 4 steps at init (the registry's default deep start runs all of them)
+# tokens halt after 2, 3 or 4 steps at init (the neutral default halts ACT tokens after 2, the deep start runs 4)
 MIXED = {"init_std": 0.2, "recur_halt": {"halt_bias_init": -1.0, "threshold": 0.2}}
 
 
@@ -145,13 +145,14 @@ def test_tokens_that_halt_stop_paying_compute():
         assert model.flops_per_token(out.trace).forward == pytest.approx(expected)
 
 
-def test_the_default_is_the_deep_start_and_neutral_act_halts_after_two_steps():
+def test_the_neutral_default_halts_act_after_two_steps_and_the_deep_start_runs_all():
     torch.manual_seed(0)
-    deep = build_model(VARIANTS["recur_halt"].test_config("recur_halt"))
-    assert float(deep.halt_router.bias.detach()) == deep.config.recur_halt.halt_bias_init < 0
-    assert torch.equal(deep(tokens()).trace[0].extras["depth"], torch.full((2, T), 4.0))
-    neutral = build_model(VARIANTS["recur_halt"].test_config("recur_halt", recur_halt={"halt_bias_init": 0.0}))
+    neutral = build_model(VARIANTS["recur_halt"].test_config("recur_halt"))
+    assert float(neutral.halt_router.bias.detach()) == neutral.config.recur_halt.halt_bias_init == 0.0
     assert set(neutral(tokens()).trace[0].extras["depth"].flatten().tolist()) <= {1.0, 2.0}
+    deep = build_model(VARIANTS["recur_halt"].test_config("recur_halt", recur_halt={"halt_bias_init": -3.0}))
+    assert float(deep.halt_router.bias.detach()) == -3.0
+    assert torch.equal(deep(tokens()).trace[0].extras["depth"], torch.full((2, T), 4.0))
 
 
 def test_padding_runs_one_step_and_does_not_count_in_the_ponder_cost():
