@@ -252,6 +252,24 @@ class RecurHalt(LanguageModel):
         with torch.no_grad():
             self.halt_router.bias.fill_(self.config.recur_halt.halt_bias_init)
 
+    def vanilla_state_mapping(self, vanilla_state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """``--init_from`` a vanilla model: the prelude from its first blocks, shared block j from the block after
+        them (``blocks.{prelude + j}``), the coda from its last blocks; embeddings and ``ln_f`` by name; the
+        halting unit stays fresh. Shapes that do not fit are left to the caller to report."""
+        cfg = self.config.recur_halt
+        L = self.config.n_layer
+        sources = {**{f"prelude.{i}.": f"blocks.{i}." for i in range(cfg.prelude)},
+                   **{f"shared.{j}.": f"blocks.{cfg.prelude + j}." for j in range(cfg.n_shared)},
+                   **{f"coda.{i}.": f"blocks.{L - cfg.coda + i}." for i in range(cfg.coda)}}
+        own = self.state_dict()
+        mapping = {name: value for name, value in vanilla_state.items() if name in own}
+        for name in own:
+            for prefix, source in sources.items():
+                value = vanilla_state.get(source + name[len(prefix):]) if name.startswith(prefix) else None
+                if value is not None:
+                    mapping[name] = value
+        return mapping
+
     # -------------------------------------------------------------- the forward
     def body(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
         for block in self.prelude:

@@ -190,3 +190,16 @@ def test_max_steps_zero_takes_the_vanilla_depth():
     assert model.max_steps == 4 and len(model.prelude) == len(model.coda) == 1
     with pytest.raises(ConfigError, match=r"^model\.recur_halt\.max_steps: must be >= 2.*n_layer=2"):
         build_model(VARIANTS["recur_halt"].test_config("recur_halt", n_layer=2, recur_halt={"prelude": 1}))
+
+
+def test_init_from_vanilla_maps_the_prelude_the_shared_blocks_and_the_coda():
+    torch.manual_seed(0)
+    vanilla = build_model(VARIANTS["vanilla"].test_config("vanilla")).state_dict()  # 4 blocks
+    model = build(recur_halt={"prelude": 1, "coda": 1, "n_shared": 1, "max_steps": 3})
+    mapping = model.vanilla_state_mapping(vanilla)
+    for own, source in (("prelude.0", "blocks.0"), ("shared.0", "blocks.1"), ("coda.0", "blocks.3")):
+        for leaf in ("attn.c_attn.weight", "mlp.c_proj.bias", "ln_2.weight"):
+            assert torch.equal(mapping[f"{own}.{leaf}"], vanilla[f"{source}.{leaf}"])
+    assert torch.equal(mapping["wte.weight"], vanilla["wte.weight"])
+    assert not any(name.startswith("halt_router") for name in mapping)  # the halting unit stays fresh
+    model.load_state_dict({**model.state_dict(), **mapping})
