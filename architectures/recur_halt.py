@@ -31,8 +31,9 @@ K/V are frozen when it halts). So a halted token costs nothing later, everything
 on earlier positions only, and the KV cache keeps one entry per (step, shared block) holding, per
 position, the K/V of that step as run (a halted token's frozen K/V are written into the entries of the
 steps it skipped): decoding equals the full forward. Queries of a step are laid out right-padded per row
-(rows with a running token only, width = the row's most running tokens); the scores of that layout
-(rows x width x keys) are what the FLOPs count.
+(eager: the rows with a running token, as wide as the row with the most; under torch.compile every row, at
+least one slot wide: one graph, no recompiles); the scores of that layout (rows x width x keys) are what the
+FLOPs count.
 
 Trace: one site per forward, ``recur_halt`` (the halting chain: the unit is read at every step, the depth is
 decided online), kind ``token_choice`` over the depths ``depth1 .. depth{S}`` (steps run): ``selected`` = steps - 1,
