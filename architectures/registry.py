@@ -195,6 +195,12 @@ _BUILT_IN: Dict[str, Variant] = {
     "mor_token": Variant("architectures.mor:MixtureOfRecursions",
                          "Mixture-of-Recursions, token choice: each token's recursion depth chosen once by a router "
                          "over the depths, with a balance loss", overrides={"mor": {"routing": "token"}}),
+    "recur_halt": Variant("architectures.recur_halt:RecurHalt",
+                          "a shared block applied up to max_steps times per token, halted per token online (ACT, "
+                          "Graves 2016): halted tokens stop paying compute"),
+    "recur_halt_ponder": Variant("architectures.recur_halt:RecurHalt",
+                                 "recur_halt with PonderNet's halting (Banino et al. 2021): geometric prior, KL term",
+                                 overrides={"recur_halt": {"halting": "ponder"}}),
 }
 for _name, _variant in _BUILT_IN.items():
     register(_name, _variant)

@@ -35,6 +35,9 @@ class CallbacksConfig:
         probe_blocks: validation blocks of the per-difficulty probe metrics (with --data probe* or --data.labels).
         probe_levels: difficulty levels 0..N-1 of the probe metrics (labels must lie in -1..N-1).
         probe_hard_from: the "hard" levels of the hard-token shares: level >= this.
+        depth: per-token depth (histogram, mean; mean per probe level) of the variants that report one
+            (recur_halt, mor, early_exit; callbacks/depth.py); a no-op for the others.
+        depth_every: steps between depth logs.
     """
 
     routing: bool = True
@@ -52,10 +55,12 @@ class CallbacksConfig:
     probe_blocks: int = 64
     probe_levels: int = 5  # the probe data's levels 0..MAX_DEPTH
     probe_hard_from: int = 3  # arith depth 3-4, recall 3 hops
+    depth: bool = True
+    depth_every: int = 50
 
     def validate(self, block_size: Optional[int] = None) -> None:
         for name in ("routing_every", "routing_images_every", "flops_every", "contribution_every",
-                     "contribution_batch_size", "probe_blocks"):
+                     "contribution_batch_size", "probe_blocks", "depth_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"callbacks.{name}: must be a positive integer, got {value!r}")
@@ -115,6 +120,10 @@ def default_callbacks(cfg: Any) -> List[Any]:
     if is_probe_data(cfg):
         out.append(ProbeMetrics(blocks=config.probe_blocks, levels=config.probe_levels,
                                 hard_from=config.probe_hard_from))
+    if config.depth:  # after ProbeMetrics: it draws the per-level depth that callback has just computed
+        from callbacks.depth import DepthFigures
+
+        out.append(DepthFigures(every=config.depth_every))
     if config.tensorboard:
         from callbacks.tensorboard import TensorBoardExtras
 

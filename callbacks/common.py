@@ -38,3 +38,13 @@ def warn_if_longer_than_run(trainer, field: str, every: int, what: str) -> None:
     if max_steps is not None and 0 < max_steps < every:
         rank_zero_warn(f"{field}={every} is longer than trainer.max_steps={max_steps}: {what} is logged only "
                        f"at the last step; lower {field} for a curve")
+
+
+def reported_depth(trace):
+    """The per-token depth convention of the per-token-depth variants (recur_halt, mor, early_exit): the last
+    site whose ``extras`` hold ``"depth"`` gives ``(depth (B, T) float, max_depth float, valid (B, T) bool or
+    None)``; None when no site reports a depth."""
+    for site in reversed(list(trace or [])):
+        if "depth" in site.extras:
+            return site.extras["depth"], float(site.extras["max_depth"]), site.valid
+    return None

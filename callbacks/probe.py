@@ -8,6 +8,8 @@ its share; sums reduced across ranks) with causal routing where the variant has 
   tokens of difficulty level L (unlabelled tokens are left out);
 * ``probe/level<L>/flops``: mean forward FLOPs spent per token of level L, read from the routing trace
   through the contract only (``token_flops``); ``probe/level<L>/token_share`` and ``compute_share``;
+* ``probe/level<L>/depth``: the mean depth per token of level L, for the variants that report a per-token
+  depth (``recur_halt``, ``mor``, ``early_exit``: the convention of ``callbacks/depth.py``);
 * ``probe/spearman``: Spearman correlation between difficulty and compute over the labelled tokens
   (absent when compute does not vary, e.g. vanilla); ``probe/spearman_answers`` the same over the tokens of
   level >= 1 only (the answers: level 0 also holds format tokens such as ``;``, so ``probe/spearman`` can be
@@ -52,12 +54,12 @@ import torch.nn.functional as F
 
 from architectures.config import ConfigError
 from architectures.contract import RoutingSite
-from callbacks.common import all_reduce_sum, eager_measurement, require_positive
+from callbacks.common import all_reduce_sum, eager_measurement, reported_depth, require_positive
 from datamodules.probe_labels import evaluation_blocks
 
 HARD_FROM = 3  # default: the hardest levels: arith depth 3-4, recall 3 hops
 LEVELS = 5  # default: 0..MAX_DEPTH of datamodules/probe.py
-_STATS = ("tokens", "loss", "correct", "flops")
+_STATS = ("tokens", "loss", "correct", "flops", "depth")  # depth: NaN when the variant reports none
 
 
 # ---------------------------------------------------------------------------- per-token compute
@@ -127,7 +129,7 @@ def probe_batches(model, tokens: np.ndarray, levels: np.ndarray, families: np.nd
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    out: Dict[str, List[np.ndarray]] = {k: [] for k in ("level", "family", "loss", "correct", "flops", "block")}
+    out: Dict[str, List[np.ndarray]] = {k: [] for k in ("level", "family", "loss", "correct", "flops", "block", "depth")}
     try:
         for start in range(0, len(tokens), batch_size):
             batch = torch.as_tensor(tokens[start : start + batch_size], device=device)
@@ -145,10 +147,15 @@ def probe_batches(model, tokens: np.ndarray, levels: np.ndarray, families: np.nd
             out["loss"].append(loss[keep].numpy())
             out["correct"].append(correct[keep].numpy())
             out["flops"].append(flops[keep].numpy())
+            depth = reported_depth(result.trace)  # the per-token-depth variants' depth as run (callbacks/depth.py)
+            if depth is not None:
+                out["depth"].append(depth[0].detach().double().cpu()[keep].numpy())
             rows = torch.arange(start, start + batch.shape[0]).unsqueeze(1).expand_as(level)
             out["block"].append(rows[keep].numpy())  # the validation block (row of ``tokens``) of each token
     finally:
         model.train(was_training)
+    if not out["depth"]:
+        del out["depth"]
     return {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in out.items()}
 
 
@@ -162,8 +169,9 @@ def stats_tensor(tokens: Dict[str, np.ndarray], n_families: int, levels: int = L
             (f + 1, tokens["family"] == f) for f in range(n_families)]:
         for level in range(levels):
             m = mask & (tokens["level"] == level)
+            depth = tokens["depth"][m].sum() if "depth" in tokens else float("nan")
             stats[row, level] = torch.tensor([m.sum(), tokens["loss"][m].sum(), tokens["correct"][m].sum(),
-                                              tokens["flops"][m].sum()], dtype=torch.float64)
+                                              tokens["flops"][m].sum(), depth], dtype=torch.float64)
     return stats
 
 
@@ -204,10 +212,12 @@ def summarize(stats: torch.Tensor, rank_corr: Dict[str, Optional[float]], family
         out = {}
         total_tokens, total_flops = float(block[:, 0].sum()), float(block[:, 3].sum())
         for level in range(block.shape[0]):
-            n, loss, correct, flops = block[level].tolist()
+            n, loss, correct, flops, depth = block[level].tolist()
             if n > 0:
                 out[str(level)] = {"tokens": int(n), "loss": loss / n, "acc": correct / n, "flops": flops / n,
                                    "token_share": n / total_tokens, "compute_share": flops / total_flops}
+                if math.isfinite(depth):  # the mean depth per token of the level, where the variant reports it
+                    out[str(level)]["depth"] = depth / n
         return out
 
     levels = table(stats[0])
@@ -228,8 +238,9 @@ def summarize(stats: torch.Tensor, rank_corr: Dict[str, Optional[float]], family
 def scalars(summary: Dict[str, Any]) -> Dict[str, float]:
     out = {}
     for level, row in summary["levels"].items():
-        for key in ("loss", "acc", "flops", "token_share", "compute_share"):
-            out[f"probe/level{level}/{key}"] = row[key]
+        for key in ("loss", "acc", "flops", "token_share", "compute_share", "depth"):
+            if key in row:
+                out[f"probe/level{level}/{key}"] = row[key]
     for key in ("spearman", "spearman_answers", "hard_token_share", "hard_compute_share", "hard_compute_ratio"):
         if summary.get(key) is not None and math.isfinite(summary[key]):
             out[f"probe/{key}"] = summary[key]

@@ -18,6 +18,7 @@ from architectures.config import ConfigError
 from architectures.contract import ModelOutput, RoutingSite
 from architectures.flops import vanilla_flops
 from callbacks import CallbacksConfig, default_callbacks
+from callbacks.depth import DepthFigures
 from callbacks.contribution import (ContributionCallback, check_probe, direct_logit_attribution,
                                     measure_contribution, ratios_from_values)
 from callbacks.flops import FlopsCallback, PeakAwareThroughputMonitor, flops_scalars, peak_flops, throughput_monitor
@@ -190,7 +191,8 @@ def test_layout_change_is_an_error_and_no_sites_warns_once():
 
 
 # ---------------------------------------------------------------------------- configuration
-@pytest.mark.parametrize("field", ["routing_every", "routing_images_every", "flops_every", "contribution_every"])
+@pytest.mark.parametrize("field", ["routing_every", "routing_images_every", "flops_every", "contribution_every",
+                                   "depth_every"])
 def test_non_positive_intervals_are_errors_naming_the_field(field):
     for bad in (0, -3):
         with pytest.raises(ConfigError, match=f"^callbacks.{field}: must be a positive integer"):
@@ -204,6 +206,7 @@ def test_non_positive_intervals_are_errors_naming_the_field(field):
     (lambda bad: ContributionCallback(every=bad), "contribution_every"),
     (lambda bad: ContributionCallback(batch_size=bad), "contribution_batch_size"),
     (lambda bad: ProbeMetrics(blocks=bad), "probe_blocks"),
+    (lambda bad: DepthFigures(every=bad), "depth_every"),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_callbacks_built_in_code_refuse_non_positive_sizes_naming_the_field(build, field):
     """As a researcher adds a callback to their own Trainer (no CallbacksConfig in between)."""
@@ -225,9 +228,10 @@ def test_cli_rejects_bad_interval_and_too_long_probe_before_training(tmp_path):
 def test_default_callbacks_follow_the_switches():
     names = lambda cbs: [type(c).__name__ for c in cbs]  # noqa: E731
     assert names(default_callbacks(types.SimpleNamespace(callbacks={}))) == [
-        "RoutingStatistics", "FlopsCallback", "PeakAwareThroughputMonitor", "ContributionCallback", "TensorBoardExtras"]
+        "RoutingStatistics", "FlopsCallback", "PeakAwareThroughputMonitor", "ContributionCallback", "DepthFigures",
+        "TensorBoardExtras"]
     cfg = types.SimpleNamespace(callbacks={"routing": False, "throughput": False, "contribution": False,
-                                           "tensorboard": False, "flops_every": 7})
+                                           "tensorboard": False, "depth": False, "flops_every": 7})
     (flops,) = default_callbacks(cfg)
     assert isinstance(flops, FlopsCallback) and flops.every == 7
 

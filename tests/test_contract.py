@@ -40,9 +40,14 @@ ROUTING_SETTINGS = [
     ("mor", {"mor": {"sharing": "cycle"}}),  # a shared stack of 2 blocks, nothing distinct
     ("mor", {"mor": {"sampling": "aux_loss"}}),
     ("mor_token", {"mor": {"sharing": "cycle"}}),
+    # recur_halt's default puts every token at one depth at init: these weights and threshold mix depths 2, 3 and 4
+    ("recur_halt", {"init_std": 0.2, "recur_halt": {"halt_bias_init": -1.0, "threshold": 0.2}}),
+    ("recur_halt_ponder", {"init_std": 0.2, "recur_halt": {"halt_bias_init": -1.0, "threshold": 0.2}}),
 ]
 CASES = [(name, {}) for name in variant_names()] + ROUTING_SETTINGS
-IDS = [name + "".join(f"-{g}.{k}={v}" for g, d in extra.items() for k, v in d.items()) for name, extra in CASES]
+IDS = [name + "".join(f"-{g}.{k}={v}" if isinstance(d, dict) else f"-{g}={d}"  # a group's fields, or a model field
+                     for g, d in extra.items() for k, v in (d.items() if isinstance(d, dict) else [(None, d)]))
+       for name, extra in CASES]
 
 
 def capacity_limited(extra) -> bool:

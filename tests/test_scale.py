@@ -22,6 +22,7 @@ CASES = [(name, {}) for name in variant_names()] + [
     ("mod", {"mod": {"sampling": "aux_loss"}}),
     ("mom_official", {"mom": {"balance_form": "official"}}),  # balance parts collected across units
     ("depth_gate_skip", {}),
+    ("recur_halt", {"init_std": 0.2, "recur_halt": {"halt_bias_init": -1.0, "threshold": 0.2}}),  # mixed depths
 ]
 IDS = [name + "".join(f"-{k}={v}" for k, v in extra.items()) for name, extra in CASES]
 
