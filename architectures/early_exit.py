@@ -24,8 +24,9 @@ Evaluation and generation (Schuster et al. 2022, "Confident Adaptive Language Mo
 
 * After each layer l < L - 1 every still-running token is checked with the shared head (fp32, autocast
   off): confidence = the softmax max-probability (``confidence softmax``) or the top-1 minus top-2
-  probability (``margin``). A token whose confidence reaches ``exit_threshold`` exits: its depth is l + 1,
-  it runs no further attention query, FFN or check (gathered, not masked).
+  probability (``margin``), or, without the head, CALM's hidden-state saturation (``state``: the cosine of
+  the token's stream after and before layer l). A token whose confidence reaches ``exit_threshold`` exits:
+  its depth is l + 1, it runs no further attention query, FFN or check (gathered, not masked).
 * **State propagation** (CALM): an exited token's hidden state is copied to the later layers, where only its
   K and V are computed from the copied state (``ln_1`` then the K/V columns of ``c_attn``), so later tokens
   attend to it at every layer. A token's exit depends only on its own past (causal), so a cached decode
@@ -58,7 +59,8 @@ from architectures.routing import fp32_linear
 
 SCHEDULES = ("exponential", "linear")
 EXIT_WEIGHTS = ("paper", "uniform")
-CONFIDENCES = ("softmax", "margin")
+HEAD_CONFIDENCES = ("softmax", "margin")  # read the shared head: each check costs a head
+CONFIDENCES = HEAD_CONFIDENCES + ("state",)
 
 
 @dataclass
@@ -70,7 +72,9 @@ class EarlyExitConfig:
     exit_weights: str = "paper"  # "paper": e_l / e_{L-1} with e_scale; "uniform": exit_scale at every layer
     exit_scale: float = 1.0  # the paper's e_scale (0: no early-exit loss)
     exit_threshold: float = 0.9  # evaluation: exit once the confidence reaches it
-    confidence: str = "softmax"  # "softmax" max-probability or top-1 minus top-2 "margin"
+    # "softmax" max-probability or top-1 minus top-2 "margin" of the shared head (a head per check), or CALM's
+    # hidden-state saturation "state": cosine of the stream after and before the layer (no matmul)
+    confidence: str = "softmax"
     eval_exit: bool = True  # False: evaluation and generation run every layer (the last-layer model)
 
 
@@ -200,7 +204,7 @@ class EarlyExit(LanguageModel):
         depth = torch.zeros(B, T, device=x.device)
         last = len(self.blocks) - 1
         for l, block in enumerate(self.blocks):
-            ran = active.clone()
+            ran, before = active.clone(), x
             after_attn, x = state.run(lambda s, x, ran, block=block: self._exit_layer(block, x, ran, s), x, ran)
             state.record("mha", l, after_attn)
             state.record("ffn", l, x)
@@ -208,16 +212,20 @@ class EarlyExit(LanguageModel):
             checks = 0
             if l < last and self.config.early_exit.eval_exit:
                 flat = ran.reshape(-1).nonzero().squeeze(1)
-                checks = flat.numel()
-                sure = self._confident(x.reshape(-1, d).index_select(0, flat))
+                checks = flat.numel() if self.config.early_exit.confidence in HEAD_CONFIDENCES else 0
+                sure = self._confident(x.reshape(-1, d).index_select(0, flat),
+                                       before.reshape(-1, d).index_select(0, flat))
                 active = active.reshape(-1).index_put((flat,), ~sure).reshape(B, T)
             self._report(state, l, ran, ran.sum(), (~ran).sum(), checks)
         self._report_depth(state, depth)
         return x
 
-    def _confident(self, h: torch.Tensor) -> torch.Tensor:
-        """The exit decision of gathered states h (N, d): shared-head confidence >= threshold, in fp32."""
+    def _confident(self, h: torch.Tensor, h_before: torch.Tensor) -> torch.Tensor:
+        """The exit decision of gathered states h (N, d) after the layer (``h_before``: before it), in fp32:
+        the shared head's confidence, or the cosine of h and h_before (``state``), >= the threshold."""
         cfg = self.config.early_exit
+        if cfg.confidence == "state":
+            return F.cosine_similarity(h.float(), h_before.float(), dim=-1) >= cfg.exit_threshold
         logits = fp32_linear(F.layer_norm(h.float(), self.ln_f.normalized_shape, self.ln_f.weight.float(),
                                           self.ln_f.bias.float(), self.ln_f.eps), self.lm_head.weight)
         return confidence(logits, cfg.confidence) >= cfg.exit_threshold

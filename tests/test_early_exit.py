@@ -20,6 +20,7 @@ from architectures.registry import VARIANTS
 from tests import invariants
 
 V, T, L = 97, 32, 4
+STATE_THRESHOLD = 0.72  # the cosine of the stream across a layer is 0.3-0.9 in this case
 
 
 @pytest.fixture(autouse=True)
@@ -59,6 +60,7 @@ def naive_calm(model, idx):
                 if not running:
                     continue
                 depth[b, t] += 1
+                before = h
                 kv = torch.stack(keys[l])  # (t + 1, 2d)
                 q, k, v = (z.view(-1, attn.n_head, d // attn.n_head).transpose(0, 1)
                            for z in (qkv[None, :d], kv[:, :d], kv[:, d:]))
@@ -66,7 +68,9 @@ def naive_calm(model, idx):
                 h = h + attn.c_proj(y.transpose(0, 1).reshape(d))
                 h = h + block.mlp(block.ln_2(h))
                 if l < L - 1 and cfg.eval_exit:
-                    running = bool(confidence(model.head(h)[None].float(), cfg.confidence) < cfg.exit_threshold)
+                    score = (F.cosine_similarity(h, before, dim=0) if cfg.confidence == "state"
+                             else confidence(model.head(h)[None].float(), cfg.confidence)[0])
+                    running = bool(score < cfg.exit_threshold)
             logits[b, t] = model.head(h)
     return logits, depth
 
@@ -75,7 +79,8 @@ def spread(depth):
     return sorted(set(depth.long().flatten().tolist()))
 
 
-@pytest.mark.parametrize("rule,threshold", [("softmax", 0.03), ("softmax", 0.035), ("margin", 0.005), ("margin", 0.01)])
+@pytest.mark.parametrize("rule,threshold", [("softmax", 0.03), ("softmax", 0.035), ("margin", 0.005), ("margin", 0.01),
+                                            ("state", STATE_THRESHOLD)])
 def test_gathered_exit_equals_the_naive_per_token_reference_and_reports_its_depth(rule, threshold):
     model = build(confidence=rule, exit_threshold=threshold).eval()
     idx = tokens()
@@ -125,9 +130,11 @@ def counted(model, *args, **kwargs):
     return out, counter.get_total_flops()
 
 
-@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
-def test_flops_per_token_equal_the_flop_counter_as_run_with_exits_and_with_layer_dropout(training):
-    model = build(exit_threshold=0.03, p_max=0.6).train(training)
+@pytest.mark.parametrize("training,rule", [(False, "softmax"), (False, "state"), (True, "softmax")],
+                         ids=["eval", "eval-state", "train"])
+def test_flops_per_token_equal_the_flop_counter_as_run_with_exits_and_with_layer_dropout(training, rule):
+    threshold = STATE_THRESHOLD if rule == "state" else 0.03
+    model = build(exit_threshold=threshold, confidence=rule, p_max=0.6).train(training)
     idx = tokens(B=4)
     mask = torch.ones(4, T, dtype=torch.long)
     mask[1, 20:] = 0
@@ -201,7 +208,7 @@ def test_training_is_causal_with_layer_dropout_and_a_layer_no_row_runs_gets_zero
     ("exit_weights", "x", r"model\.early_exit\.exit_weights: must be one of paper, uniform"),
     ("exit_scale", -1.0, r"model\.early_exit\.exit_scale: must be >= 0"),
     ("exit_threshold", 0.0, r"model\.early_exit\.exit_threshold: must be in \(0, 1\]"),
-    ("confidence", "entropy", r"model\.early_exit\.confidence: must be one of softmax, margin"),
+    ("confidence", "entropy", r"model\.early_exit\.confidence: must be one of softmax, margin, state"),
 ])
 def test_bad_options_are_refused_with_the_field_name(field, value, message):
     with pytest.raises(ConfigError, match=message):
