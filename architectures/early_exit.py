@@ -12,8 +12,9 @@ code facebookresearch/LayerSkip):
   returned as the named aux losses ``early_exit/layer<l>``. The paper's loss is sum_l e~_l CE_l with
   e_l = e_scale * sum_{i<=l} i (l < L - 1), e_{L-1} = L - 1 + e_scale * sum_{i<=L-2} i, normalised to sum 1;
   the LM loss here already is CE_{L-1} at weight 1, so the aux weight of layer l is e_l / e_{L-1} (the
-  paper's loss divided by e~_{L-1}: the same optimum, the learning rate scaled). ``exit_weights uniform``
-  gives every layer ``exit_scale``. The paper's time curricula (rotational / gradual) are not implemented.
+  paper's loss divided by e~_{L-1}: the same optimum, the learning rate scaled). ``exit_weights official``
+  is the official code's scale instead (``LossScaleType.SUM_L``: s_l = e_scale * sum_{i<=l} (i + 1) below the
+  last layer, s_{L-1} = L (L + 1) / 2, so layer 0 has a loss too); ``uniform`` gives every layer ``exit_scale``. The paper's time curricula (rotational / gradual) are not implemented.
   **Targets**: the model sees its input ``idx`` (``ForwardState.tokens``); the next-token targets of
   positions 0 .. T-2 are idx[:, 1:], exactly the LM module's targets there (it trains on batch[:, :-1] ->
   batch[:, 1:]); the last position's target is not in the input and gets no exit loss. With padding,
@@ -58,7 +59,7 @@ from architectures.gpt2 import Block
 from architectures.routing import fp32_linear
 
 SCHEDULES = ("exponential", "linear")
-EXIT_WEIGHTS = ("paper", "uniform")
+EXIT_WEIGHTS = ("paper", "official", "uniform")
 HEAD_CONFIDENCES = ("softmax", "margin")  # read the shared head: each check costs a head
 CONFIDENCES = HEAD_CONFIDENCES + ("state",)
 
@@ -69,7 +70,8 @@ class EarlyExitConfig:
 
     p_max: float = 0.1  # layer-dropout rate of the last layer (0: no layer dropout)
     dropout_schedule: str = "exponential"  # "exponential" (the paper's) or "linear" rise with depth
-    exit_weights: str = "paper"  # "paper": e_l / e_{L-1} with e_scale; "uniform": exit_scale at every layer
+    # "paper": e_l / e_{L-1} with e_scale; "official": the official code's sum_l scale; "uniform": exit_scale each
+    exit_weights: str = "paper"
     exit_scale: float = 1.0  # the paper's e_scale (0: no early-exit loss)
     exit_threshold: float = 0.9  # evaluation: exit once the confidence reaches it
     # "softmax" max-probability or top-1 minus top-2 "margin" of the shared head (a head per check), or CALM's
@@ -90,6 +92,8 @@ def exit_loss_weights(cfg: EarlyExitConfig, n_layer: int) -> List[float]:
     """Aux weight of the exit loss after each layer l < L - 1 (the LM loss is layer L - 1 at weight 1)."""
     if cfg.exit_weights == "uniform":
         return [cfg.exit_scale] * (n_layer - 1)
+    if cfg.exit_weights == "official":  # LayerSkip's code (LossScaleType.SUM_L): cumsum(l + 1), e_scale below L-1
+        return [cfg.exit_scale * (l + 1) * (l + 2) / (n_layer * (n_layer + 1)) for l in range(n_layer - 1)]
     e = [cfg.exit_scale * l * (l + 1) / 2 for l in range(n_layer - 1)]  # e_scale * sum_{i<=l} i
     e_last = (n_layer - 1) + cfg.exit_scale * (n_layer - 2) * (n_layer - 1) / 2
     return [value / e_last for value in e]

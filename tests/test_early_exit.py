@@ -170,6 +170,9 @@ def test_dropout_rates_and_exit_weights_follow_the_paper():
     # e_l = e_scale * sum_{i<=l} i = [0, 1, 3] * 0.5; e_{L-1} = 3 + 0.5 * 3 = 4.5
     assert exit_loss_weights(EarlyExitConfig(exit_scale=0.5), 4) == pytest.approx([0.0, 0.5 / 4.5, 1.5 / 4.5])
     assert exit_loss_weights(EarlyExitConfig(exit_weights="uniform", exit_scale=0.3), 4) == pytest.approx([0.3] * 3)
+    # the official code: cumsum(l + 1) = [1, 3, 6, 10], times e_scale below the last layer, over the last one's 10
+    official = exit_loss_weights(EarlyExitConfig(exit_weights="official", exit_scale=0.5), 4)
+    assert official == pytest.approx([0.05, 0.15, 0.3])
 
 
 def test_exit_losses_are_the_weighted_next_token_losses_of_the_head_after_each_layer():
@@ -205,7 +208,7 @@ def test_training_is_causal_with_layer_dropout_and_a_layer_no_row_runs_gets_zero
 @pytest.mark.parametrize("field,value,message", [
     ("p_max", 1.0, r"model\.early_exit\.p_max: must be in \[0, 1\)"),
     ("dropout_schedule", "cosine", r"model\.early_exit\.dropout_schedule: must be one of exponential, linear"),
-    ("exit_weights", "x", r"model\.early_exit\.exit_weights: must be one of paper, uniform"),
+    ("exit_weights", "x", r"model\.early_exit\.exit_weights: must be one of paper, official, uniform"),
     ("exit_scale", -1.0, r"model\.early_exit\.exit_scale: must be >= 0"),
     ("exit_threshold", 0.0, r"model\.early_exit\.exit_threshold: must be in \(0, 1\]"),
     ("confidence", "entropy", r"model\.early_exit\.confidence: must be one of softmax, margin, state"),
