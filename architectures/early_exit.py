@@ -184,12 +184,13 @@ class EarlyExit(LanguageModel):
     @staticmethod
     def _run_rows(block: Block, x: torch.Tensor, rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """``block`` on the rows ``rows`` of x (the others pass unchanged); (stream after attention, after FFN).
-        All rows keep it: the block on x itself; none: the block still runs, on zero rows (zero gradients)."""
-        sub = x if rows.numel() == x.shape[0] else x.index_select(0, rows)
+        Always gathered, also when every row keeps the layer (no branch on a count: one graph under compile);
+        when none does, the block still runs, on zero rows (zero gradients, not None)."""
+        sub = x.index_select(0, rows)
         sub = sub + block.attn(block.ln_1(sub))
-        after_attn = sub if sub is x else x.index_copy(0, rows, sub)
+        after_attn = x.index_copy(0, rows, sub)
         sub = sub + block.mlp(block.ln_2(sub))
-        return after_attn, (sub if rows.numel() == x.shape[0] else x.index_copy(0, rows, sub))
+        return after_attn, x.index_copy(0, rows, sub)
 
     def _exit_loss(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
         """Mean next-token cross-entropy of the shared head after this layer, over the real (token, next

@@ -216,3 +216,19 @@ def test_training_is_causal_with_layer_dropout_and_a_layer_no_row_runs_gets_zero
 def test_bad_options_are_refused_with_the_field_name(field, value, message):
     with pytest.raises(ConfigError, match=message):
         build_model(VARIANTS["early_exit"].test_config("early_exit", early_exit={field: value}))
+
+
+def test_a_training_forward_traces_as_one_graph_without_breaks():
+    """LayerSkip's row gather has no branch on a count: dynamo traces the whole training step at once
+    (the evaluation path's per-row attention does break the graph: it is not compiled in one piece)."""
+    from experiments import compiling
+
+    model = build(p_max=0.5).train()
+    idx = tokens(B=2, length=16)
+
+    def loss(idx):
+        out = model(idx)
+        return F.cross_entropy(out.logits.reshape(-1, V), idx.reshape(-1)) + out.aux_loss
+
+    report = compiling.graph_report(loss, idx)
+    assert (report.graphs, report.graph_breaks) == (1, 0), report.reasons
