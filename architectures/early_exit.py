@@ -56,7 +56,7 @@ from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ModelConfig
 from architectures.contract import RoutingSite
 from architectures.gpt2 import Block
-from architectures.routing import fp32_linear
+from architectures.routing import fp32_linear, report_site
 
 SCHEDULES = ("exponential", "linear")
 EXIT_WEIGHTS = ("paper", "official", "uniform")
@@ -264,14 +264,13 @@ class EarlyExit(LanguageModel):
 
     # ------------------------------------------------------------------ trace
     def _report(self, state: ForwardState, l: int, ran: torch.Tensor, n_ran, n_kv, checks) -> None:
+        """The layer's site, through the routing library (the one place that builds sites)."""
         selected = (~ran).long().unsqueeze(-1)  # 0 = run, 1 = skip
-        site = RoutingSite(name=f"layer{l}.exit", kind="token_choice", choice_names=["run", "skip"],
-                           selected=selected, weights=torch.ones(selected.shape, device=ran.device),
-                           group="early_exit", step=l, valid=state.valid,
-                           extras={"ran": torch.as_tensor(n_ran, dtype=torch.float32).detach(),
-                                   "kv_only": torch.as_tensor(n_kv, dtype=torch.float32).detach(),
-                                   "checks": torch.tensor(float(checks))})
-        state.report(site)
+        extras = {"ran": torch.as_tensor(n_ran, dtype=torch.float32).detach(),
+                  "kv_only": torch.as_tensor(n_kv, dtype=torch.float32).detach(),
+                  "checks": torch.tensor(float(checks))}
+        report_site(state, "token_choice", ["run", "skip"], f"layer{l}.exit", selected,
+                    torch.ones(selected.shape, device=ran.device), group="early_exit", step=l, extras=extras)
 
     def _report_depth(self, state: ForwardState, depth: torch.Tensor) -> None:
         """The per-token depth convention: on the last depth site, layers run per token and the maximum."""
