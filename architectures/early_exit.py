@@ -55,7 +55,7 @@ from architectures import flops as F_
 from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ModelConfig
 from architectures.contract import RoutingSite
-from architectures.gpt2 import Block
+from architectures.gpt2 import Block, causal_attention
 from architectures.routing import fp32_linear, report_site
 
 SCHEDULES = ("exponential", "linear")
@@ -110,20 +110,29 @@ def confidence(logits: torch.Tensor, rule: str) -> torch.Tensor:
 
 def row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
                   positions: torch.Tensor) -> torch.Tensor:
-    """Attention of gathered queries q (N, H, hd), token ``rows`` / key ``positions`` (N,), over each row's
-    keys k, v (B, H, Tk, hd), causally; one SDPA per row that has queries (a row without pays nothing)."""
-    out = q.new_empty(q.shape)
+    """Attention of gathered queries q (N, H, hd), sorted by token ``rows``, with key ``positions`` (N,), over
+    each row's keys k, v (B, H, Tk, hd), causally: one SDPA per row on its own queries (a row without any
+    computes nothing)."""
     counts = torch.bincount(rows, minlength=k.shape[0]).tolist()
-    start = 0
-    for b, n in enumerate(counts):
-        if n == 0:
-            continue
-        mine = slice(start, start + n)  # rows are sorted: a row's queries are contiguous
-        mask = torch.arange(k.shape[2], device=q.device)[None, :] <= positions[mine, None]
-        y = F.scaled_dot_product_attention(q[mine].transpose(0, 1)[None], k[b:b + 1], v[b:b + 1], attn_mask=mask)
-        out[mine] = y[0].transpose(0, 1)
-        start += n
-    return out
+    keys = torch.arange(k.shape[2], device=q.device)
+    pieces = []
+    for b, (q_b, p_b) in enumerate(zip(q.split(counts), positions.split(counts))):
+        if counts[b]:
+            mask = keys[None, :] <= p_b[:, None]
+            y = F.scaled_dot_product_attention(q_b.transpose(0, 1)[None], k[b:b + 1], v[b:b + 1], attn_mask=mask)
+            pieces.append(y[0].transpose(0, 1))
+    return torch.cat(pieces, dim=0) if pieces else q
+
+
+def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flat: torch.Tensor, B: int,
+                     T: int) -> torch.Tensor:
+    """``row_attention``'s values as one graph (torch.compile): the queries scattered back on the (B, T) grid
+    (zeros for exited tokens), one causal SDPA, the running tokens' outputs gathered. It computes the scores
+    of every query, so compiled evaluation runs more than the eager figure counts."""
+    H, hd = q.shape[1], q.shape[2]
+    grid = q.new_zeros(B * T, H, hd).index_copy(0, flat, q).view(B, T, H, hd).transpose(1, 2)
+    y = causal_attention(grid, k, v).transpose(1, 2).reshape(B * T, H, hd)
+    return y.index_select(0, flat)
 
 
 class EarlyExit(LanguageModel):
@@ -214,10 +223,11 @@ class EarlyExit(LanguageModel):
             state.record("mha", l, after_attn)
             state.record("ffn", l, x)
             depth = depth + ran.float()
-            checks = 0
+            checks = torch.zeros(())
             if l < last and self.config.early_exit.eval_exit:
                 flat = ran.reshape(-1).nonzero().squeeze(1)
-                checks = flat.numel() if self.config.early_exit.confidence in HEAD_CONFIDENCES else 0
+                if self.config.early_exit.confidence in HEAD_CONFIDENCES:
+                    checks = ran.sum()
                 sure = self._confident(x.reshape(-1, d).index_select(0, flat),
                                        before.reshape(-1, d).index_select(0, flat))
                 active = active.reshape(-1).index_put((flat,), ~sure).reshape(B, T)
@@ -255,7 +265,10 @@ class EarlyExit(LanguageModel):
         q = qkv[:, :d].reshape(-1, H, d // H)
         rows = torch.div(run_idx, T, rounding_mode="floor")
         positions = run_idx % T + (k.shape[2] - T)  # key position of each query (the cache's offset first)
-        y = row_attention(q, k, v, rows, positions).reshape(-1, d)
+        if torch.compiler.is_compiling():
+            y = padded_attention(q, k, v, run_idx, B, T).reshape(-1, d)
+        else:
+            y = row_attention(q, k, v, rows, positions).reshape(-1, d)
         flat_x = flat_x.index_add(0, run_idx, attn.c_proj(y).to(flat_x.dtype))
         after_attn = flat_x.view(B, T, d)
         z = flat_x.index_select(0, run_idx)
@@ -268,7 +281,7 @@ class EarlyExit(LanguageModel):
         selected = (~ran).long().unsqueeze(-1)  # 0 = run, 1 = skip
         extras = {"ran": torch.as_tensor(n_ran, dtype=torch.float32).detach(),
                   "kv_only": torch.as_tensor(n_kv, dtype=torch.float32).detach(),
-                  "checks": torch.tensor(float(checks))}
+                  "checks": torch.as_tensor(checks, dtype=torch.float32).detach()}
         report_site(state, "token_choice", ["run", "skip"], f"layer{l}.exit", selected,
                     torch.ones(selected.shape, device=ran.device), group="early_exit", step=l, extras=extras)
 

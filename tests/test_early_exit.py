@@ -218,17 +218,35 @@ def test_bad_options_are_refused_with_the_field_name(field, value, message):
         build_model(VARIANTS["early_exit"].test_config("early_exit", early_exit={field: value}))
 
 
-def test_a_training_forward_traces_as_one_graph_without_breaks():
-    """LayerSkip's row gather has no branch on a count: dynamo traces the whole training step at once
-    (the evaluation path's per-row attention does break the graph: it is not compiled in one piece)."""
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_a_forward_traces_as_one_graph_without_breaks(training):
+    """LayerSkip's row gather has no branch on a count, and under torch.compile evaluation attends on the
+    (B, T) grid (``padded_attention``): dynamo traces a whole step at once."""
     from experiments import compiling
 
-    model = build(p_max=0.5).train()
+    model = build(p_max=0.5, exit_threshold=0.03).train(training)
     idx = tokens(B=2, length=16)
 
     def loss(idx):
         out = model(idx)
         return F.cross_entropy(out.logits.reshape(-1, V), idx.reshape(-1)) + out.aux_loss
 
-    report = compiling.graph_report(loss, idx)
+    with torch.set_grad_enabled(training):
+        report = compiling.graph_report(loss, idx)
     assert (report.graphs, report.graph_breaks) == (1, 0), report.reasons
+
+
+@pytest.mark.parametrize("cached", [0, 5])
+def test_the_compiled_padded_attention_gives_the_gathered_attention(cached):
+    """The one-graph form of evaluation's attention equals the eager per-row one on the running tokens."""
+    from architectures.early_exit import padded_attention, row_attention
+
+    B, Tn, H, hd = 3, 7, 2, 4
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(B, H, cached + Tn, hd, generator=gen), torch.randn(B, H, cached + Tn, hd, generator=gen)
+    running = torch.rand(B, Tn, generator=gen) < 0.5
+    running[1] = False  # a row without running tokens
+    flat = running.reshape(-1).nonzero().squeeze(1)
+    q = torch.randn(flat.numel(), H, hd, generator=gen)
+    rows, positions = torch.div(flat, Tn, rounding_mode="floor"), flat % Tn + cached
+    torch.testing.assert_close(padded_attention(q, k, v, flat, B, Tn), row_attention(q, k, v, rows, positions))
