@@ -39,6 +39,8 @@ class ForwardState:
     * ``trace`` / ``aux``: routing sites and named aux losses, in the order the blocks ran.
     * ``hidden``: set by a body whose head does not read the last stream (depth gating's mix).
     * ``options``: variant-specific switches a model hands its blocks (e.g. MoD's test hook).
+    * ``tokens``: the input ids of this call (B, T): their shift idx[:, 1:] is the LM targets of positions
+      0 .. T-2, for a loss the model computes itself (early exit's per-layer exit losses).
     * ``checkpoint``: the activation-checkpointing policy of this call (None: off); ``units`` counts the
       units run so far (``architectures.checkpointing``).
     """
@@ -55,6 +57,7 @@ class ForwardState:
     checkpoint: Optional[Any] = None
     units: int = 0
     reported: Set[str] = field(default_factory=set)  # site names reported so far (each at most once)
+    tokens: Optional[torch.Tensor] = None
 
     @classmethod
     def standalone(cls) -> "ForwardState":
@@ -222,7 +225,8 @@ class LanguageModel(nn.Module):
         valid = attention_mask[:, -T:].to(torch.bool) if attention_mask is not None else None
         state = ForwardState(cache=cache, valid=valid, causal=self._causal or cache is not None,
                              residuals=[] if return_residuals else None, offset=offset,
-                             checkpoint=self.checkpoint_policy if cache is None and torch.is_grad_enabled() else None)
+                             checkpoint=self.checkpoint_policy if cache is None and torch.is_grad_enabled() else None,
+                             tokens=idx)
         state.record("embed", -1, x)
         x = self.body(x, state)
         if cache is not None:

@@ -201,6 +201,13 @@ _BUILT_IN: Dict[str, Variant] = {
     "recur_halt_ponder": Variant("architectures.recur_halt:RecurHalt",
                                  "recur_halt with PonderNet's halting (Banino et al. 2021): geometric prior, KL term",
                                  overrides={"recur_halt": {"halting": "ponder"}}),
+    "early_exit": Variant("architectures.early_exit:EarlyExit",
+                          "early exit: LayerSkip training (layer dropout rising with depth, exit loss at every "
+                          "layer), CALM confidence exit per token at evaluation",
+                          # at the tiny test init the head's max-probability is ~0.013-0.020 (median 0.0154): this
+                          # threshold makes about half the tokens exit early. The suite compares unseeded training
+                          # forwards, so layer dropout is off there; tests/test_early_exit.py tests it
+                          test_settings={"early_exit": {"exit_threshold": 0.0155, "p_max": 0.0}}),
 }
 for _name, _variant in _BUILT_IN.items():
     register(_name, _variant)
