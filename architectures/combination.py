@@ -79,7 +79,7 @@ from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ModelConfig, tracks_explicit
 from architectures.contract import KVCache, RoutingSite
 from architectures.gpt2 import MLP, CausalSelfAttention, causal_attention
-from architectures.moe import MoEConfig, MoELayer, MoEResult, validate_moe_config
+from architectures.moe_layer import MoEConfig, MoELayer, MoEResult, validate_moe_config
 
 
 @tracks_explicit

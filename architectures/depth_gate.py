@@ -13,7 +13,7 @@ gating does to quality and routing statistics, not an efficiency method (for tha
 * Skip mode (``skip_compute``, hard mode only; preset ``depth_gate_skip``): the blog's tokens "only
   pass through" their top-k layers. Layer l runs only on the tokens that chose it: their attention
   sees only the other tokens of their sequence that chose layer l (MoT's subset semantics and cache,
-  ``mot.run_on_subset``), and a token that did not choose l passes it unchanged. h_l is then the
+  ``dispatch.run_on_subset``), and a token that did not choose l passes it unchanged. h_l is then the
   token's stream after layer l as it ran (unchanged when skipped) and h = sum over its k layers of
   w * h_l. FLOPs count the layers actually run: k layers per token instead of L.
 * ``ln_f`` and the tied head read the mixed stream h.
@@ -33,8 +33,8 @@ import torch.nn as nn
 from architectures import flops as F_
 from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ModelConfig, tracks_explicit
+from architectures.dispatch import run_on_subset
 from architectures.gpt2 import Block
-from architectures.mot import run_on_subset
 from architectures.routing import LinearRouter, SoftGate, TopK
 
 

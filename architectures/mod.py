@@ -19,7 +19,7 @@ with a ``KVCache``, or ``with model.causal_routing():``) routes by that decision
 processed tokens then differs per sequence, so those paths attend row by row, and each row keeps its
 own cache entry per routed block (``"block{i}.row{b}"``): a token the block skips writes nothing.
 
-MoDE (``mode_staged``, ``mode_integrated``) uses the shared ``MoELayer`` (architectures/moe.py).
+MoDE (``mode_staged``, ``mode_integrated``) uses the shared ``MoELayer`` (architectures/moe_layer.py).
 Staged: the MLP of each routed block is an MoE layer, so routing happens around attention + MoE.
 Integrated: routed blocks keep dense attention and replace the MLP by an MoE layer with
 ``model.mod.noop_experts`` identity experts, so skipping is a token-choice among the experts, within
@@ -28,7 +28,6 @@ the remaining blocks get an MoE MLP when ``model.moe.layers`` selects them.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
@@ -40,9 +39,9 @@ from architectures import flops as F_
 from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ConfigError, ModelConfig, layer_selection, tracks_explicit
 from architectures.contract import RoutingSite
+from architectures.dispatch import plan_segments
 from architectures.gpt2 import MLP, Block, CausalSelfAttention
-from architectures.mot import plan_segments
-from architectures.moe import MoEBlock, MoEConfig, MoEGPT, MoELayer, expert_hidden, validate_moe_config
+from architectures.moe_layer import UPCYCLE_RULES, MoEBlock, MoEConfig, MoELayer, expert_hidden, validate_moe_config
 from architectures.routing import Decision, ExpertChoice, LinearRouter, capacity_tokens
 
 
@@ -260,7 +259,7 @@ class RoutedBlock(nn.Module):
         """``_forward_causal`` under torch.compile (and, eager, for a block no token picked while gradients are
         recorded): the same update as one graph. The per-row counts are traced
         sizes, on which no Python branch can be taken: the picked tokens attend in MoT's right-padded (B, M)
-        layout (``mot.plan_segments``, M = the largest row count, at least 1; a real token never sees a pad),
+        layout (``dispatch.plan_segments``, M = the largest row count, at least 1; a real token never sees a pad),
         and a batch where nothing was picked runs the block on zero tokens. ``attn_pairs`` records the
         B * M * M scores that layout computes."""
         B, T, d = x.shape
@@ -440,7 +439,7 @@ class MoDEStaged(MoD):
     config_groups = {"mod": MoDConfig, "moe": MoEConfig}
     may_skip_parameters = True  # an expert may get no token
     # routed blocks keep their MoE under the name "mlp", the other MoE layers under "moe"
-    upcycle_rules = MoEGPT.upcycle_rules + ((r"(blocks\.\d+)\.mlp\.experts\.(.*)", r"\1.mlp.\2"),)
+    upcycle_rules = UPCYCLE_RULES + ((r"(blocks\.\d+)\.mlp\.experts\.(.*)", r"\1.mlp.\2"),)
 
     def _moe_chain(self, config: ModelConfig, routed: List[int]) -> Dict[int, Tuple[str, int]]:
         order = sorted(set(layer_selection(config.moe.layers, config.n_layer, "model.moe.layers")) | set(routed))
@@ -468,7 +467,7 @@ class MoDEIntegrated(MoD):
     config_groups = {"mod": MoDConfig, "moe": MoEConfig}
     uses_mod_router = False
     may_skip_parameters = True
-    upcycle_rules = MoEGPT.upcycle_rules
+    upcycle_rules = UPCYCLE_RULES
     routing_sees_future = False  # token choice; the no-op budget counts earlier positions only
 
     def _moe_chain(self, config: ModelConfig, routed: List[int]) -> Dict[int, Tuple[str, int]]:

@@ -13,7 +13,7 @@ from architectures import ModelConfig, build_model
 from architectures import flops as F_
 from architectures.experts import GroupedExperts
 from architectures.grouped_gemm import alignment_padding_rows, grouped_dispatch, grouped_mm_op
-from architectures.moe import MoEConfig
+from architectures.moe_layer import MoEConfig
 from tests.references import dense_reference, per_token_reference
 
 pytestmark = pytest.mark.skipif(grouped_mm_op() is None, reason="this PyTorch has no grouped matmul")

@@ -10,7 +10,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from architectures import ModelConfig, build_model
 from architectures.config import ConfigError
-from architectures.moe import MoEConfig, MoELayer, balance_loss, capacity_keep, z_loss
+from architectures.moe_layer import MoEConfig, MoELayer
+from architectures.routing import balance_loss, capacity_keep, z_loss
 from tests.conftest import cli_summary
 
 
@@ -317,8 +318,8 @@ def test_cli_short_run(tmp_path):
 
 def test_moe_layer_accepts_zero_tokens():
     """A routed block (MoDE) can hand the MoE layer no tokens at all; that must cost and return nothing."""
-    from architectures.moe import MoEConfig
-    from architectures.moe import MoELayer
+    from architectures.moe_layer import MoEConfig
+    from architectures.moe_layer import MoELayer
 
     layer = MoELayer(16, 32, MoEConfig(num_experts=4, top_k=2, dropless=False))
     x = torch.randn(2, 0, 16, requires_grad=True)
@@ -330,7 +331,7 @@ def test_moe_layer_accepts_zero_tokens():
 
 def test_switch_top1_router_learns_through_the_expert_output():
     """k=1: the output is scaled by the raw probability, so the LM loss alone trains the router."""
-    from architectures.moe import MoEConfig
+    from architectures.moe_layer import MoEConfig
 
     torch.manual_seed(0)
     layer = MoELayer(16, 32, MoEConfig(num_experts=4, top_k=1, balance_coef=0.0, z_loss_coef=0.0))
