@@ -74,7 +74,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from architectures import flops as F_
+from architectures import flops as cost
 from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ModelConfig, tracks_explicit
 from architectures.contract import KVCache, RoutingSite
@@ -276,32 +276,32 @@ class CombinationBlock(nn.Module):
         state.record("ffn", layer, x)  # unchanged when r = 0: no Outer-FFN
         return x
 
-    def flops(self, sites: Dict[str, RoutingSite], T: int, queries: Optional[int] = None) -> F_.Flops:
+    def flops(self, sites: Dict[str, RoutingSite], T: int, queries: Optional[int] = None) -> cost.Flops:
         d = self.d_model
-        flops = F_.Flops(attn_proj=F_.attention_projections(d), attn_scores=F_.attention_scores(d, T),
-                         ffn=F_.ffn(d, self.outer) if self.outer else 0.0)
+        flops = cost.Flops(attn_proj=cost.attention_projections(d), attn_scores=cost.attention_scores(d, T),
+                         ffn=cost.ffn(d, self.outer) if self.outer else 0.0)
         inner = self.attn.inner
         if inner is None:
             return flops
         # strictly causal = causal over the keys shifted by one: the call's Q queries (minus one at
         # absolute position 0, which has no earlier key) x (T - 1) keys, averaged over the Q new tokens
         Q = T if queries is None else queries
-        strictly_causal = F_.attention_scores(d, (Q - max(0, Q - (T - 1))) * (T - 1) / Q)
+        strictly_causal = cost.attention_scores(d, (Q - max(0, Q - (T - 1))) * (T - 1) / Q)
         if inner.wiring != "additive":
             # one attention: W_k, W_v once more on u; scores as vanilla ("paper": every key and the own one)
             # or over the strictly earlier keys ("paper_masked", the shifted causal call)
-            path = F_.Flops(attn_proj=F_.linear(d, 2 * d))
+            path = cost.Flops(attn_proj=cost.linear(d, 2 * d))
             if inner.wiring == "paper_masked":
-                path = path + F_.Flops(attn_scores=strictly_causal - F_.attention_scores(d, T))
+                path = path + cost.Flops(attn_scores=strictly_causal - cost.attention_scores(d, T))
             return flops + path + self.inner_ffn_flops(sites)
-        path = F_.Flops(attn_proj=2 * F_.linear(d, d), attn_scores=strictly_causal)
+        path = cost.Flops(attn_proj=2 * cost.linear(d, d), attn_scores=strictly_causal)
         return flops + path + self.inner_ffn_flops(sites)
 
-    def inner_ffn_flops(self, sites: Dict[str, RoutingSite]) -> F_.Flops:
+    def inner_ffn_flops(self, sites: Dict[str, RoutingSite]) -> cost.Flops:
         inner, d = self.attn.inner, self.d_model
         if isinstance(inner.ffn, MoELayer):
-            return inner.ffn.flops(sites.get(f"block{self.index}.{INNER_SITE}"))
-        return F_.Flops(ffn=F_.ffn(d, self.inner_width))
+            return inner.ffn.layer_flops(sites.get(f"block{self.index}.{INNER_SITE}"))
+        return cost.Flops(ffn=cost.ffn(d, self.inner_width))
 
 
 def validate_wiring(config: ModelConfig) -> None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from architectures import flops as F_
+from architectures import flops as cost
 from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ModelConfig, tracks_explicit
 from architectures.dispatch import run_on_subset
@@ -112,21 +112,21 @@ class DepthGate(LanguageModel):
     def flop_blocks(self):
         return [] if self.skips else self.blocks  # skip mode: counted from what ran (extra_flops)
 
-    def extra_flops(self, sites, T: int) -> F_.Flops:
+    def extra_flops(self, sites, T: int) -> cost.Flops:
         """The gate, plus in skip mode the layers that ran: projections and FFN per token run, scores per
         query-key pair computed (without a trace: k layers per token, balanced over the L layers).
         Otherwise every layer runs (the blocks' dense figures); the weighted sum is elementwise."""
         cfg = self.config
         d, L = cfg.d_model, cfg.n_layer
-        gate = F_.Flops(router=F_.linear(d, L))
+        gate = cost.Flops(router=cost.linear(d, L))
         if not self.skips:
             return gate
-        per_token = F_.Flops(attn_proj=F_.attention_projections(d), ffn=F_.ffn(d, cfg.ffn_hidden))
+        per_token = cost.Flops(attn_proj=cost.attention_projections(d), ffn=cost.ffn(d, cfg.ffn_hidden))
         site = sites.get("depth_gate")
         if site is None or "layer_tokens" not in site.extras:
             k = cfg.depth_gate.top_k
-            return per_token.scale(k) + F_.Flops(attn_scores=k * F_.attention_scores(d, T * k / L)) + gate
+            return per_token.scale(k) + cost.Flops(attn_scores=k * cost.attention_scores(d, T * k / L)) + gate
         tokens = site.selected.shape[0] * site.selected.shape[1]
         ran = float(site.extras["layer_tokens"].sum()) / max(1, tokens)
-        scores = F_.attention_scores(d, 1) * float(site.extras["score_pairs"].sum()) / max(1, tokens)
-        return per_token.scale(ran) + F_.Flops(attn_scores=scores) + gate
+        scores = cost.attention_scores(d, 1) * float(site.extras["score_pairs"].sum()) / max(1, tokens)
+        return per_token.scale(ran) + cost.Flops(attn_scores=scores) + gate

@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Union
 import torch
 import torch.nn as nn
 
-from architectures import flops as F_
+from architectures import flops as cost
 from architectures.base import ForwardState, require
 from architectures.config import ModelConfig, tracks_explicit
 from architectures.contract import KVCache, RoutingSite
@@ -159,16 +159,16 @@ class MoELayer(nn.Module):
         out = self.experts(x.reshape(N, d), sel_flat, w_flat.to(x.dtype), route.keep)
         return MoEResult(output=out.view(B, T, out.shape[-1]), site=route.site, aux_losses=route.aux)
 
-    def flops(self, site: Optional[RoutingSite]) -> F_.Flops:
+    def layer_flops(self, site: Optional[RoutingSite]) -> cost.Flops:
         """Per token, of this sub-layer (its cost does not depend on T): router (all tokens) + the experts
         actually run: active (real, valid, not dropped) assignments per token of the batch. With no site:
         the expected k experts per token. A block adds it to its own ``flops(sites, T, queries)``."""
         d_model = self.router.in_features
-        router = F_.linear(d_model, self.num_choices)
-        per_expert = F_.ffn(d_model, self.hidden)
+        router = cost.linear(d_model, self.num_choices)
+        per_expert = cost.ffn(d_model, self.hidden)
         if site is None:
-            return F_.Flops(ffn=self.top_k * per_expert, router=router)
-        return F_.Flops(ffn=active_assignments(site, self.num_experts) * per_expert, router=router)
+            return cost.Flops(ffn=self.top_k * per_expert, router=router)
+        return cost.Flops(ffn=active_assignments(site, self.num_experts) * per_expert, router=router)
 
 
 def active_assignments(site: RoutingSite, num_experts: int) -> float:
@@ -226,11 +226,11 @@ class MoEBlock(nn.Module):
         state.record("ffn", self.index, x)
         return x
 
-    def flops(self, sites: Dict[str, RoutingSite], T: int, queries: Optional[int] = None) -> F_.Flops:
+    def flops(self, sites: Dict[str, RoutingSite], T: int, queries: Optional[int] = None) -> cost.Flops:
         d = self.ln_1.normalized_shape[0]
-        attention = F_.Flops(attn_proj=F_.attention_projections(d), attn_scores=F_.attention_scores(d, T),
-                             ffn=F_.ffn(d, self.dense_hidden) if self.dense_hidden else 0.0)
-        return attention + self.moe.flops(sites.get(self.site_name))
+        attention = cost.Flops(attn_proj=cost.attention_projections(d), attn_scores=cost.attention_scores(d, T),
+                             ffn=cost.ffn(d, self.dense_hidden) if self.dense_hidden else 0.0)
+        return attention + self.moe.layer_flops(sites.get(self.site_name))
 
 
 def expert_hidden(config: ModelConfig) -> int:

@@ -73,7 +73,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from architectures import flops as F_
+from architectures import flops as cost
 from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ConfigError, ModelConfig, tracks_explicit
 from architectures.contract import KVCache, RoutingSite
@@ -294,7 +294,7 @@ def official_balance_loss(parts: List[Tuple[torch.Tensor, torch.Tensor]]) -> tor
 
 def router_flops(d_model: int, hidden: int, n_choices: int) -> float:
     """GRUCell input and hidden matmuls (the hidden one runs on zeros at step 1 too) + W_o."""
-    return F_.linear(d_model, 3 * hidden) + F_.linear(hidden, 3 * hidden) + F_.linear(hidden, n_choices)
+    return cost.linear(d_model, 3 * hidden) + cost.linear(hidden, 3 * hidden) + cost.linear(hidden, n_choices)
 
 
 @dataclass
@@ -450,7 +450,7 @@ class MoMChunk(nn.Module):
         run.record("ffn", layer, x)
         return x, attn_state, ffn_state
 
-    def flops(self, sites: Dict[str, RoutingSite], T: int, queries: Optional[int] = None) -> F_.Flops:
+    def flops(self, sites: Dict[str, RoutingSite], T: int, queries: Optional[int] = None) -> cost.Flops:
         """This chunk's sites: attention projections (QKV + output) once per (token, chosen real module);
         attention scores ``4 * T * d`` per token once per step when any token of the batch chose a real
         attention module (the shared attention runs over all tokens); FFN once per (token, chosen real
@@ -459,7 +459,7 @@ class MoMChunk(nn.Module):
         1 for fixed and layer-skip sites). Plus the anchor layer, dense."""
         cfg = self.config
         d, hidden = cfg.d_model, cfg.ffn_hidden
-        total = self.anchor.flops(sites, T, queries) if self.anchor is not None else F_.Flops()
+        total = self.anchor.flops(sites, T, queries) if self.anchor is not None else cost.Flops()
         learned = _LEARNED[cfg.mom.routing]
         for kind, pool, names in (("attn", self.n_attn, len(self.attn_names)), ("ffn", self.n_ffn, len(self.ffn_names))):
             router = router_flops(d, cfg.mom.router_hidden, names) if learned[kind] else 0.0
@@ -474,11 +474,11 @@ class MoMChunk(nn.Module):
                 per_step = [float(k)] * self.steps
             modules = sum(per_step)
             if kind == "attn":
-                scores = sum(1 for r in per_step if r > 0) * F_.attention_scores(d, T)
-                total = total + F_.Flops(attn_proj=modules * F_.attention_projections(d), attn_scores=scores)
+                scores = sum(1 for r in per_step if r > 0) * cost.attention_scores(d, T)
+                total = total + cost.Flops(attn_proj=modules * cost.attention_projections(d), attn_scores=scores)
             else:
-                total = total + F_.Flops(ffn=modules * F_.ffn(d, hidden))
-            total = total + F_.Flops(router=router * len(per_step))
+                total = total + cost.Flops(ffn=modules * cost.ffn(d, hidden))
+            total = total + cost.Flops(router=router * len(per_step))
         return total
 
 

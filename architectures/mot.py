@@ -42,7 +42,7 @@ from typing import Dict, List, Optional, Union
 import torch
 import torch.nn as nn
 
-from architectures import flops as F_
+from architectures import flops as cost
 from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ModelConfig, layer_selection, tracks_explicit
 from architectures.contract import KVCache, RoutingSite
@@ -210,28 +210,28 @@ class MoTLayer(nn.Module):
             return x
         return x.reshape(B * T, d).index_add(0, slots // k, torch.cat(parts).to(x.dtype)).view(B, T, d)
 
-    def flops(self, sites: Dict[str, RoutingSite], T: int, queries: Optional[int] = None) -> F_.Flops:
+    def flops(self, sites: Dict[str, RoutingSite], T: int, queries: Optional[int] = None) -> cost.Flops:
         """Gate + each expert block on its own tokens (padded attention layout included; score pairs as
         recorded, cached keys included) + the concatenation's W_c for every token."""
         site, seq_len, config = sites.get(self.site_name), T, self.config
         d, E, k = config.d_model, self.cfg.num_experts, self.cfg.top_k
-        per_token = F_.Flops(attn_proj=F_.attention_projections(d), ffn=F_.ffn(d, config.ffn_hidden))
+        per_token = cost.Flops(attn_proj=cost.attention_projections(d), ffn=cost.ffn(d, config.ffn_hidden))
         h = self.cfg.gate_hidden
-        gate = F_.Flops(router=F_.linear(d, h) + F_.linear(h, E) if h else F_.linear(d, E))
+        gate = cost.Flops(router=cost.linear(d, h) + cost.linear(h, E) if h else cost.linear(d, E))
         if self.cfg.aggregation == "concat":
-            gate = gate + F_.Flops(ffn=F_.linear(k * d, d))
+            gate = gate + cost.Flops(ffn=cost.linear(k * d, d))
         if site is None:  # balanced routing: every sequence sends T*k/E tokens to each expert
-            scores = F_.attention_scores(d, seq_len * k / E) * k
-            return per_token.scale(k) + F_.Flops(attn_scores=scores) + gate
+            scores = cost.attention_scores(d, seq_len * k / E) * k
+            return per_token.scale(k) + cost.Flops(attn_scores=scores) + gate
         B, T, _ = site.selected.shape
         n_tokens, scores = 0, 0.0
         for seg in plan_segments(site.selected, site.valid, E):
             if seg is not None:
                 n_tokens += seg.tokens.numel()
-                scores += B * seg.width * F_.attention_scores(d, seg.width)
+                scores += B * seg.width * cost.attention_scores(d, seg.width)
         if "score_pairs" in site.extras:
-            scores = F_.attention_scores(d, 1) * float(site.extras["score_pairs"])
-        return per_token.scale(n_tokens / (B * T)) + F_.Flops(attn_scores=scores / (B * T)) + gate
+            scores = cost.attention_scores(d, 1) * float(site.extras["score_pairs"])
+        return per_token.scale(n_tokens / (B * T)) + cost.Flops(attn_scores=scores / (B * T)) + gate
 
 
 class MoT(LanguageModel):

@@ -190,9 +190,9 @@ def test_layer_flops_count_active_experts_only():
         x = torch.randn(2, 9, 16)
         with FlopCounterMode(display=False) as counter:
             r = layer(x)
-        per_token = layer.flops(r.site)
+        per_token = layer.layer_flops(r.site)
         assert per_token.forward * 18 == pytest.approx(counter.get_total_flops())
-    assert layer.flops(None).ffn == pytest.approx(2 * 2 * 2 * 16 * 24)
+    assert layer.layer_flops(None).ffn == pytest.approx(2 * 2 * 2 * 16 * 24)
 
 
 @pytest.mark.parametrize("kwargs,field", [
