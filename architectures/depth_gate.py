@@ -35,7 +35,7 @@ from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ModelConfig, tracks_explicit
 from architectures.dispatch import run_on_subset
 from architectures.gpt2 import Block
-from architectures.routing import LinearRouter, SoftGate, TopK
+from architectures.routing import LinearRouter, SiteId, SoftGate, TopK
 
 
 @tracks_explicit
@@ -65,7 +65,8 @@ class DepthGate(LanguageModel):
         # p / stopgrad(p) is 1 forward too but passes d loss / d p through (as MoM's K=1 routers)
         pick = (TopK(cfg.top_k, "token_choice" if cfg.skip_compute else "soft_gate", renormalize=True,
                      straight_through=True) if cfg.mode == "hard" else SoftGate())
-        self.gate = LinearRouter(config.d_model, config.n_layer, pick, [f"layer{i}" for i in range(config.n_layer)])
+        self.gate = LinearRouter(config.d_model, config.n_layer, pick, [f"layer{i}" for i in range(config.n_layer)],
+                                 SiteId("depth_gate", "depth_gate"))
 
     @staticmethod
     def validate_config(config: ModelConfig) -> None:
@@ -83,7 +84,7 @@ class DepthGate(LanguageModel):
 
     def body(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
         # the gate reads the embedded tokens and reports the "depth_gate" site; extras once the layers ran
-        route = self.gate(x, state, name="depth_gate", group="depth_gate")
+        route = self.gate(x, state)
         probs, selected, weights = route.probs, route.selected, route.weights
         # dense per-layer weight (B, T, L): zeros for layers outside the hard top-k
         dense = torch.zeros_like(probs).scatter(-1, selected, weights).to(x.dtype)

@@ -42,7 +42,7 @@ from architectures.contract import RoutingSite
 from architectures.dispatch import plan_segments
 from architectures.gpt2 import MLP, Block, CausalSelfAttention
 from architectures.moe_layer import UPCYCLE_RULES, MoEBlock, MoEConfig, MoELayer, expert_hidden, validate_moe_config
-from architectures.routing import Decision, ExpertChoice, LinearRouter, capacity_tokens
+from architectures.routing import Decision, ExpertChoice, LinearRouter, SiteId, capacity_tokens
 
 
 @tracks_explicit
@@ -163,8 +163,9 @@ class RoutedBlock(nn.Module):
         if moe_step is None:
             self.mlp: nn.Module = MLP(d, config.ffn_hidden, config.bias, config.dropout)
         else:
-            self.mlp = MoELayer(d, expert_hidden(config), config.moe, config.bias, config.dropout)
-        self.router = LinearRouter(d, 1, ExpertChoice(self.cfg.capacity), ["skip", "block"])
+            self.mlp = MoELayer(d, expert_hidden(config), config.moe, config.bias, config.dropout,
+                                site=SiteId(f"block{index}.moe", "moe", moe_step))
+        self.router = LinearRouter(d, 1, ExpertChoice(self.cfg.capacity), ["skip", "block"], SiteId(self.name, "mod", step))
         self.predictor: Optional[nn.Module] = None
         if self.cfg.sampling == "predictor":
             h = self.cfg.predictor_hidden
@@ -194,9 +195,10 @@ class RoutedBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
         """The router picks (the sequence top-k, or the causal decision) and reports the block's site."""
-        route = self.router(x, state, name=self.name, group="mod", step=self.step,
-                            decide=lambda logits: self.causal_decision(x, logits),
-                            fixed_weight=state.options.get("fixed_router_weight"))
+        logits = self.router.logits(x)
+        causal = self.causal_decision(x, logits.squeeze(-1)) if state.causal else None
+        choice = self.router.rule.pick(logits, state.valid, causal, state.options.get("fixed_router_weight"))
+        route = self.router.report(state, logits, choice)
         if state.causal:
             return self._forward_causal(x, route, state)
         return self._forward_topk(x, route, state)
@@ -211,7 +213,7 @@ class RoutedBlock(nn.Module):
         depend on its batch-mates or on right padding.
         """
         B, T, d = x.shape
-        idx, real, logits, weight = route.idx, route.real, route.logits, route.weights
+        idx, real, logits, weight = route.choice.idx, route.choice.real, route.choice.logits, route.weights
         k_max = idx.shape[1]
         flat = (idx + torch.arange(B, device=x.device).unsqueeze(1) * T).reshape(-1)
         write = None if real is None else real.reshape(-1)
@@ -228,7 +230,7 @@ class RoutedBlock(nn.Module):
         if torch.compiler.is_compiling() and state.cache is None:
             return self._forward_causal_traced(x, route, state)
         B, T, d = x.shape
-        decided, weight = route.chosen, route.weights
+        decided, weight = route.choice.chosen, route.weights
         flat = decided.reshape(-1).nonzero().squeeze(-1)
         if not flat.numel() and state.cache is None and torch.is_grad_enabled():
             # no token picked the block, gradients recorded: it runs on zero tokens (a zero gradient, not None)
@@ -263,7 +265,7 @@ class RoutedBlock(nn.Module):
         and a batch where nothing was picked runs the block on zero tokens. ``attn_pairs`` records the
         B * M * M scores that layout computes."""
         B, T, d = x.shape
-        decided = route.chosen
+        decided = route.choice.chosen
         seg = plan_segments(torch.zeros(B, T, 1, dtype=torch.long, device=x.device), decided, 1, keep_idle=True)[0]
 
         def attend_padded(qkv: torch.Tensor) -> torch.Tensor:
@@ -307,8 +309,7 @@ class RoutedBlock(nn.Module):
         state.record("mha", self.index, x)
         state.record("ffn", self.index, x)
         if isinstance(self.mlp, MoELayer):  # its site still reports: every token invalid
-            self.mlp.router.report_idle(state, (B, T), self.mlp.top_k, x.device, name=f"block{self.index}.moe",
-                                        group="moe", step=self.moe_step)
+            self.mlp.router.report_idle(state, (B, T), self.mlp.top_k, x.device)
         return _Chosen(x, torch.zeros(B, T, dtype=torch.bool, device=x.device))
 
     def _ffn(self, z, valid_sel, flat, B, T, state: ForwardState, write=None):
@@ -319,8 +320,7 @@ class RoutedBlock(nn.Module):
             site = site if write is None else _select_tokens(site, write)
             return expand_site(site, flat if write is None else flat[write], B, T)
 
-        return self.mlp(z, valid=valid_sel, site_name=f"block{self.index}.moe", group="moe", step=self.moe_step,
-                        state=state, relay=relay).output
+        return self.mlp(z, valid=valid_sel, state=state, relay=relay).output
 
     # -------------------------------------------------------------- causal predictors and the trace
     def _sampling_losses(self, x, logits, chosen: "_Chosen", state: ForwardState) -> Dict[str, torch.Tensor]:

@@ -40,7 +40,7 @@ from architectures.config import ModelConfig, tracks_explicit
 from architectures.contract import KVCache, RoutingSite
 from architectures.experts import GroupedExperts
 from architectures.gpt2 import MLP, CausalSelfAttention
-from architectures.routing import LinearRouter, Switch
+from architectures.routing import LinearRouter, SiteId, Switch
 
 
 @tracks_explicit
@@ -95,7 +95,7 @@ class MoELayer(nn.Module):
     """E GPT-2 MLP experts (stacked parameters) (+ optional no-op experts) behind a token-choice top-k router."""
 
     def __init__(self, d_model: int, hidden: int, cfg: MoEConfig, bias: bool = True, dropout: float = 0.0,
-                 noop_experts: int = 0, noop_share: Optional[float] = None):
+                 noop_experts: int = 0, noop_share: Optional[float] = None, site: SiteId = SiteId("moe", "moe")):
         super().__init__()
         require(noop_experts >= 0, "noop_experts", f"must be >= 0, got {noop_experts}")
         validate_moe_config(cfg, noop_experts=noop_experts)
@@ -108,8 +108,8 @@ class MoELayer(nn.Module):
         self.noop_share = noop_share if noop_experts else None
         self.choice_names = [f"expert{i}" for i in range(cfg.num_experts)] + ["skip"] * noop_experts
         pick = Switch(cfg.num_experts, cfg.top_k, cfg.renormalize, cfg.dropless, cfg.capacity_factor, cfg.balance_coef,
-                      cfg.z_loss_coef, self.noop_share)
-        self.router = LinearRouter(d_model, cfg.num_experts + noop_experts, pick, self.choice_names)
+                      cfg.z_loss_coef, self.noop_share, budget_key=site.name)
+        self.router = LinearRouter(d_model, cfg.num_experts + noop_experts, pick, self.choice_names, site)
         self.experts = GroupedExperts(cfg.num_experts, d_model, hidden, bias, dropout)
 
     @property
@@ -146,15 +146,18 @@ class MoELayer(nn.Module):
         self.experts.scale_outputs(scale)
         return f"router near-uniform, expert outputs x {scale:g}"
 
-    def forward(self, x: torch.Tensor, valid: Optional[torch.Tensor] = None, site_name: str = "moe",
-                group: str = "moe", step: int = 0, cache: Optional[KVCache] = None,
+    def forward(self, x: torch.Tensor, valid: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None,
                 state: Optional[ForwardState] = None, relay=None) -> MoEResult:
         """The router reports the site (``relay``: re-laid first) and its aux losses to ``state`` (standalone:
-        a throwaway state); ``valid``: the tokens of ``x`` that are real (not taken from ``state``)."""
+        a throwaway state); ``valid``: the tokens of ``x`` that are real (not taken from ``state``); ``cache``:
+        the decoding cache, which carries the no-op budget between calls."""
         B, T, d = x.shape
         N = B * T
         state = ForwardState.standalone() if state is None else state
-        route = self.router(x, state, name=site_name, group=group, step=step, valid=valid, relay=relay, cache=cache)
+        logits = self.router.logits(x)
+        budgets = None if cache is None else cache.state("noop_budget")
+        choice = self.router.rule.pick(logits, valid, budgets)
+        route = self.router.report(state, logits, choice, valid=valid, relay=relay)
         sel_flat, w_flat = route.selected.reshape(N, self.top_k), route.weights.reshape(N, self.top_k)
         out = self.experts(x.reshape(N, d), sel_flat, w_flat.to(x.dtype), route.keep)
         return MoEResult(output=out.view(B, T, out.shape[-1]), site=route.site, aux_losses=route.aux)
@@ -197,12 +200,13 @@ class MoEBlock(nn.Module):
                  group: str = "moe", step: int = 0, noop_experts: int = 0, noop_share: Optional[float] = None):
         super().__init__()
         d = config.d_model
-        self.index, self.site_name, self.group, self.step = index, site_name, group, step
+        self.index, self.site_name = index, site_name
         self.cache_key = f"block{index}"
         self.ln_1 = nn.LayerNorm(d, eps=config.layer_norm_eps)
         self.attn = CausalSelfAttention(d, config.n_head, config.bias, config.dropout)
         self.ln_2 = nn.LayerNorm(d, eps=config.layer_norm_eps)
-        self.moe = MoELayer(d, hidden, config.moe, config.bias, config.dropout, noop_experts, noop_share)
+        self.moe = MoELayer(d, hidden, config.moe, config.bias, config.dropout, noop_experts, noop_share,
+                            SiteId(site_name, group, step))
         self.dense_hidden = 0
         if config.moe.placement == "before_ffn":
             self.ln_moe = nn.LayerNorm(d, eps=config.layer_norm_eps)
@@ -218,8 +222,7 @@ class MoEBlock(nn.Module):
         x = x + self.attn(self.ln_1(x), state.cache, self.cache_key)
         state.record("mha", self.index, x)
         moe_in = self.ln_moe(x) if self.dense_hidden else self.ln_2(x)
-        result = self.moe(moe_in, state.valid, site_name=self.site_name, group=self.group, step=self.step,
-                          cache=state.cache, state=state)
+        result = self.moe(moe_in, state.valid, cache=state.cache, state=state)
         x = x + result.output
         if self.dense_hidden:
             x = x + self.mlp(self.ln_2(x))

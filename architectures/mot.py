@@ -48,7 +48,7 @@ from architectures.config import ModelConfig, layer_selection, tracks_explicit
 from architectures.contract import KVCache, RoutingSite
 from architectures.dispatch import expert_update, plan_segments, run_idle, score_pairs
 from architectures.gpt2 import Block
-from architectures.routing import LinearRouter, MLPRouter, TopK, balance_loss
+from architectures.routing import LinearRouter, MLPRouter, SiteId, TopK, balance_loss
 
 
 @tracks_explicit
@@ -87,7 +87,9 @@ class MoTLayer(nn.Module):
         pick = TopK(cfg.top_k, renormalize=cfg.renormalize and cfg.top_k > 1, adjust=self.seed_rules,
                     balance=self.balance if cfg.balance_coef > 0 else None)
         names = [f"expert{i}" for i in range(E)]
-        self.gate = MLPRouter(d, cfg.gate_hidden, E, pick, names) if cfg.gate_hidden else LinearRouter(d, E, pick, names)
+        site = SiteId(self.site_name, "mot", step)
+        self.gate = (MLPRouter(d, cfg.gate_hidden, E, pick, names, site) if cfg.gate_hidden
+                     else LinearRouter(d, E, pick, names, site))
         self.experts = nn.ModuleList([Block(config) for _ in range(cfg.num_experts)])
         if cfg.aggregation == "concat":
             self.combine = nn.Linear(cfg.top_k * d, d, bias=False)
@@ -102,8 +104,7 @@ class MoTLayer(nn.Module):
     def forward(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
         """The block protocol: mix, report the site and losses, snapshot mha / ffn."""
         x, after_attn, site, losses = self.mix(x, state.valid, state.cache, f"block{self.index}",
-                                               state.residuals is not None, self.site_name, self.step, state.causal,
-                                               state)
+                                               state.residuals is not None, state.causal, state)
         if state.residuals is not None:
             state.record("mha", self.index, after_attn)
         state.record("ffn", self.index, x)
@@ -131,10 +132,9 @@ class MoTLayer(nn.Module):
         return total / count.clamp(min=1)
 
     def route(self, x: torch.Tensor, state: ForwardState, valid=None, cache: Optional[KVCache] = None,
-              causal: bool = False, name: str = "", site_name: str = "mot", step: int = 0):
+              causal: bool = False, name: str = ""):
         """The gate decides on ``gate_input`` and reports the layer's site (and balance loss) to ``state``."""
-        return self.gate(self.gate_input(x, valid, cache, causal, name), state, name=site_name, group="mot", step=step,
-                         valid=valid)
+        return self.gate(self.gate_input(x, valid, cache, causal, name), state, valid=valid)
 
     def seed_rules(self, probs, weights, selected):
         """The seed's rules on the gate's pick: random activation (training) and uniform 1/k weights."""
@@ -149,10 +149,8 @@ class MoTLayer(nn.Module):
             weights = 1.0 / k + (chosen - chosen.detach())  # exactly 1/k: p - p is 0
         return weights, selected
 
-    def balance(self, state, site_name, probs, selected, valid_flat) -> Dict[str, torch.Tensor]:
-        N = valid_flat.numel()
-        return {f"{site_name}/balance": self.cfg.balance_coef * balance_loss(
-            probs.reshape(N, -1), selected.reshape(N, self.cfg.top_k), self.cfg.num_experts, valid_flat)}
+    def balance(self, probs, selected, valid_flat) -> Dict[str, torch.Tensor]:
+        return {"balance": self.cfg.balance_coef * balance_loss(probs, selected, self.cfg.num_experts, valid_flat)}
 
     def force_random(self, selected: torch.Tensor) -> torch.Tensor:
         """With probability ``random_activation`` per routed unit (token, or sequence), the last slot goes to
@@ -170,7 +168,7 @@ class MoTLayer(nn.Module):
         return torch.cat([selected[..., :-1], last.unsqueeze(-1)], dim=-1)
 
     # ------------------------------------------------------------------ mixing
-    def mix(self, x, valid=None, cache=None, cache_prefix="", want_attn=False, site_name="mot", step=0, causal=None,
+    def mix(self, x, valid=None, cache=None, cache_prefix="", want_attn=False, causal=None,
             state: Optional[ForwardState] = None):
         """Returns (new x, x after the attention updates only or None, RoutingSite, aux losses); the gate
         reports the site and losses to ``state`` (standalone: a throwaway state)."""
@@ -178,7 +176,7 @@ class MoTLayer(nn.Module):
         N, k = B * T, self.cfg.top_k
         causal = cache is not None if causal is None else causal
         state = ForwardState.standalone() if state is None else state
-        route = self.route(x, state, valid, cache, causal, cache_prefix, site_name, step)
+        route = self.route(x, state, valid, cache, causal, cache_prefix)
         weights, selected = route.weights, route.selected
         x_flat, w_flat = x.reshape(N, d), weights.reshape(N * k)
         full, attn, slots = [], [], []

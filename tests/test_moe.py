@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from architectures import ModelConfig, build_model
 from architectures.config import ConfigError
 from architectures.moe_layer import MoEConfig, MoELayer
-from architectures.routing import balance_loss, capacity_keep, z_loss
+from architectures.routing import SiteId, balance_loss, capacity_keep, z_loss
 from tests.conftest import cli_summary
 
 
@@ -30,9 +30,9 @@ def dense_moe(layer: MoELayer, x: torch.Tensor, keep: torch.Tensor = None) -> to
     return out
 
 
-def _layer(E=4, k=2, noop=0, **kw) -> MoELayer:
+def _layer(E=4, k=2, noop=0, site=SiteId("moe", "moe"), **kw) -> MoELayer:
     torch.manual_seed(0)
-    return MoELayer(16, 24, MoEConfig(num_experts=E, top_k=k, **kw), noop_experts=noop)
+    return MoELayer(16, 24, MoEConfig(num_experts=E, top_k=k, **kw), noop_experts=noop, site=site)
 
 
 def _grads(module, x):
@@ -84,9 +84,9 @@ def test_balance_loss_equals_formula_on_hand_made_routing():
 
 
 def test_aux_losses_carry_coefficients_and_z_loss_formula():
-    layer = _layer(4, 1, balance_coef=0.5, z_loss_coef=0.25)
+    layer = _layer(4, 1, balance_coef=0.5, z_loss_coef=0.25, site=SiteId("layer3.moe", "moe"))
     x = torch.randn(2, 5, 16)
-    r = layer(x, site_name="layer3.moe")
+    r = layer(x)
     assert set(r.aux_losses) == {"layer3.moe/balance", "layer3.moe/z_loss"}
     logits = x.reshape(10, 16) @ layer.router.weight.t()
     want_z = torch.logsumexp(logits, -1).square().mean()
