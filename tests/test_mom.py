@@ -298,8 +298,8 @@ class _MoERouterOfStep:
         block = self.moe_model.blocks[step]
         E = block.moe.num_experts
         # other steps' experts would win: only the pool restriction keeps them out
-        logits = torch.full((x.shape[0], self.n_choices), 50.0)
-        logits[:, step * E:(step + 1) * E] = block.moe.router.logits(block.ln_2(x))
+        logits = torch.full((*x.shape[:-1], self.n_choices), 50.0)  # x: (B, T, d), the router's input
+        logits[..., step * E:(step + 1) * E] = block.moe.router.logits(block.ln_2(x))
         return logits, torch.full((1,), step + 1)
 
 
