@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from architectures.config import ConfigError, ModelConfig
 from architectures.contract import KVCache, ModelOutput, RoutingSite, SubLayerState, sum_aux
 from architectures.experts import StackedLinear
-from architectures import flops as F_
+from architectures import flops as cost
 from architectures.flops import Flops
 
 
@@ -258,7 +258,7 @@ class LanguageModel(nn.Module):
         if queries is None:
             queries = int(trace[0].selected.shape[1]) if trace else T
         sites = {site.name: site for site in trace or []}
-        total = F_.lm_head(cfg.d_model, cfg.vocab_size) + self.extra_flops(sites, T)
+        total = cost.lm_head(cfg.d_model, cfg.vocab_size) + self.extra_flops(sites, T)
         for block in self.flop_blocks():
             total = total + block.flops(sites, T, queries)
         return total

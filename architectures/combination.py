@@ -74,12 +74,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from architectures import flops as F_
+from architectures import flops as cost
 from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ModelConfig
 from architectures.contract import KVCache, RoutingSite
 from architectures.gpt2 import MLP, CausalSelfAttention, causal_attention
-from architectures.moe import MoEConfig, MoELayer, MoEResult, validate_moe_config
+from architectures.moe_layer import MoEConfig, MoELayer, MoEResult, validate_moe_config
+from architectures.routing import SiteId
 
 
 @dataclass
@@ -158,19 +159,17 @@ class InnerPath(nn.Module):
             self.v_proj = nn.Linear(d_model, d_model, bias=bias)
             self.c_proj = nn.Linear(d_model, d_model, bias=bias)
 
-    def transform(self, h: torch.Tensor, valid, site_name: str, step: int,
-                  state=None) -> Tuple[torch.Tensor, Optional[MoEResult]]:
+    def transform(self, h: torch.Tensor, valid, state=None) -> Tuple[torch.Tensor, Optional[MoEResult]]:
         """InnerFFN(h): the dense MLP's output or the MoE's update (tokens with no expert get 0); an MoE's
         router reports its site to ``state``."""
         if isinstance(self.ffn, MoELayer):
-            result = self.ffn(h, valid, site_name, INNER_SITE, step, state=state)
+            result = self.ffn(h, valid, state=state)
             return result.output, result
         return self.ffn(h), None
 
-    def values(self, h: torch.Tensor, valid, site_name: str, step: int,
-               state=None) -> Tuple[torch.Tensor, Optional[MoEResult]]:
+    def values(self, h: torch.Tensor, valid, state=None) -> Tuple[torch.Tensor, Optional[MoEResult]]:
         if isinstance(self.ffn, MoELayer):
-            result = self.ffn(h, valid, site_name, INNER_SITE, step, state=state)
+            result = self.ffn(h, valid, state=state)
             return self.v_proj(result.output), result
         return self.v_proj(self.ffn(h)), None
 
@@ -188,12 +187,10 @@ class CombinationAttention(CausalSelfAttention):
         cache: Optional[KVCache] = None,
         cache_key: str = "",
         valid: Optional[torch.Tensor] = None,
-        site_name: str = "",
-        step: int = 0,
         state=None,
     ) -> Tuple[torch.Tensor, Optional[MoEResult]]:
         if self.inner is not None and self.inner.wiring != "additive":
-            return self.paper_forward(h, cache, cache_key, valid, site_name, step, state)
+            return self.paper_forward(h, cache, cache_key, valid, state)
         q, k, v = (self.split_heads(t) for t in self.c_attn(h).chunk(3, dim=-1))
         if cache is not None:
             k, v = cache.append(cache_key, k, v)
@@ -201,7 +198,7 @@ class CombinationAttention(CausalSelfAttention):
         out = self.c_proj(self.merge_heads(causal_attention(q, k, v, p)))
         moe = None
         if self.inner is not None:
-            values, moe = self.inner.values(h, valid, site_name, step, state)
+            values, moe = self.inner.values(h, valid, state)
             v_inner = self.split_heads(values)
             if cache is not None:
                 # K is shared with the direct path: cache only the Inner values (zero-width key).
@@ -209,11 +206,11 @@ class CombinationAttention(CausalSelfAttention):
             out = out + self.inner.c_proj(self.merge_heads(strictly_causal_attention(q, k, v_inner, p)))
         return self.resid_drop(out), moe
 
-    def paper_forward(self, h, cache, cache_key, valid, site_name, step, state=None):
+    def paper_forward(self, h, cache, cache_key, valid, state=None):
         """The paper's wiring (module docstring): other positions' K/V from h + InnerFFN(h), own from h."""
         d = h.shape[-1]
         q, k_self, v_self = (self.split_heads(t) for t in self.c_attn(h).chunk(3, dim=-1))
-        inner, moe = self.inner.transform(h, valid, site_name, step, state)
+        inner, moe = self.inner.transform(h, valid, state)
         bias = self.c_attn.bias[d:] if self.c_attn.bias is not None else None
         k, v = (self.split_heads(t) for t in F.linear(h + inner.to(h.dtype), self.c_attn.weight[d:], bias).chunk(2, dim=-1))
         if cache is not None:
@@ -266,8 +263,7 @@ class CombinationBlock(nn.Module):
     def forward(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
         # the mask only tells an Inner MoE which tokens to route and count (right padding, as vanilla)
         layer = self.index
-        update, _ = self.attn(self.ln_1(x), state.cache, f"block{layer}", state.valid,
-                              f"block{layer}.{INNER_SITE}", layer, state)  # an Inner MoE's router reports
+        update, _ = self.attn(self.ln_1(x), state.cache, f"block{layer}", state.valid, state)  # an Inner MoE reports
         x = x + update
         state.record("mha", layer, x)
         if self.outer > 0:
@@ -275,32 +271,32 @@ class CombinationBlock(nn.Module):
         state.record("ffn", layer, x)  # unchanged when r = 0: no Outer-FFN
         return x
 
-    def flops(self, sites: Dict[str, RoutingSite], T: int, queries: Optional[int] = None) -> F_.Flops:
+    def flops(self, sites: Dict[str, RoutingSite], T: int, queries: Optional[int] = None) -> cost.Flops:
         d = self.d_model
-        flops = F_.Flops(attn_proj=F_.attention_projections(d), attn_scores=F_.attention_scores(d, T),
-                         ffn=F_.ffn(d, self.outer) if self.outer else 0.0)
+        flops = cost.Flops(attn_proj=cost.attention_projections(d), attn_scores=cost.attention_scores(d, T),
+                         ffn=cost.ffn(d, self.outer) if self.outer else 0.0)
         inner = self.attn.inner
         if inner is None:
             return flops
         # strictly causal = causal over the keys shifted by one: the call's Q queries (minus one at
         # absolute position 0, which has no earlier key) x (T - 1) keys, averaged over the Q new tokens
         Q = T if queries is None else queries
-        strictly_causal = F_.attention_scores(d, (Q - max(0, Q - (T - 1))) * (T - 1) / Q)
+        strictly_causal = cost.attention_scores(d, (Q - max(0, Q - (T - 1))) * (T - 1) / Q)
         if inner.wiring != "additive":
             # one attention: W_k, W_v once more on u; scores as vanilla ("paper": every key and the own one)
             # or over the strictly earlier keys ("paper_masked", the shifted causal call)
-            path = F_.Flops(attn_proj=F_.linear(d, 2 * d))
+            path = cost.Flops(attn_proj=cost.linear(d, 2 * d))
             if inner.wiring == "paper_masked":
-                path = path + F_.Flops(attn_scores=strictly_causal - F_.attention_scores(d, T))
+                path = path + cost.Flops(attn_scores=strictly_causal - cost.attention_scores(d, T))
             return flops + path + self.inner_ffn_flops(sites)
-        path = F_.Flops(attn_proj=2 * F_.linear(d, d), attn_scores=strictly_causal)
+        path = cost.Flops(attn_proj=2 * cost.linear(d, d), attn_scores=strictly_causal)
         return flops + path + self.inner_ffn_flops(sites)
 
-    def inner_ffn_flops(self, sites: Dict[str, RoutingSite]) -> F_.Flops:
+    def inner_ffn_flops(self, sites: Dict[str, RoutingSite]) -> cost.Flops:
         inner, d = self.attn.inner, self.d_model
         if isinstance(inner.ffn, MoELayer):
-            return inner.ffn.flops(sites.get(f"block{self.index}.{INNER_SITE}"))
-        return F_.Flops(ffn=F_.ffn(d, self.inner_width))
+            return inner.ffn.layer_flops(sites.get(f"block{self.index}.{INNER_SITE}"))
+        return cost.Flops(ffn=cost.ffn(d, self.inner_width))
 
 
 def validate_wiring(config: ModelConfig) -> None:
@@ -325,7 +321,7 @@ class CombinationLM(LanguageModel):
         outer, inner = self.widths(config)
         self.outer_width, self.inner_width = outer, inner
         self.blocks = nn.ModuleList(
-            [CombinationBlock(config, outer, self.make_inner(config, inner) if inner > 0 else None, i, inner)
+            [CombinationBlock(config, outer, self.make_inner(config, inner, i) if inner > 0 else None, i, inner)
              for i in range(config.n_layer)]
         )
 
@@ -351,7 +347,8 @@ class CombinationLM(LanguageModel):
         cls.widths(config)
         validate_wiring(config)
 
-    def make_inner(self, config: ModelConfig, width: int) -> nn.Module:
+    def make_inner(self, config: ModelConfig, width: int, index: int) -> nn.Module:
+        """Block ``index``'s Inner-FFN, ``width`` wide."""
         return MLP(config.d_model, width, config.bias, config.dropout)
 
     def init_weights(self) -> None:
@@ -406,8 +403,9 @@ class CombinationMoELM(CombinationLM):
         validate_moe_config(cls.inner_moe_config(config), prefix="model.moe")
         validate_wiring(config)
 
-    def make_inner(self, config: ModelConfig, width: int) -> nn.Module:
-        return MoELayer(config.d_model, width, self.inner_moe_config(config), config.bias, config.dropout)
+    def make_inner(self, config: ModelConfig, width: int, index: int) -> nn.Module:
+        return MoELayer(config.d_model, width, self.inner_moe_config(config), config.bias, config.dropout,
+                        site=SiteId(f"block{index}.{INNER_SITE}", INNER_SITE, index))
 
     def inner_ffn_parameters(self, dense_mlp: int) -> int:
         E = self.config.combo.inner_experts

@@ -13,7 +13,7 @@ gating does to quality and routing statistics, not an efficiency method (for tha
 * Skip mode (``skip_compute``, hard mode only; preset ``depth_gate_skip``): the blog's tokens "only
   pass through" their top-k layers. Layer l runs only on the tokens that chose it: their attention
   sees only the other tokens of their sequence that chose layer l (MoT's subset semantics and cache,
-  ``mot.run_on_subset``), and a token that did not choose l passes it unchanged. h_l is then the
+  ``dispatch.run_on_subset``), and a token that did not choose l passes it unchanged. h_l is then the
   token's stream after layer l as it ran (unchanged when skipped) and h = sum over its k layers of
   w * h_l. FLOPs count the layers actually run: k layers per token instead of L.
 * ``ln_f`` and the tied head read the mixed stream h.
@@ -30,12 +30,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from architectures import flops as F_
+from architectures import flops as cost
 from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ModelConfig
+from architectures.dispatch import run_on_subset
 from architectures.gpt2 import Block
-from architectures.mot import run_on_subset
-from architectures.routing import LinearRouter, SoftGate, TopK
+from architectures.routing import LinearRouter, SiteId, SoftGate, TopK
 
 
 @dataclass
@@ -64,7 +64,8 @@ class DepthGate(LanguageModel):
         # p / stopgrad(p) is 1 forward too but passes d loss / d p through (as MoM's K=1 routers)
         pick = (TopK(cfg.top_k, "token_choice" if cfg.skip_compute else "soft_gate", renormalize=True,
                      straight_through=True) if cfg.mode == "hard" else SoftGate())
-        self.gate = LinearRouter(config.d_model, config.n_layer, pick, [f"layer{i}" for i in range(config.n_layer)])
+        self.gate = LinearRouter(config.d_model, config.n_layer, pick, [f"layer{i}" for i in range(config.n_layer)],
+                                 SiteId("depth_gate", "depth_gate"))
 
     @staticmethod
     def validate_config(config: ModelConfig) -> None:
@@ -82,7 +83,7 @@ class DepthGate(LanguageModel):
 
     def body(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
         # the gate reads the embedded tokens and reports the "depth_gate" site; extras once the layers ran
-        route = self.gate(x, state, name="depth_gate", group="depth_gate")
+        route = self.gate(x, state)
         probs, selected, weights = route.probs, route.selected, route.weights
         # dense per-layer weight (B, T, L): zeros for layers outside the hard top-k
         dense = torch.zeros_like(probs).scatter(-1, selected, weights).to(x.dtype)
@@ -111,21 +112,21 @@ class DepthGate(LanguageModel):
     def flop_blocks(self):
         return [] if self.skips else self.blocks  # skip mode: counted from what ran (extra_flops)
 
-    def extra_flops(self, sites, T: int) -> F_.Flops:
+    def extra_flops(self, sites, T: int) -> cost.Flops:
         """The gate, plus in skip mode the layers that ran: projections and FFN per token run, scores per
         query-key pair computed (without a trace: k layers per token, balanced over the L layers).
         Otherwise every layer runs (the blocks' dense figures); the weighted sum is elementwise."""
         cfg = self.config
         d, L = cfg.d_model, cfg.n_layer
-        gate = F_.Flops(router=F_.linear(d, L))
+        gate = cost.Flops(router=cost.linear(d, L))
         if not self.skips:
             return gate
-        per_token = F_.Flops(attn_proj=F_.attention_projections(d), ffn=F_.ffn(d, cfg.ffn_hidden))
+        per_token = cost.Flops(attn_proj=cost.attention_projections(d), ffn=cost.ffn(d, cfg.ffn_hidden))
         site = sites.get("depth_gate")
         if site is None or "layer_tokens" not in site.extras:
             k = cfg.depth_gate.top_k
-            return per_token.scale(k) + F_.Flops(attn_scores=k * F_.attention_scores(d, T * k / L)) + gate
+            return per_token.scale(k) + cost.Flops(attn_scores=k * cost.attention_scores(d, T * k / L)) + gate
         tokens = site.selected.shape[0] * site.selected.shape[1]
         ran = float(site.extras["layer_tokens"].sum()) / max(1, tokens)
-        scores = F_.attention_scores(d, 1) * float(site.extras["score_pairs"].sum()) / max(1, tokens)
-        return per_token.scale(ran) + F_.Flops(attn_scores=scores) + gate
+        scores = cost.attention_scores(d, 1) * float(site.extras["score_pairs"].sum()) / max(1, tokens)
+        return per_token.scale(ran) + cost.Flops(attn_scores=scores) + gate

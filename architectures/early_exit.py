@@ -51,12 +51,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from architectures import flops as F_
+from architectures import flops as cost
 from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ModelConfig
 from architectures.contract import RoutingSite
 from architectures.gpt2 import Block, causal_attention
-from architectures.routing import fp32_linear, report_site
+from architectures.routing import Choice, SiteId, fp32_linear, report_site
 
 SCHEDULES = ("exponential", "linear")
 EXIT_WEIGHTS = ("paper", "official", "uniform")
@@ -282,8 +282,9 @@ class EarlyExit(LanguageModel):
         extras = {"ran": torch.as_tensor(n_ran, dtype=torch.float32).detach(),
                   "kv_only": torch.as_tensor(n_kv, dtype=torch.float32).detach(),
                   "checks": torch.as_tensor(checks, dtype=torch.float32).detach()}
-        report_site(state, "token_choice", ["run", "skip"], f"layer{l}.exit", selected,
-                    torch.ones(selected.shape, device=ran.device), group="early_exit", step=l, extras=extras)
+        choice = Choice(selected, torch.ones(selected.shape, device=ran.device))
+        decision = report_site(state, "token_choice", ["run", "skip"], SiteId(f"layer{l}.exit", "early_exit", l), choice)
+        decision.site.extras.update(extras)
 
     def _report_depth(self, state: ForwardState, depth: torch.Tensor) -> None:
         """The per-token depth convention: on the last depth site, layers run per token and the maximum."""
@@ -295,20 +296,20 @@ class EarlyExit(LanguageModel):
     def flop_blocks(self):
         return []  # counted from what ran (extra_flops)
 
-    def extra_flops(self, sites: Dict[str, RoutingSite], T: int) -> F_.Flops:
+    def extra_flops(self, sites: Dict[str, RoutingSite], T: int) -> cost.Flops:
         """Per token of the traced batch: full layers for the tokens that ran them (projections, scores over
         T keys, FFN), K/V projections for exited tokens, one head per check (the final head is in the base
         figure). Without a trace: the planned training figure (expected layer dropout, every exit-loss head)."""
         cfg = self.config
         d, L, V = cfg.d_model, cfg.n_layer, cfg.vocab_size
-        full = F_.dense_block(d, cfg.ffn_hidden, T)
+        full = cost.dense_block(d, cfg.ffn_hidden, T)
         own = [sites.get(f"layer{l}.exit") for l in range(L)]
         if any(site is None for site in own):
             layers = sum(1.0 - p for p in self.drop_rates)
             heads = sum(1 for w in self.exit_weights if w > 0) * (T - 1) / T
-            return full.scale(layers) + F_.lm_head(d, V).scale(heads)
+            return full.scale(layers) + cost.lm_head(d, V).scale(heads)
         tokens = own[0].selected.shape[0] * own[0].selected.shape[1]
         ran = sum(float(site.extras["ran"]) for site in own) / tokens
         kv = sum(float(site.extras["kv_only"]) for site in own) / tokens
         checks = sum(float(site.extras["checks"]) for site in own) / tokens
-        return full.scale(ran) + F_.Flops(attn_proj=kv * F_.linear(d, 2 * d)) + F_.lm_head(d, V).scale(checks)
+        return full.scale(ran) + cost.Flops(attn_proj=kv * cost.linear(d, 2 * d)) + cost.lm_head(d, V).scale(checks)

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from architectures import flops as F_
+from architectures import flops as cost
 from architectures.base import ForwardState, LanguageModel
 from architectures.config import ModelConfig
 from architectures.contract import KVCache, RoutingSite
@@ -101,8 +101,8 @@ class Block(nn.Module):
         state.record("ffn", self.index, x)
         return x
 
-    def flops(self, sites: Dict[str, RoutingSite], T: int, queries: Optional[int] = None) -> F_.Flops:
-        return F_.dense_block(self.d_model, self.ffn_hidden, T)
+    def flops(self, sites: Dict[str, RoutingSite], T: int, queries: Optional[int] = None) -> cost.Flops:
+        return cost.dense_block(self.d_model, self.ffn_hidden, T)
 
 
 class GPT2(LanguageModel):

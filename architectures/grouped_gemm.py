@@ -22,7 +22,7 @@ expert computes (dropped by capacity, no-op experts, padding tokens) are zero an
 FLOPs: importing this module registers ``grouped_mm_flops`` for ``aten._grouped_mm`` with
 ``torch.utils.flop_counter``, so ``FlopCounterMode`` counts the grouped path (it counted 0 before). It counts
 what the kernel multiplies: the routed rows plus each expert's alignment padding (fewer than
-``ALIGN_ROWS`` zero rows per expert with tokens), which the analytic figure (``MoELayer.flops_per_token``:
+``ALIGN_ROWS`` zero rows per expert with tokens), which the analytic figure (``MoELayer.layer_flops``:
 routed assignments only) leaves out; ``alignment_padding_rows`` gives that difference.
 
 Gradients: an expert that no token chose gets a zero gradient on both paths (its rows of the one stacked

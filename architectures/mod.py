@@ -19,7 +19,7 @@ with a ``KVCache``, or ``with model.causal_routing():``) routes by that decision
 processed tokens then differs per sequence, so those paths attend row by row, and each row keeps its
 own cache entry per routed block (``"block{i}.row{b}"``): a token the block skips writes nothing.
 
-MoDE (``mode_staged``, ``mode_integrated``) uses the shared ``MoELayer`` (architectures/moe.py).
+MoDE (``mode_staged``, ``mode_integrated``) uses the shared ``MoELayer`` (architectures/moe_layer.py).
 Staged: the MLP of each routed block is an MoE layer, so routing happens around attention + MoE.
 Integrated: routed blocks keep dense attention and replace the MLP by an MoE layer with
 ``model.mod.noop_experts`` identity experts, so skipping is a token-choice among the experts, within
@@ -28,7 +28,6 @@ the remaining blocks get an MoE MLP when ``model.moe.layers`` selects them.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
@@ -36,14 +35,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from architectures import flops as F_
+from architectures import flops as cost
 from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ConfigError, ModelConfig, layer_selection
 from architectures.contract import RoutingSite
+from architectures.dispatch import plan_segments
 from architectures.gpt2 import MLP, Block, CausalSelfAttention
-from architectures.mot import plan_segments
-from architectures.moe import MoEBlock, MoEConfig, MoEGPT, MoELayer, expert_hidden, validate_moe_config
-from architectures.routing import Decision, ExpertChoice, LinearRouter, capacity_tokens
+from architectures.moe_layer import UPCYCLE_RULES, MoEBlock, MoEConfig, MoELayer, expert_hidden, validate_moe_config
+from architectures.routing import Decision, ExpertChoice, LinearRouter, SiteId, capacity_tokens
 
 
 @dataclass
@@ -163,8 +162,9 @@ class RoutedBlock(nn.Module):
         if moe_step is None:
             self.mlp: nn.Module = MLP(d, config.ffn_hidden, config.bias, config.dropout)
         else:
-            self.mlp = MoELayer(d, expert_hidden(config), config.moe, config.bias, config.dropout)
-        self.router = LinearRouter(d, 1, ExpertChoice(self.cfg.capacity), ["skip", "block"])
+            self.mlp = MoELayer(d, expert_hidden(config), config.moe, config.bias, config.dropout,
+                                site=SiteId(f"block{index}.moe", "moe", moe_step))
+        self.router = LinearRouter(d, 1, ExpertChoice(self.cfg.capacity), ["skip", "block"], SiteId(self.name, "mod", step))
         self.predictor: Optional[nn.Module] = None
         if self.cfg.sampling == "predictor":
             h = self.cfg.predictor_hidden
@@ -192,16 +192,17 @@ class RoutedBlock(nn.Module):
             return self.predictor_logits(x) > 0
         return logits > 0
 
-    def forward(self, x: torch.Tensor, ctx: ForwardState) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
         """The router picks (the sequence top-k, or the causal decision) and reports the block's site."""
-        route = self.router(x, ctx, name=self.name, group="mod", step=self.step,
-                            decide=lambda logits: self.causal_decision(x, logits),
-                            fixed_weight=ctx.options.get("fixed_router_weight"))
-        if ctx.causal:
-            return self._forward_causal(x, route, ctx)
-        return self._forward_topk(x, route, ctx)
+        logits = self.router.logits(x)
+        causal = self.causal_decision(x, logits.squeeze(-1)) if state.causal else None
+        choice = self.router.rule.pick(logits, state.valid, causal, state.options.get("fixed_router_weight"))
+        route = self.router.report(state, logits, choice)
+        if state.causal:
+            return self._forward_causal(x, route, state)
+        return self._forward_topk(x, route, state)
 
-    def _forward_topk(self, x, route: Decision, ctx: ForwardState) -> torch.Tensor:
+    def _forward_topk(self, x, route: Decision, state: ForwardState) -> torch.Tensor:
         """Each row takes its own k_b = max(1, floor(c * real length)) best tokens, in position order
         (``routing.expert_choice_topk``).
 
@@ -211,28 +212,28 @@ class RoutedBlock(nn.Module):
         depend on its batch-mates or on right padding.
         """
         B, T, d = x.shape
-        idx, real, logits, weight = route.idx, route.real, route.logits, route.weights
+        idx, real, logits, weight = route.choice.idx, route.choice.real, route.choice.logits, route.weights
         k_max = idx.shape[1]
         flat = (idx + torch.arange(B, device=x.device).unsqueeze(1) * T).reshape(-1)
         write = None if real is None else real.reshape(-1)
-        chosen = self._run(x, flat, (B, k_max), weight, self.attn.attend, real, ctx, write=write)
+        chosen = self._run(x, flat, (B, k_max), weight, self.attn.attend, real, state, write=write)
         pairs = float(B * k_max * k_max)
         extras = {"attn_pairs": torch.tensor(pairs), "processed": torch.tensor(float(B * k_max))}
-        extras.update(self._sampling_losses(x, logits, chosen, ctx))
+        extras.update(self._sampling_losses(x, logits, chosen, state))
         route.site.extras.update(extras)
         return chosen.out
 
-    def _forward_causal(self, x, route: Decision, ctx: ForwardState) -> torch.Tensor:
+    def _forward_causal(self, x, route: Decision, state: ForwardState) -> torch.Tensor:
         """The tokens the causal decision picked run the block, each attending among its own row's picked
         tokens (row by row); a token no row picked is copied through."""
-        if torch.compiler.is_compiling() and ctx.cache is None:
-            return self._forward_causal_traced(x, route, ctx)
+        if torch.compiler.is_compiling() and state.cache is None:
+            return self._forward_causal_traced(x, route, state)
         B, T, d = x.shape
-        decided, weight = route.chosen, route.weights
+        decided, weight = route.choice.chosen, route.weights
         flat = decided.reshape(-1).nonzero().squeeze(-1)
-        if not flat.numel() and ctx.cache is None and torch.is_grad_enabled():
+        if not flat.numel() and state.cache is None and torch.is_grad_enabled():
             # no token picked the block, gradients recorded: it runs on zero tokens (a zero gradient, not None)
-            return self._forward_causal_traced(x, route, ctx)
+            return self._forward_causal_traced(x, route, state)
         counts = decided.sum(dim=1).tolist()
         pairs = [0.0]
 
@@ -241,29 +242,29 @@ class RoutedBlock(nn.Module):
             for b, seg in enumerate(qkv.split(counts, dim=1)):
                 if seg.shape[1]:
                     key = f"block{self.index}.row{b}"
-                    outs.append(self.attn.attend(seg, ctx.cache, key))
-                    if ctx.cache is not None:
-                        pairs[0] += seg.shape[1] * ctx.cache.length(key)
+                    outs.append(self.attn.attend(seg, state.cache, key))
+                    if state.cache is not None:
+                        pairs[0] += seg.shape[1] * state.cache.length(key)
             return torch.cat(outs, dim=1)
 
         if flat.numel():
-            chosen = self._run(x, flat, (1, flat.numel()), weight, attend_rows, None, ctx)
+            chosen = self._run(x, flat, (1, flat.numel()), weight, attend_rows, None, state)
         else:
-            chosen = self._skip_all(x, ctx)
+            chosen = self._skip_all(x, state)
         # with a cache each query also scores the row's earlier keys: not derivable from this trace alone
-        if ctx.cache is not None:
+        if state.cache is not None:
             route.site.extras["attn_pairs"] = torch.tensor(pairs[0])
         return chosen.out
 
-    def _forward_causal_traced(self, x, route: Decision, ctx: ForwardState) -> torch.Tensor:
+    def _forward_causal_traced(self, x, route: Decision, state: ForwardState) -> torch.Tensor:
         """``_forward_causal`` under torch.compile (and, eager, for a block no token picked while gradients are
         recorded): the same update as one graph. The per-row counts are traced
         sizes, on which no Python branch can be taken: the picked tokens attend in MoT's right-padded (B, M)
-        layout (``mot.plan_segments``, M = the largest row count, at least 1; a real token never sees a pad),
+        layout (``dispatch.plan_segments``, M = the largest row count, at least 1; a real token never sees a pad),
         and a batch where nothing was picked runs the block on zero tokens. ``attn_pairs`` records the
         B * M * M scores that layout computes."""
         B, T, d = x.shape
-        decided = route.chosen
+        decided = route.choice.chosen
         seg = plan_segments(torch.zeros(B, T, 1, dtype=torch.long, device=x.device), decided, 1, keep_idle=True)[0]
 
         def attend_padded(qkv: torch.Tensor) -> torch.Tensor:
@@ -271,13 +272,13 @@ class RoutedBlock(nn.Module):
             y = self.attn.attend(layout.view(B, seg.width, qkv.shape[-1]))
             return y.reshape(B * seg.width, -1).index_select(0, seg.padded).unsqueeze(0)
 
-        chosen = self._run(x, seg.tokens, (1, seg.tokens.numel()), route.weights, attend_padded, None, ctx)
+        chosen = self._run(x, seg.tokens, (1, seg.tokens.numel()), route.weights, attend_padded, None, state)
         width = decided.sum(dim=1).max().clamp(min=1).double()
         route.site.extras["attn_pairs"] = B * width * width
         return chosen.out
 
     # -------------------------------------------------------------- compute on the processed tokens
-    def _run(self, x, flat, shape: Tuple[int, int], weight, attend: Callable, valid_sel, ctx: ForwardState,
+    def _run(self, x, flat, shape: Tuple[int, int], weight, attend: Callable, valid_sel, state: ForwardState,
              write: Optional[torch.Tensor] = None) -> "_Chosen":
         """Gather the tokens at ``flat`` as ``shape`` = (rows, len), update them, scatter back.
 
@@ -289,29 +290,28 @@ class RoutedBlock(nn.Module):
         x_sel = xf.index_select(0, flat).view(*shape, d)
         r = weight.reshape(-1).index_select(0, flat).view(*shape, 1).to(x.dtype)
         a = self.attn.resid_drop(self.attn.c_proj(attend(self.attn.c_attn(self.ln_1(x_sel)))))
-        m = self._ffn(self.ln_2(x_sel + a), valid_sel, flat, B, T, ctx, write)
+        m = self._ffn(self.ln_2(x_sel + a), valid_sel, flat, B, T, state, write)
         h = (x_sel + r * a).reshape(-1, d)
         y = h + r.reshape(-1, 1) * m.reshape(-1, d)
         if write is not None:
             flat, h, y = flat[write], h[write], y[write]
         out = xf.index_copy(0, flat, y).view(B, T, d)
-        if ctx.residuals is not None:
-            ctx.record("mha", self.index, xf.index_copy(0, flat, h).view(B, T, d))
-            ctx.record("ffn", self.index, out)
+        if state.residuals is not None:
+            state.record("mha", self.index, xf.index_copy(0, flat, h).view(B, T, d))
+            state.record("ffn", self.index, out)
         mask = torch.zeros(B * T, dtype=torch.bool, device=x.device).index_fill(0, flat, True).view(B, T)
         return _Chosen(out, mask)
 
-    def _skip_all(self, x, ctx: ForwardState) -> "_Chosen":
+    def _skip_all(self, x, state: ForwardState) -> "_Chosen":
         """No token chose the block (possible only with causal decisions): nothing runs."""
         B, T, _ = x.shape
-        ctx.record("mha", self.index, x)
-        ctx.record("ffn", self.index, x)
+        state.record("mha", self.index, x)
+        state.record("ffn", self.index, x)
         if isinstance(self.mlp, MoELayer):  # its site still reports: every token invalid
-            self.mlp.router.report_idle(ctx, (B, T), self.mlp.top_k, x.device, name=f"block{self.index}.moe",
-                                        group="moe", step=self.moe_step)
+            self.mlp.router.report_idle(state, (B, T), self.mlp.top_k, x.device)
         return _Chosen(x, torch.zeros(B, T, dtype=torch.bool, device=x.device))
 
-    def _ffn(self, z, valid_sel, flat, B, T, ctx: ForwardState, write=None):
+    def _ffn(self, z, valid_sel, flat, B, T, state: ForwardState, write=None):
         if not isinstance(self.mlp, MoELayer):
             return self.mlp(z)
 
@@ -319,11 +319,10 @@ class RoutedBlock(nn.Module):
             site = site if write is None else _select_tokens(site, write)
             return expand_site(site, flat if write is None else flat[write], B, T)
 
-        return self.mlp(z, valid=valid_sel, site_name=f"block{self.index}.moe", group="moe", step=self.moe_step,
-                        state=ctx, relay=relay).output
+        return self.mlp(z, valid=valid_sel, state=state, relay=relay).output
 
     # -------------------------------------------------------------- causal predictors and the trace
-    def _sampling_losses(self, x, logits, chosen: "_Chosen", ctx: ForwardState) -> Dict[str, torch.Tensor]:
+    def _sampling_losses(self, x, logits, chosen: "_Chosen", state: ForwardState) -> Dict[str, torch.Tensor]:
         """BCE of the causal decision against top-k membership, and the decision's agreement with it."""
         if self.cfg.sampling == "none":
             return {}
@@ -333,12 +332,12 @@ class RoutedBlock(nn.Module):
         else:
             decision, name, coef = logits, "router_bce", self.cfg.aux_loss_coef
         bce = F.binary_cross_entropy_with_logits(decision, target, reduction="none")
-        ctx.aux[f"{self.name}/{name}"] = coef * masked_mean(bce, ctx.valid)
+        state.aux[f"{self.name}/{name}"] = coef * masked_mean(bce, state.valid)
         agree = ((decision.detach() > 0) == chosen.mask).to(torch.float32)
-        return {"causal_agreement": masked_mean(agree, ctx.valid)}
+        return {"causal_agreement": masked_mean(agree, state.valid)}
 
     # -------------------------------------------------------------- FLOPs
-    def flops(self, sites: Dict[str, RoutingSite], T: int, queries: Optional[int] = None) -> F_.Flops:
+    def flops(self, sites: Dict[str, RoutingSite], T: int, queries: Optional[int] = None) -> cost.Flops:
         """Per token of the batch: the block on the processed tokens only, the router and predictor on all."""
         d, hidden = self.d_model, self.ffn_hidden
         site = sites.get(self.name)
@@ -353,16 +352,16 @@ class RoutedBlock(nn.Module):
             if pairs is None:
                 pairs = site.selected.squeeze(-1).sum(dim=1).double().square().sum()
             pairs_per_token = float(pairs) / n_tokens
-        out = F_.Flops(attn_proj=frac * F_.attention_projections(d), attn_scores=pairs_per_token * 4.0 * d,
-                       router=F_.linear(d, 1))
+        out = cost.Flops(attn_proj=frac * cost.attention_projections(d), attn_scores=pairs_per_token * 4.0 * d,
+                       router=cost.linear(d, 1))
         if self.predictor is not None:
-            out = out + F_.Flops(router=F_.linear(d, self.cfg.predictor_hidden) + F_.linear(self.cfg.predictor_hidden, 1))
+            out = out + cost.Flops(router=cost.linear(d, self.cfg.predictor_hidden) + cost.linear(self.cfg.predictor_hidden, 1))
         if isinstance(self.mlp, MoELayer):
             moe_site = sites.get(f"block{self.index}.moe")
-            moe = self.mlp.flops(moe_site)
+            moe = self.mlp.layer_flops(moe_site)
             # with a site the experts are already per token of the batch; the MoE router ran on the processed ones
-            return out + (F_.Flops(ffn=moe.ffn, router=frac * moe.router) if moe_site is not None else moe.scale(frac))
-        return out + F_.Flops(ffn=frac * F_.ffn(d, hidden))
+            return out + (cost.Flops(ffn=moe.ffn, router=frac * moe.router) if moe_site is not None else moe.scale(frac))
+        return out + cost.Flops(ffn=frac * cost.ffn(d, hidden))
 
 
 class _Chosen:
@@ -439,7 +438,7 @@ class MoDEStaged(MoD):
     config_groups = {"mod": MoDConfig, "moe": MoEConfig}
     may_skip_parameters = True  # an expert may get no token
     # routed blocks keep their MoE under the name "mlp", the other MoE layers under "moe"
-    upcycle_rules = MoEGPT.upcycle_rules + ((r"(blocks\.\d+)\.mlp\.experts\.(.*)", r"\1.mlp.\2"),)
+    upcycle_rules = UPCYCLE_RULES + ((r"(blocks\.\d+)\.mlp\.experts\.(.*)", r"\1.mlp.\2"),)
 
     def _moe_chain(self, config: ModelConfig, routed: List[int]) -> Dict[int, Tuple[str, int]]:
         order = sorted(set(layer_selection(config.moe.layers, config.n_layer, "model.moe.layers")) | set(routed))
@@ -467,7 +466,7 @@ class MoDEIntegrated(MoD):
     config_groups = {"mod": MoDConfig, "moe": MoEConfig}
     uses_mod_router = False
     may_skip_parameters = True
-    upcycle_rules = MoEGPT.upcycle_rules
+    upcycle_rules = UPCYCLE_RULES
     routing_sees_future = False  # token choice; the no-op budget counts earlier positions only
 
     def _moe_chain(self, config: ModelConfig, routed: List[int]) -> Dict[int, Tuple[str, int]]:

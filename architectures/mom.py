@@ -66,20 +66,19 @@ reproduces the full forward.
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 
-from architectures import flops as F_
+from architectures import flops as cost
 from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ConfigError, ModelConfig
 from architectures.contract import KVCache, RoutingSite
 from architectures.dispatch import sorted_dispatch
 from architectures.gpt2 import MLP, Block, CausalSelfAttention
-from architectures.routing import FixedChoice, GRURouter, TopK, balance_loss
+from architectures.routing import FixedChoice, GRURouter, SiteId, TopK, balance_loss, flat_valid
 
 
 @dataclass
@@ -293,7 +292,7 @@ def official_balance_loss(parts: List[Tuple[torch.Tensor, torch.Tensor]]) -> tor
 
 def router_flops(d_model: int, hidden: int, n_choices: int) -> float:
     """GRUCell input and hidden matmuls (the hidden one runs on zeros at step 1 too) + W_o."""
-    return F_.linear(d_model, 3 * hidden) + F_.linear(hidden, 3 * hidden) + F_.linear(hidden, n_choices)
+    return cost.linear(d_model, 3 * hidden) + cost.linear(hidden, 3 * hidden) + cost.linear(hidden, n_choices)
 
 
 @dataclass
@@ -326,15 +325,14 @@ class MoMChunk(nn.Module):
         learned = _LEARNED[m.routing]
         # K over the pool + SKIP at temperature tau, renormalised over the K (straight-through at K = 1); the
         # site holds detached copies
-        def pick(kind: str) -> TopK:
-            balance = functools.partial(self.balance, kind) if m.balance_coef > 0 else None
-            return TopK(m.top_k, temperature=m.temperature, renormalize=True, straight_through=m.straight_through,
-                        balance=balance, all_paths=m.all_paths, detach=True)
-
-        self.attn_router = (GRURouter(config.d_model, m.router_hidden, len(self.attn_names), pick("attn"),
-                                      self.attn_names, m.router_bias) if learned["attn"] else None)
-        self.ffn_router = (GRURouter(config.d_model, m.router_hidden, len(self.ffn_names), pick("ffn"),
-                                     self.ffn_names, m.router_bias) if learned["ffn"] else None)
+        per_site = m.balance_coef > 0 and m.balance_form != "official"  # the official form: MixtureOfModules.body
+        pick = TopK(m.top_k, temperature=m.temperature, renormalize=True, straight_through=m.straight_through,
+                    balance=self.balance if per_site else None, all_paths=m.all_paths, detach=True)
+        # one router per kind, run at every step: its site is ``mom.chunk{c}.{kind}.step{h}``
+        self.attn_router = (GRURouter(config.d_model, m.router_hidden, len(self.attn_names), pick, self.attn_names,
+                                      self.site("attn"), m.router_bias) if learned["attn"] else None)
+        self.ffn_router = (GRURouter(config.d_model, m.router_hidden, len(self.ffn_names), pick, self.ffn_names,
+                                     self.site("ffn"), m.router_bias) if learned["ffn"] else None)
         self.anchor = (Block(config, first_layer + layout.steps, f"chunk{index}.anchor") if layout.anchor
                        else None)
         self.resid_drop = nn.Dropout(config.dropout)
@@ -366,29 +364,32 @@ class MoMChunk(nn.Module):
             return 0
         return step  # vanilla order; "moe" fixes attention at module h
 
+    def site(self, kind: str) -> SiteId:
+        group = f"mom.chunk{self.index}.{kind}"
+        return SiteId(group, group)
+
     def route(self, kind: str, router, x: torch.Tensor, step: int,
               state: Optional[torch.Tensor], run: ForwardState) -> Tuple[_Route, Optional[torch.Tensor]]:
         """The step's router decides and reports the site ``mom.chunk{c}.{kind}.step{h}``; a site without a
         router reports its fixed module (one slot, weight 1)."""
         B, T, d = x.shape
-        group = f"mom.chunk{self.index}.{kind}"
-        site = dict(name=f"{group}.step{step}", group=group, step=step)
         if router is None:
             module = self._fixed_module(kind, step)
-            route = FixedChoice(self.attn_names if kind == "attn" else self.ffn_names)(run, module, (B, T), x.device, **site)
-            return _Route(route.selected, route.weights, fixed=module), state
+            route = FixedChoice(module).report(run, self.attn_names if kind == "attn" else self.ffn_names,
+                                               self.site(kind).at_step(step), (B, T), x.device)
+            return _Route(route.selected.reshape(B * T, 1), route.weights.reshape(B * T, 1), fixed=module), state
         allowed = self.allowed_choices(kind, step, len(router.choice_names), x.device)
-        route = router(x.reshape(B * T, d), run, state, allowed=allowed, grid=(B, T), **site)
-        return _Route(route.selected, route.weights), route.carry
+        route = router(x, run, state, allowed=allowed, step=step)
+        k = route.selected.shape[-1]
+        if self.cfg.balance_coef > 0 and self.cfg.balance_form == "official":  # its parts per router kind
+            run.options.setdefault("mom_balance", {}).setdefault(kind, []).append(
+                (route.probs.reshape(B * T, -1), flat_valid(run.valid, B * T, x.device)))
+        return _Route(route.selected.reshape(B * T, k), route.weights.reshape(B * T, k)), route.carry
 
-    def balance(self, kind: str, run: ForwardState, name: str, probs, picked, valid) -> Dict[str, torch.Tensor]:
-        """Switch loss over all classes (SKIP included) per site, or the official form's parts per router kind
-        ("attn" or "ffn", summed over the steps in ``MixtureOfModules.body``)."""
-        if self.cfg.balance_form == "official":
-            run.options.setdefault("mom_balance", {}).setdefault(kind, []).append((probs, valid))
-            return {}
+    def balance(self, probs, picked, valid) -> Dict[str, torch.Tensor]:
+        """The per-site form: the Switch loss over all classes, SKIP included."""
         loss = balance_loss(probs, picked, probs.shape[-1], valid)
-        return {f"{name}/balance": loss * (self.cfg.balance_coef * self.balance_scale)}
+        return {"balance": loss * (self.cfg.balance_coef * self.balance_scale)}
 
     # ------------------------------------------------------------------ assembly
     def assemble_attention(self, x: torch.Tensor, route: _Route, cache: Optional[KVCache], cache_key: str) -> torch.Tensor:
@@ -449,7 +450,7 @@ class MoMChunk(nn.Module):
         run.record("ffn", layer, x)
         return x, attn_state, ffn_state
 
-    def flops(self, sites: Dict[str, RoutingSite], T: int, queries: Optional[int] = None) -> F_.Flops:
+    def flops(self, sites: Dict[str, RoutingSite], T: int, queries: Optional[int] = None) -> cost.Flops:
         """This chunk's sites: attention projections (QKV + output) once per (token, chosen real module);
         attention scores ``4 * T * d`` per token once per step when any token of the batch chose a real
         attention module (the shared attention runs over all tokens); FFN once per (token, chosen real
@@ -458,7 +459,7 @@ class MoMChunk(nn.Module):
         1 for fixed and layer-skip sites). Plus the anchor layer, dense."""
         cfg = self.config
         d, hidden = cfg.d_model, cfg.ffn_hidden
-        total = self.anchor.flops(sites, T, queries) if self.anchor is not None else F_.Flops()
+        total = self.anchor.flops(sites, T, queries) if self.anchor is not None else cost.Flops()
         learned = _LEARNED[cfg.mom.routing]
         for kind, pool, names in (("attn", self.n_attn, len(self.attn_names)), ("ffn", self.n_ffn, len(self.ffn_names))):
             router = router_flops(d, cfg.mom.router_hidden, names) if learned[kind] else 0.0
@@ -473,11 +474,11 @@ class MoMChunk(nn.Module):
                 per_step = [float(k)] * self.steps
             modules = sum(per_step)
             if kind == "attn":
-                scores = sum(1 for r in per_step if r > 0) * F_.attention_scores(d, T)
-                total = total + F_.Flops(attn_proj=modules * F_.attention_projections(d), attn_scores=scores)
+                scores = sum(1 for r in per_step if r > 0) * cost.attention_scores(d, T)
+                total = total + cost.Flops(attn_proj=modules * cost.attention_projections(d), attn_scores=scores)
             else:
-                total = total + F_.Flops(ffn=modules * F_.ffn(d, hidden))
-            total = total + F_.Flops(router=router * len(per_step))
+                total = total + cost.Flops(ffn=modules * cost.ffn(d, hidden))
+            total = total + cost.Flops(router=router * len(per_step))
         return total
 
 

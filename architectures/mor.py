@@ -45,13 +45,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from architectures import flops as F_
+from architectures import flops as cost
 from architectures.base import ForwardState, LanguageModel, require
-from architectures.config import ModelConfig, tracks_explicit
+from architectures.config import ModelConfig
 from architectures.contract import RoutingSite
 from architectures.dispatch import traced_sizes
 from architectures.gpt2 import Block
-from architectures.routing import Decision, LinearRouter, TopK, balance_loss, capacity_tokens, row_capacity
+from architectures.routing import (Decision, LinearRouter, PickRule, SequenceChoice, SiteId, TopK, balance_loss,
+                                   capacity_tokens, row_capacity)
 
 ROUTINGS = ("expert", "token")
 SHARINGS = ("middle_cycle", "cycle")
@@ -59,7 +60,6 @@ UPDATES = ("official", "delta")
 SAMPLINGS = ("predictor", "aux_loss")
 
 
-@tracks_explicit
 @dataclass
 class MoRConfig:
     """Mixture-of-Recursions. Used by ``mor`` (expert choice) and ``mor_token`` (token choice)."""
@@ -125,25 +125,28 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- pick rules
-class RecursionChoice:
+class RecursionChoice(PickRule):
     """Expert choice at one recursion: of the ``active`` tokens each row keeps its top
-    ``k = max(1, floor(beta * real length))`` by router logit (``causal``: the caller's causal decision instead).
-    Weight ``g = alpha * sigmoid(logit / temperature)`` on the chosen tokens (the official router)."""
+    ``k = max(1, floor(beta * real length))`` by router logit (``causal``: the caller's causal (B, T) decision
+    instead). Weight ``g = alpha * sigmoid(logit / temperature)`` on the chosen tokens (the official router);
+    ``logits`` of the choice: the scaled (B, T) score the sampling loss reads."""
 
     kind = "expert_choice"
+    detach_site = True  # the site shows the decision; the block keeps the live gate
 
     def __init__(self, capacity: float, alpha: float, temperature: float):
         self.capacity, self.alpha, self.temperature = capacity, alpha, temperature
 
-    def __call__(self, logits, state, valid, report, name: str, active=None, decide: Callable = None) -> Decision:
-        logits = logits.squeeze(-1) / self.temperature
-        gate = self.alpha * torch.sigmoid(logits)
-        if state.causal:
-            chosen = active & decide(logits)
+    def pick(self, logits: torch.Tensor, valid: Optional[torch.Tensor], active: Optional[torch.Tensor] = None,
+             causal: Optional[torch.Tensor] = None) -> SequenceChoice:
+        scores = logits.squeeze(-1) / self.temperature
+        gate = self.alpha * torch.sigmoid(scores)
+        active = torch.ones_like(gate, dtype=torch.bool) if active is None else active
+        if causal is not None:
+            chosen = active & causal
         else:
-            chosen = hierarchical_topk(logits.detach(), active, self.capacity, valid)
-        site = report(chosen.long().unsqueeze(-1), (gate.detach() * chosen).unsqueeze(-1), logits=logits.detach())
-        return Decision(site, logits, None, gate, chosen.long().unsqueeze(-1), {}, chosen=chosen)
+            chosen = hierarchical_topk(scores.detach(), active, self.capacity, valid)
+        return SequenceChoice(chosen.long().unsqueeze(-1), (gate * chosen).unsqueeze(-1), logits=scores, chosen=chosen)
 
 
 def hierarchical_topk(scores: torch.Tensor, active: torch.Tensor, capacity: float,
@@ -158,12 +161,10 @@ def hierarchical_topk(scores: torch.Tensor, active: torch.Tensor, capacity: floa
 
 def depth_balance(coef: float, depths: int):
     """The token-choice balance loss: Switch ``N_r * sum_i f_i P_i`` over the depths (coefficient applied)."""
-    def balance(state, name, probs, selected, valid_flat):
+    def balance(probs, selected, valid_flat):
         if coef <= 0:
             return {}
-        n = valid_flat.numel()
-        return {f"{name}/balance": coef * balance_loss(probs.reshape(n, depths), selected.reshape(n, 1), depths,
-                                                       valid_flat)}
+        return {"balance": coef * balance_loss(probs, selected, depths, valid_flat)}
     return balance
 
 
@@ -240,8 +241,9 @@ class MixtureOfRecursions(LanguageModel):
         d = config.d_model
         if cfg.routing == "expert":
             self.routers = nn.ModuleList([
-                LinearRouter(d, 1, RecursionChoice(beta, cfg.alpha, cfg.temperature), ["skip", "recurse"])
-                for beta in capacity_schedule(cfg)])
+                LinearRouter(d, 1, RecursionChoice(beta, cfg.alpha, cfg.temperature), ["skip", "recurse"],
+                             SiteId(f"mor.rec{r}", "mor", r))
+                for r, beta in enumerate(capacity_schedule(cfg))])
             if cfg.sampling == "predictor":
                 h = cfg.predictor_hidden
                 self.predictors = nn.ModuleList([
@@ -249,7 +251,8 @@ class MixtureOfRecursions(LanguageModel):
                     for _ in range(self.N)])
         else:
             pick = TopK(1, temperature=cfg.temperature, balance=depth_balance(cfg.balance_coef, self.N))
-            self.router = LinearRouter(d, self.N, pick, [f"depth{i + 1}" for i in range(self.N)])
+            self.router = LinearRouter(d, self.N, pick, [f"depth{i + 1}" for i in range(self.N)],
+                                       SiteId("mor.depth", "mor", 0))
 
     @staticmethod
     def validate_config(config: ModelConfig) -> None:
@@ -275,7 +278,7 @@ class MixtureOfRecursions(LanguageModel):
         depth = torch.zeros(B, T, device=x.device)
         stats, plan, site = _Stats(), None, None
         if self.cfg.routing == "token":
-            plan = self.router(x, state, name="mor.depth", group="mor", step=0)
+            plan = self.router(x, state)
             site = plan.site
         for r in range(self.N):
             run, gate, last, width, site = self.decide(r, x, active, plan, state, site)
@@ -295,13 +298,15 @@ class MixtureOfRecursions(LanguageModel):
             depth = plan.selected[..., 0]
             run = active & (depth >= r)
             return run, plan.weights[..., 0], depth == r, None, site
-        route = self.routers[r](x, state, name=f"mor.rec{r}", group="mor", step=r, active=active,
-                                decide=lambda logits: self.causal_decision(r, x, logits))
+        router = self.routers[r]
+        logits = router.logits(x)
+        causal = self.causal_decision(r, x, logits.squeeze(-1)) if state.causal else None
+        route = router.report(state, logits, router.rule.pick(logits, state.valid, active=active, causal=causal))
         if not state.causal:
             self.sampling_loss(r, x, route, active, state)
         B, T = active.shape
-        static = None if state.causal or state.valid is not None else capacity_tokens(self.routers[r].pick.capacity, T)
-        return route.chosen, route.weights, None, static, route.site
+        static = None if state.causal or state.valid is not None else capacity_tokens(router.rule.capacity, T)
+        return route.choice.chosen, route.weights[..., 0], None, static, route.site
 
     def predictor_logits(self, r: int, x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device_type=x.device.type, enabled=False):
@@ -315,14 +320,14 @@ class MixtureOfRecursions(LanguageModel):
 
     def sampling_loss(self, r: int, x, route: Decision, active, state: ForwardState) -> None:
         """BCE of the causal decision against top-k membership, over the candidates of recursion r."""
-        target = route.chosen.to(torch.float32)
+        target = route.choice.chosen.to(torch.float32)
         if self.cfg.sampling == "predictor":
             decision, name, coef = self.predictor_logits(r, x), "predictor_bce", self.cfg.predictor_loss_coef
         else:
-            decision, name, coef = route.logits, "router_bce", self.cfg.aux_loss_coef
+            decision, name, coef = route.choice.logits, "router_bce", self.cfg.aux_loss_coef
         bce = F.binary_cross_entropy_with_logits(decision, target, reduction="none")
         state.aux[f"mor.rec{r}/{name}"] = coef * masked_mean(bce, active)
-        agree = ((decision.detach() > 0) == route.chosen).to(torch.float32)
+        agree = ((decision.detach() > 0) == route.choice.chosen).to(torch.float32)
         route.site.extras["causal_agreement"] = masked_mean(agree, active)
 
     # -------------------------------------------------------------- compute on the gathered tokens
@@ -393,7 +398,7 @@ class MixtureOfRecursions(LanguageModel):
     def flop_blocks(self):
         return list(self.first) + list(self.last)
 
-    def extra_flops(self, sites: Dict[str, RoutingSite], T: int) -> F_.Flops:
+    def extra_flops(self, sites: Dict[str, RoutingSite], T: int) -> cost.Flops:
         """The recursions: the shared stack on the tokens that ran it (from the trace, or the planned
         schedule), attention scores as computed, the routers (and predictors) on every token."""
         d, hidden = self.config.d_model, self.config.ffn_hidden
@@ -406,9 +411,9 @@ class MixtureOfRecursions(LanguageModel):
             frac, pairs = self.selected_fractions(sites)
         else:
             frac, pairs = self.planned_fractions(T)
-        out = F_.Flops(attn_proj=frac * F_.attention_projections(d), attn_scores=pairs * 4.0 * d,
-                       ffn=frac * F_.ffn(d, hidden))
-        return out + F_.Flops(router=self.router_flops())
+        out = cost.Flops(attn_proj=frac * cost.attention_projections(d), attn_scores=pairs * 4.0 * d,
+                       ffn=frac * cost.ffn(d, hidden))
+        return out + cost.Flops(router=self.router_flops())
 
     def selected_fractions(self, sites: Dict[str, RoutingSite]) -> Tuple[float, float]:
         """Shared-block applications and score pairs per token from the sites' selections alone (a trace whose
@@ -437,8 +442,8 @@ class MixtureOfRecursions(LanguageModel):
     def router_flops(self) -> float:
         d = self.config.d_model
         if self.cfg.routing == "token":
-            return F_.linear(d, self.N)
-        per = F_.linear(d, 1)
+            return cost.linear(d, self.N)
+        per = cost.linear(d, 1)
         if self.cfg.sampling == "predictor":
-            per += F_.linear(d, self.cfg.predictor_hidden) + F_.linear(self.cfg.predictor_hidden, 1)
+            per += cost.linear(d, self.cfg.predictor_hidden) + cost.linear(self.cfg.predictor_hidden, 1)
         return self.N * per

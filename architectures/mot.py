@@ -22,7 +22,7 @@ Generation (KV cache): an expert block's cache holds keys/values of the tokens r
 padded per call; which cached positions are real is kept in ``cache.state("key_valid")[name]`` (B, t) and
 masked in attention.
 
-Anti-collapse: the Switch balance loss of ``architectures.moe`` on the gate (``balance_coef``).
+Anti-collapse: the Switch balance loss (``routing.balance_loss``) on the gate (``balance_coef``).
 
 Seed 002's forms, as options (preset ``mot_seq``; docs/variants.md, "Paper / official code vs our default"):
 ``routing="sequence"`` (the gate reads the mean of the sequence's real tokens and the whole sequence goes
@@ -37,19 +37,18 @@ Padding tokens (``attention_mask`` 0) are not routed: their stream passes the la
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Union
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from architectures import flops as F_
+from architectures import flops as cost
 from architectures.base import ForwardState, LanguageModel, require
 from architectures.config import ModelConfig, layer_selection
 from architectures.contract import KVCache, RoutingSite
-from architectures.dispatch import traced_sizes
+from architectures.dispatch import expert_update, plan_segments, run_idle, score_pairs
 from architectures.gpt2 import Block
-from architectures.routing import LinearRouter, MLPRouter, TopK, balance_loss
+from architectures.routing import LinearRouter, MLPRouter, SiteId, TopK, balance_loss
 
 
 @dataclass
@@ -72,121 +71,6 @@ class MoTConfig:
     random_activation: float = 0.0  # training only: probability that a routed unit's last slot goes to a random other block
 
 
-@dataclass
-class ExpertSegment:
-    """The tokens one expert block processes: flat token ids, flat slot ids, padded-layout ids."""
-
-    tokens: torch.Tensor  # (n,) into B*T, sorted by (sequence, position)
-    slots: torch.Tensor  # (n,) into B*T*k, to pick the gate weight
-    padded: torch.Tensor  # (n,) into B*M
-    width: int  # M: the largest number of this expert's tokens in one sequence
-
-
-def plan_segments(selected: torch.Tensor, valid: Optional[torch.Tensor], num_experts: int,
-                  keep_idle: bool = False) -> List[Optional[ExpertSegment]]:
-    """Group assignments by expert, then sequence, then position (one argsort); None for idle experts
-    unless ``keep_idle`` (then an empty segment).
-
-    Padding tokens get expert id E and sort to the end (no boolean filtering: its nonzero would give a
-    data-dependent shape). Under torch.compile the sizes are unbacked (``dispatch.traced_sizes``) and every
-    expert gets a segment, an idle one empty: a branch on a traced count would break the graph.
-    """
-    B, T, k = selected.shape
-    N, E = B * T, num_experts
-    expert = selected.reshape(-1)
-    slots = torch.arange(N * k, device=selected.device)
-    tokens = slots // k
-    if valid is not None:
-        expert = torch.where(valid.reshape(N)[tokens], expert, torch.full_like(expert, E))
-    order = torch.argsort(expert * N + tokens)
-    expert, slots, tokens = expert[order], slots[order], tokens[order]
-    segment = expert * B + tokens // T
-    counts = torch.bincount(segment, minlength=(E + 1) * B)
-    rank = torch.arange(tokens.numel(), device=tokens.device) - (torch.cumsum(counts, 0) - counts)[segment]
-    # M >= 1: an idle expert (run on zero tokens when traced or recording gradients) keeps a non-empty attention
-    widths = counts[: E * B].view(E, B).max(dim=1).values.clamp(min=1)
-    padded = (tokens // T) * torch.cat([widths, widths.new_zeros(1)])[expert] + rank
-    per_expert = counts[: E * B].view(E, B).sum(1)
-    traced = torch.compiler.is_compiling()
-    if traced:
-        sizes, width_list = traced_sizes(per_expert, N), traced_sizes(widths, T, low=1)
-    else:
-        sizes, width_list = torch.stack([per_expert, widths]).tolist()
-    live = sum(sizes)  # the padding tokens' assignments sorted last
-    parts = zip(*(t[:live].split(sizes) for t in (tokens, slots, padded)))
-    keep = traced or keep_idle
-    return [ExpertSegment(*part, width) if keep or n else None for part, n, width in zip(parts, sizes, width_list)]
-
-
-def run_idle() -> bool:
-    """Whether an expert block no token chose runs anyway, on zero tokens (its attention core on a (B, 1)
-    layout of zeros): whenever gradients are recorded, so that it gets a zero gradient instead of None, the
-    rule of every routed path (``dispatch.sorted_dispatch``, ``experts.GroupedExperts``, the compiled graph):
-    AdamW's weight decay and momentum then treat it alike in eager and compiled training."""
-    return torch.is_grad_enabled()
-
-
-def cached_subset_attention(block: Block, qkv: torch.Tensor, new_valid: torch.Tensor, cache: KVCache,
-                            name: str) -> torch.Tensor:
-    """Attention of padded new tokens (B, M, 3d) against this expert's cached tokens plus themselves."""
-    attn = block.attn
-    q, k, v = (attn.split_heads(t) for t in qkv.chunk(3, dim=-1))
-    masks = cache.state("key_valid")
-    old = masks.get(name)
-    k, v = cache.append(name, k, v)
-    key_valid = new_valid if old is None else torch.cat([old, new_valid], dim=1)
-    masks[name] = key_valid
-    M, t_k = q.shape[2], k.shape[2]
-    causal = torch.ones(M, t_k, dtype=torch.bool, device=q.device).tril(diagonal=t_k - M)
-    own = torch.zeros(M, t_k, dtype=torch.bool, device=q.device)
-    own[:, t_k - M:] = torch.eye(M, dtype=torch.bool, device=q.device)  # pads see themselves: no empty rows
-    mask = causal & (key_valid[:, None, None, :] | own)
-    return attn.merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
-
-
-def expert_update(block: Block, x: torch.Tensor, seg: ExpertSegment, batch: int,
-                  cache: Optional[KVCache], name: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(attention update, full update Block(x) - x) for the packed tokens x (n, d) of one expert."""
-    attn = block.attn
-    qkv = attn.c_attn(block.ln_1(x))
-    layout = qkv.new_zeros(batch * seg.width, qkv.shape[-1]).index_copy(0, seg.padded, qkv)
-    layout = layout.view(batch, seg.width, qkv.shape[-1])  # no -1: no division by a traced width
-    if cache is None:
-        y = attn.attend(layout)
-    else:
-        new_valid = torch.zeros(batch * seg.width, dtype=torch.bool, device=x.device)
-        new_valid[seg.padded] = True
-        y = cached_subset_attention(block, layout, new_valid.view(batch, seg.width), cache, name)
-    y = y.reshape(batch * seg.width, -1).index_select(0, seg.padded)
-    a = attn.resid_drop(attn.c_proj(y))
-    return a, a + block.mlp(block.ln_2(x + a))
-
-
-def score_pairs(seg: ExpertSegment, batch: int, cache: Optional[KVCache], name: str) -> int:
-    """Query-key pairs the padded subset attention just computed: B * M queries against the M new keys
-    plus, when decoding, every key this subset cached before (what the math kernel and the FLOP counter see)."""
-    keys = cache.length(name) if cache is not None else seg.width
-    return batch * seg.width * keys
-
-
-def run_on_subset(block: Block, x: torch.Tensor, chosen: torch.Tensor, cache: Optional[KVCache], name: str):
-    """Run ``block`` only on the tokens ``chosen`` (B, T) bool; the others pass unchanged.
-
-    Attention runs among the chosen tokens of each sequence (MoT's subset semantics, KV cache included).
-    Returns (x after the attention update, x after the whole block, tokens run, score pairs).
-    """
-    B, T, d = x.shape
-    # with gradients recorded an unchosen block still runs, on zero tokens: a zero gradient (``run_idle``)
-    seg = plan_segments(torch.zeros(B, T, 1, dtype=torch.long, device=x.device), chosen, 1, run_idle())[0]
-    if seg is None:
-        return x, x, 0, 0
-    flat = x.reshape(B * T, d)
-    a, f = expert_update(block, flat.index_select(0, seg.tokens), seg, B, cache, name)
-    after_attn = flat.index_add(0, seg.tokens, a.to(x.dtype)).view(B, T, d)  # autocast: the update may be bf16
-    after = flat.index_add(0, seg.tokens, f.to(x.dtype)).view(B, T, d)
-    return after_attn, after, seg.tokens.numel(), score_pairs(seg, B, cache, name)
-
-
 class MoTLayer(nn.Module):
     """E expert blocks behind a top-k gate (per token, or per sequence with ``mot.routing = "sequence"``)."""
 
@@ -202,7 +86,9 @@ class MoTLayer(nn.Module):
         pick = TopK(cfg.top_k, renormalize=cfg.renormalize and cfg.top_k > 1, adjust=self.seed_rules,
                     balance=self.balance if cfg.balance_coef > 0 else None)
         names = [f"expert{i}" for i in range(E)]
-        self.gate = MLPRouter(d, cfg.gate_hidden, E, pick, names) if cfg.gate_hidden else LinearRouter(d, E, pick, names)
+        site = SiteId(self.site_name, "mot", step)
+        self.gate = (MLPRouter(d, cfg.gate_hidden, E, pick, names, site) if cfg.gate_hidden
+                     else LinearRouter(d, E, pick, names, site))
         self.experts = nn.ModuleList([Block(config) for _ in range(cfg.num_experts)])
         if cfg.aggregation == "concat":
             self.combine = nn.Linear(cfg.top_k * d, d, bias=False)
@@ -217,8 +103,7 @@ class MoTLayer(nn.Module):
     def forward(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
         """The block protocol: mix, report the site and losses, snapshot mha / ffn."""
         x, after_attn, site, losses = self.mix(x, state.valid, state.cache, f"block{self.index}",
-                                               state.residuals is not None, self.site_name, self.step, state.causal,
-                                               state)
+                                               state.residuals is not None, state.causal, state)
         if state.residuals is not None:
             state.record("mha", self.index, after_attn)
         state.record("ffn", self.index, x)
@@ -246,10 +131,9 @@ class MoTLayer(nn.Module):
         return total / count.clamp(min=1)
 
     def route(self, x: torch.Tensor, state: ForwardState, valid=None, cache: Optional[KVCache] = None,
-              causal: bool = False, name: str = "", site_name: str = "mot", step: int = 0):
+              causal: bool = False, name: str = ""):
         """The gate decides on ``gate_input`` and reports the layer's site (and balance loss) to ``state``."""
-        return self.gate(self.gate_input(x, valid, cache, causal, name), state, name=site_name, group="mot", step=step,
-                         valid=valid)
+        return self.gate(self.gate_input(x, valid, cache, causal, name), state, valid=valid)
 
     def seed_rules(self, probs, weights, selected):
         """The seed's rules on the gate's pick: random activation (training) and uniform 1/k weights."""
@@ -264,10 +148,8 @@ class MoTLayer(nn.Module):
             weights = 1.0 / k + (chosen - chosen.detach())  # exactly 1/k: p - p is 0
         return weights, selected
 
-    def balance(self, state, site_name, probs, selected, valid_flat) -> Dict[str, torch.Tensor]:
-        N = valid_flat.numel()
-        return {f"{site_name}/balance": self.cfg.balance_coef * balance_loss(
-            probs.reshape(N, -1), selected.reshape(N, self.cfg.top_k), self.cfg.num_experts, valid_flat)}
+    def balance(self, probs, selected, valid_flat) -> Dict[str, torch.Tensor]:
+        return {"balance": self.cfg.balance_coef * balance_loss(probs, selected, self.cfg.num_experts, valid_flat)}
 
     def force_random(self, selected: torch.Tensor) -> torch.Tensor:
         """With probability ``random_activation`` per routed unit (token, or sequence), the last slot goes to
@@ -285,7 +167,7 @@ class MoTLayer(nn.Module):
         return torch.cat([selected[..., :-1], last.unsqueeze(-1)], dim=-1)
 
     # ------------------------------------------------------------------ mixing
-    def mix(self, x, valid=None, cache=None, cache_prefix="", want_attn=False, site_name="mot", step=0, causal=None,
+    def mix(self, x, valid=None, cache=None, cache_prefix="", want_attn=False, causal=None,
             state: Optional[ForwardState] = None):
         """Returns (new x, x after the attention updates only or None, RoutingSite, aux losses); the gate
         reports the site and losses to ``state`` (standalone: a throwaway state)."""
@@ -293,7 +175,7 @@ class MoTLayer(nn.Module):
         N, k = B * T, self.cfg.top_k
         causal = cache is not None if causal is None else causal
         state = ForwardState.standalone() if state is None else state
-        route = self.route(x, state, valid, cache, causal, cache_prefix, site_name, step)
+        route = self.route(x, state, valid, cache, causal, cache_prefix)
         weights, selected = route.weights, route.selected
         x_flat, w_flat = x.reshape(N, d), weights.reshape(N * k)
         full, attn, slots = [], [], []
@@ -325,28 +207,28 @@ class MoTLayer(nn.Module):
             return x
         return x.reshape(B * T, d).index_add(0, slots // k, torch.cat(parts).to(x.dtype)).view(B, T, d)
 
-    def flops(self, sites: Dict[str, RoutingSite], T: int, queries: Optional[int] = None) -> F_.Flops:
+    def flops(self, sites: Dict[str, RoutingSite], T: int, queries: Optional[int] = None) -> cost.Flops:
         """Gate + each expert block on its own tokens (padded attention layout included; score pairs as
         recorded, cached keys included) + the concatenation's W_c for every token."""
         site, seq_len, config = sites.get(self.site_name), T, self.config
         d, E, k = config.d_model, self.cfg.num_experts, self.cfg.top_k
-        per_token = F_.Flops(attn_proj=F_.attention_projections(d), ffn=F_.ffn(d, config.ffn_hidden))
+        per_token = cost.Flops(attn_proj=cost.attention_projections(d), ffn=cost.ffn(d, config.ffn_hidden))
         h = self.cfg.gate_hidden
-        gate = F_.Flops(router=F_.linear(d, h) + F_.linear(h, E) if h else F_.linear(d, E))
+        gate = cost.Flops(router=cost.linear(d, h) + cost.linear(h, E) if h else cost.linear(d, E))
         if self.cfg.aggregation == "concat":
-            gate = gate + F_.Flops(ffn=F_.linear(k * d, d))
+            gate = gate + cost.Flops(ffn=cost.linear(k * d, d))
         if site is None:  # balanced routing: every sequence sends T*k/E tokens to each expert
-            scores = F_.attention_scores(d, seq_len * k / E) * k
-            return per_token.scale(k) + F_.Flops(attn_scores=scores) + gate
+            scores = cost.attention_scores(d, seq_len * k / E) * k
+            return per_token.scale(k) + cost.Flops(attn_scores=scores) + gate
         B, T, _ = site.selected.shape
         n_tokens, scores = 0, 0.0
         for seg in plan_segments(site.selected, site.valid, E):
             if seg is not None:
                 n_tokens += seg.tokens.numel()
-                scores += B * seg.width * F_.attention_scores(d, seg.width)
+                scores += B * seg.width * cost.attention_scores(d, seg.width)
         if "score_pairs" in site.extras:
-            scores = F_.attention_scores(d, 1) * float(site.extras["score_pairs"])
-        return per_token.scale(n_tokens / (B * T)) + F_.Flops(attn_scores=scores / (B * T)) + gate
+            scores = cost.attention_scores(d, 1) * float(site.extras["score_pairs"])
+        return per_token.scale(n_tokens / (B * T)) + cost.Flops(attn_scores=scores / (B * T)) + gate
 
 
 class MoT(LanguageModel):

@@ -53,19 +53,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from architectures import flops as F_
+from architectures import flops as cost
 from architectures.base import ForwardState, LanguageModel, require
-from architectures.config import ModelConfig, tracks_explicit
+from architectures.config import ModelConfig
 from architectures.contract import RoutingSite
 from architectures.gpt2 import Block
 from architectures.dispatch import traced_sizes
-from architectures.routing import Router, report_site
+from architectures.routing import Choice, Router, SiteId, report_site
 
 HALTING = ("act", "ponder")
 SITE = "recur_halt"  # the one routing site: the halting chain of a forward
 
 
-@tracks_explicit
 @dataclass
 class RecurHaltConfig:
     """A shared block stack applied up to ``max_steps`` times per token, halted per token (ACT / PonderNet)."""
@@ -368,37 +367,37 @@ class RecurHalt(LanguageModel):
         per_token = track.steps + track.remainder if cfg.halting == "act" else track.kl
         w = torch.ones_like(per_token) if valid is None else valid.reshape(-1).to(per_token.dtype)
         mean = (per_token * w).sum() / w.sum().clamp(min=1)
-        aux = {"recur_halt/ponder": cfg.ponder_cost * mean} if cfg.halting == "act" else {
-            "recur_halt/ponder_kl": cfg.kl_coef * mean}
+        aux = {"ponder": cfg.ponder_cost * mean} if cfg.halting == "act" else {"ponder_kl": cfg.kl_coef * mean}
         n, S = len(self.shared), self.max_steps
         steps = track.steps.view(*shape)
         extras = {"depth": (steps * n).detach(), "max_depth": torch.tensor(float(S * n)),
                   "attn_pairs": torch.stack(track.pairs)}
-        report_site(state, "token_choice", [f"depth{s}" for s in range(1, S + 1)], SITE,
-                    (steps.long() - 1).unsqueeze(-1), track.remainder.detach().view(*shape, 1),
-                    probs=track.masses.view(*shape, S), logits=track.logits.view(*shape, S - 1), extras=extras, aux=aux)
+        choice = Choice((steps.long() - 1).unsqueeze(-1), track.remainder.detach().view(*shape, 1),
+                        probs=track.masses.view(*shape, S), aux=aux, logits=track.logits.view(*shape, S - 1))
+        decision = report_site(state, "token_choice", [f"depth{s}" for s in range(1, S + 1)], SiteId(SITE), choice)
+        decision.site.extras.update(extras)  # the aux losses go out as "recur_halt/ponder" (the site's name)
 
     # -------------------------------------------------------------- FLOPs
     def flop_blocks(self):
         return [*self.prelude, *self.coda]
 
-    def extra_flops(self, sites: Dict[str, RoutingSite], T: int) -> F_.Flops:
+    def extra_flops(self, sites: Dict[str, RoutingSite], T: int) -> cost.Flops:
         """The shared stack as run: projections and FFN per token and step it ran, the scores of each step's
         query layout (``attn_pairs``; a token cut out of its batch: T keys per query), the halting unit on the
         tokens of steps 1 .. S-1. Without a trace: every token runs all S steps."""
         cfg, d = self.config, self.config.d_model
-        per_app = F_.Flops(attn_proj=F_.attention_projections(d), ffn=F_.ffn(d, cfg.ffn_hidden))
-        scores, halting = F_.attention_scores(d, 1), F_.linear(d, 1)
+        per_app = cost.Flops(attn_proj=cost.attention_projections(d), ffn=cost.ffn(d, cfg.ffn_hidden))
+        scores, halting = cost.attention_scores(d, 1), cost.linear(d, 1)
         n, S = len(self.shared), self.max_steps
         site = sites.get(SITE)
         if site is None:
-            return (per_app + F_.Flops(attn_scores=scores * T)).scale(S * n) + F_.Flops(router=(S - 1) * halting)
+            return (per_app + cost.Flops(attn_scores=scores * T)).scale(S * n) + cost.Flops(router=(S - 1) * halting)
         steps = site.selected[..., 0] + 1  # every token, padding too (it runs step 1)
         tokens = steps.numel()
         running = [float((steps >= s).sum()) for s in range(1, S + 1)]
         pairs = site.extras.get("attn_pairs")
         pairs = [r * T for r in running] if pairs is None else pairs.tolist()
-        total = per_app.scale(n * sum(running)) + F_.Flops(attn_scores=scores * n * sum(pairs),
+        total = per_app.scale(n * sum(running)) + cost.Flops(attn_scores=scores * n * sum(pairs),
                                                            router=halting * sum(running[:-1]))
         return total.scale(1.0 / tokens)
 

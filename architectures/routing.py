@@ -4,7 +4,7 @@ MoE, MoT, MoD, MoDE, MoM, depth gating and cea_moe import from here, so a routin
 capacity priority, balance-loss normalisation, SKIP handling) is written once.
 
 * ``fp32_linear``: router projection in fp32 with autocast off.
-* ``token_topk``: softmax (temperature, optional mask of allowed choices) + top-k per token, with the
+* ``token_topk``: softmax (temperature) + top-k per token, with the
   weight rules (renormalised over k, raw probability, or straight-through at k = 1).
 * ``expert_choice_topk``: MoD's per-sequence top-k, k from each example's real length.
 * ``capacity_keep``: capacity limit per expert, priority by position.
@@ -15,18 +15,19 @@ capacity priority, balance-loss normalisation, SKIP handling) is written once.
 The ``Router`` modules (torchtitan's layering: router -> reorderer -> experts; here the router) put these
 together, so a routed block cannot get the protocol wrong: a router owns the scoring parameters (a linear
 map, a gate MLP, a GRU cell + output), computes its logits in fp32 with autocast off (``Router.logits``,
-one place), picks with one of the pick rules below, builds the block's ``RoutingSite`` (name, kind,
-choices, valid mask from the ``ForwardState`` unless given) and reports it with its aux losses, once per
-call: ``decision = self.router(x, state, name=..., group=..., step=...)``. ``ForwardState.report`` refuses a
-second site of the same name in one forward. Pick rules: ``Switch`` (MoE: top-k, no-op budget,
-renormalisation, capacity, balance + z-loss), ``TopK`` (MoT, MoM, hard depth gating), ``ExpertChoice``
-(MoD), ``SoftGate`` (soft depth gating); ``FixedChoice`` reports a routerless site (MoM's fixed modules).
-A caller adds only what it measures while running (``decision.site.extras``).
+one place), picks with its pick rule (``PickRule.pick(logits, valid) -> Choice``), builds the block's
+``RoutingSite`` (the name, group and step fixed when the router is built, ``SiteId``; kind, choices, valid
+mask from the ``ForwardState`` unless given) and reports it with the rule's aux losses, once per call:
+``decision = self.router(x, state)``. ``ForwardState.report`` refuses a second site of the same name in one
+forward. Pick rules: ``Switch`` (MoE: top-k, no-op budget, renormalisation, capacity, balance + z-loss),
+``TopK`` (MoT, MoM, hard depth gating), ``ExpertChoice`` (MoD), ``SoftGate`` (soft depth gating);
+``FixedChoice`` reports a routerless site (MoM's fixed modules). A caller adds only what it measures while
+running (``decision.site.extras``). Writing a rule: docs/pick-rules.md.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
@@ -44,16 +45,15 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def token_topk(logits: torch.Tensor, k: int, temperature: float = 1.0, renormalize: bool = False,
-               straight_through: bool = False, allowed: Optional[torch.Tensor] = None):
+               straight_through: bool = False):
     """(probs, weights, selected) of a token-choice router over the last dimension.
 
-    ``allowed`` (bool over the choices) masks choices out before the softmax (MoM's layer skipping).
+    Choices closed at a call (MoM's layer skipping) come as -inf logits (``Router``'s ``allowed``).
     Weights: at k = 1 with ``straight_through``, p / stopgrad(p) (exactly 1 forward, the router still
     learns from the loss); else renormalised over the k picks when ``renormalize`` (k = 1: exactly 1,
     no gradient); else the raw probabilities (Switch at k = 1).
     """
-    scores = logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
-    probs = F.softmax(scores / temperature, dim=-1) if temperature != 1.0 else scores.softmax(dim=-1)
+    probs = F.softmax(logits / temperature, dim=-1) if temperature != 1.0 else logits.softmax(dim=-1)
     top, selected = probs.topk(k, dim=-1)
     if k == 1 and straight_through:
         return probs, top / top.detach(), selected
@@ -201,72 +201,147 @@ def z_loss(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 
 
-# ---------------------------------------------------------------------------- the Router modules
+# ---------------------------------------------------------------------------- choices and the Router modules
 FROM_STATE: Any = object()  # ``valid`` not given: the ForwardState's (B, T) mask of real tokens
 
 
 @dataclass
-class Decision:
-    """What a router decided, for the block to act on. ``site`` is already reported (in the trace).
+class Choice:
+    """What a pick rule chose: the one result of ``PickRule.pick`` (the ``Router`` reports it as the site).
 
-    ``weights`` / ``selected`` / ``probs`` / ``logits``: the live tensors (gradients flow through them; a
-    site may hold detached copies). ``keep``: (N, k) assignments that run (valid and within capacity),
-    None for all. ``carry``: a recurrent router's state for the next step. ``idx`` / ``real``: expert
-    choice's gathered positions (``expert_choice_topk``); ``chosen``: its (B, T) bool choice.
+    ``selected`` (B, T, k) long ids into the router's choices and ``weights`` (B, T, k) are live: gradients
+    flow through them to the router. Optional, when the rule produces them: ``probs`` (B, T, C) the
+    distribution over the choices; ``dropped`` (B, T, k) bool, assignments over a capacity limit (they do
+    not run); ``keep`` (B*T, k) bool, the assignments that run (valid and within capacity; None: all);
+    ``aux`` the rule's losses with their coefficients applied, named without the site (``"balance"``: the
+    router reports ``"<site>/balance"``); ``logits`` what the site shows when not the router's own logits
+    (MoD's one score per token, (B, T)).
     """
 
-    site: RoutingSite
-    logits: Optional[torch.Tensor]
-    probs: Optional[torch.Tensor]
-    weights: torch.Tensor
     selected: torch.Tensor
-    aux: Dict[str, torch.Tensor]
+    weights: torch.Tensor
+    probs: Optional[torch.Tensor] = None
+    dropped: Optional[torch.Tensor] = None
     keep: Optional[torch.Tensor] = None
-    carry: Optional[torch.Tensor] = None
+    aux: Dict[str, torch.Tensor] = field(default_factory=dict)
+    logits: Optional[torch.Tensor] = None
+
+
+@dataclass
+class SequenceChoice(Choice):
+    """``ExpertChoice``'s result: also ``chosen`` (B, T) bool, and for the sequence top-k the gathered
+    positions ``idx`` (B, k_max) with ``real`` (B, k_max) bool (``expert_choice_topk``; None when causal)."""
+
     chosen: Optional[torch.Tensor] = None
     idx: Optional[torch.Tensor] = None
     real: Optional[torch.Tensor] = None
 
 
-def report_site(state, kind: str, choice_names: Sequence[str], name: str, selected: torch.Tensor,
-                weights: torch.Tensor, *, group: str = "", step: int = 0, valid=FROM_STATE,
-                probs: Optional[torch.Tensor] = None, logits: Optional[torch.Tensor] = None,
-                dropped: Optional[torch.Tensor] = None, extras: Optional[Dict[str, torch.Tensor]] = None,
-                aux: Optional[Dict[str, torch.Tensor]] = None,
-                relay: Optional[Callable[[RoutingSite], RoutingSite]] = None) -> RoutingSite:
-    """Build one ``RoutingSite`` and report it (with ``aux``) to ``state``; returns the reported site.
+class PickRule:
+    """How a router chooses from its logits: ``pick(logits, valid) -> Choice``.
 
-    ``valid``: the state's mask unless given (a router on gathered tokens passes its own); ``relay``: a
-    site transform applied before reporting (MoDE staged re-lays its MoE site on the full (B, T) grid).
+    ``logits`` (B, T, C) fp32; ``valid`` (B, T) bool of the real tokens or None (all real). The rule only
+    chooses: the ``Router`` builds the ``RoutingSite`` (kind ``kind``, its name, choices and valid mask)
+    and reports it with the rule's ``aux`` losses. Options are constructor arguments; data that changes per
+    call (MoD's causal decision, MoE's no-op budget on the decoding cache) are typed keyword parameters of
+    the rule's own ``pick``, and its block then calls ``router.logits``, ``rule.pick`` and ``router.report``
+    itself. ``detach_site``: the site holds detached copies of the choice (the block still gets live ones).
+    Writing one: docs/pick-rules.md.
+    """
+
+    kind: str = "token_choice"
+    detach_site: bool = False
+
+    def pick(self, logits: torch.Tensor, valid: Optional[torch.Tensor]) -> Choice:
+        raise NotImplementedError
+
+
+@dataclass
+class Decision:
+    """What a router decided, for the block to act on: the reported ``site``, the rule's live ``choice``,
+    the router's ``logits``, ``aux`` (the losses as reported, site-named) and, for a recurrent router,
+    ``carry`` (its state for the next step). ``selected`` / ``weights`` / ``probs`` / ``keep``: the choice's."""
+
+    site: RoutingSite
+    choice: Choice
+    logits: Optional[torch.Tensor]
+    aux: Dict[str, torch.Tensor]
+    carry: Optional[torch.Tensor] = None
+
+    @property
+    def selected(self) -> torch.Tensor:
+        return self.choice.selected
+
+    @property
+    def weights(self) -> torch.Tensor:
+        return self.choice.weights
+
+    @property
+    def probs(self) -> Optional[torch.Tensor]:
+        return self.choice.probs
+
+    @property
+    def keep(self) -> Optional[torch.Tensor]:
+        return self.choice.keep
+
+
+@dataclass(frozen=True)
+class SiteId:
+    """Where a router reports: the site's unique ``name``, its ``group`` and chain position ``step``."""
+
+    name: str
+    group: str = ""
+    step: int = 0
+
+    def at_step(self, step: Optional[int]) -> "SiteId":
+        """A router run at several steps (MoM's recurrent routers) reports ``<name>.step<h>`` at step h."""
+        return self if step is None else SiteId(f"{self.name}.step{step}", self.group, step)
+
+
+def report_site(state, kind: str, choice_names: Sequence[str], where: SiteId, choice: Choice,
+                logits: Optional[torch.Tensor] = None, *, valid=FROM_STATE, detach: bool = False,
+                relay: Optional[Callable[[RoutingSite], RoutingSite]] = None) -> Decision:
+    """Build one ``RoutingSite`` from ``choice`` and report it, with the choice's losses named
+    ``<site>/<loss>``, to ``state``; returns the ``Decision``.
+
+    ``valid``: the state's mask unless given (a router on gathered tokens passes its own); ``detach``: the
+    site holds detached copies; ``relay``: a site transform applied before reporting (MoDE staged re-lays
+    its MoE site on the full (B, T) grid).
     """
     valid = state.valid if valid is FROM_STATE else valid
-    site = RoutingSite(name=name, kind=kind, choice_names=list(choice_names), selected=selected, weights=weights,
-                       group=group, step=step, probs=probs, dropped=dropped,
-                       valid=None if valid is None else valid.to(torch.bool), logits=logits, extras=extras or {})
+    shown = [choice.selected, choice.weights, choice.probs, choice.logits if choice.logits is not None else logits]
+    if detach:
+        shown = [None if t is None else t.detach() for t in shown]
+    site = RoutingSite(name=where.name, kind=kind, choice_names=list(choice_names), selected=shown[0],
+                       weights=shown[1], group=where.group, step=where.step, probs=shown[2], dropped=choice.dropped,
+                       valid=None if valid is None else valid.to(torch.bool), logits=shown[3], extras={})
     if relay is not None:
         site = relay(site)
+    aux = {f"{where.name}/{key}": loss for key, loss in choice.aux.items()}
     state.report(site, aux)
-    return site
+    return Decision(site, choice, logits, aux)
 
 
-def _valid_flat(valid: Optional[torch.Tensor], N: int, device) -> torch.Tensor:
+def flat_valid(valid: Optional[torch.Tensor], N: int, device) -> torch.Tensor:
+    """(N,) bool of the real tokens of a (B, T) mask (None: all N real)."""
     return torch.ones(N, dtype=torch.bool, device=device) if valid is None else valid.reshape(N).to(torch.bool)
 
 
 class Router(nn.Module):
     """Base of the routers: scoring parameters (the subclass), fp32 logits, a pick rule, one reported site.
 
-    ``router(x, state, *carry, name=, group=, step=, valid=, relay=, **pick_options) -> Decision``: logits
-    (``logits``: the subclass's ``scores`` with autocast off, so bf16 autocast never rounds a routing
-    decision), then ``pick`` (one of the pick rules below) chooses and reports the site through the
-    ``report`` it is handed, exactly once. ``removed``: optional (C,) bool of choices taken out (logit -inf;
-    MoM's ``removed_modules``).
+    ``router(x, state, *carry, valid=, relay=, allowed=, step=) -> Decision``: ``logits`` (the subclass's
+    ``scores`` with autocast off, so bf16 autocast never rounds a routing decision), then ``rule.pick``,
+    then ``report``: the site (named when the router was built, ``SiteId``) and the rule's losses go to
+    ``state``, exactly once. ``removed``: optional (C,) bool of choices taken out (logit -inf; MoM's
+    ``removed_modules``); ``allowed``: the choices open at this call (the others -inf for the rule only;
+    the site shows the router's logits).
     """
 
     removed: Optional[torch.Tensor] = None
 
-    def setup(self, pick: Any, choice_names: Sequence[str]) -> None:
-        self.pick, self.choice_names = pick, list(choice_names)
+    def setup(self, rule: PickRule, choice_names: Sequence[str], site: SiteId) -> None:
+        self.rule, self.choice_names, self.site = rule, list(choice_names), site
 
     def scores(self, x: torch.Tensor, *carry):
         raise NotImplementedError
@@ -281,37 +356,41 @@ class Router(nn.Module):
         logits = logits.masked_fill(self.removed.to(logits.device), float("-inf"))
         return (logits, *rest) if rest else logits
 
-    def forward(self, x: torch.Tensor, state, *carry, name: str, group: str = "", step: int = 0,
-                valid=FROM_STATE, relay=None, **options) -> Decision:
+    def forward(self, x: torch.Tensor, state, *carry, valid=FROM_STATE, relay=None,
+                allowed: Optional[torch.Tensor] = None, step: Optional[int] = None) -> Decision:
         out = self.logits(x, *carry)
         logits, new_carry = out if isinstance(out, tuple) else (out, None)
-        report = lambda selected, weights, aux=None, **fields: report_site(  # noqa: E731
-            state, self.pick.kind, self.choice_names, name, selected, weights, group=group, step=step,
-            valid=valid, aux=aux, relay=relay, **fields)
-        decision = self.pick(logits, state, state.valid if valid is FROM_STATE else valid, report, name=name, **options)
+        mask = state.valid if valid is FROM_STATE else valid
+        scores = logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
+        decision = self.report(state, logits, self.rule.pick(scores, mask), valid=valid, relay=relay, step=step)
         decision.carry = new_carry
         return decision
 
-    def report_idle(self, state, shape: Tuple[int, int], k: int, device, *, name: str, group: str = "",
-                    step: int = 0) -> RoutingSite:
+    def report(self, state, logits: Optional[torch.Tensor], choice: Choice, *, valid=FROM_STATE, relay=None,
+               step: Optional[int] = None) -> Decision:
+        """Report ``choice`` (the rule's pick on ``logits``) as this router's site: for a block that calls its
+        rule's ``pick`` itself (a rule with per-call parameters)."""
+        return report_site(state, self.rule.kind, self.choice_names, self.site.at_step(step), choice, logits,
+                           valid=valid, detach=self.rule.detach_site, relay=relay)
+
+    def report_idle(self, state, shape: Tuple[int, int], k: int, device) -> Decision:
         """The site of a token-choice layer that no token reached (MoDE staged, every token skipped its
         block): all-zero choices, every token invalid, so it counts nothing."""
         B, T = shape
         zeros = torch.zeros(B, T, len(self.choice_names), dtype=torch.float32, device=device)
-        none = torch.zeros(B, T, dtype=torch.bool, device=device)
-        return report_site(state, "token_choice", self.choice_names, name,
-                           torch.zeros(B, T, k, dtype=torch.long, device=device), zeros[..., :k], group=group,
-                           step=step, probs=zeros, dropped=torch.zeros(B, T, k, dtype=torch.bool, device=device),
-                           valid=none, logits=zeros)
+        idle = Choice(torch.zeros(B, T, k, dtype=torch.long, device=device), zeros[..., :k], probs=zeros,
+                      dropped=torch.zeros(B, T, k, dtype=torch.bool, device=device))
+        return report_site(state, "token_choice", self.choice_names, self.site, idle, zeros,
+                           valid=torch.zeros(B, T, dtype=torch.bool, device=device))
 
 
 class LinearRouter(Router, nn.Linear):
     """A bias-free linear router (MoE, MoD, MoT, depth gating): ``nn.Linear`` parameters (``weight``; the
     suite's init and old checkpoints see a linear layer), logits ``x @ W^T`` in fp32."""
 
-    def __init__(self, d_model: int, n_choices: int, pick: Any, choice_names: Sequence[str]):
+    def __init__(self, d_model: int, n_choices: int, rule: PickRule, choice_names: Sequence[str], site: SiteId):
         nn.Linear.__init__(self, d_model, n_choices, bias=False)
-        self.setup(pick, choice_names)
+        self.setup(rule, choice_names, site)
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), self.weight.float())
@@ -320,11 +399,12 @@ class LinearRouter(Router, nn.Linear):
 class MLPRouter(Router):
     """A gate with a hidden layer (MoT's seed form): d -> hidden (GELU) -> E, in fp32."""
 
-    def __init__(self, d_model: int, hidden: int, n_choices: int, pick: Any, choice_names: Sequence[str]):
+    def __init__(self, d_model: int, hidden: int, n_choices: int, rule: PickRule, choice_names: Sequence[str],
+                 site: SiteId):
         super().__init__()
         self.fc = nn.Linear(d_model, hidden)
         self.out = nn.Linear(hidden, n_choices, bias=False)
-        self.setup(pick, choice_names)
+        self.setup(rule, choice_names, site)
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         h = F.gelu(F.linear(x.float(), self.fc.weight.float(), self.fc.bias.float()))
@@ -332,48 +412,51 @@ class MLPRouter(Router):
 
 
 class GRURouter(Router):
-    """MoM's recurrent router: ``h = GRUCell(x, h_prev)``, ``logits = W_o h``; the carry is h."""
+    """MoM's recurrent router: ``h = GRUCell(x, h_prev)``, ``logits = W_o h``; the carry is h, one row per
+    token ((B*T, hidden) for x (B, T, d)); the logits keep x's leading shape."""
 
-    def __init__(self, d_model: int, hidden: int, n_choices: int, pick: Any, choice_names: Sequence[str],
-                 bias: bool = False):
+    def __init__(self, d_model: int, hidden: int, n_choices: int, rule: PickRule, choice_names: Sequence[str],
+                 site: SiteId, bias: bool = False):
         super().__init__()
         self.cell = nn.GRUCell(d_model, hidden)
         self.out = nn.Linear(hidden, n_choices, bias=bias)
-        self.setup(pick, choice_names)
+        self.setup(rule, choice_names, site)
 
     def scores(self, x: torch.Tensor, state: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-        state = self.cell(x.to(self.cell.weight_ih.dtype), state)
-        return self.out(state).float(), state
+        state = self.cell(x.reshape(-1, x.shape[-1]).to(self.cell.weight_ih.dtype), state)
+        logits = self.out(state).float()
+        return logits.view(*x.shape[:-1], logits.shape[-1]), state
 
 
 # ---------------------------------------------------------------------------- pick rules
-class Switch:
+class Switch(PickRule):
     """MoE's token choice: top-k over the E experts + no-op experts; with ``noop_share`` a causal per-row
     budget for the no-op choices (``noop_budget_keep``; tokens past it choose among the real experts, the
-    running count on the cache when decoding); weights renormalised over k (k > 1 only: at k = 1, w / w = 1
-    would give the router no gradient through the output); a capacity limit per expert unless dropless
-    (``capacity_keep``); the balance loss over the real experts and the z-loss (coefficients applied)."""
-
-    kind = "token_choice"
+    running count on the cache when decoding: ``pick``'s ``budgets``, the cache's ``state("noop_budget")``,
+    under ``budget_key``); weights renormalised over k (k > 1 only: at k = 1, w / w = 1 would give the router
+    no gradient through the output); a capacity limit per expert unless dropless (``capacity_keep``); the
+    balance loss over the real experts and the z-loss (coefficients applied)."""
 
     def __init__(self, num_experts: int, top_k: int, renormalize: bool, dropless: bool, capacity_factor: float,
-                 balance_coef: float, z_loss_coef: float, noop_share: Optional[float] = None):
+                 balance_coef: float, z_loss_coef: float, noop_share: Optional[float] = None, budget_key: str = ""):
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.dropless, self.capacity_factor = dropless, capacity_factor
-        self.balance_coef, self.z_loss_coef, self.noop_share = balance_coef, z_loss_coef, noop_share
+        self.balance_coef, self.z_loss_coef = balance_coef, z_loss_coef
+        self.noop_share, self.budget_key = noop_share, budget_key
 
     def capacity(self, n_tokens: int) -> int:
         return max(1, math.ceil(self.capacity_factor * n_tokens * self.top_k / self.num_experts))
 
-    def __call__(self, logits, state, valid, report, name: str, cache=None) -> Decision:
+    def pick(self, logits: torch.Tensor, valid: Optional[torch.Tensor],
+             budgets: Optional[Dict[str, torch.Tensor]] = None) -> Choice:
         B, T, _ = logits.shape
         N, k = B * T, self.top_k
         probs, weights, selected = token_topk(logits, k)
         if self.noop_share is not None:
-            weights, selected = self.noop_budget(probs, weights, selected, valid, cache, name)
+            weights, selected = self.noop_budget(probs, weights, selected, valid, budgets)
         if self.renormalize and k > 1:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        valid_flat = _valid_flat(valid, N, logits.device)
+        valid_flat = flat_valid(valid, N, logits.device)
         sel_flat = selected.reshape(N, k)
         keep = None if valid is None else valid_flat.unsqueeze(-1).expand(N, k)
         dropped = torch.zeros(N, k, dtype=torch.bool, device=logits.device)
@@ -383,22 +466,20 @@ class Switch:
             keep = fits if keep is None else keep & fits
         aux: Dict[str, torch.Tensor] = {}
         if self.balance_coef > 0:
-            aux[f"{name}/balance"] = self.balance_coef * balance_loss(
+            aux["balance"] = self.balance_coef * balance_loss(
                 probs.reshape(N, probs.shape[-1]), sel_flat, self.num_experts, valid_flat)  # explicit width: N may be 0
         if self.z_loss_coef > 0:
-            aux[f"{name}/z_loss"] = self.z_loss_coef * z_loss(logits.reshape(N, logits.shape[-1]), valid_flat)
-        site = report(selected, weights, aux, probs=probs, dropped=dropped.view(B, T, k), logits=logits)
-        return Decision(site, logits, probs, weights, selected, aux, keep=keep)
+            aux["z_loss"] = self.z_loss_coef * z_loss(logits.reshape(N, logits.shape[-1]), valid_flat)
+        return Choice(selected, weights, probs, dropped=dropped.view(B, T, k), keep=keep, aux=aux)
 
-    def noop_budget(self, probs, weights, selected, valid, cache, name):
+    def noop_budget(self, probs, weights, selected, valid, budgets):
         B, T, _ = probs.shape
         valid = torch.ones(B, T, dtype=torch.bool, device=probs.device) if valid is None else valid.to(torch.bool)
         wants = (selected >= self.num_experts).sum(-1)
-        budgets = None if cache is None else cache.state("noop_budget")
         keep, state = noop_budget_keep(wants, valid, self.noop_share, self.top_k,
-                                       None if budgets is None else budgets.get(name))
+                                       None if budgets is None else budgets.get(self.budget_key))
         if budgets is not None:
-            budgets[name] = state
+            budgets[self.budget_key] = state
         real_only = probs.masked_fill(torch.arange(probs.shape[-1], device=probs.device) >= self.num_experts, -1.0)
         real_w, real_sel = real_only.topk(self.top_k, dim=-1)
         real_w = probs.gather(-1, real_sel)
@@ -406,15 +487,15 @@ class Switch:
         return torch.where(over, real_w, weights), torch.where(over, real_sel, selected)
 
 
-class TopK:
-    """Token-choice top-k (``token_topk``: temperature, renormalised / straight-through weights, a mask of
-    allowed choices per call) for MoT, MoM and hard depth gating.
+class TopK(PickRule):
+    """Token-choice top-k (``token_topk``: temperature, renormalised / straight-through weights) for MoT,
+    MoM and hard depth gating.
 
     ``adjust(probs, weights, selected) -> (weights, selected)``: a family's rule applied to the pick
-    (MoT's random activation and uniform weights). ``balance(state, name, probs, selected, valid_flat)
-    -> aux dict``: the family's balance loss on the pick (before ``all_paths``). ``all_paths``: every
-    choice, weighted by the full distribution (MoM's ``routing_all_possible_path``). ``detach``: the site
-    holds detached weights, probs and logits. ``grid``: (B, T) to lay flat (N, .) tensors out in the site.
+    (MoT's random activation and uniform weights). ``balance(probs, selected, valid) -> {"balance": loss}``
+    (flat (N, .) tensors, valid (N,) bool): the family's balance loss on the pick (before ``all_paths``).
+    ``all_paths``: every choice, weighted by the full distribution (MoM's ``routing_all_possible_path``).
+    ``detach``: the site holds detached weights, probs and logits.
     """
 
     def __init__(self, k: int, kind: str = "token_choice", temperature: float = 1.0, renormalize: bool = False,
@@ -422,82 +503,75 @@ class TopK:
                  balance: Optional[Callable] = None, all_paths: bool = False, detach: bool = False):
         self.k, self.kind, self.temperature, self.renormalize = k, kind, temperature, renormalize
         self.straight_through, self.adjust, self.balance = straight_through, adjust, balance
-        self.all_paths, self.detach = all_paths, detach
+        self.all_paths, self.detach_site = all_paths, detach
 
-    def __call__(self, logits, state, valid, report, name: str, allowed=None, grid=None) -> Decision:
+    def pick(self, logits: torch.Tensor, valid: Optional[torch.Tensor]) -> Choice:
         probs, weights, selected = token_topk(logits, self.k, self.temperature, renormalize=self.renormalize,
-                                              straight_through=self.straight_through, allowed=allowed)
+                                              straight_through=self.straight_through)
         if self.adjust is not None:
             weights, selected = self.adjust(probs, weights, selected)
         aux: Dict[str, torch.Tensor] = {}
         if self.balance is not None:
             N = selected.numel() // selected.shape[-1]
-            aux = self.balance(state, name, probs, selected, _valid_flat(valid, N, logits.device))
+            aux = self.balance(probs.reshape(N, -1), selected.reshape(N, -1), flat_valid(valid, N, logits.device))
         if self.all_paths:
             selected = torch.arange(probs.shape[-1], device=probs.device).expand(*probs.shape)
             weights = probs
-        shown = [t.detach() if self.detach else t for t in (selected, weights, probs, logits)]
-        if grid is not None:
-            shown = [t.view(*grid, -1) for t in shown]
-        site = report(shown[0], shown[1], aux, probs=shown[2], logits=shown[3])
-        return Decision(site, logits, probs, weights, selected, aux)
+        return Choice(selected, weights, probs, aux=aux)
 
 
-class SoftGate:
+class SoftGate(PickRule):
     """A dense distribution over every choice (soft depth gating): each choice selected, weighted by its
     probability; nothing skipped."""
 
     kind = "soft_gate"
 
-    def __call__(self, logits, state, valid, report, name: str) -> Decision:
+    def pick(self, logits: torch.Tensor, valid: Optional[torch.Tensor]) -> Choice:
         probs = logits.softmax(dim=-1)
         L = probs.shape[-1]
         selected = torch.arange(L, device=probs.device).expand(*probs.shape[:-1], L)
-        site = report(selected, probs, probs=probs, logits=logits)
-        return Decision(site, logits, probs, probs, selected, {})
+        return Choice(selected, probs, probs)
 
 
-class ExpertChoice:
+class ExpertChoice(PickRule):
     """MoD's expert choice over each sequence (``expert_choice_topk`` on the detached scores, k from each
-    row's real length); under causal routing (``state.causal``) the caller's causal decision
-    ``decide(logits) -> (B, T) bool`` instead (predictor or router sign), padding never chosen. The site:
-    choices {skip, block}, weight = the router output (or ``fixed_weight``, a test hook) on chosen tokens,
-    detached logits."""
+    row's real length); under causal routing the block's causal decision ``causal`` ((B, T) bool: predictor
+    or router sign) instead, padding never chosen. Choices {skip, block}: selected 1 on chosen tokens, weight
+    the router output (or ``fixed_weight``, a test hook) on chosen tokens, 0 elsewhere; the site shows them
+    detached, with the (B, T) logits."""
 
     kind = "expert_choice"
+    detach_site = True
 
     def __init__(self, capacity: float):
         self.capacity = capacity
 
-    def __call__(self, logits, state, valid, report, name: str, decide: Callable = None,
-                 fixed_weight: Optional[float] = None) -> Decision:
+    def pick(self, logits: torch.Tensor, valid: Optional[torch.Tensor], causal: Optional[torch.Tensor] = None,
+             fixed_weight: Optional[float] = None) -> SequenceChoice:
         logits = logits.squeeze(-1)
         weight = logits if fixed_weight is None else torch.full_like(logits, fixed_weight)
         idx = real = None
-        if state.causal:
-            chosen = decide(logits)
-            if valid is not None:
-                chosen = chosen & valid
+        if causal is not None:
+            chosen = causal if valid is None else causal & valid
         else:
             chosen, idx, real = expert_choice_topk(logits.detach(), self.capacity, valid)
-        site = report(chosen.long().unsqueeze(-1), (weight.detach() * chosen).unsqueeze(-1), logits=logits.detach())
-        return Decision(site, logits, None, weight, chosen.long().unsqueeze(-1), {}, chosen=chosen, idx=idx, real=real)
+        return SequenceChoice(chosen.long().unsqueeze(-1), (weight * chosen).unsqueeze(-1), logits=logits,
+                              chosen=chosen, idx=idx, real=real)
 
 
-class FixedChoice:
-    """A routerless site (MoM's fixed modules): every token takes ``choice`` with weight 1. Not a module
-    (it has no parameters and decides nothing); it still reports its site, once per call."""
+class FixedChoice(PickRule):
+    """A routerless site (MoM's fixed modules): every token takes choice ``choice`` with weight 1. Nothing is
+    scored, so there is no ``Router``: ``report`` picks and reports the site (name, group, step ``where``)."""
 
-    kind = "token_choice"
+    def __init__(self, choice: int):
+        self.choice = choice
 
-    def __init__(self, choice_names: Sequence[str]):
-        self.choice_names = list(choice_names)
+    def pick(self, logits: torch.Tensor, valid: Optional[torch.Tensor]) -> Choice:
+        """``logits`` (B, T, .): only their shape and device are read."""
+        B, T = logits.shape[:2]
+        selected = torch.full((B, T, 1), self.choice, dtype=torch.long, device=logits.device)
+        return Choice(selected, torch.ones(B, T, 1, device=logits.device))
 
-    def __call__(self, state, choice: int, shape: Tuple[int, int], device, *, name: str, group: str = "",
-                 step: int = 0) -> Decision:
-        B, T = shape
-        selected = torch.full((B * T, 1), choice, dtype=torch.long, device=device)
-        weights = torch.ones(B * T, 1, device=device)
-        site = report_site(state, self.kind, self.choice_names, name, selected.view(B, T, 1), weights.view(B, T, 1),
-                           group=group, step=step, valid=state.valid)
-        return Decision(site, None, None, weights, selected, {})
+    def report(self, state, choice_names: Sequence[str], where: SiteId, shape: Tuple[int, int], device) -> Decision:
+        no_scores = torch.empty(*shape, 0, device=device)
+        return report_site(state, self.kind, choice_names, where, self.pick(no_scores, state.valid), valid=state.valid)

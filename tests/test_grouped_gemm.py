@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from architectures import ModelConfig, build_model
 from architectures.experts import GroupedExperts
 from architectures.grouped_gemm import grouped_dispatch, use_grouped_mm
-from architectures.moe import MoEConfig
+from architectures.moe_layer import MoEConfig
 from tests.references import dense_reference, per_token_reference
 
 

@@ -10,10 +10,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from architectures import ModelConfig, build_model
-from architectures import flops as F_
+from architectures import flops as cost
 from architectures.experts import GroupedExperts
 from architectures.grouped_gemm import alignment_padding_rows, grouped_dispatch, grouped_mm_op
-from architectures.moe import MoEConfig
+from architectures.moe_layer import MoEConfig
 from tests.references import dense_reference, per_token_reference
 
 pytestmark = pytest.mark.skipif(grouped_mm_op() is None, reason="this PyTorch has no grouped matmul")
@@ -85,8 +85,8 @@ def test_flop_counter_counts_the_grouped_matmul_forward_and_backward():
     experts, x, selected, weights = idle_expert_inputs(N=13, k=2)
     x.requires_grad_(True)
     counts = torch.bincount(selected.reshape(-1), minlength=E)
-    routed = F_.ffn(D, H) * selected.numel()
-    padding = F_.ffn(D, H) * alignment_padding_rows(counts)
+    routed = cost.ffn(D, H) * selected.numel()
+    padding = cost.ffn(D, H) * alignment_padding_rows(counts)
     with FlopCounterMode(display=False) as forward_only:
         out = grouped_dispatch(x, selected, weights, experts)
     assert forward_only.get_total_flops() == routed + padding > 0
@@ -119,6 +119,6 @@ def test_moe_model_flops_match_the_counter_on_both_paths(monkeypatch, flag, moe)
         for site in out.trace:
             active = ~site.dropped if site.dropped is not None else torch.ones_like(site.selected, dtype=torch.bool)
             counts = torch.bincount(site.selected[active].reshape(-1), minlength=site.probs.shape[-1])
-            padding += F_.ffn(32, hidden) * alignment_padding_rows(counts)
+            padding += cost.ffn(32, hidden) * alignment_padding_rows(counts)
         assert padding > 0
     assert counter.get_total_flops() == pytest.approx(analytic + padding)

@@ -200,6 +200,39 @@ def test_the_size_checks_see_a_large_package_and_a_long_nested_function(tmp_path
     assert [length for length, _ in found] == [53, 51] and found[1][1].endswith(":2 inner")
     assert [length for length, _ in long_functions([tmp_path / "m.py"], limit=51)] == [53]  # 51 at a limit of 51: not over
 
+# ---------------------------------------------------------------------------- families import no families (issue 31)
+def family_modules() -> Set[str]:
+    """The modules of the registry's model classes, vanilla's ``gpt2`` (the dense block library) aside: a
+    variant file added to the registry is a family module as soon as it is registered."""
+    from architectures.registry import VARIANTS
+
+    modules = {variant.model_class().__module__ for variant in VARIANTS.values()}
+    return modules - {"architectures.gpt2"}
+
+
+def family_imports(edges: Dict[str, Set[str]], families: Set[str]) -> List[str]:
+    """"a imports b" for every family module a that imports another family module b."""
+    return [f"{module} imports {target}" for module in sorted(families & set(edges))
+            for target in sorted(edges[module] & families) if target != module]
+
+
+def test_no_family_module_imports_another_family_module():
+    """Shared pieces live in the libraries (routing, dispatch, experts, moe_layer, gpt2, ...): a family that
+    reuses another's layer or model class reaches it through a library module, so families change alone."""
+    families = family_modules()
+    assert {"architectures.moe", "architectures.mod", "architectures.mot"} <= families  # the list is read
+    found = family_imports(graph()[0], families)
+    assert not found, "family modules importing family modules (move the shared piece to a library): " + \
+        "; ".join(found)
+
+
+def test_the_family_check_sees_a_family_importing_a_family():
+    """The test of the test: a planted family-to-family edge is reported, a family-to-library edge is not."""
+    edges = {"architectures.a": {"architectures.b", "architectures.routing"}, "architectures.b": set()}
+    assert family_imports(edges, {"architectures.a", "architectures.b"}) == ["architectures.a imports architectures.b"]
+    assert family_imports(edges, {"architectures.a"}) == []
+
+
 # ---------------------------------------------------------------------------- what an import loads (issue 29)
 #: run in a fresh interpreter: which modules an import loads, and which module first imported torch._dynamo
 #: (the innermost frame outside torch and importlib when ``torch._dynamo`` is first looked up)

@@ -24,7 +24,7 @@ from architectures.contract import RoutingSite
 from architectures.flops import Flops
 from architectures.gpt2 import Block
 from architectures.registry import VARIANTS, Variant
-from architectures.routing import LinearRouter, TopK, fp32_linear, token_topk
+from architectures.routing import LinearRouter, SiteId, TopK, fp32_linear, token_topk
 from tests import invariants
 
 V, T = 97, 32
@@ -40,7 +40,8 @@ class ToyRoutedBlock(nn.Module):
         super().__init__()
         self.index, self.bugs = index, bugs
         self.block = Block(config, index)
-        self.router = LinearRouter(config.d_model, 2, TopK(1, straight_through=True), ["block", "skip"])
+        self.router = LinearRouter(config.d_model, 2, TopK(1, straight_through=True), ["block", "skip"],
+                                   SiteId(f"block{index}.toy"))
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         if "bf16_router" in self.bugs:  # autocast runs the projection in bf16; the cast hides it from a dtype check
@@ -58,7 +59,7 @@ class ToyRoutedBlock(nn.Module):
         if self.bugs & BY_HAND:
             weights, selected = self.route_by_hand(x, state)
         else:  # the Router: fp32 logits, top-1 straight-through, one site reported with the valid mask
-            route = self.router(x, state, name=f"block{self.index}.toy")
+            route = self.router(x, state)
             weights, selected = route.weights, route.selected
         run = (selected == 0).to(x.dtype) * weights.to(x.dtype)
         if "idle_skipped" in self.bugs and not bool((selected == 0).any()):
@@ -188,10 +189,10 @@ def test_a_router_called_twice_under_one_name_raises(toy):
     block = toy().blocks[0]
     state = ForwardState.standalone()
     x = torch.randn(2, 5, block.router.in_features)
-    route = block.router(x, state, name="block0.toy")
+    route = block.router(x, state)
     assert state.trace == [route.site] and route.site.logits.dtype == torch.float32
     with pytest.raises(ValueError, match="reported twice"):
-        block.router(x, state, name="block0.toy")
+        block.router(x, state)
 
 
 def test_the_lookahead_in_training_mode_is_invisible_in_eval_mode(toy):

@@ -16,7 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from architectures import ConfigError, KVCache, ModelConfig, build_model
 from architectures.mod import MoDConfig, RoutedBlock
-from architectures.moe import MoEConfig
+from architectures.moe_layer import MoEConfig
 
 V, T = 97, 64
 TINY_RUN = [  # conftest.TINY_RUN's tiny CLI overrides (conftest is not importable as a module)
@@ -354,7 +354,7 @@ def test_mode_integrated_noop_share_never_exceeds_the_budget_and_decoding_agrees
 
 def test_balance_loss_does_not_reward_skipping():
     """Issue 12 §3.3: with the no-op in f's denominator the loss was (1 - s)^2 at skip share s."""
-    from architectures.moe import balance_loss
+    from architectures.routing import balance_loss
 
     E, N = 4, 400
     for skip in (0.0, 0.5, 0.9):

@@ -10,7 +10,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from architectures import ModelConfig, build_model
 from architectures.config import ConfigError
-from architectures.moe import MoEConfig, MoELayer, balance_loss, capacity_keep, z_loss
+from architectures.moe_layer import MoEConfig, MoELayer
+from architectures.routing import SiteId, balance_loss, capacity_keep, z_loss
 from tests.conftest import cli_summary
 
 
@@ -29,9 +30,9 @@ def dense_moe(layer: MoELayer, x: torch.Tensor, keep: torch.Tensor = None) -> to
     return out
 
 
-def _layer(E=4, k=2, noop=0, **kw) -> MoELayer:
+def _layer(E=4, k=2, noop=0, site=SiteId("moe", "moe"), **kw) -> MoELayer:
     torch.manual_seed(0)
-    return MoELayer(16, 24, MoEConfig(num_experts=E, top_k=k, **kw), noop_experts=noop)
+    return MoELayer(16, 24, MoEConfig(num_experts=E, top_k=k, **kw), noop_experts=noop, site=site)
 
 
 def _grads(module, x):
@@ -83,9 +84,9 @@ def test_balance_loss_equals_formula_on_hand_made_routing():
 
 
 def test_aux_losses_carry_coefficients_and_z_loss_formula():
-    layer = _layer(4, 1, balance_coef=0.5, z_loss_coef=0.25)
+    layer = _layer(4, 1, balance_coef=0.5, z_loss_coef=0.25, site=SiteId("layer3.moe", "moe"))
     x = torch.randn(2, 5, 16)
-    r = layer(x, site_name="layer3.moe")
+    r = layer(x)
     assert set(r.aux_losses) == {"layer3.moe/balance", "layer3.moe/z_loss"}
     logits = x.reshape(10, 16) @ layer.router.weight.t()
     want_z = torch.logsumexp(logits, -1).square().mean()
@@ -189,9 +190,9 @@ def test_layer_flops_count_active_experts_only():
         x = torch.randn(2, 9, 16)
         with FlopCounterMode(display=False) as counter:
             r = layer(x)
-        per_token = layer.flops(r.site)
+        per_token = layer.layer_flops(r.site)
         assert per_token.forward * 18 == pytest.approx(counter.get_total_flops())
-    assert layer.flops(None).ffn == pytest.approx(2 * 2 * 2 * 16 * 24)
+    assert layer.layer_flops(None).ffn == pytest.approx(2 * 2 * 2 * 16 * 24)
 
 
 @pytest.mark.parametrize("kwargs,field", [
@@ -317,8 +318,8 @@ def test_cli_short_run(tmp_path):
 
 def test_moe_layer_accepts_zero_tokens():
     """A routed block (MoDE) can hand the MoE layer no tokens at all; that must cost and return nothing."""
-    from architectures.moe import MoEConfig
-    from architectures.moe import MoELayer
+    from architectures.moe_layer import MoEConfig
+    from architectures.moe_layer import MoELayer
 
     layer = MoELayer(16, 32, MoEConfig(num_experts=4, top_k=2, dropless=False))
     x = torch.randn(2, 0, 16, requires_grad=True)
@@ -330,7 +331,7 @@ def test_moe_layer_accepts_zero_tokens():
 
 def test_switch_top1_router_learns_through_the_expert_output():
     """k=1: the output is scaled by the raw probability, so the LM loss alone trains the router."""
-    from architectures.moe import MoEConfig
+    from architectures.moe_layer import MoEConfig
 
     torch.manual_seed(0)
     layer = MoELayer(16, 32, MoEConfig(num_experts=4, top_k=1, balance_coef=0.0, z_loss_coef=0.0))

@@ -298,8 +298,8 @@ class _MoERouterOfStep:
         block = self.moe_model.blocks[step]
         E = block.moe.num_experts
         # other steps' experts would win: only the pool restriction keeps them out
-        logits = torch.full((x.shape[0], self.n_choices), 50.0)
-        logits[:, step * E:(step + 1) * E] = block.moe.router.logits(block.ln_2(x))
+        logits = torch.full((*x.shape[:-1], self.n_choices), 50.0)  # x: (B, T, d), the router's input
+        logits[..., step * E:(step + 1) * E] = block.moe.router.logits(block.ln_2(x))
         return logits, torch.full((1,), step + 1)
 
 
@@ -308,7 +308,7 @@ def test_moe_routing_is_the_moe_variant_given_the_same_weights_and_routing(k):
     """Issue 12 §3.6: MoM's MoE special case as a per-step expert-pool restriction, exactly the ``moe`` variant.
 
     k >= 2 (both renormalise over the k picks); at k = 1 MoM's weight is 1 where Switch scales by p."""
-    from architectures.moe import MoEConfig
+    from architectures.moe_layer import MoEConfig
 
     E, L = 3, 4
     torch.manual_seed(0)

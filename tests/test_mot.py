@@ -123,14 +123,14 @@ def test_trace_balance_loss_and_flops():
 
 
 def test_expected_flops_without_trace_for_balanced_routing():
-    from architectures import flops as F_
+    from architectures import flops as cost
 
     model = _model(num_experts=4, top_k=2, layers=[1])
     T, d = 32, 32
-    dense = F_.dense_block(d, 128, T)
-    mixture = F_.Flops(attn_proj=2 * dense.attn_proj, ffn=2 * dense.ffn, router=2 * d * 4,
+    dense = cost.dense_block(d, 128, T)
+    mixture = cost.Flops(attn_proj=2 * dense.attn_proj, ffn=2 * dense.ffn, router=2 * d * 4,
                        attn_scores=4 * (T * 2 / 4) * d * 2)
-    want = dense.scale(2) + mixture + F_.lm_head(d, 101)
+    want = dense.scale(2) + mixture + cost.lm_head(d, 101)
     assert model.flops_per_token().forward == pytest.approx(want.forward)
 
 

@@ -273,3 +273,98 @@ def test_real_old_run_folders_load_with_their_variants_groups_only(path):
     new = {"model": config.to_dict()}  # experiments.compare reads old and new alike
     same = {k: v for k, v in flatten(new).items() if k in flatten({"model": old})}
     assert without_unused_groups(flatten({"model": old})) == same
+
+
+# ---------------------------------------------------------------------------- a pick rule from docs/pick-rules.md
+PICK_RULES_PAGE = REPO / "docs" / "pick-rules.md"
+
+
+def page_rule_code() -> str:
+    """The page's threshold rule: the python block of "## Writing a pick rule" that defines ``Threshold``."""
+    section = PICK_RULES_PAGE.read_text().split("## Writing a pick rule", 1)[1].split("\n## ", 1)[0]
+    blocks = [b.split("```", 1)[0] for b in section.split("```python\n")[1:]]
+    found = [b for b in blocks if "class Threshold(PickRule)" in b]
+    assert len(found) == 1, "docs/pick-rules.md: one python block under 'Writing a pick rule' defines Threshold"
+    return found[0]
+
+
+def page_rule():
+    namespace: dict = {}
+    exec(compile(page_rule_code(), str(PICK_RULES_PAGE), "exec"), namespace)  # the page's code, as written
+    return namespace["Threshold"]
+
+
+def test_the_page_s_threshold_rule_picks_above_tau_with_a_straight_through_weight():
+    Threshold = page_rule()
+    logits = torch.tensor([[[-2.0], [0.5], [3.0]], [[1.0], [-1.0], [0.0]]], requires_grad=True)
+    valid = torch.tensor([[True, True, True], [True, True, False]])
+    choice = Threshold(tau=0.6, target=0.5, rate_coef=2.0).pick(logits, valid)
+    p = torch.sigmoid(logits.detach())
+    assert torch.equal(choice.selected, (p > 0.6).long())
+    assert torch.equal(choice.weights.detach(), (p > 0.6).float())  # exactly 1 on processed tokens, 0 on skipped
+    rate = p[..., 0][valid].mean()  # the padded token is not counted
+    torch.testing.assert_close(choice.aux["rate"], 2.0 * (rate - 0.5) ** 2)
+    choice.weights.sum().backward()  # d w / d logit = 1 - p on processed tokens (p / stopgrad(p)), 0 on skipped
+    torch.testing.assert_close(logits.grad, torch.where(p > 0.6, 1 - p, torch.zeros_like(p)))
+
+
+def threshold_variant(Threshold):
+    """A one-option variant built on the page's rule: each block runs for the tokens whose gate passes tau."""
+    import torch.nn as nn
+
+    from architectures.base import LanguageModel, require
+    from architectures.gpt2 import Block
+    from architectures.routing import LinearRouter, SiteId
+
+    @dataclasses.dataclass
+    class GateConfig:
+        tau: float = 0.5  # a token runs a block when sigmoid(its gate score) > tau
+
+    class GatedBlock(nn.Module):
+        def __init__(self, config, index: int):
+            super().__init__()
+            self.block = Block(config, index)
+            self.router = LinearRouter(config.d_model, 1, Threshold(config.gate.tau), ["skip", "block"],
+                                       SiteId(f"block{index}.gate"))
+
+        def forward(self, x, state):
+            route = self.router(x, state)
+            return x + route.weights.to(x.dtype) * (self.block(x, state) - x)
+
+        def flops(self, sites, T, queries=None):
+            return self.block.flops(sites, T, queries)  # every token computes the block (the page's toy)
+
+    class Gated(LanguageModel):
+        config_groups = {"gate": GateConfig}
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.blocks = nn.ModuleList([GatedBlock(config, i) for i in range(config.n_layer)])
+
+        @staticmethod
+        def validate_config(config):
+            require(0 < config.gate.tau < 1, "model.gate.tau", f"must be in (0, 1), got {config.gate.tau}")
+
+    return Gated
+
+
+@pytest.mark.slow
+def test_a_variant_on_the_page_s_rule_trains_and_passes_the_routing_health_check():
+    """The page's rule in a registered variant with one option: it trains, reports its sites and rate losses,
+    and after the health test's 200 steps (tests/test_contract.py, seed 0) neither skips nor runs everything
+    by collapse."""
+    from tests.test_contract import routing_health_failure
+
+    register("toy_gate", Variant(threshold_variant(page_rule()), "toy: blocks gated by the pick-rules page's rule",
+                                 overrides={"gate": {"tau": 0.5}}))
+    try:
+        torch.manual_seed(0)
+        model = build_model(VARIANTS["toy_gate"].test_config("toy_gate"))
+        out = model(torch.randint(0, 97, (2, 16)))
+        assert [s.name for s in out.trace] == [f"block{i}.gate" for i in range(4)]
+        assert set(out.aux_losses) == {f"block{i}.gate/rate" for i in range(4)}
+        with pytest.raises(ConfigError, match=r"^model\.gate\.tau: must be in \(0, 1\)"):
+            VARIANTS["toy_gate"].test_config("toy_gate", gate={"tau": 1.5}).validate()
+        assert routing_health_failure("toy_gate", 0) is None
+    finally:
+        unregister("toy_gate")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from architectures import build_model
-from architectures import flops as F_
+from architectures import flops as cost
 from architectures.registry import VARIANTS
 
 V, T = 97, 32
@@ -44,13 +44,13 @@ def test_moe_before_ffn_matches_cea_moe_parameters_and_flops_up_to_the_inner_pat
     assert cea.config.combo.inner_experts == cfg.moe.num_experts and cea.inner_width == cfg.ffn_hidden
     inner_path = L * 2 * (d * d + d)  # V_inner and O' (with bias)
     assert n_params(base) == n_params(cea) - inner_path + L * 2 * d  # + ln_moe
-    score_pass = F_.attention_scores(d, (T - 1) ** 2 / T)
-    expected = cea.flops_per_token(seq_len=T).forward - L * (2 * F_.linear(d, d) + score_pass)
+    score_pass = cost.attention_scores(d, (T - 1) ** 2 / T)
+    expected = cea.flops_per_token(seq_len=T).forward - L * (2 * cost.linear(d, d) + score_pass)
     assert base.flops_per_token(seq_len=T).forward == pytest.approx(expected, rel=1e-9)
     # and the Switch placement ("replace") has no dense FFN: 4d x d x 2 fewer matmul FLOPs per layer
     switch = build("moe_dense_ffn", moe={"placement": "replace"})
     gap = base.flops_per_token(seq_len=T).forward - switch.flops_per_token(seq_len=T).forward
-    assert gap == pytest.approx(L * F_.ffn(d, cfg.ffn_hidden))
+    assert gap == pytest.approx(L * cost.ffn(d, cfg.ffn_hidden))
 
 
 def test_moe_before_ffn_keeps_the_dense_ffn():
@@ -352,7 +352,7 @@ def test_mom_all_paths_is_the_dense_mixture_of_every_module():
     with torch.no_grad():
         k1 = sparse(idx)
     assert model.flops_per_token(out.trace).ffn == pytest.approx(pool * model.layout.steps
-                                                                  * F_.ffn(32, model.config.ffn_hidden))
+                                                                  * cost.ffn(32, model.config.ffn_hidden))
     assert sparse.flops_per_token(k1.trace).ffn < model.flops_per_token(out.trace).ffn
     # every token depends on every FFN module (module 2, say), even one it would not pick at K = 1
     with torch.no_grad():

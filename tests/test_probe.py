@@ -190,7 +190,7 @@ def _tiny(variant, block_size=16, vocab_size=64):
 
 
 def test_per_difficulty_compute_from_a_hand_made_moe_trace():
-    from architectures import flops as F_
+    from architectures import flops as cost
     from callbacks.probe import stats_tensor, summarize, spearman, token_flops
 
     model = _tiny("moe")
@@ -204,10 +204,10 @@ def test_per_difficulty_compute_from_a_hand_made_moe_trace():
     per_token = token_flops(model, trace, seq_len=4)
     d, T = 32, 4
     moe = [b.moe for b in model.blocks if hasattr(b, "moe")]
-    dense = F_.lm_head(d, 64).forward + 2 * (F_.attention_projections(d) + F_.attention_scores(d, T))
-    dense += sum(F_.linear(d, m.num_choices) for m in moe)
-    dense += (2 - len(moe)) * F_.ffn(d, model.config.ffn_hidden)
-    expert = sum(F_.ffn(d, m.hidden) for m in moe)
+    dense = cost.lm_head(d, 64).forward + 2 * (cost.attention_projections(d) + cost.attention_scores(d, T))
+    dense += sum(cost.linear(d, m.num_choices) for m in moe)
+    dense += (2 - len(moe)) * cost.ffn(d, model.config.ffn_hidden)
+    expert = sum(cost.ffn(d, m.hidden) for m in moe)
     assert per_token[0].tolist() == pytest.approx([dense + expert, dense, dense + expert, dense])
     tokens = {"level": np.array([0, 0, 4, 4]), "family": np.zeros(4, int), "loss": np.ones(4),
               "correct": np.array([1, 0, 1, 0]), "flops": per_token[0].numpy()}
@@ -218,7 +218,7 @@ def test_per_difficulty_compute_from_a_hand_made_moe_trace():
 
 
 def test_per_difficulty_compute_from_a_hand_made_mod_trace():
-    from architectures import flops as F_
+    from architectures import flops as cost
     from callbacks.probe import spearman, stats_tensor, summarize, token_flops
 
     model = _tiny("mod")
@@ -230,7 +230,7 @@ def test_per_difficulty_compute_from_a_hand_made_mod_trace():
         site.selected = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]]).unsqueeze(-1)
     per_token = token_flops(model, trace, seq_len=8)[0]
     d = 32
-    block = F_.attention_projections(d) + F_.attention_scores(d, 1) + F_.ffn(d, model.config.ffn_hidden)
+    block = cost.attention_projections(d) + cost.attention_scores(d, 1) + cost.ffn(d, model.config.ffn_hidden)
     assert (per_token[4:] - per_token[:4]).tolist() == pytest.approx([len(routed) * block] * 4)
     levels = np.array([0, 0, 1, 1, 3, 3, 4, 4])
     tokens = {"level": levels, "family": np.zeros(8, int), "loss": np.zeros(8), "correct": np.ones(8),

@@ -86,7 +86,7 @@ def test_a_router_reports_with_the_state_valid_mask_and_fp32_logits_under_autoca
     state = ForwardState(cache=None, valid=valid, causal=False, residuals=None)
     x = torch.randn(2, 6, router.in_features)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        route = router(x, state, name="layer0.moe", group="moe")
+        route = router(x, state)
     assert state.trace == [route.site] and torch.equal(route.site.valid, valid)
     assert route.site.logits.dtype == torch.float32 and torch.equal(route.site.logits, F.linear(x, router.weight))
     assert set(state.aux) == {"layer0.moe/balance", "layer0.moe/z_loss"}
