@@ -119,7 +119,8 @@ def test_the_first_screen_of_a_default_run_holds_no_noise(tmp_path):
     in its progress bar, and Lightning's litlogger tip (and its pytree deprecation notice). The default command with
     a smaller model; the measurement intervals at max_steps (the default run's 300 steps exceed the defaults)."""
     bar = [a for a in TINY_RUN if a not in ("--trainer.enable_progress_bar", "false")]
-    intervals = [arg for name in ("routing_every", "routing_images_every", "flops_every", "contribution_every")
+    intervals = [arg for name in ("routing_every", "routing_images_every", "flops_every", "contribution_every",
+                                  "depth_every")
                  for arg in (f"--callbacks.{name}", "2")]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("DYNCOMP_RUN_VERSION", None)
