@@ -369,6 +369,28 @@ def test_verify_reports_each_figure_beside_the_published_one_and_repeats_bit_ide
     assert not (tmp_path / "c").exists()
 
 
+def test_verify_refuses_another_kernel_path_than_the_published_runs_before_training(tmp_path, monkeypatch):
+    """A published table records its runs' kernels; --verify on another path (here: the variable that pins it
+    set differently) would move the figures like a seed does: refused in one line naming what to export."""
+    from analysis.provenance import kernels
+    from architectures.config import ConfigError
+    from experiments.repro import main
+
+    published = _published(tmp_path / "published.json")
+    table = json.loads(published.read_text())
+    theirs = kernels()
+    theirs["environment"] = {**theirs["environment"], "MKL_CBWR": "AVX2"}
+    monkeypatch.delenv("MKL_CBWR", raising=False)
+    published.write_text(json.dumps({**table, "provenance": {"kernels": theirs}}))
+    with pytest.raises(ConfigError, match="kernel environment .*export .*MKL_CBWR=AVX2"):
+        main(["probe", "--out", str(tmp_path / "v"), "--quick", "--steps", "20", "--seeds", "2", "--blocks", "4",
+              "--threads", "1", "--verify", "mod", "--published", str(published)])
+    assert not (tmp_path / "v").exists()  # nothing trained, nothing written
+    monkeypatch.setenv("MKL_CBWR", "AVX2")  # the same path: accepted (the check passes; training is the slow test's)
+    from experiments.repro.common import check_kernels
+    check_kernels({"provenance": {"kernels": kernels()}}, published)
+
+
 def test_sweeps_accept_probe_datasets(capsys):
     from experiments import sweep
 

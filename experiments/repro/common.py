@@ -416,6 +416,22 @@ def check_settings(published: Dict[str, Any], mine: Dict[str, Any], path: pathli
                               f"{published.get(key)!r}; rerun with the published settings")
 
 
+def check_kernels(published: Dict[str, Any], path: pathlib.Path) -> None:
+    """Refuse a verification on another CPU kernel path than the published runs' (capability and the kernel
+    variables: docs/results.md, Reproducibility): on another path the figures move like a seed's do."""
+    from analysis.provenance import kernels
+
+    theirs = (published.get("provenance") or {}).get("kernels")
+    if not theirs:
+        return  # a table from before runs recorded their kernels: nothing to compare
+    mine = kernels()
+    for key in ("cpu_capability", "environment"):
+        if theirs.get(key) != mine.get(key):
+            wanted = " ".join(f"{k}={v}" for k, v in sorted((theirs.get("environment") or {}).items()) if v)
+            raise ConfigError(f"--verify: this process's kernel {key} is {mine.get(key)!r}, the published runs' ({path}) "
+                              f"{theirs.get(key)!r}; export {wanted or 'the same kernel variables'} and rerun")
+
+
 def require_fresh(out: pathlib.Path) -> None:
     """--verify retrains from nothing: its output folder must not hold anything yet."""
     out = pathlib.Path(out)

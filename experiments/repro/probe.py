@@ -613,13 +613,15 @@ def row_figures(a: Dict[str, Any]) -> List[Tuple[str, Tuple[Optional[float], ...
 def verify_row(ctx: Context, row: str, published_path: pathlib.Path, seeds: int, blocks: int, min_steps: int,
                quick: bool) -> Dict[str, Any]:
     """Retrain one published row from nothing (its seeds, a fresh --out) and set its figures beside the published."""
-    from experiments.repro.common import check_settings, read_published, require_fresh, verification_table
+    from experiments.repro.common import (check_kernels, check_settings, read_published, require_fresh,
+                                          verification_table)
 
     published = read_published(published_path)
     if row not in published["variants"]:
         raise ConfigError(f"--verify: no row {row!r} in {published_path}; rows: {', '.join(published['variants'])}")
     settings = programme_settings(ctx, seeds, blocks, quick)
     check_settings(published["settings"], settings, published_path)
+    check_kernels(published, published_path)
     require_fresh(ctx.out)
     ctx.reuse = False
     _, entries, budget, tokens, vocab = prepare(ctx, [row], seeds, blocks, quick, dense_shapes=row.split(":", 1)[-1]
