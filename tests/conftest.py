@@ -85,6 +85,19 @@ def cli_summary(variant: str, tmp_path: pathlib.Path, *extra: str, steps: int = 
     return summary
 
 
+def run_in_two_ddp_processes(options) -> pathlib.Path:
+    """``experiments.run OPTIONS`` as a 2-process CPU DDP job in a subprocess; its run folder (the last stdout line)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("DYNCOMP_RUN_VERSION", None)
+    proc = subprocess.run([sys.executable, "-m", "experiments.run", *options, "--trainer.devices", "2",
+                           "--trainer.strategy", "ddp"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return pathlib.Path(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.fixture
 def offline(monkeypatch):
     """As on a machine without the Hugging Face Hub: every hub access must fail fast or use local files."""

@@ -357,13 +357,10 @@ def test_lightning_ddp_run_logs_the_routing_of_both_shards(tmp_path):
     One step, dropless top-2 MoE: each token's routing depends only on the (identical) initial
     weights, so the step-1 statistics must agree once both shards are summed.
     """
-    import subprocess
-    import sys
-
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from experiments.run import main
-    from tests.conftest import REPO, TINY_RUN
+    from tests.conftest import TINY_RUN, run_in_two_ddp_processes
 
     def options(folder, batch):
         return ["--variant", "moe", "--model.moe.num_experts", "4", "--model.moe.top_k", "2", "--max_steps", "1",
@@ -375,13 +372,7 @@ def test_lightning_ddp_run_logs_the_routing_of_both_shards(tmp_path):
         events.Reload()
         return {t: events.Scalars(t)[-1].value for t in events.Tags()["scalars"] if t.startswith("routing/")}
 
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("DYNCOMP_RUN_VERSION", None)
-    proc = subprocess.run([sys.executable, "-m", "experiments.run", *options(tmp_path / "ddp", 2), "--trainer.devices",
-                           "2", "--trainer.strategy", "ddp"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ddp = routing_scalars(proc.stdout.strip().splitlines()[-1])
+    ddp = routing_scalars(run_in_two_ddp_processes(options(tmp_path / "ddp", 2)))
     single = routing_scalars(main(options(tmp_path / "single", 4)))  # the reference: one process, in this one
     assert "routing/layer0.moe/frac/expert0" in single and ddp.keys() == single.keys()
     for tag, value in single.items():

@@ -109,12 +109,8 @@ def test_a_short_recur_halt_fit_logs_the_depth_histogram_and_mean_of_the_batch_i
 def test_lightning_ddp_run_logs_the_depth_of_both_shards(tmp_path):
     """2 CPU ranks x 2 sequences log the depth mean and histogram of 1 process x the same 4 sequences (one step:
     each token's depth depends on the identical initial weights and its own sequence only)."""
-    import os
-    import subprocess
-    import sys
-
     from experiments.run import main
-    from tests.conftest import REPO, TINY_RUN
+    from tests.conftest import TINY_RUN, run_in_two_ddp_processes
 
     def options(folder, batch):
         return ["--variant", "recur_halt", "--model.n_layer", "4", "--model.init_std", "0.2",
@@ -127,13 +123,7 @@ def test_lightning_ddp_run_logs_the_depth_of_both_shards(tmp_path):
         (histogram,) = logged.Histograms("depth/per_token")
         return logged.Scalars("depth/mean")[-1].value, list(histogram.histogram_value.bucket)
 
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("DYNCOMP_RUN_VERSION", None)
-    proc = subprocess.run([sys.executable, "-m", "experiments.run", *options(tmp_path / "ddp", 2), "--trainer.devices",
-                           "2", "--trainer.strategy", "ddp"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ddp = depth_logged(proc.stdout.strip().splitlines()[-1])
+    ddp = depth_logged(run_in_two_ddp_processes(options(tmp_path / "ddp", 2)))
     single = depth_logged(main(options(tmp_path / "single", 4)))
     assert ddp[0] == pytest.approx(single[0], rel=1e-6) and ddp[1] == single[1]
     assert sum(single[1]) == 4 * 64 and sum(1 for count in single[1] if count) >= 2  # every token, mixed depths
