@@ -49,13 +49,28 @@ def probe_writable(folder: pathlib.Path) -> None:
     ``OSError`` of a place that cannot be written, found in seconds, with nothing left behind."""
     missing = [p for p in [folder, *folder.parents] if not p.exists()]
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=folder)
+        fd, probe = retry_if_removed(lambda: _mkstemp_in(folder))
         os.close(fd)
         os.unlink(probe)
     finally:
         for created in missing:  # deepest first; a folder another job has written to meanwhile stays
             release_if_empty(created)
+
+
+def _mkstemp_in(folder: pathlib.Path):
+    folder.mkdir(parents=True, exist_ok=True)
+    return tempfile.mkstemp(prefix=".write-probe-", dir=folder)
+
+
+def retry_if_removed(make, attempts: int = 5):
+    """``make()``, again if a folder it just created vanished before it wrote there: a job started at the same
+    moment into the same fresh folder probes it too, and removes the (still empty) folders it created."""
+    for attempt in range(attempts):
+        try:
+            return make()
+        except FileNotFoundError:
+            if attempt == attempts - 1:
+                raise
 
 
 def check_writable(folder: pathlib.Path) -> None:
@@ -78,7 +93,7 @@ def claim_next_version(root: pathlib.Path, prefix: str = "version_") -> str:
     number = max(existing) + 1 if existing else 0
     while True:
         try:
-            (root / f"{prefix}{number}").mkdir()
+            retry_if_removed(lambda: (root / f"{prefix}{number}").mkdir(parents=True))
             return f"{prefix}{number}"
         except FileExistsError:
             number += 1

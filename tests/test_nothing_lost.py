@@ -12,6 +12,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -79,6 +80,49 @@ def test_jobs_started_at_once_claim_distinct_run_folders(tmp_path):
     assert versions == sorted(f"version_{i}" for i in range(1, jobs + 1))
     for version, pid in claims:  # every folder holds exactly its own job's file
         assert (root / version / "config.yaml").read_text() == f"owner: {pid}\n"
+
+
+def test_a_fresh_log_dir_removed_by_a_job_started_at_the_same_moment_is_made_again(tmp_path, monkeypatch):
+    folder = tmp_path / "logs" / "vanilla-tiny"
+    real_mkstemp, removed = tempfile.mkstemp, []
+
+    def other_job_releases_first(*args, dir=None, **kwargs):
+        if not removed:  # between our mkdir and our probe, the other job removed the empty folders it created
+            removed.append(dir)
+            os.rmdir(dir)
+        return real_mkstemp(*args, dir=dir, **kwargs)
+    monkeypatch.setattr(storage.tempfile, "mkstemp", other_job_releases_first)
+    storage.check_writable(folder)
+    assert removed == [folder] and not folder.exists()  # probed on the second try, then released
+    real_mkdir, gone = pathlib.Path.mkdir, []
+
+    def root_removed_once(self, *args, **kwargs):
+        if self.name == "version_0" and not gone:
+            gone.append(self)
+            os.rmdir(self.parent)
+        return real_mkdir(self, *args, **kwargs)
+    monkeypatch.setattr(pathlib.Path, "mkdir", root_removed_once)
+    assert storage.claim_next_version(folder) == "version_0" and (folder / "version_0").is_dir() and gone
+
+
+def _probe_and_claim(root: str, barrier, queue) -> None:
+    barrier.wait()
+    for _ in range(50):
+        storage.check_writable(pathlib.Path(root))
+    queue.put(storage.claim_next_version(pathlib.Path(root)))
+
+
+def test_jobs_started_at_once_into_a_fresh_log_dir_all_start(tmp_path):
+    root, jobs = tmp_path / "logs" / "mod-tiny", 6  # nobody made it: each job probes, creates and releases it
+    context = multiprocessing.get_context("fork")
+    barrier, queue = context.Barrier(jobs), context.Queue()
+    processes = [context.Process(target=_probe_and_claim, args=(str(root), barrier, queue)) for _ in range(jobs)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(60)
+    assert all(p.exitcode == 0 for p in processes), [p.exitcode for p in processes]
+    assert sorted(queue.get(timeout=5) for _ in range(jobs)) == [f"version_{i}" for i in range(jobs)]
 
 
 @pytest.mark.slow
