@@ -37,8 +37,8 @@ Evaluation and generation (Schuster et al. 2022, "Confident Adaptive Language Mo
 Trace: one site per layer, ``layer<l>.exit`` (group ``early_exit``, step l), kind ``token_choice`` with the
 choices ``run`` / ``skip`` (skip: exited earlier, or the row dropped the layer in training); ``extras``:
 ``ran`` (tokens that ran the full layer), ``kv_only`` (exited tokens whose K/V were computed), ``checks``
-(tokens the head read after the layer: confidence checks, or the exit-loss head in training), as 0-dim
-counts; the last site also carries ``depth`` (B, T) (layers each token ran) and ``max_depth`` (L).
+(tokens the head read after the layer: confidence checks, or the exit-loss head in training), as (B, T)
+0/1 masks; the last site also carries ``depth`` (B, T) (layers each token ran) and ``max_depth`` (L).
 No site has logits or probabilities: the rule is a threshold on the shared head, not a learned router.
 """
 from __future__ import annotations
@@ -180,12 +180,12 @@ class EarlyExit(LanguageModel):
             after_attn, x = state.run(lambda s, x, rows, block=block: self._run_rows(block, x, rows), x, rows)
             state.record("mha", l, after_attn)
             state.record("ffn", l, x)
-            checks = 0
+            checks = torch.zeros(B, T, dtype=torch.bool, device=x.device)
             if l < len(self.blocks) - 1 and self.exit_weights[l] > 0 and T > 1 and state.tokens is not None:
                 losses[f"early_exit/layer{l}"] = self.exit_weights[l] * self._exit_loss(x, state)
-                checks = B * (T - 1)
+                checks[:, :-1] = True  # the exit-loss head reads positions 0 .. T-2
             ran = keep[:, l:l + 1].expand(B, T)
-            self._report(state, l, ran, ran.sum(), torch.zeros(()), checks)
+            self._report(state, l, ran, torch.zeros_like(ran), checks)
         self._report_depth(state, keep.sum(dim=1, keepdim=True).expand(B, T).float())
         state.report(None, losses)
         return x
@@ -223,15 +223,15 @@ class EarlyExit(LanguageModel):
             state.record("mha", l, after_attn)
             state.record("ffn", l, x)
             depth = depth + ran.float()
-            checks = torch.zeros(())
+            checks = torch.zeros_like(ran)
             if l < last and self.config.early_exit.eval_exit:
                 flat = ran.reshape(-1).nonzero().squeeze(1)
                 if self.config.early_exit.confidence in HEAD_CONFIDENCES:
-                    checks = ran.sum()
+                    checks = ran
                 sure = self._confident(x.reshape(-1, d).index_select(0, flat),
                                        before.reshape(-1, d).index_select(0, flat))
                 active = active.reshape(-1).index_put((flat,), ~sure).reshape(B, T)
-            self._report(state, l, ran, ran.sum(), (~ran).sum(), checks)
+            self._report(state, l, ran, ~ran, checks)
         self._report_depth(state, depth)
         return x
 
@@ -276,12 +276,13 @@ class EarlyExit(LanguageModel):
         return after_attn, flat_x.view(B, T, d)
 
     # ------------------------------------------------------------------ trace
-    def _report(self, state: ForwardState, l: int, ran: torch.Tensor, n_ran, n_kv, checks) -> None:
-        """The layer's site, through the routing library (the one place that builds sites)."""
+    def _report(self, state: ForwardState, l: int, ran: torch.Tensor, kv_only: torch.Tensor,
+                checks: torch.Tensor) -> None:
+        """The layer's site, through the routing library (the one place that builds sites). The extras are
+        (B, T) masks, so a trace cut to one token (the probe's per-token compute) still says what it paid."""
         selected = (~ran).long().unsqueeze(-1)  # 0 = run, 1 = skip
-        extras = {"ran": torch.as_tensor(n_ran, dtype=torch.float32).detach(),
-                  "kv_only": torch.as_tensor(n_kv, dtype=torch.float32).detach(),
-                  "checks": torch.as_tensor(checks, dtype=torch.float32).detach()}
+        extras = {name: mask.detach().float() for name, mask in
+                  (("ran", ran), ("kv_only", kv_only), ("checks", checks))}
         choice = Choice(selected, torch.ones(selected.shape, device=ran.device))
         decision = report_site(state, "token_choice", ["run", "skip"], SiteId(f"layer{l}.exit", "early_exit", l), choice)
         decision.site.extras.update(extras)
@@ -309,7 +310,6 @@ class EarlyExit(LanguageModel):
             heads = sum(1 for w in self.exit_weights if w > 0) * (T - 1) / T
             return full.scale(layers) + cost.lm_head(d, V).scale(heads)
         tokens = own[0].selected.shape[0] * own[0].selected.shape[1]
-        ran = sum(float(site.extras["ran"]) for site in own) / tokens
-        kv = sum(float(site.extras["kv_only"]) for site in own) / tokens
-        checks = sum(float(site.extras["checks"]) for site in own) / tokens
+        ran, kv, checks = (sum(float(site.extras[name].sum()) for site in own) / tokens
+                           for name in ("ran", "kv_only", "checks"))
         return full.scale(ran) + cost.Flops(attn_proj=kv * cost.linear(d, 2 * d)) + cost.lm_head(d, V).scale(checks)

@@ -27,7 +27,8 @@ correct answers per validation block and level, the units of the experiments' bo
 is the same evaluation as a function.
 
 Per-token compute (``token_flops``): the model's own ``flops_per_token`` applied to a trace cut down to
-that one token (every site's tensors at [b, t], ``extras`` dropped), at the batch's sequence length.
+that one token (every site's tensors at [b, t]; of the ``extras``, the per-token (B, T, ...) ones are cut too,
+the batch statistics dropped), at the batch's sequence length.
 So a token pays for exactly the options its routing chose: MoD, the routed blocks that processed it;
 MoDE / MoE, the experts it ran (no-op experts and dropped slots cost nothing); MoM, the modules it
 chose (SKIP costs nothing). Work shared by a whole sequence is attributed as a lone token would pay it:
@@ -67,8 +68,11 @@ def _cut(site: RoutingSite, b: int, t: int) -> RoutingSite:
     def one(x):
         return None if x is None else x[b : b + 1, t : t + 1]
 
+    per_token = {k: one(v) for k, v in site.extras.items()  # (B, T, ...) statistics are the token's own
+                 if torch.is_tensor(v) and v.dim() >= 2 and v.shape[:2] == site.selected.shape[:2]}
     return dataclasses.replace(site, selected=one(site.selected), weights=one(site.weights), probs=one(site.probs),
-                               dropped=one(site.dropped), valid=one(site.valid), logits=one(site.logits), extras={})
+                               dropped=one(site.dropped), valid=one(site.valid), logits=one(site.logits),
+                               extras=per_token)
 
 
 def _pattern(site: RoutingSite) -> torch.Tensor:

@@ -18,6 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from architectures import KVCache, build_model, variant_names
+from architectures import flops as cost
 from architectures.config import ConfigError
 from architectures.registry import VARIANTS
 from tests import invariants
@@ -187,6 +188,28 @@ def test_analytic_flops_match_the_flop_counter_for_a_full_forward_and_cached_dec
             # from the trace alone (it carries the key length); a variant without routing sites is told it
             analytic = model.flops_per_token(out.trace, seq_len=None if out.trace else t + 1, queries=1)
             assert analytic.forward * 2 == pytest.approx(flops, rel=1e-6), f"decode step at {t}"
+
+
+@pytest.mark.parametrize("name,extra", CASES, ids=IDS)
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_the_probes_per_token_compute_is_defined_and_adds_up_to_about_the_batch_figure(name, extra, training):
+    """``callbacks.probe.token_flops`` (compute per difficulty level) cuts the trace to one token: every variant
+    must give a finite figure per token from its own trace, and their mean stays close to the batch's figure
+    (below it by the sequence-shared attention scores a lone token does not pay, documented there). Soft gates
+    report the depth their read-out draws on instead (a share of the layers), so only the lower bound holds."""
+    from callbacks.probe import token_flops
+
+    model = build(name, extra).train(training)
+    idx = tokens(B=2)
+    with torch.no_grad(), causal_mode(model, False):
+        out = model(idx)
+    per_token = token_flops(model, out.trace, T, batch_shape=idx.shape)
+    cfg = model.config
+    assert per_token.shape == idx.shape and torch.isfinite(per_token).all()
+    assert (per_token >= cost.lm_head(cfg.d_model, cfg.vocab_size).forward).all()
+    ratio = float(per_token.mean()) / model.flops_per_token(out.trace, T).forward
+    soft = any(site.kind == "soft_gate" for site in out.trace)
+    assert (0.25 if soft else 0.8) <= ratio <= (1.0 if soft else 1.01), ratio
 
 
 @pytest.mark.parametrize("name,extra", CASES, ids=IDS)

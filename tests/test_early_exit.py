@@ -250,3 +250,20 @@ def test_the_compiled_padded_attention_gives_the_gathered_attention(cached):
     q = torch.randn(flat.numel(), H, hd, generator=gen)
     rows, positions = torch.div(flat, Tn, rounding_mode="floor"), flat % Tn + cached
     torch.testing.assert_close(padded_attention(q, k, v, flat, B, Tn), row_attention(q, k, v, rows, positions))
+
+
+@pytest.mark.parametrize("rule", ["softmax", "state"])
+def test_the_probes_per_token_compute_follows_each_tokens_exit_and_sums_to_the_counted_flops(rule):
+    """``callbacks.probe.token_flops`` cuts the trace to one token: a token pays the layers it ran, K/V after it
+    exited and its head checks; the per-token figures add up to the FlopCounter's count of the forward."""
+    from callbacks.probe import token_flops
+
+    model = build(exit_threshold=STATE_THRESHOLD if rule == "state" else 0.03, confidence=rule).eval()
+    idx = tokens()
+    out, flops = counted(model, idx)
+    per_token = token_flops(model, out.trace, T)
+    depth = out.trace[-1].extras["depth"]
+    assert len(spread(depth)) >= 2, "one depth only: nothing checked"
+    assert float(per_token.sum()) == pytest.approx(flops, rel=1e-6)
+    order = depth.flatten().argsort()
+    assert (per_token.flatten()[order].diff() >= -1e-6).all(), "a token that ran more layers costs no less"
