@@ -546,7 +546,7 @@ def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
 
 def fit_and_summarise(cfg: Namespace, parser: ArgumentParser, module, data, mcfg: ModelConfig, root: pathlib.Path,
                       version: str, ckpt_path: Optional[str]) -> pathlib.Path:
-    from callbacks.run_summary import StepRecorder, measured_summary, write_summary
+    from callbacks.run_summary import StepRecorder, measured_summary, process_age_s, write_summary
     from analysis.provenance import summary_provenance
 
     inherited = os.environ.get("DYNCOMP_RUN_VERSION")
@@ -582,6 +582,8 @@ def fit_and_summarise(cfg: Namespace, parser: ArgumentParser, module, data, mcfg
             **measured_summary(trainer, module, recorder),  # global loss curve, routing, FLOPs, step times
             **budget_summary(module),
             "world_size": trainer.world_size,
+            # this process (the last one after a resume): start-up, training, validations, to this write
+            "process_seconds": process_age_s(),
             "run_dir": str(run_dir),
             "provenance": summary_provenance(run_dir),  # code commit, dirty tree, library versions, threads
         }

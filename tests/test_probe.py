@@ -305,6 +305,7 @@ def test_probe_experiment_quick_writes_tables_plots_and_goals(tmp_path, one_thre
     for r in results["runs"]:  # each run stopped at the first step whose measured count reached the budget
         assert results["budget"] <= r["train_flops"] and r["measured_deviation"] >= 0
         assert r["train_time_s"] == pytest.approx(r["step_time_s"] * r["steps"])
+        assert r["wall_measured"] and r["wall_s"] >= r["train_time_s"]  # the run's process: start-up, steps, validation
     assert abs(mod["planned_deviation"]) < 0.05 and len(mod["spearman_seeds"]) == 2
     assert vanilla["spearman_seeds"] == [None, None]  # dense compute has no rank correlation
     dense = {v: a["headline_val_loss"][0] for v, a in results["variants"].items() if a["dense"]}
@@ -316,6 +317,10 @@ def test_probe_experiment_quick_writes_tables_plots_and_goals(tmp_path, one_thre
     out = tmp_path / "programme"
     report = (out / "results.md").read_text()
     assert "Accuracy per difficulty level" in report and "| mod |" in report and "Δ loss vs best dense" in report
+    walls = {v: sum(r["wall_s"] for r in results["runs"] if r["variant"] == v) for v in results["variants"]}
+    for v, total in walls.items():  # the wall time per part: each entry's runs summed, from their summaries
+        assert f"| {v} | 2 | {total:,.0f} |" in report
+    assert "Wall time per part" in report and "statistics, tables and figures" in report
     for name in ("probe_accuracy.png", "probe_compute.png", "results.json"):
         assert (out / name).stat().st_size > 1000
     # --verify against this table: the row retrained from nothing gives the published numbers again, exactly
@@ -573,3 +578,16 @@ def test_answers_only_correlation_separates_grading_from_telling_answers_from_fo
     assert spearman_answers(level, graded)["rho"] == pytest.approx(1.0)
     inverse = np.array([1, 1, 1, 5, 5, 4, 4, 3, 3, 2, 2], dtype=float)
     assert spearman(level, inverse)["rho"] > 0 and spearman_answers(level, inverse)["rho"] == pytest.approx(-1.0)
+
+
+def test_a_runs_wall_time_is_its_process_time_or_for_older_runs_a_marked_lower_bound():
+    from experiments.repro.common import run_wall_seconds, wall_time_lines
+
+    assert run_wall_seconds({"process_seconds": 12.5, "step_times_s": [[1, 1.0]]}) == (12.5, True)
+    assert run_wall_seconds({"seconds_to_first_step": 3.0, "step_times_s": [[1, 0.5], [2, 1.5]]}) == (5.0, False)
+    assert run_wall_seconds({"seconds_to_first_step": 3.0}) == (None, False)
+    rows = [{"variant": "a", "wall_s": 10.0, "wall_measured": True}, {"variant": "a", "wall_s": 30.0, "wall_measured": True},
+            {"variant": "b", "wall_s": 5.0, "wall_measured": False}]
+    lines = wall_time_lines(rows, lambda r: r["variant"], {"training": 40.0}, workers=2)
+    assert "| a | 2 | 40 | 20 |" in lines and "| b | 1 | >= 5 | >= 5 |" in lines
+    assert "45 s summed, about 22 s at 2 at once" in lines[0] and "training 40 s" in lines[0]

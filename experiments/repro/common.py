@@ -457,3 +457,39 @@ def verification_table(figures: Sequence[Tuple[str, Sequence[Optional[float]], S
                              "-" if r["inside_published_ci"] is None else ("yes" if r["inside_published_ci"] else "**no**")]
                             for r in rows])
     return table, rows
+
+
+# ---------------------------------------------------------------------------- wall time per part
+def run_wall_seconds(summary: Dict[str, Any]) -> Tuple[Optional[float], bool]:
+    """A run's wall time (its last process: start-up, training, validations) and whether it was measured
+    (``process_seconds``) or, for run folders written before that field, estimated from the time to the
+    first step plus the timed steps (validation left out: a lower bound)."""
+    if summary.get("process_seconds") is not None:
+        return float(summary["process_seconds"]), True
+    steps, start = summary.get("step_times_s") or [], summary.get("seconds_to_first_step")
+    if not steps or start is None:
+        return None, False
+    return float(start) + sum(float(t) for _, t in steps), False
+
+
+def wall_time_lines(rows: Sequence[Dict[str, Any]], part_of, elapsed: Dict[str, float], workers: int) -> List[str]:
+    """The programme's wall time per part: each part's runs (``part_of(row)``: the entry), their wall times
+    summed (one run per core at once: divide by the runs trained at once), and this invocation's own phases."""
+    parts: Dict[str, List[Dict[str, Any]]] = {}
+    for row in rows:
+        parts.setdefault(part_of(row), []).append(row)
+    lines = ["| part | runs | wall time of its runs, summed (s) | per run (s) |", "|---|---|---|---|"]
+    total, estimated = 0.0, False
+    for part, members in parts.items():
+        walls = [r.get("wall_s") for r in members if r.get("wall_s") is not None]
+        low = any(not r.get("wall_measured") for r in members)
+        estimated |= low
+        total += sum(walls)
+        mark = ">= " if low else ""
+        lines.append(f"| {part} | {len(members)} | {mark}{sum(walls):,.0f} | {mark}{sum(walls) / max(1, len(walls)):,.0f} |")
+    note = (" (>=: run folders from before `process_seconds` was recorded; start-up plus timed steps, validation left "
+            "out)") if estimated else ""
+    phases = ", ".join(f"{name} {seconds:,.0f} s" for name, seconds in elapsed.items())
+    return [f"Wall time per part: every run's process, start to its summary{note}; {len(rows)} runs, "
+            f"{total:,.0f} s summed, about {total / max(1, workers):,.0f} s at {max(1, workers)} at once. This "
+            f"invocation (finished runs are reused, not retrained): {phases}.", *lines]

@@ -42,12 +42,14 @@ import dataclasses
 import math
 import pathlib
 import statistics
+import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from architectures.config import ConfigError
 from architectures.registry import tagged
 from analysis import stats
-from experiments.repro.common import Context, budget_spent, budget_step_cap, figure, fmt, markdown_table
+from experiments.repro.common import (Context, budget_spent, budget_step_cap, figure, fmt, markdown_table, run_wall_seconds,
+                                      wall_time_lines)
 
 VARIANTS = tuple(tagged("probe"))  # the registry entries tagged "probe" (vanilla first)
 LEVELS = range(5)
@@ -226,15 +228,21 @@ def probe_experiment(ctx: Context, variants: Sequence[str] = VARIANTS, seeds: in
                      verify: Optional[str] = None, published: Optional[pathlib.Path] = None) -> Dict[str, Any]:
     if verify is not None:
         return verify_row(ctx, verify, pathlib.Path(published or PUBLISHED), seeds, blocks, min_steps, quick)
+    started = time.perf_counter()
     settings, entries, budget, tokens, vocab = prepare(ctx, variants, seeds, blocks, quick, dense_shapes)
     plan = plan_entries(ctx, entries, budget, tokens, vocab, min_steps)
+    planned = time.perf_counter()
     runs = train_runs(ctx, plan, seeds, blocks)
+    trained = time.perf_counter()
     per_variant = {e.label: aggregate([r for r in runs if r["variant"] == e.label]) for e in entries}
     tests = dense_tests(per_variant)
     goals = goal_figures(per_variant, tests)
     sections = report_sections(ctx, budget, tokens, per_variant, tests, goals)
     plot_accuracy(ctx, per_variant)
     plot_compute(ctx, per_variant)
+    elapsed = {"planning": planned - started, "training and evaluating the runs": trained - planned,
+               "statistics, tables and figures": time.perf_counter() - trained}
+    sections += [*wall_time_lines(runs, lambda r: r["variant"], elapsed, ctx.workers), ""]
     ctx.log_table("probe", "\n".join(sections))
     results = {"settings": settings, "budget": budget, "tokens_per_step": tokens, "variants": per_variant,
                "best_dense": tests["best_dense"], "tests": tests, "goals": goals, "runs": runs}
@@ -303,6 +311,7 @@ def run_row(c: Planned, seed: int, summary: Dict[str, Any]) -> Dict[str, Any]:
             "val_loss_causal": summary["val_metrics"].get("val/loss_causal"),
             "headline_val_loss": headline_val_loss(summary),  # causal where the variant has it: what it is ranked by
             "step_time_s": step_time, "train_time_s": step_time * summary["steps"] if step_time is not None else None,
+            **dict(zip(("wall_s", "wall_measured"), run_wall_seconds(summary))),
             "probe": detail, "run_dir": summary["run_dir"]}
 
 
