@@ -57,3 +57,14 @@ def test_cell(test: Optional[Mapping[str, Any]], digits: int = 4) -> str:
     if test.get("ci_low") is not None:
         text += f" [{test['ci_low']:+.{digits}f}, {test['ci_high']:+.{digits}f}]"
     return f"{text}, g {fmt(test.get('hedges_g'), 2)}, p {fmt(test.get('p_holm'), 3)}"
+
+
+def error_bars(summaries: Sequence[Mapping[str, Any]]) -> list:
+    """matplotlib's ``yerr`` (distances below and above each mean) of seed summaries (``analysis.stats.seed_summary``:
+    a mean and its interval); 0 where there is no interval."""
+    below, above = [], []
+    for s in summaries:
+        mean, (lo, hi) = s["mean"], s["ci"]
+        below.append(mean - lo if lo is not None else 0.0)
+        above.append(hi - mean if hi is not None else 0.0)
+    return [below, above]

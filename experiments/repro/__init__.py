@@ -19,7 +19,7 @@ cluster with ``--size small|medium|large`` and real data after ``--``.
 | ``mom_two_phase`` | MoM: two-phase (vanilla -> MoM) vs from-scratch training at equal total steps |
 | ``mod_isoflop`` | MoD: isoFLOP comparison with vanilla at every depth x width (loss vs parameters per FLOP budget), seeds, best dense model, bracket verdict, tests |
 | ``contribution`` | FFN-Wider: MHA/FFN contribution vs FFN width and vs the CAA Outer-FFN ratio r, OOD loss |
-| ``head_to_head`` | every variant at equal measured FLOPs: val loss, FLOPs/token, step time, memory |
+| ``head_to_head`` | every variant at equal measured FLOPs with dense controls and seeds: val loss, tests against the best dense model, FLOPs/token, wall clock, step time, memory |
 | ``probe`` | routing probes: accuracy and compute per difficulty level at matched FLOPs, dense controls, tests against the best dense model (``--quick``: a smoke run; ``--verify ROW``: retrain a published row) |
 """
 from __future__ import annotations
@@ -101,6 +101,10 @@ def add_training_experiments(add: Callable[[str, str], argparse.ArgumentParser])
     p = add("head_to_head", "all variants at equal measured training FLOPs (vanilla's --steps steps)")
     p.add_argument("--variants", default=None, help="comma-separated (default: every registered variant)")
     p.add_argument("--bench_steps", type=int, default=5, help="timed steps per variant in the interleaved benchmark")
+    p.add_argument("--seeds", type=int, default=5, help="seeds per entry (default 5)")
+    p.add_argument("--dense_shapes", default=None, metavar="LxD,...",
+                   help="dense vanilla controls at the same budget, n_layer x d_model (default: half the depth, 3/4 the "
+                        "width, both; and twice the depth when a routed variant plans more FLOPs per token than vanilla)")
 
 
 def add_probe_experiment(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
@@ -199,4 +203,4 @@ def dispatch(ctx, args) -> Dict[str, Any]:
     from experiments.repro.head_to_head import head_to_head
 
     variants = parse_list(args.variants, str, "variants") if args.variants else None
-    return head_to_head(ctx, variants, bench_steps=args.bench_steps)
+    return head_to_head(ctx, variants, bench_steps=args.bench_steps, seeds=args.seeds, dense_shapes=args.dense_shapes)

@@ -34,7 +34,7 @@ from architectures import ModelConfig, build_model
 from architectures.config import ConfigError
 from callbacks.run_summary import headline_val_loss, noncausal_val_loss
 from analysis import stats
-from analysis.tables import ci_cell, test_cell
+from analysis.tables import ci_cell, error_bars, test_cell
 from experiments.repro.common import Context, budget_spent, budget_step_cap, figure, fmt, markdown_table
 
 TOLERANCE = 0.05
@@ -382,7 +382,7 @@ def plot_isoflop(ctx: Context, analyses: Sequence[Dict[str, Any]]) -> None:
             cells = sorted((c for c in a["cells"].values() if (c["variant"], c["n_layer"]) == (variant, n_layer)),
                            key=lambda c: c["parameters"])
             means = [c["val_loss"]["mean"] for c in cells]
-            ax.errorbar([c["parameters"] for c in cells], means, yerr=_error_bars(cells), capsize=3, marker="o",
+            ax.errorbar([c["parameters"] for c in cells], means, yerr=error_bars([c["val_loss"] for c in cells]), capsize=3, marker="o",
                         linestyle="-" if variant == "vanilla" else "--", color=f"C{depths.index(n_layer)}",
                         label=f"{variant}, n_layer={n_layer}")
         best = a["cells"][a["best_dense"]]
@@ -396,12 +396,3 @@ def plot_isoflop(ctx: Context, analyses: Sequence[Dict[str, Any]]) -> None:
     fig.tight_layout()
     ctx.save_figure(fig, "mod_isoflop")
 
-
-def _error_bars(cells: Sequence[Dict[str, Any]]) -> List[List[float]]:
-    """matplotlib's (below, above) distances of each cell's 95% interval from its mean (0 without an interval)."""
-    below, above = [], []
-    for c in cells:
-        mean, (lo, hi) = c["val_loss"]["mean"], c["val_loss"]["ci"]
-        below.append(mean - lo if lo is not None else 0.0)
-        above.append(hi - mean if hi is not None else 0.0)
-    return [below, above]
