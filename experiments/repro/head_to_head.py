@@ -1,10 +1,16 @@
-"""Every variant at equal measured training FLOPs: validation loss (training runs), FLOPs per token
-(routing-aware, from each run's summary), and step time + memory from ``experiments.bench`` (all variants
-timed in one process, repetitions interleaved so machine noise hits them alike; CPU memory = parameters,
-gradients, AdamW state and the activations saved for backward; CUDA memory = peak allocated).
+"""Every variant at equal measured training FLOPs, against dense controls: validation loss (training runs,
+``--seeds`` seeds each), FLOPs per token (routing-aware, from each run's summary), the training wall clock
+(median step x steps), and step time + memory from ``experiments.bench`` (all registered variants timed at the
+reference shape in one process, repetitions interleaved so machine noise hits them alike; CPU memory =
+parameters, gradients, AdamW state and the activations saved for backward; CUDA memory = peak allocated).
 
-The budget is what vanilla spends in ``--steps`` steps; every variant trains until its measured count
-reaches it (``--max_train_flops``, docs/compute-budget.md), with ``--max_steps`` only a cap."""
+The budget is what vanilla spends in ``--steps`` steps; every entry trains until its measured count
+reaches it (``--max_train_flops``, docs/compute-budget.md), with ``--max_steps`` only a cap. Dense controls
+(``--dense_shapes LxD,...``, vanilla of other depths and widths; default fewer layers, narrower, both, and
+twice the depth when a routed variant plans more FLOPs per token than vanilla) train to the same budget:
+"beats vanilla" means beats the best dense model (lowest seed-mean loss), tested per routed entry with a
+one-sided Welch test over seeds, Holm over the routed entries, Hedges' g and the difference with its
+bootstrap interval over seeds (``analysis/stats.py``); the reference vanilla is the second column."""
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
