@@ -27,9 +27,10 @@ def planted_runs(losses, params):
     return rows
 
 
-PARAMS = {(1, 16): 90, (2, 16): 100, (2, 24): 200, (2, 32): 300}
-DENSE_TURNING = {("vanilla", 1, 16): [3.30, 3.32, 3.31], ("vanilla", 2, 16): [3.00, 3.10, 3.05],
-                 ("vanilla", 2, 24): [2.80, 2.82, 2.81], ("vanilla", 2, 32): [2.90, 2.93, 2.91]}
+PARAMS = {(1, 16): 90, (1, 24): 190, (2, 16): 100, (2, 24): 200, (2, 32): 300, (4, 24): 220}
+DENSE_TURNING = {("vanilla", 1, 16): [3.30, 3.32, 3.31], ("vanilla", 1, 24): [3.20, 3.22, 3.21],
+                 ("vanilla", 2, 16): [3.00, 3.10, 3.05], ("vanilla", 2, 24): [2.80, 2.82, 2.81],
+                 ("vanilla", 2, 32): [2.90, 2.93, 2.91], ("vanilla", 4, 24): [2.85, 2.86, 2.87]}
 MOD = {("mod", 2, 16): [2.50, 2.51, 2.49], ("mod", 2, 24): [2.78, 2.80, 2.83], ("mod", 2, 32): [2.95, 2.96, 2.97]}
 
 
@@ -37,7 +38,8 @@ def test_bracket_verdict_on_planted_curves():
     assert bracket_verdict([(100, 3.0), (200, 2.8), (300, 2.9)]) == "bracketed"
     assert bracket_verdict([(300, 2.9), (100, 2.7), (200, 2.8)]) == "not bracketed: the best is the smallest shape tried"
     assert bracket_verdict([(100, 3.0), (200, 2.9), (300, 2.8)]) == "not bracketed: the best is the largest shape tried"
-    assert bracket_verdict([(100, 3.0), (200, 2.9)]).startswith("not bracketed: 2 shape(s)")
+    assert bracket_verdict([(100, 3.0), (200, 2.9)]) == "not bracketed: the best is the largest shape tried"
+    assert bracket_verdict([(100, 3.0)]) == "not bracketed: only one shape tried"
     # a shape without a loss does not count as a side of the bracket
     assert bracket_verdict([(100, None), (200, 2.8), (300, 2.9), (400, 3.0)]).endswith("smallest shape tried")
 
@@ -51,16 +53,28 @@ def test_best_dense_and_bracket_over_parameters_and_per_depth():
     assert 2.80 - 1e-9 <= lo <= 2.81 <= hi <= 2.82 + 1e-9 and (lo, hi) == stats.bootstrap_ci([2.80, 2.82, 2.81])
     assert cell["steps_seeds"] == [100, 100, 100] and cell["max_deviation"] == pytest.approx(0.002)
     assert a["bracket"] == "bracketed" and a["bracket_by_depth"][2] == "bracketed"
-    assert a["bracket_by_depth"][1].startswith("not bracketed: 1 shape(s)")
+    assert a["bracket_by_depth"][1] == "not bracketed: the best is the largest shape tried"
+    assert a["bracket_by_depth"][4] == "not bracketed: only one shape tried"
     assert set(a["tests"]) == {"mod 2x16", "mod 2x24", "mod 2x32"}
     assert a["train_time_ratio"]["mod 2x16"] == pytest.approx(1.0)
 
     rising = {k: [PARAMS[k[1:]] / 100 + 0.01 * i for i in range(3)] for k in DENSE_TURNING}
     a = budget_analysis(BUDGET, cells_of(planted_runs({**rising, **MOD}, PARAMS)))
-    assert a["best_dense"] == "vanilla 1x16" and a["bracket"] == "not bracketed: the best is the smallest shape tried"
+    assert a["best_dense"] == "vanilla 1x16"
+    assert a["bracket"] == "not bracketed: the best is the smallest shape tried (over the widths at n_layer=1)"
     falling = {k: [10 - PARAMS[k[1:]] / 100 + 0.01 * i for i in range(3)] for k in DENSE_TURNING}
     a = budget_analysis(BUDGET, cells_of(planted_runs({**falling, **MOD}, PARAMS)))
-    assert a["best_dense"] == "vanilla 2x32" and a["bracket"] == "not bracketed: the best is the largest shape tried"
+    assert a["best_dense"] == "vanilla 2x32"
+    assert a["bracket"] == "not bracketed: the best is the largest shape tried (over the widths at n_layer=2)"
+    # the width curve turns at n_layer=2, but the deepest shape at that width is better: not bracketed over depth
+    deeper = {**DENSE_TURNING, ("vanilla", 4, 24): [2.70, 2.71, 2.72]}
+    a = budget_analysis(BUDGET, cells_of(planted_runs({**deeper, **MOD}, PARAMS)))
+    assert a["best_dense"] == "vanilla 4x24"
+    assert a["bracket"] == "not bracketed: only one shape tried (over the widths at n_layer=4)"
+    wider_at_4 = {**deeper, ("vanilla", 4, 16): [2.90, 2.91, 2.92], ("vanilla", 4, 32): [2.80, 2.81, 2.82]}
+    a = budget_analysis(BUDGET, cells_of(planted_runs({**wider_at_4, **MOD}, {**PARAMS, (4, 16): 120, (4, 32): 320})))
+    assert a["bracket_by_depth"][4] == "bracketed"
+    assert a["bracket"] == "not bracketed: the best is the largest shape tried (over the depths at d_model=24)"
 
 
 def test_holm_over_the_routed_shapes_decides_met(monkeypatch):

@@ -191,11 +191,13 @@ def test_mod_isoflop_runs_spend_the_budget(tmp_path):
     (analysis,) = result["analysis"]
     dense = {k: c["val_loss"]["mean"] for k, c in analysis["cells"].items() if c["dense"]}
     assert set(dense) == {"vanilla 1x32", "vanilla 2x32"} and analysis["best_dense"] == min(dense, key=dense.get)
-    assert analysis["bracket"].startswith("not bracketed: 2 shape(s)") and analysis["left_out"] == ["mod 1x32"]
+    best = (analysis["cells"][analysis["best_dense"]]["n_layer"],)
+    assert analysis["bracket"] == f"not bracketed: only one shape tried (over the widths at n_layer={best[0]})"
+    assert analysis["left_out"] == ["mod 1x32"]
     assert set(analysis["tests"]) == {"mod 2x32"} and analysis["tests"]["mod 2x32"]["p_holm"] is not None
     report = (tmp_path / "results.md").read_text()
     assert "FLOPs spent" in report and "not matched" not in report and "vanilla 1x32" in report
-    assert "Δ loss vs best dense" in report and "dense curve over parameters: not bracketed" in report
+    assert "Δ loss vs best dense" in report and "dense isoFLOP curve: not bracketed" in report
     assert ("**met**" in report) == bool(analysis["beats_best_dense"])
     assert (tmp_path / "mod_isoflop.png").is_file()
     assert set(results(tmp_path)["wall_time_s"]) == {"training", "tables"} and "Wall time of this invocation" in report

@@ -13,8 +13,9 @@ and a budget too small for the smallest model of a variant is an error before an
 
 Per budget (``budget_analysis``, statistics from ``analysis/stats.py``): each shape's seed mean with its 95%
 bootstrap interval over seeds; the best dense shape (lowest seed-mean validation loss); whether the dense
-curve over parameters turns inside the grid ("bracketed": the best shape has a smaller and a larger one
-beside it; else which edge it is at), overall and per depth; every routed shape against the best dense model
+curve turns inside the grid ("bracketed": the best shape has a narrower and a wider one beside it at its
+depth, and a shallower and a deeper one at its width when the grid has several depths; else which edge it is
+at), and each depth's curve over widths; every routed shape against the best dense model
 (difference in means with its bootstrap interval, Hedges' g, one-sided Welch over seeds, Holm over the
 routed shapes of the budget; "met" only when the corrected test passes) and against vanilla of its own shape;
 training wall clock (median step x steps) beside the FLOPs. The plot is validation loss vs parameters, one
@@ -265,11 +266,11 @@ def cells_of(runs: Sequence[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
 
 
 def bracket_verdict(points: Sequence[Tuple[float, Optional[float]]]) -> str:
-    """Whether a curve of (parameters, mean loss) turns inside the grid: "bracketed" when its lowest point has a
-    shape with fewer and one with more parameters on either side, else which edge the best shape is at."""
+    """Whether a curve of (size, mean loss) turns inside the grid: "bracketed" when its lowest point has a smaller
+    and a larger shape on either side, else which edge of the grid the best shape is at."""
     points = sorted((p, m) for p, m in points if m is not None and math.isfinite(m))
-    if len(points) < 3:
-        return f"not bracketed: {len(points)} shape(s) with a loss, at least 3 needed"
+    if len(points) < 2:
+        return "not bracketed: only one shape tried" if points else "not bracketed: no shape with a loss"
     best = min(range(len(points)), key=lambda i: points[i][1])
     if best == 0:
         return "not bracketed: the best is the smallest shape tried"
@@ -278,11 +279,27 @@ def bracket_verdict(points: Sequence[Tuple[float, Optional[float]]]) -> str:
     return "bracketed"
 
 
+def grid_bracket(dense: Dict[str, Dict[str, Any]], best: str) -> str:
+    """Whether the best dense shape is inside the grid on both axes: over the widths (parameters) at its depth,
+    and over the depths at its width when the grid has more than one depth."""
+    n_layer, d_model = dense[best]["n_layer"], dense[best]["d_model"]
+    verdict = bracket_verdict([(c["parameters"], c["val_loss"]["mean"]) for c in dense.values()
+                               if c["n_layer"] == n_layer])
+    if verdict != "bracketed":
+        return f"{verdict} (over the widths at n_layer={n_layer})"
+    if len({c["n_layer"] for c in dense.values()}) > 1:
+        verdict = bracket_verdict([(c["n_layer"], c["val_loss"]["mean"]) for c in dense.values()
+                                   if c["d_model"] == d_model])
+        if verdict != "bracketed":
+            return f"{verdict} (over the depths at d_model={d_model})"
+    return "bracketed"
+
+
 def budget_analysis(budget: float, cells: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
-    """One budget: the best dense shape (lowest seed-mean loss), whether the dense curve over parameters turns
-    inside the grid (overall and per depth), and every routed shape against the best dense model (one-sided
-    Welch over seeds, Holm over the routed shapes; difference with its bootstrap interval, Hedges' g) and
-    against vanilla of its own shape (the second column)."""
+    """One budget: the best dense shape (lowest seed-mean loss), whether the dense curve turns inside the grid
+    (``grid_bracket``; and each depth's curve over widths), and every routed shape against the best dense
+    model (one-sided Welch over seeds, Holm over the routed shapes; difference with its bootstrap interval,
+    Hedges' g) and against vanilla of its own shape (the second column)."""
     dense = {k: c for k, c in cells.items() if c["dense"]}
     routed = {k: c for k, c in cells.items() if not c["dense"]}
     best = stats.lowest_mean({k: c["val_loss"]["mean"] for k, c in dense.items()})
@@ -294,7 +311,7 @@ def budget_analysis(budget: float, cells: Dict[str, Dict[str, Any]]) -> Dict[str
     depths = sorted({c["n_layer"] for c in dense.values()})
     best_time = dense[best]["train_time_s"]["mean"]
     return {"budget": budget, "cells": cells, "best_dense": best,
-            "bracket": bracket_verdict([(c["parameters"], c["val_loss"]["mean"]) for c in dense.values()]),
+            "bracket": grid_bracket(dense, best),
             "bracket_by_depth": {n: bracket_verdict([(c["parameters"], c["val_loss"]["mean"]) for c in dense.values()
                                                      if c["n_layer"] == n]) for n in depths},
             "tests": tests, "tests_same_shape": same_shape,
@@ -345,7 +362,7 @@ def goal_lines(analyses: Sequence[Dict[str, Any]]) -> List[str]:
         beaten = a["beats_best_dense"]
         lines.append(
             f"- budget {fmt(a['budget'])}: best dense model {a['best_dense']} (loss "
-            f"{ci_cell(best['val_loss']['mean'], best['val_loss']['ci'], 4)}); dense curve over parameters: "
+            f"{ci_cell(best['val_loss']['mean'], best['val_loss']['ci'], 4)}); dense isoFLOP curve: "
             f"{a['bracket']} (per depth, over widths: {per_depth}); lower validation loss than the best dense model, "
             f"one-sided Welch over seeds, Holm over the {len(a['tests'])} routed shapes, p < {ALPHA}: "
             f"{', '.join(beaten) or 'none'}: **{'met' if beaten else 'not met'}**; left out of the grid (fewer than "
@@ -368,8 +385,8 @@ def report_sections(tokens: int, depths: Sequence[int], widths: Sequence[int], s
             "correction over the routed shapes of the budget; training wall clock relative to the best dense "
             "model's:", "", tests_table(analyses), "",
             "Goal lines (computed from the numbers above; 'met' only when the corrected test passes; 'bracketed': "
-            "the best dense shape has a smaller and a larger one beside it, so the isoFLOP curve turns inside the "
-            "grid):", "", *goal_lines(analyses), ""]
+            "the best dense shape has a narrower and a wider one beside it at its depth, and a shallower and a "
+            "deeper one at its width when the grid has several depths, so the isoFLOP curve turns inside the grid):", "", *goal_lines(analyses), ""]
 
 
 def plot_isoflop(ctx: Context, analyses: Sequence[Dict[str, Any]]) -> None:
