@@ -187,3 +187,29 @@ def with_holm(tests: Mapping[K, Dict[str, Optional[float]]], key: str = "p") -> 
     """The tests (``compare_groups`` results) with ``p_holm``: Holm's adjustment over the family of them."""
     adjusted = holm({k: t.get(key) for k, t in tests.items()})
     return {k: {**t, "p_holm": adjusted[k]} for k, t in tests.items()}
+
+
+def seed_summary(values: Sequence[Optional[float]]) -> Dict[str, object]:
+    """One figure over seeds: the per-seed values, their mean and sample std, and the bootstrap interval of the mean
+    over seeds (``bootstrap_ci``: the seeds are the units). Mean and std None without finite values."""
+    x = finite(values)
+    return {"seeds": list(values), "mean": float(x.mean()) if len(x) else None,
+            "std": float(x.std(ddof=1)) if len(x) > 1 else (0.0 if len(x) else None), "ci": bootstrap_ci(x)}
+
+
+def lowest_mean(means: Mapping[K, Optional[float]]) -> K:
+    """The key with the lowest mean (a missing or non-finite mean never wins); the first of equal ones."""
+    if not means:
+        raise ValueError("lowest_mean: no candidates")
+    return min(means, key=lambda k: means[k] if means[k] is not None and math.isfinite(means[k]) else math.inf)
+
+
+def against_baseline(groups: Mapping[K, Sequence[Optional[float]]], baseline: Sequence[Optional[float]],
+                     alternative: str = "less") -> Dict[K, Dict[str, Optional[float]]]:
+    """Every group's seeds against the baseline's (``compare_groups``), Holm's correction over the groups."""
+    return with_holm({k: compare_groups(v, baseline, alternative) for k, v in groups.items()})
+
+
+def passes(test: Mapping[str, Optional[float]], alpha: float = 0.05) -> bool:
+    """A corrected test passes: its Holm-adjusted p-value exists and is below ``alpha``."""
+    return test.get("p_holm") is not None and test["p_holm"] < alpha

@@ -6,7 +6,7 @@ so it sits below both.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 
 def figure(nrows: int = 1, ncols: int = 1, width: float = 5.0, height: float = 3.8):
@@ -39,3 +39,32 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def ci_cell(mean: Optional[float], ci, digits: int = 3) -> str:
+    """'mean [low, high]', the mean alone without an interval, '-' without a mean."""
+    if mean is None:
+        return "-"
+    lo, hi = ci if ci is not None else (None, None)
+    return fmt(mean, digits) if lo is None else f"{fmt(mean, digits)} [{fmt(lo, digits)}, {fmt(hi, digits)}]"
+
+
+def test_cell(test: Optional[Mapping[str, Any]], digits: int = 4) -> str:
+    """'Δ [CI], g, p (Holm)' of a test against a baseline (``analysis.stats.compare_groups`` + ``with_holm``)."""
+    if not test or test.get("difference") is None:
+        return "-"
+    text = f"{test['difference']:+.{digits}f}"
+    if test.get("ci_low") is not None:
+        text += f" [{test['ci_low']:+.{digits}f}, {test['ci_high']:+.{digits}f}]"
+    return f"{text}, g {fmt(test.get('hedges_g'), 2)}, p {fmt(test.get('p_holm'), 3)}"
+
+
+def error_bars(summaries: Sequence[Mapping[str, Any]]) -> list:
+    """matplotlib's ``yerr`` (distances below and above each mean) of seed summaries (``analysis.stats.seed_summary``:
+    a mean and its interval); 0 where there is no interval."""
+    below, above = [], []
+    for s in summaries:
+        mean, (lo, hi) = s["mean"], s["ci"]
+        below.append(mean - lo if lo is not None else 0.0)
+        above.append(hi - mean if hi is not None else 0.0)
+    return [below, above]

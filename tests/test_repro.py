@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from architectures import ModelConfig, build_model
+from analysis.contribution import run_config
 from architectures.config import ConfigError
 from experiments.repro import main as repro
 from experiments.repro.head_to_head import bench_options
@@ -170,10 +171,15 @@ def test_mom_transitions_end_to_end(trained_mom, tmp_path):
 
 
 def test_mod_isoflop_runs_spend_the_budget(tmp_path):
+    """Two depths x one width, two seeds: vanilla at both depths (the dense curve), MoD where it can be built (its
+    routed blocks need two layers), every run at the budget, the tables, the figure, and the rerun reuses every run."""
     budget = 1.2e10
-    result = repro(["mod_isoflop", "--out", str(tmp_path), "--budgets", str(budget), "--widths", "32", *STEPS, "--",
-                    *TINY_RUN])
-    assert {r["variant"] for r in result["runs"]} == {"vanilla", "mod"}
+    command = ["mod_isoflop", "--out", str(tmp_path), "--budgets", str(budget), "--widths", "32", "--layers", "1,2",
+               "--seeds", "2", *STEPS, "--", *TINY_RUN]
+    result = repro(command)
+    shapes = sorted({(r["variant"], r["n_layer"], r["d_model"]) for r in result["runs"]})
+    assert shapes == [("mod", 2, 32), ("vanilla", 1, 32), ("vanilla", 2, 32)]
+    assert sorted(r["seed"] for r in result["runs"] if r["variant"] == "mod") == [1337, 1338]
     for r in result["runs"]:
         summary = json.loads((pathlib.Path(r["run_dir"]) / "summary.json").read_text())
         # every run trained until its measured count reached the budget: matched, overshooting by under one step
@@ -181,9 +187,23 @@ def test_mod_isoflop_runs_spend_the_budget(tmp_path):
         assert summary["steps"] == r["steps"] and r["measured_flops"] == summary["train_flops"]
         assert budget <= r["measured_flops"] < budget + r["measured_flops"] / r["steps"] * (1 + 1e-9)
         assert r["measured_deviation"] == pytest.approx(r["measured_flops"] / budget - 1.0)
+        assert run_config(pathlib.Path(r["run_dir"]))["seed"] == r["seed"] and r["train_time_s"] == pytest.approx(r["step_time_s"] * r["steps"])
+    (analysis,) = result["analysis"]
+    dense = {k: c["val_loss"]["mean"] for k, c in analysis["cells"].items() if c["dense"]}
+    assert set(dense) == {"vanilla 1x32", "vanilla 2x32"} and analysis["best_dense"] == min(dense, key=dense.get)
+    best = (analysis["cells"][analysis["best_dense"]]["n_layer"],)
+    assert analysis["bracket"] == f"not bracketed: only one shape tried (over the widths at n_layer={best[0]})"
+    assert analysis["left_out"] == ["mod 1x32"]
+    assert set(analysis["tests"]) == {"mod 2x32"} and analysis["tests"]["mod 2x32"]["p_holm"] is not None
     report = (tmp_path / "results.md").read_text()
-    assert "FLOPs spent" in report and "not matched" not in report
+    assert "FLOPs spent" in report and "not matched" not in report and "vanilla 1x32" in report
+    assert "Δ loss vs best dense" in report and "dense isoFLOP curve: not bracketed" in report
+    assert ("**met**" in report) == bool(analysis["beats_best_dense"])
     assert (tmp_path / "mod_isoflop.png").is_file()
+    assert set(results(tmp_path)["wall_time_s"]) == {"training", "tables"} and "Wall time of this invocation" in report
+    assert "Wall time per part" in report and all(r["wall_measured"] and r["wall_s"] > 0 for r in results(tmp_path)["runs"])
+    again = repro(command)  # resumable: every finished run is reused
+    assert [r["run_dir"] for r in again["runs"]] == [r["run_dir"] for r in result["runs"]]
 
 
 @pytest.mark.slow
@@ -231,23 +251,33 @@ def test_contribution_table_shows_each_ratio_with_its_standard_error():
 
 @pytest.mark.slow
 def test_head_to_head_end_to_end(tmp_path):
-    result = repro(["head_to_head", "--out", str(tmp_path), "--variants", "mod,moe", "--bench_steps", "1", *STEPS,
-                    "--", *TINY_RUN])
-    assert [r["variant"] for r in result["runs"]] == ["vanilla", "mod", "moe"]
-    vanilla = result["runs"][0]
+    result = repro(["head_to_head", "--out", str(tmp_path), "--variants", "mod,moe", "--bench_steps", "1", "--seeds", "2",
+                    "--dense_shapes", "1x32", *STEPS, "--", *TINY_RUN])
+    entries = {r["variant"]: r for r in result["entries"]}
+    assert list(entries) == ["vanilla", "dense:1x32", "mod", "moe"]
+    assert [r["dense"] for r in result["entries"]] == [True, True, False, False]
+    vanilla = entries["vanilla"]
     assert vanilla["flops_ratio"] == 1.0 and vanilla["step_time_ratio"] == 1.0
-    assert vanilla["steps"] == 3 and vanilla["train_flops"] == pytest.approx(result["budget"])  # vanilla's 3 steps
+    assert vanilla["steps_seeds"] == [3, 3] and vanilla["train_flops"]["mean"] == pytest.approx(result["budget"])
+    assert entries["dense:1x32"]["flops_ratio"] < 1.0 and entries["dense:1x32"]["bench_step_s"] is None
     for r in result["runs"]:
-        assert r["val_loss"] > 0 and r["memory_mb"] > 0 and r["bench_step_s"] > 0
-        assert r["matched"] and r["budget"] == result["budget"] and r["train_flops"] >= result["budget"]
-    assert result["runs"][1]["steps"] > 3  # MoD's cheaper steps buy more of them
-    assert "not matched" not in (tmp_path / "results.md").read_text()
+        assert r["val_loss"] > 0 and r["matched"] and r["budget"] == result["budget"] and r["train_flops"] >= result["budget"]
+        assert r["train_time_s"] == pytest.approx(r["run_step_s"] * r["steps"])
+    for r in (entries["vanilla"], entries["mod"], entries["moe"]):
+        assert r["memory_mb"] > 0 and r["bench_step_s"] > 0
+    assert min(entries["mod"]["steps_seeds"]) > 3  # MoD's cheaper steps buy more of them
+    dense = {k: r["val_loss"]["mean"] for k, r in entries.items() if r["dense"]}
+    assert result["best_dense"] == min(dense, key=dense.get) and set(result["tests"]["loss"]) == {"mod", "moe"}
+    report = (tmp_path / "results.md").read_text()
+    assert "not matched" not in report and "train time s [95% CI]" in report and "dense:1x32" in report
     # MoD's top-k sees the future: compared by its causal loss, at the causal evaluation's FLOPs (issue 20)
-    mod = result["runs"][1]
+    mod = next(r for r in result["runs"] if r["variant"] == "mod")
     metrics = json.loads((pathlib.Path(mod["run_dir"]) / "summary.json").read_text())["val_metrics"]
     assert mod["causal"] and mod["val_loss"] == metrics["val/loss_causal"] and mod["val_loss_noncausal"] == metrics["val/loss"]
     assert mod["causal_flops_ratio"] == metrics["val/flops_causal_ratio_to_vanilla"]
     assert not vanilla["causal"] and vanilla["causal_flops_ratio"] is None
+    assert set(results(tmp_path)["wall_time_s"]) == {"training", "benchmark", "tables"}
+    assert "Wall time per part" in report and "| dense:1x32 |" in report
     assert (tmp_path / "head_to_head.png").is_file()
 
 

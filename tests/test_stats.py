@@ -104,3 +104,17 @@ def test_mean_difference_and_group_comparison():
 def test_solved_share():
     assert stats.solved_share([0.95, 0.2, 0.9, None]) == pytest.approx(2 / 3)
     assert stats.solved_share([]) is None
+
+
+def test_seed_summary_lowest_mean_and_corrected_tests_against_a_baseline():
+    summary = stats.seed_summary([1.0, 3.0, None])
+    assert summary["mean"] == 2.0 and summary["std"] == pytest.approx(math.sqrt(2.0))
+    assert summary["ci"] == stats.bootstrap_ci([1.0, 3.0]) and summary["seeds"] == [1.0, 3.0, None]
+    assert stats.seed_summary([]) == {"seeds": [], "mean": None, "std": None, "ci": (None, None)}
+    assert stats.lowest_mean({"a": 2.0, "b": None, "c": 1.5, "d": float("nan")}) == "c"
+    groups = {"low": [1.0, 1.1, 0.9], "same": [2.0, 2.1, 1.9], "none": [1.0]}
+    tests = stats.against_baseline(groups, [2.0, 2.2, 1.8], "less")
+    raw = {k: stats.compare_groups(v, [2.0, 2.2, 1.8], "less")["p"] for k, v in groups.items()}
+    assert {k: t["p"] for k, t in tests.items()} == raw and tests["none"]["p_holm"] is None
+    assert {k: t["p_holm"] for k, t in tests.items()} == stats.holm(raw)
+    assert stats.passes(tests["low"]) and not stats.passes(tests["same"]) and not stats.passes(tests["none"])

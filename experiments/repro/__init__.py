@@ -17,9 +17,9 @@ cluster with ``--size small|medium|large`` and real data after ``--``.
 | ``mom_removal`` | MoM: validation loss of a trained MoM over N_A x N_F modules kept (Figure 3) |
 | ``mom_transitions`` | MoM: module-to-module transition probabilities (Figure 6) |
 | ``mom_two_phase`` | MoM: two-phase (vanilla -> MoM) vs from-scratch training at equal total steps |
-| ``mod_isoflop`` | MoD: isoFLOP comparison with vanilla (loss vs parameters per FLOP budget) |
+| ``mod_isoflop`` | MoD: isoFLOP comparison with vanilla at every depth x width (loss vs parameters per FLOP budget), seeds, best dense model, bracket verdict, tests |
 | ``contribution`` | FFN-Wider: MHA/FFN contribution vs FFN width and vs the CAA Outer-FFN ratio r, OOD loss |
-| ``head_to_head`` | every variant at equal measured FLOPs: val loss, FLOPs/token, step time, memory |
+| ``head_to_head`` | every variant at equal measured FLOPs with dense controls and seeds: val loss, tests against the best dense model, FLOPs/token, wall clock, step time, memory |
 | ``probe`` | routing probes: accuracy and compute per difficulty level at matched FLOPs, dense controls, tests against the best dense model (``--quick``: a smoke run; ``--verify ROW``: retrain a published row) |
 """
 from __future__ import annotations
@@ -85,9 +85,11 @@ def add_training_experiments(add: Callable[[str, str], argparse.ArgumentParser])
                    help="training FLOP budgets, comma-separated (default: 0.5x and 1x the FLOPs of --steps steps "
                         "of the vanilla model at the size's width)")
     p.add_argument("--widths", default=None, help="d_model values (default: 1/2, 3/4, 1, 5/4 of the size's width)")
-    p.add_argument("--layers", type=int, default=None, help="n_layer of every model (default: the size's)")
-    p.add_argument("--variants", default="vanilla,mod")
+    p.add_argument("--layers", default=None,
+                   help="n_layer values, comma-separated: every variant at every depth x width (default: the size's)")
+    p.add_argument("--variants", default="vanilla,mod", help="comma-separated; vanilla (the dense curve) is always in")
     p.add_argument("--min_steps", type=int, default=20, help="configurations needing fewer steps are left out")
+    p.add_argument("--seeds", type=int, default=5, help="seeds per shape (default 5)")
     p = add("contribution", "MHA/FFN contribution vs FFN width and CAA ratio r")
     p.add_argument("--wide_ratio", type=float, default=32.0, help="ffn_wider and caa total FFN width / d")
     p.add_argument("--ratios", default="0.125,0.25,0.5,0.75", help="CAA Outer-FFN ratios r")
@@ -99,6 +101,10 @@ def add_training_experiments(add: Callable[[str, str], argparse.ArgumentParser])
     p = add("head_to_head", "all variants at equal measured training FLOPs (vanilla's --steps steps)")
     p.add_argument("--variants", default=None, help="comma-separated (default: every registered variant)")
     p.add_argument("--bench_steps", type=int, default=5, help="timed steps per variant in the interleaved benchmark")
+    p.add_argument("--seeds", type=int, default=5, help="seeds per entry (default 5)")
+    p.add_argument("--dense_shapes", default=None, metavar="LxD,...",
+                   help="dense vanilla controls at the same budget, n_layer x d_model (default: half the depth, 3/4 the "
+                        "width, both; and twice the depth when a routed variant plans more FLOPs per token than vanilla)")
 
 
 def add_probe_experiment(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
@@ -176,8 +182,9 @@ def dispatch(ctx, args) -> Dict[str, Any]:
 
         return isoflop_experiment(
             ctx, budgets=parse_list(args.budgets, float, "budgets") if args.budgets else None,
-            widths=parse_list(args.widths, int, "widths") if args.widths else None, n_layer=args.layers,
-            variants=parse_list(args.variants, str, "variants"), min_steps=args.min_steps)
+            widths=parse_list(args.widths, int, "widths") if args.widths else None,
+            n_layer=parse_list(args.layers, int, "layers") if args.layers else None,
+            variants=parse_list(args.variants, str, "variants"), min_steps=args.min_steps, seeds=args.seeds)
     if name == "contribution":
         from experiments.repro.contribution import contribution_experiment, parse_ood
 
@@ -196,4 +203,4 @@ def dispatch(ctx, args) -> Dict[str, Any]:
     from experiments.repro.head_to_head import head_to_head
 
     variants = parse_list(args.variants, str, "variants") if args.variants else None
-    return head_to_head(ctx, variants, bench_steps=args.bench_steps)
+    return head_to_head(ctx, variants, bench_steps=args.bench_steps, seeds=args.seeds, dense_shapes=args.dense_shapes)

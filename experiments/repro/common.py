@@ -10,11 +10,13 @@ experiment used are tabulated by ``experiments.compare`` (``<out>/leaderboard.{m
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import pathlib
 import sys
+import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -37,6 +39,7 @@ class Context:
     workers: int = 1  # runs trained at once (``--jobs``)
     threads: Optional[int] = None  # torch threads per run (``--threads``)
     command: Optional[str] = None  # the experiment's command line, quoted in results.md
+    wall_time_s: Dict[str, float] = dataclasses.field(default_factory=dict)  # per part of the programme (``part``)
     _parser: Any = dataclasses.field(default=None, repr=False)
     _writer: Any = dataclasses.field(default=None, repr=False)
     _run_dirs: List[pathlib.Path] = dataclasses.field(default_factory=list, repr=False)  # this invocation's runs
@@ -174,6 +177,16 @@ class Context:
         tmp.write_text(json.dumps(index, indent=1) + "\n")
         tmp.replace(self.out / "runs.json")
 
+    @contextlib.contextmanager
+    def part(self, name: str):
+        """Time a part of the programme (training, tables): wall seconds added to ``wall_time_s[name]``, which
+        ``write_report`` puts into results.json and results.md."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.wall_time_s[name] = self.wall_time_s.get(name, 0.0) + time.perf_counter() - start
+
     # ------------------------------------------------------------------ outputs
     def write_report(self, title: str, sections: Sequence[str], results: Dict[str, Any]) -> pathlib.Path:
         """``results.md`` (the experiment's sections, then the run table) and ``results.json``."""
@@ -182,13 +195,22 @@ class Context:
         if self.command:
             header += [f"Command: `{self.command}`", ""]
         runs, files = self.run_table()
-        (self.out / "results.md").write_text("\n".join(header + list(sections) + runs).rstrip() + "\n")
+        (self.out / "results.md").write_text("\n".join(header + list(sections) + self.wall_time_lines() + runs).rstrip()
+                                             + "\n")
         results = {**results, "leaderboard": files} if files else results
+        results = {**results, "wall_time_s": dict(self.wall_time_s)} if self.wall_time_s else results
         from analysis.provenance import provenance
 
         results = {**results, "provenance": provenance()}  # the code that computed the tables from the runs
         (self.out / "results.json").write_text(json.dumps(results, indent=2, default=_jsonable) + "\n")
         return self.out / "results.md"
+
+    def wall_time_lines(self) -> List[str]:
+        """results.md's line of the wall time per part of this invocation (none when nothing was timed)."""
+        if not self.wall_time_s:
+            return []
+        parts = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.wall_time_s.items())
+        return [f"Wall time of this invocation per part: {parts} (reused runs cost no training time).", ""]
 
     def run_table(self) -> Tuple[List[str], Dict[str, str]]:
         """The runs of this invocation through ``experiments.compare``: written to ``<out>/leaderboard.*``,
@@ -290,6 +312,85 @@ def parse_list(text: str, cast=float, option: str = "list") -> List[Any]:
     if not values:
         raise ConfigError(f"--{option}: the list is empty")
     return values
+
+
+# ---------------------------------------------------------------------------- entries: a variant and its options
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One row of the programme: a variant and its own model options; ``label`` names it in every table."""
+
+    label: str
+    variant: str
+    model: Tuple[Tuple[str, str], ...] = ()  # (ModelConfig option path, value): ("n_layer", "8"), ("mod.capacity", ...)
+    dense: bool = False
+
+    def run_options(self) -> List[str]:
+        return ["--variant", self.variant, *[x for key, value in self.model for x in (f"--model.{key}", value)]]
+
+
+def option_path(variant: str, key: str) -> str:
+    """``key`` as a ModelConfig option path: a field (``n_layer``), ``group.field``, or a field that only one
+    of the variant's option groups has (``capacity`` of MoD: ``mod.capacity``)."""
+    from architectures.config import SHARED_FIELDS
+    from architectures.registry import get_variant
+
+    groups = get_variant(variant).model_class().config_groups or {}
+    top = set(SHARED_FIELDS) - {"variant", "preset"}
+    if key in top:
+        return key
+    group, _, field = key.rpartition(".")
+    owners = [g for g, cls in groups.items() if (not group or g == group)
+              and field in {f.name for f in dataclasses.fields(cls)}]
+    if len(owners) == 1:
+        return f"{owners[0]}.{field}"
+    known = sorted(top) + sorted(f"{g}.{f.name}" for g, cls in groups.items() for f in dataclasses.fields(cls))
+    raise ConfigError(f"--variants: {variant}:{key}=... {'is ambiguous' if owners else 'is no option of ' + variant}; "
+                      f"options: {', '.join(known)}")
+
+
+def parse_entry(text: str) -> Entry:
+    """``NAME``, ``NAME:key=value[:key=value...]`` or ``dense:LxD`` (see the module docstring)."""
+    from architectures import variant_names
+
+    if text.startswith("dense:"):
+        n_layer, d_model = parse_shape(text[len("dense:"):])
+        return Entry(text, "vanilla", (("n_layer", str(n_layer)), ("d_model", str(d_model))), dense=True)
+    name, *pairs = text.split(":")
+    if name not in variant_names():
+        raise ConfigError(f"--variants: unknown {name!r}; valid variants: {', '.join(variant_names())}")
+    model = []
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key or not value:
+            raise ConfigError(f"--variants: {text!r}: {pair!r} is not key=value (e.g. mod:n_layer=8:capacity=0.125)")
+        model.append((option_path(name, key), value))
+    return Entry(text, name, tuple(model), dense=name == "vanilla")
+
+
+def parse_shape(text: str) -> Tuple[int, int]:
+    layers, sep, width = text.partition("x")
+    if not (sep and layers.isdigit() and width.isdigit() and int(layers) > 0 and int(width) > 0):
+        raise ConfigError(f"--dense_shapes: {text!r} is not n_layer x d_model such as 4x48")
+    return int(layers), int(width)
+
+
+def narrower_width(d_model: int, n_head: int) -> int:
+    """3/4 of the width, a positive multiple of ``n_head``: the narrower dense control."""
+    return max(n_head, round(0.75 * d_model / n_head) * n_head)
+
+
+def parse_shapes(text: str, n_head: int) -> List[Tuple[int, int]]:
+    """``--dense_shapes LxD,...`` as (n_layer, d_model) pairs; widths must be multiples of ``n_head``."""
+    shapes = [parse_shape(s) for s in parse_list(text, str, "dense_shapes")]
+    bad = [f"{n}x{d}" for n, d in shapes if d % n_head]
+    if bad:
+        raise ConfigError(f"--dense_shapes: widths of {', '.join(bad)} are not multiples of n_head={n_head}")
+    return shapes
+
+
+def dense_entries(shapes: Sequence[Tuple[int, int]], reference: Tuple[int, int]) -> List[str]:
+    """The entries ``dense:LxD`` of the shapes, the reference shape left out (the reference vanilla is that model)."""
+    return [f"dense:{n}x{d}" for n, d in shapes if (n, d) != tuple(reference)]
 
 
 # ---------------------------------------------------------------------------- trained checkpoints
@@ -472,9 +573,15 @@ def run_wall_seconds(summary: Dict[str, Any]) -> Tuple[Optional[float], bool]:
     return float(start) + sum(float(t) for _, t in steps), False
 
 
-def wall_time_lines(rows: Sequence[Dict[str, Any]], part_of, elapsed: Dict[str, float], workers: int) -> List[str]:
+def run_wall(summary: Dict[str, Any]) -> Dict[str, Any]:
+    """A run row's ``wall_s`` / ``wall_measured`` (``run_wall_seconds``), for ``wall_time_lines``."""
+    return dict(zip(("wall_s", "wall_measured"), run_wall_seconds(summary)))
+
+
+def wall_time_lines(rows: Sequence[Dict[str, Any]], part_of, workers: int) -> List[str]:
     """The programme's wall time per part: each part's runs (``part_of(row)``: the entry), their wall times
-    summed (one run per core at once: divide by the runs trained at once), and this invocation's own phases."""
+    summed (one run per core at once: divide by the runs trained at once). Finished runs are reused, so this
+    is what the whole programme costs, whatever this invocation retrained (``Context.part`` times that)."""
     parts: Dict[str, List[Dict[str, Any]]] = {}
     for row in rows:
         parts.setdefault(part_of(row), []).append(row)
@@ -489,7 +596,5 @@ def wall_time_lines(rows: Sequence[Dict[str, Any]], part_of, elapsed: Dict[str, 
         lines.append(f"| {part} | {len(members)} | {mark}{sum(walls):,.0f} | {mark}{sum(walls) / max(1, len(walls)):,.0f} |")
     note = (" (>=: run folders from before `process_seconds` was recorded; start-up plus timed steps, validation left "
             "out)") if estimated else ""
-    phases = ", ".join(f"{name} {seconds:,.0f} s" for name, seconds in elapsed.items())
     return [f"Wall time per part: every run's process, start to its summary{note}; {len(rows)} runs, "
-            f"{total:,.0f} s summed, about {total / max(1, workers):,.0f} s at {max(1, workers)} at once. This "
-            f"invocation (finished runs are reused, not retrained): {phases}.", *lines]
+            f"{total:,.0f} s summed, about {total / max(1, workers):,.0f} s at {max(1, workers)} at once.", "", *lines, ""]

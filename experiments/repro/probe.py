@@ -42,14 +42,16 @@ import dataclasses
 import math
 import pathlib
 import statistics
-import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from architectures.config import ConfigError
 from architectures.registry import tagged
 from analysis import stats
-from experiments.repro.common import (Context, budget_spent, budget_step_cap, figure, fmt, markdown_table, run_wall_seconds,
-                                      wall_time_lines)
+from analysis.tables import ci_cell as _ci, test_cell as _test_cell
+from experiments.repro.common import (Context, Entry, budget_spent, budget_step_cap, dense_entries, figure, fmt,
+                                     markdown_table, narrower_width, option_path, parse_entry, parse_shape,
+                                     parse_shapes, run_wall,
+                                     wall_time_lines)  # noqa: F401  (option_path, parse_shape: probe's API)
 
 VARIANTS = tuple(tagged("probe"))  # the registry entries tagged "probe" (vanilla first)
 LEVELS = range(5)
@@ -74,84 +76,19 @@ QUICK = ["--data.max_tokens", "16384", "--model.d_model", "32", "--model.n_layer
 
 
 # ---------------------------------------------------------------------------- entries
-@dataclasses.dataclass(frozen=True)
-class Entry:
-    """One row of the programme: a variant and its own model options; ``label`` names it in every table."""
-
-    label: str
-    variant: str
-    model: Tuple[Tuple[str, str], ...] = ()  # (ModelConfig option path, value): ("n_layer", "8"), ("mod.capacity", ...)
-    dense: bool = False
-
-    def run_options(self) -> List[str]:
-        return ["--variant", self.variant, *[x for key, value in self.model for x in (f"--model.{key}", value)]]
-
-
-def option_path(variant: str, key: str) -> str:
-    """``key`` as a ModelConfig option path: a field (``n_layer``), ``group.field``, or a field that only one
-    of the variant's option groups has (``capacity`` of MoD: ``mod.capacity``)."""
-    from architectures.config import SHARED_FIELDS
-    from architectures.registry import get_variant
-
-    groups = get_variant(variant).model_class().config_groups or {}
-    top = set(SHARED_FIELDS) - {"variant", "preset"}
-    if key in top:
-        return key
-    group, _, field = key.rpartition(".")
-    owners = [g for g, cls in groups.items() if (not group or g == group)
-              and field in {f.name for f in dataclasses.fields(cls)}]
-    if len(owners) == 1:
-        return f"{owners[0]}.{field}"
-    known = sorted(top) + sorted(f"{g}.{f.name}" for g, cls in groups.items() for f in dataclasses.fields(cls))
-    raise ConfigError(f"--variants: {variant}:{key}=... {'is ambiguous' if owners else 'is no option of ' + variant}; "
-                      f"options: {', '.join(known)}")
-
-
-def parse_entry(text: str) -> Entry:
-    """``NAME``, ``NAME:key=value[:key=value...]`` or ``dense:LxD`` (see the module docstring)."""
-    from architectures import variant_names
-
-    if text.startswith("dense:"):
-        n_layer, d_model = parse_shape(text[len("dense:"):])
-        return Entry(text, "vanilla", (("n_layer", str(n_layer)), ("d_model", str(d_model))), dense=True)
-    name, *pairs = text.split(":")
-    if name not in variant_names():
-        raise ConfigError(f"--variants: unknown {name!r}; valid variants: {', '.join(variant_names())}")
-    model = []
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key or not value:
-            raise ConfigError(f"--variants: {text!r}: {pair!r} is not key=value (e.g. mod:n_layer=8:capacity=0.125)")
-        model.append((option_path(name, key), value))
-    return Entry(text, name, tuple(model), dense=name == "vanilla")
-
-
-def parse_shape(text: str) -> Tuple[int, int]:
-    layers, sep, width = text.partition("x")
-    if not (sep and layers.isdigit() and width.isdigit() and int(layers) > 0 and int(width) > 0):
-        raise ConfigError(f"--dense_shapes: {text!r} is not n_layer x d_model such as 4x48")
-    return int(layers), int(width)
-
-
 def default_dense_shapes(n_layer: int, d_model: int, n_head: int) -> List[Tuple[int, int]]:
     """Half the depth, 3/4 of the width, twice the depth of the reference: FLOPs per token below and above it
     (at the programme's size the routed entries span ~0.6x (mode_staged) to ~1.7x (mom_e) the reference's)."""
-    narrower = max(n_head, round(0.75 * d_model / n_head) * n_head)
-    return [(max(1, n_layer // 2), d_model), (n_layer, narrower), (2 * n_layer, d_model)]
+    return [(max(1, n_layer // 2), d_model), (n_layer, narrower_width(d_model, n_head)), (2 * n_layer, d_model)]
 
 
 def programme_entries(variants: Sequence[str], dense_shapes: Optional[str], base) -> List[Entry]:
     """The reference vanilla first, then the dense controls, then the other entries (duplicates dropped)."""
-    from experiments.repro.common import parse_list
-
     if not variants:
         raise ConfigError("--variants: the list is empty")
-    shapes = ([parse_shape(s) for s in parse_list(dense_shapes, str, "dense_shapes")] if dense_shapes
+    shapes = (parse_shapes(dense_shapes, base.n_head) if dense_shapes
               else default_dense_shapes(base.n_layer, base.d_model, base.n_head))
-    bad = [f"{n}x{d}" for n, d in shapes if d % base.n_head]
-    if bad:
-        raise ConfigError(f"--dense_shapes: widths of {', '.join(bad)} are not multiples of n_head={base.n_head}")
-    dense = [f"dense:{n}x{d}" for n, d in shapes if (n, d) != (base.n_layer, base.d_model)]
+    dense = dense_entries(shapes, (base.n_layer, base.d_model))
     entries: Dict[str, Entry] = {}
     for text in ["vanilla", *dense, *variants]:
         entries.setdefault(text, parse_entry(text))
@@ -228,21 +165,19 @@ def probe_experiment(ctx: Context, variants: Sequence[str] = VARIANTS, seeds: in
                      verify: Optional[str] = None, published: Optional[pathlib.Path] = None) -> Dict[str, Any]:
     if verify is not None:
         return verify_row(ctx, verify, pathlib.Path(published or PUBLISHED), seeds, blocks, min_steps, quick)
-    started = time.perf_counter()
-    settings, entries, budget, tokens, vocab = prepare(ctx, variants, seeds, blocks, quick, dense_shapes)
-    plan = plan_entries(ctx, entries, budget, tokens, vocab, min_steps)
-    planned = time.perf_counter()
-    runs = train_runs(ctx, plan, seeds, blocks)
-    trained = time.perf_counter()
-    per_variant = {e.label: aggregate([r for r in runs if r["variant"] == e.label]) for e in entries}
-    tests = dense_tests(per_variant)
-    goals = goal_figures(per_variant, tests)
-    sections = report_sections(ctx, budget, tokens, per_variant, tests, goals)
-    plot_accuracy(ctx, per_variant)
-    plot_compute(ctx, per_variant)
-    elapsed = {"planning": planned - started, "training and evaluating the runs": trained - planned,
-               "statistics, tables and figures": time.perf_counter() - trained}
-    sections += [*wall_time_lines(runs, lambda r: r["variant"], elapsed, ctx.workers), ""]
+    with ctx.part("planning"):
+        settings, entries, budget, tokens, vocab = prepare(ctx, variants, seeds, blocks, quick, dense_shapes)
+        plan = plan_entries(ctx, entries, budget, tokens, vocab, min_steps)
+    with ctx.part("training and evaluating the runs"):
+        runs = train_runs(ctx, plan, seeds, blocks)
+    with ctx.part("tables"):
+        per_variant = {e.label: aggregate([r for r in runs if r["variant"] == e.label]) for e in entries}
+        tests = dense_tests(per_variant)
+        goals = goal_figures(per_variant, tests)
+        sections = report_sections(ctx, budget, tokens, per_variant, tests, goals)
+        sections += wall_time_lines(runs, lambda r: r["variant"], ctx.workers)
+        plot_accuracy(ctx, per_variant)
+        plot_compute(ctx, per_variant)
     ctx.log_table("probe", "\n".join(sections))
     results = {"settings": settings, "budget": budget, "tokens_per_step": tokens, "variants": per_variant,
                "best_dense": tests["best_dense"], "tests": tests, "goals": goals, "runs": runs}
@@ -311,7 +246,7 @@ def run_row(c: Planned, seed: int, summary: Dict[str, Any]) -> Dict[str, Any]:
             "val_loss_causal": summary["val_metrics"].get("val/loss_causal"),
             "headline_val_loss": headline_val_loss(summary),  # causal where the variant has it: what it is ranked by
             "step_time_s": step_time, "train_time_s": step_time * summary["steps"] if step_time is not None else None,
-            **dict(zip(("wall_s", "wall_measured"), run_wall_seconds(summary))),
+            **run_wall(summary),
             "probe": detail, "run_dir": summary["run_dir"]}
 
 
@@ -393,9 +328,7 @@ def family(variant: str) -> str:
 # ---------------------------------------------------------------------------- tests against the best dense model
 def best_dense(per_variant: Dict[str, Dict[str, Any]]) -> str:
     """The dense entry (vanilla of any shape) with the lowest mean validation loss."""
-    dense = [v for v, a in per_variant.items() if a.get("dense")]
-    return min(dense, key=lambda v: per_variant[v]["headline_val_loss"][0] if per_variant[v]["headline_val_loss"][0]
-               is not None else math.inf)
+    return stats.lowest_mean({v: a["headline_val_loss"][0] for v, a in per_variant.items() if a.get("dense")})
 
 
 def dense_tests(per_variant: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
@@ -408,7 +341,7 @@ def dense_tests(per_variant: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
     def family_of(metric, alternative, against, level=None):
         def seeds(v):
             return per_variant[v]["levels"].get(level, {}).get("acc_seeds", []) if level else per_variant[v][metric]
-        return stats.with_holm({v: stats.compare_groups(seeds(v), seeds(against), alternative) for v in routed})
+        return stats.against_baseline({v: seeds(v) for v in routed}, seeds(against), alternative)
 
     tests = {"best_dense": best, "loss": family_of("headline_val_loss_seeds", "less", best),
              "loss_vs_reference": family_of("headline_val_loss_seeds", "less", "vanilla"),
@@ -465,7 +398,7 @@ def goal_figures(per_variant: Dict[str, Dict[str, Any]], tests: Dict[str, Any]) 
 
 
 def _passes(test: Dict[str, Any]) -> bool:
-    return test.get("p_holm") is not None and test["p_holm"] < ALPHA
+    return stats.passes(test, ALPHA)
 
 
 # ---------------------------------------------------------------------------- the report
@@ -478,13 +411,6 @@ def _pm(cell, digits: int = 3) -> str:
     return "-" if mean is None else f"{fmt(mean, digits)} ± {fmt(std, digits)}"
 
 
-def _ci(mean: Optional[float], ci, digits: int = 3) -> str:
-    if mean is None:
-        return "-"
-    lo, hi = ci if ci is not None else (None, None)
-    return fmt(mean, digits) if lo is None else f"{fmt(mean, digits)} [{fmt(lo, digits)}, {fmt(hi, digits)}]"
-
-
 def _acc_cell(row: Optional[Dict[str, Any]]) -> str:
     """'mean [CI] k/n': the seed-mean accuracy, its hierarchical interval, the seeds at >= 0.9 of all."""
     if not row:
@@ -492,16 +418,6 @@ def _acc_cell(row: Optional[Dict[str, Any]]) -> str:
     seeds = row.get("acc_seeds") or []
     solved = sum(1 for a in seeds if a >= stats.SOLVED)
     return f"{_ci(row['acc'][0], row.get('acc_ci'), 2)} {solved}/{len(seeds)}"
-
-
-def _test_cell(test: Optional[Dict[str, Any]], digits: int = 4) -> str:
-    """'Δ [CI], g, p (Holm)' of a test against a dense model."""
-    if not test or test.get("difference") is None:
-        return "-"
-    text = f"{test['difference']:+.{digits}f}"
-    if test.get("ci_low") is not None:
-        text += f" [{test['ci_low']:+.{digits}f}, {test['ci_high']:+.{digits}f}]"
-    return f"{text}, g {fmt(test.get('hedges_g'), 2)}, p {fmt(test.get('p_holm'), 3)}"
 
 
 def accuracy_table(per_variant) -> str:

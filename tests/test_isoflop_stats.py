@@ -1,0 +1,131 @@
+"""The statistics of ``mod_isoflop`` and ``head_to_head`` on planted numbers: the best dense model, the
+"bracketed" verdict of the dense isoFLOP curve, Holm's correction over the routed shapes, and "met" only when
+the corrected test passes. The programmes end to end are in test_repro.py."""
+from __future__ import annotations
+
+import pytest
+
+from analysis import stats
+from experiments.repro.head_to_head import default_dense_shapes, dense_comparison, programme_entries
+from experiments.repro.isoflop import bracket_verdict, budget_analysis, cells_of
+
+BUDGET = 1e12
+
+
+def planted_runs(losses, params):
+    """Run rows as ``isoflop_row`` makes them: ``losses[(variant, n_layer, d_model)]`` one per seed."""
+    rows = []
+    for (variant, n_layer, d_model), seeds in losses.items():
+        for seed, loss in enumerate(seeds):
+            rows.append({"budget": BUDGET, "variant": variant, "n_layer": n_layer, "d_model": d_model, "seed": seed,
+                         "parameters": params[(n_layer, d_model)] + (7 if variant == "mod" else 0), "steps": 100,
+                         "planned_steps": 100, "train_flops_per_token": 1e6, "forward_flops_per_token": 3e5,
+                         "matched": True, "measured_deviation": 0.001 * seed, "measured_flops": BUDGET * 1.001,
+                         "val_loss": loss, "val_loss_noncausal": loss - 0.01,
+                         "val_loss_causal": loss if variant == "mod" else None, "train_time_s": 10.0 + seed,
+                         "run_dir": f"/runs/{variant}-{n_layer}x{d_model}-{seed}"})
+    return rows
+
+
+PARAMS = {(1, 16): 90, (1, 24): 190, (2, 16): 100, (2, 24): 200, (2, 32): 300, (4, 24): 220}
+DENSE_TURNING = {("vanilla", 1, 16): [3.30, 3.32, 3.31], ("vanilla", 1, 24): [3.20, 3.22, 3.21],
+                 ("vanilla", 2, 16): [3.00, 3.10, 3.05], ("vanilla", 2, 24): [2.80, 2.82, 2.81],
+                 ("vanilla", 2, 32): [2.90, 2.93, 2.91], ("vanilla", 4, 24): [2.85, 2.86, 2.87]}
+MOD = {("mod", 2, 16): [2.50, 2.51, 2.49], ("mod", 2, 24): [2.78, 2.80, 2.83], ("mod", 2, 32): [2.95, 2.96, 2.97]}
+
+
+def test_bracket_verdict_on_planted_curves():
+    assert bracket_verdict([(100, 3.0), (200, 2.8), (300, 2.9)]) == "bracketed"
+    assert bracket_verdict([(300, 2.9), (100, 2.7), (200, 2.8)]) == "not bracketed: the best is the smallest shape tried"
+    assert bracket_verdict([(100, 3.0), (200, 2.9), (300, 2.8)]) == "not bracketed: the best is the largest shape tried"
+    assert bracket_verdict([(100, 3.0), (200, 2.9)]) == "not bracketed: the best is the largest shape tried"
+    assert bracket_verdict([(100, 3.0)]) == "not bracketed: only one shape tried"
+    # a shape without a loss does not count as a side of the bracket
+    assert bracket_verdict([(100, None), (200, 2.8), (300, 2.9), (400, 3.0)]).endswith("smallest shape tried")
+
+
+def test_best_dense_and_bracket_over_parameters_and_per_depth():
+    a = budget_analysis(BUDGET, cells_of(planted_runs({**DENSE_TURNING, **MOD}, PARAMS)))
+    assert a["best_dense"] == "vanilla 2x24"  # lowest seed mean among the dense shapes (mod 2x16 is lower, not dense)
+    cell = a["cells"]["vanilla 2x24"]
+    assert cell["val_loss"]["mean"] == pytest.approx(2.81) and cell["val_loss"]["seeds"] == [2.80, 2.82, 2.81]
+    lo, hi = cell["val_loss"]["ci"]
+    assert 2.80 - 1e-9 <= lo <= 2.81 <= hi <= 2.82 + 1e-9 and (lo, hi) == stats.bootstrap_ci([2.80, 2.82, 2.81])
+    assert cell["steps_seeds"] == [100, 100, 100] and cell["max_deviation"] == pytest.approx(0.002)
+    assert a["bracket"] == "bracketed" and a["bracket_by_depth"][2] == "bracketed"
+    assert a["bracket_by_depth"][1] == "not bracketed: the best is the largest shape tried"
+    assert a["bracket_by_depth"][4] == "not bracketed: only one shape tried"
+    assert set(a["tests"]) == {"mod 2x16", "mod 2x24", "mod 2x32"}
+    assert a["train_time_ratio"]["mod 2x16"] == pytest.approx(1.0)
+
+    rising = {k: [PARAMS[k[1:]] / 100 + 0.01 * i for i in range(3)] for k in DENSE_TURNING}
+    a = budget_analysis(BUDGET, cells_of(planted_runs({**rising, **MOD}, PARAMS)))
+    assert a["best_dense"] == "vanilla 1x16"
+    assert a["bracket"] == "not bracketed: the best is the smallest shape tried (over the widths at n_layer=1)"
+    falling = {k: [10 - PARAMS[k[1:]] / 100 + 0.01 * i for i in range(3)] for k in DENSE_TURNING}
+    a = budget_analysis(BUDGET, cells_of(planted_runs({**falling, **MOD}, PARAMS)))
+    assert a["best_dense"] == "vanilla 2x32"
+    assert a["bracket"] == "not bracketed: the best is the largest shape tried (over the widths at n_layer=2)"
+    # the width curve turns at n_layer=2, but the deepest shape at that width is better: not bracketed over depth
+    deeper = {**DENSE_TURNING, ("vanilla", 4, 24): [2.70, 2.71, 2.72]}
+    a = budget_analysis(BUDGET, cells_of(planted_runs({**deeper, **MOD}, PARAMS)))
+    assert a["best_dense"] == "vanilla 4x24"
+    assert a["bracket"] == "not bracketed: only one shape tried (over the widths at n_layer=4)"
+    wider_at_4 = {**deeper, ("vanilla", 4, 16): [2.90, 2.91, 2.92], ("vanilla", 4, 32): [2.80, 2.81, 2.82]}
+    a = budget_analysis(BUDGET, cells_of(planted_runs({**wider_at_4, **MOD}, {**PARAMS, (4, 16): 120, (4, 32): 320})))
+    assert a["bracket_by_depth"][4] == "bracketed"
+    assert a["bracket"] == "not bracketed: the best is the largest shape tried (over the depths at d_model=24)"
+
+
+def test_holm_over_the_routed_shapes_decides_met(monkeypatch):
+    """Planted raw p-values 0.01, 0.04, 0.03: all below 0.05, but Holm's adjustment (x3, x2, x1, monotone) gives
+    0.03, 0.06, 0.06, so only the first beats the best dense model."""
+    planted = {2.50: 0.01, 2.78: 0.04, 2.95: 0.03}  # by the first seed of each mod shape
+    real = stats.welch_p
+    monkeypatch.setattr(stats, "welch_p", lambda a, b, alternative="two-sided":
+                        planted.get(float(a[0]), real(a, b, alternative)) if len(a) else None)
+    a = budget_analysis(BUDGET, cells_of(planted_runs({**DENSE_TURNING, **MOD}, PARAMS)))
+    raw = {k: t["p"] for k, t in a["tests"].items()}
+    assert raw == {"mod 2x16": 0.01, "mod 2x24": 0.04, "mod 2x32": 0.03}
+    assert {k: t["p_holm"] for k, t in a["tests"].items()} == pytest.approx(
+        {"mod 2x16": 0.03, "mod 2x24": 0.06, "mod 2x32": 0.06})
+    assert a["beats_best_dense"] == ["mod 2x16"]
+    best = a["cells"]["vanilla 2x24"]["val_loss"]["seeds"]
+    test = a["tests"]["mod 2x16"]
+    assert test["difference"] == pytest.approx(2.50 - 2.81) and test["ci_low"] <= test["difference"] <= test["ci_high"]
+    assert test["hedges_g"] == pytest.approx(stats.hedges_g(MOD[("mod", 2, 16)], best))
+    # the second column: each mod shape against vanilla of its own shape, corrected over the same family
+    assert a["tests_same_shape"]["mod 2x32"]["difference"] == pytest.approx(2.96 - 2.91333333)
+
+
+def test_head_to_head_best_dense_and_corrected_tests():
+    def entry(label, dense, losses, time=10.0):
+        return {"variant": label, "dense": dense, "val_loss": stats.seed_summary(losses),
+                "train_time_s": stats.seed_summary([time] * len(losses))}
+
+    entries = [entry("vanilla", True, [3.00, 3.02, 3.01]), entry("dense:2x64", True, [2.90, 2.91, 2.92], 5.0),
+               entry("dense:4x48", True, [2.95, 2.97, 2.96]), entry("mod", False, [2.70, 2.71, 2.72], 12.5),
+               entry("moe", False, [2.95, 2.93, 2.94])]
+    tests = dense_comparison(entries)
+    assert tests["best_dense"] == "dense:2x64" and set(tests["loss"]) == {"mod", "moe"}
+    raw = {k: t["p"] for k, t in tests["loss"].items()}
+    assert {k: t["p_holm"] for k, t in tests["loss"].items()} == pytest.approx(stats.holm(raw))
+    assert tests["beats_best_dense"] == ["mod"] and tests["train_time_ratio"]["mod"] == pytest.approx(2.5)
+    # moe beats the reference vanilla, not the best dense model: only the first is a second column
+    assert stats.passes(tests["loss_vs_reference"]["moe"]) and not stats.passes(tests["loss"]["moe"])
+
+
+def test_head_to_head_default_dense_shapes_span_the_routed_flops():
+    assert default_dense_shapes(4, 64, 4, deeper=False) == [(2, 64), (4, 48), (2, 48)]
+    assert default_dense_shapes(4, 64, 4, deeper=True) == [(2, 64), (4, 48), (2, 48), (8, 64)]
+
+    class Base:
+        n_layer, d_model, n_head = 4, 64, 4
+
+    labels = [e.label for e in programme_entries(["mod"], None, Base, {"vanilla": 1.0, "mod": 0.8})]
+    assert labels == ["vanilla", "dense:2x64", "dense:4x48", "dense:2x48", "mod"]
+    labels = [e.label for e in programme_entries(["mom"], None, Base, {"vanilla": 1.0, "mom": 1.7})]
+    assert labels[-2:] == ["dense:8x64", "mom"]
+    entries = programme_entries(["mod"], "4x64,1x32", Base, {"vanilla": 1.0, "mod": 0.8})
+    assert [e.label for e in entries] == ["vanilla", "dense:1x32", "mod"]  # the reference shape is vanilla itself
+    assert [e.dense for e in entries] == [True, True, False]
