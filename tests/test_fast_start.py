@@ -86,3 +86,23 @@ def test_the_real_stdlib_docstrings_equal_a_fresh_parse(tmp_path, monkeypatch):
         corpora._stdlib_docstrings.cache_clear()
     root = pathlib.Path(corpora.sysconfig.get_paths()["stdlib"])
     assert cached == corpora._parse_docstrings(corpora._stdlib_files(root)) and len(cached) > 1000
+
+
+def test_the_sweep_plan_from_forked_measurements_equals_the_in_process_plan():
+    """``experiments.sweep --dry_run`` measures each distinct model in a process forked from a server that imported
+    torch once: the plan of every job is exactly the one measured here in-process (``plan_run_config``), for a
+    plain job, a checkpointed one and a routed one, and the job sharing a model shares its measurement."""
+    import multiprocessing
+
+    from experiments import sweep
+    from experiments.memory import plan_run_config
+
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        assert sweep.measurement_context().get_start_method() == "forkserver"
+    tiny = ["--size", "tiny", "--model.block_size", "32", "--data.batch_size", "2"]
+    grid = [tiny, [*tiny, "--activation_checkpointing", "blocks"], [*tiny, "--variant", "mod"],
+            [*tiny[:-1], "8", "--trainer.devices", "2"]]
+    parsed = sweep.validate(grid)
+    rows = sweep.memory_plans(parsed, 40.0)
+    assert rows == [plan_run_config(cfg, 40.0).row() for cfg in parsed]
+    assert rows[1]["activations_GiB"] < rows[1]["activations_plain_GiB"] and rows[3]["micro_batch"] == 8
