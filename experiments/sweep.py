@@ -305,7 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--peak_tflops", type=float, default=989.5, help="--dry_run estimate: GPU peak (bf16 dense)")
     parser.add_argument("--mfu", type=float, default=0.4, help="--dry_run estimate: assumed model FLOPs utilisation")
     parser.add_argument("--no_plan", action="store_true",
-                        help="--dry_run without the memory plan (which builds every model on the CPU: ~1 min per job)")
+                        help="--dry_run without the memory plan (which builds each distinct model on the CPU: ~5-10 s each "
+                        "on a loaded 2-core machine, docs/benchmarks.md)")
     parser.add_argument("--gpu_memory_gb", type=float, default=80.0,
                         help="--dry_run memory plan: GPU memory per device in GiB (docs/scale.md)")
     return parser
