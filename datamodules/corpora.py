@@ -19,6 +19,8 @@ import sys
 import sysconfig
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from datamodules.files import atomic_text, default_cache_dir
+
 _SKIP_STDLIB_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "tkinter", "turtledemo"}
 _MIN_DOCSTRING_CHARS = 40
 
@@ -84,17 +86,56 @@ class EmbeddedCorpus(Corpus):
         return f"embedded-py{sys.version_info.major}.{sys.version_info.minor}-{digest.hexdigest()[:16]}"
 
 
+#: bump when what ``_parse_docstrings`` keeps changes: the cached docstrings of the old rule are then not read
+_DOCSTRINGS_FORMAT = 1
+
+
 @functools.lru_cache(maxsize=1)
 def _stdlib_docstrings() -> Tuple[str, ...]:
-    """Module, class and function docstrings of the stdlib, parsed (never imported), sorted by path."""
+    """Module, class and function docstrings of the stdlib, parsed (never imported), sorted by path.
+
+    Parsing the ~1,000 files takes ~8 s of CPU, and every run on ``embedded`` needs the documents (the corpus
+    fingerprint keys the token cache): they are kept in the cache folder under a key of every file's path,
+    size and mtime (plus the Python version and the rule above), so a changed stdlib is parsed again."""
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    files = _stdlib_files(root)
+    cached = _docstrings_cache_file(root, files)
+    try:
+        docs = json.loads(cached.read_text(encoding="utf-8"))
+        if isinstance(docs, list) and all(isinstance(doc, str) for doc in docs):
+            return tuple(docs)
+    except (OSError, ValueError):
+        pass  # absent, unreadable or torn: parse
+    docs = _parse_docstrings(files)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        atomic_text(cached, json.dumps(docs))
+    except OSError:
+        pass  # a read-only cache folder costs the parse on every run, nothing else
+    return docs
+
+
+def _stdlib_files(root: pathlib.Path) -> List[pathlib.Path]:
+    return [path for path in sorted(root.rglob("*.py")) if not _SKIP_STDLIB_DIRS.intersection(path.relative_to(root).parts)]
+
+
+def _docstrings_cache_file(root: pathlib.Path, files: Sequence[pathlib.Path]) -> pathlib.Path:
+    digest = hashlib.sha256(f"{_DOCSTRINGS_FORMAT}|{sys.version}|{root}|{_MIN_DOCSTRING_CHARS}".encode())
+    for path in files:
+        try:
+            stat = path.stat()
+        except OSError:
+            continue  # a file that vanished is skipped by the parse too
+        digest.update(f"{path.relative_to(root)}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
+    return default_cache_dir() / "embedded" / f"stdlib-docstrings-{digest.hexdigest()[:20]}.json"
+
+
+def _parse_docstrings(files: Sequence[pathlib.Path]) -> Tuple[str, ...]:
     docs: List[str] = []
-    for path in sorted(root.rglob("*.py")):
-        if _SKIP_STDLIB_DIRS.intersection(path.relative_to(root).parts):
-            continue
+    for path in files:
         try:
             tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, ValueError):
+        except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
             continue
         for node in ast.walk(tree):
             if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):

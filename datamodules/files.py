@@ -23,8 +23,21 @@ def atomic_npy(path: pathlib.Path, array) -> None:
     with the umask's permissions (mkstemp's 0600 would hide it from other users of a shared cache)."""
     import numpy as np
 
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp", suffix=".npy")
+    _atomic_write(path, ".npy", lambda tmp: np.save(tmp, array))
+
+
+def atomic_text(path: pathlib.Path, text: str) -> None:
+    """``text`` (UTF-8) to ``path``, as ``atomic_npy`` writes an array."""
+    _atomic_write(path, "", lambda tmp: pathlib.Path(tmp).write_text(text, encoding="utf-8"))
+
+
+def _atomic_write(path: pathlib.Path, suffix: str, write) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp", suffix=suffix)
     os.close(fd)
-    follow_umask(tmp)
-    np.save(tmp, array)
-    os.replace(tmp, path)
+    try:
+        follow_umask(tmp)
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise

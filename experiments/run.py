@@ -33,7 +33,9 @@ import pathlib
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-# Keep stdout clean and start-up fast before the heavy imports.
+# Keep stdout clean and start-up fast before the heavy imports. Lightning (~5 s: it imports torch._dynamo,
+# torchmetrics, and through them transformers and scipy) is imported by the functions that need it, so that
+# ``import experiments.run`` for its helpers (``model_config``, ``expand_aliases``) costs torch and the suite only.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace  # noqa: E402
@@ -48,10 +50,8 @@ from datamodules.corpora import DataError  # noqa: E402
 from lightning_modules.storage import StorageError, atomic_checkpoint_io, check_writable, claim_next_version  # noqa: E402
 from lightning_modules.storage import is_storage_error, release_if_empty, remove_killed_checkpoint_writes  # noqa: E402
 from lightning_modules.storage import storage_message  # noqa: E402
-from datamodules.lm import DataConfig  # noqa: E402
 from datamodules.probe_labels import check_label_file  # noqa: E402
 from lightning_modules.flops_budget import require_counted_flops, validate_budget  # noqa: E402
-from lightning_modules.lm import OptimConfig  # noqa: E402
 
 ALIASES = {
     "--variant": "--model.variant",
@@ -121,6 +121,9 @@ def default_precision() -> str:
 
 
 def build_parser() -> ArgumentParser:
+    from datamodules.lm import DataConfig
+    from lightning_modules.lm import OptimConfig
+
     parser = ArgumentParser(
         prog="python -m experiments.run",
         description="Train a dynamic-computation Transformer variant. Aliases: "
@@ -223,6 +226,9 @@ def validate_up_front(cfg: Namespace, argv: Sequence[str] = ()) -> None:
         raise ConfigError(f"init_min_share: must be in [0, 1], got {cfg.init_min_share}")
     resolve_val_blocks(cfg)
     parse_policy(cfg.activation_checkpointing)
+    from datamodules.lm import DataConfig
+    from lightning_modules.lm import OptimConfig
+
     DataConfig(**_as_dict(cfg.data)).validate()
     OptimConfig(**_as_dict(cfg.optim)).validate()
     callbacks_config(cfg).validate(model_config(cfg).resolve().block_size)
@@ -510,7 +516,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Optional[pathlib.Path]:
 def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
     import lightning as L
 
-    from datamodules.lm import LMDataModule
+    from datamodules.lm import DataConfig, LMDataModule
     from model_tools.compiling import compile_model
     from model_tools.weights import load_initial_weights
     from lightning_modules.lm import LanguageModelModule

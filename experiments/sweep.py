@@ -243,7 +243,6 @@ def memory_plans(parsed: Sequence[Any], gpu_memory_gb: float = 80.0) -> List[Dic
     One measurement per distinct model / precision / checkpointing (``memory.measurement_key``), reused by
     every job that shares it."""
     import concurrent.futures
-    import multiprocessing
 
     from model_tools.memory import job_plan, measure, measurement_key
     from experiments.memory import measurement_inputs
@@ -255,12 +254,27 @@ def memory_plans(parsed: Sequence[Any], gpu_memory_gb: float = 80.0) -> List[Dic
     # one fresh process per measurement: a process that built a model does not get its memory back (measured:
     # ~1 GiB per GPT-2 small model stays with it; one worker for all of ffn_wider_contribution.yaml's models
     # peaked at 13.8 GB even with MALLOC_MMAP_THRESHOLD_=1 MiB), and a recipe builds several large ones
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context, max_tasks_per_child=1) as pool:
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=measurement_context(),
+                                                max_tasks_per_child=1) as pool:
         # the worker gets the resolved model config, not the parsed run config: it imports torch and
         # architectures only, not Lightning and the run's CLI (about half of a job's CPU time before)
         measured = dict(zip(distinct, pool.map(measure, *zip(*first))))
     return [job_plan(measured[key], cfg, gpu_memory_gb).row() for key, cfg in zip(keys, parsed)]
+
+
+def measurement_context():
+    """Where the measuring processes come from: forked from a server that imported torch, ``model_tools.memory``
+    and ``torch._dynamo`` once (each spawned process spent ~3 s importing torch and ~2.6 s importing
+    ``torch._dynamo``, which building a model on the meta device pulls in: more than most measurements take),
+    still a fresh process per model; ``spawn`` where there is no forkserver (Windows)."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    # the server only imports (no tensor work, no thread pools started): safe to fork from
+    context.set_forkserver_preload(["model_tools.memory", "torch._dynamo"])
+    return context
 
 
 def gpu_hours(flops: float, peak_tflops: float, mfu: float) -> float:
@@ -291,7 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--peak_tflops", type=float, default=989.5, help="--dry_run estimate: GPU peak (bf16 dense)")
     parser.add_argument("--mfu", type=float, default=0.4, help="--dry_run estimate: assumed model FLOPs utilisation")
     parser.add_argument("--no_plan", action="store_true",
-                        help="--dry_run without the memory plan (which builds every model on the CPU: ~1 min per job)")
+                        help="--dry_run without the memory plan (which builds each distinct model on the CPU: ~5-10 s each "
+                        "on a loaded 2-core machine, docs/benchmarks.md)")
     parser.add_argument("--gpu_memory_gb", type=float, default=80.0,
                         help="--dry_run memory plan: GPU memory per device in GiB (docs/scale.md)")
     return parser

@@ -87,16 +87,22 @@ def saved_activation_bytes(model: torch.nn.Module, idx: torch.Tensor, autocast: 
 
 
 def measure_activations(model: torch.nn.Module, policy: Any = "none", autocast: bool = False,
-                        seq_len: int = MEASURE_T, seed: int = 0) -> Activations:
-    """Per-token and per-step activation bytes of ``model`` under ``policy`` (CPU forward at batch 1 and 2)."""
+                        seq_len: int = MEASURE_T, seed: int = 0, share_casts: bool = True) -> Activations:
+    """Per-token and per-step activation bytes of ``model`` under ``policy`` (CPU forward at batch 1 and 2).
+
+    ``share_casts``: under autocast, both forwards run inside one outer autocast region, so autocast's cache
+    casts each fp32 weight to bf16 once, not once per forward (the casts were most of a large model's measuring
+    time). Each forward still saves its copies and counts them as its own, so the figures are the same as with
+    a cast per forward (``tests/test_fast_start.py`` compares them)."""
     vocab, seq_len = model.config.vocab_size, min(seq_len, model.config.block_size)
     gen = torch.Generator().manual_seed(seed)
     batch = torch.randint(0, vocab, (2, seq_len + 1), generator=gen).to(next(model.parameters()).device)
     previous = getattr(model, "checkpoint_policy", None)
+    checkpointed = bool(parse_policy(policy))
     try:
         set_activation_checkpointing(model, policy)
-        one, two = (saved_storages(model, batch[:b], autocast) for b in (1, 2))
-        checkpointed = bool(parse_policy(policy))
+        with torch.autocast(batch.device.type, dtype=torch.bfloat16, enabled=autocast and share_casts):
+            one, two = (saved_storages(model, batch[:b], autocast) for b in (1, 2))
     finally:
         model.checkpoint_policy = previous
     per_token = (sum(two.values()) - sum(one.values())) / seq_len

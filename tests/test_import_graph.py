@@ -292,6 +292,14 @@ def test_experiments_run_adds_nothing_heavy_beyond_lightning():
     assert importer is None or importer.split(".")[0] not in OWN, f"{importer} imports torch._dynamo"
 
 
+def test_experiments_run_loads_neither_lightning_nor_dynamo():
+    """Its helpers (``model_config``, ``expand_aliases``: experiments.repro, experiments.memory) cost torch and the
+    suite only; Lightning (and with it torch._dynamo, torchmetrics, transformers, scipy) comes with the parser."""
+    loaded = set(modules_loaded("experiments.run")["all"])
+    heavy = {"torch._dynamo", "lightning", "torchmetrics", "transformers", "scipy", "matplotlib"} & loaded
+    assert not heavy, f"importing experiments.run loads {sorted(heavy)}"
+
+
 def test_the_probe_names_the_module_that_imports_dynamo():
     """The test of the test: a suite module that imports torch._dynamo at import time is named."""
     assert modules_loaded("model_tools.compiling")["dynamo_importer"] is None  # it imports it inside a function
