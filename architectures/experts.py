@@ -25,7 +25,7 @@ state-dict pre-hook stacks those keys (``load_state_dict``, Lightning resume, ``
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -89,13 +89,18 @@ class GroupedExperts(nn.Module):
         sizes = traced_sizes(counts[:-1], N * k) if traced else counts.tolist()[:-1]
         order = order[: sum(sizes)]  # the assignments no expert computes sort last
         token_index = order if k == 1 else torch.div(order, k, rounding_mode="floor")  # flat = token * k + slot
+        row_weights = weights.reshape(-1).index_select(0, order).unsqueeze(-1)
+        if not traced and (self.drop.p == 0 or not self.training):  # the common case: one node, gather to combine
+            permutation = k == 1 and order.shape[0] == N  # every token once (top-1, none dropped)
+            operands = self._operands(x.device.type)
+            return RoutedExpertMLPs.apply(x, token_index, row_weights.to(operands[0].dtype), tuple(sizes),
+                                          permutation, *operands)
         tokens = x.index_select(0, token_index)
         if traced:  # unbacked sizes: autograd's own per-expert graph, which dynamo traces as one graph
             outputs = self._traced_mlps(tokens, sizes)
         else:
             outputs = ExpertMLPs.apply(tokens, tuple(sizes), *self._operands(x.device.type))
-        outputs = self.drop(outputs)
-        outputs = outputs * weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(outputs.dtype)
+        outputs = self.drop(outputs) * row_weights.to(outputs.dtype)
         if k == 1 and not traced and outputs.shape[0] == N:  # every token once (top-1, none dropped): a permutation
             return outputs.new_empty(N, outputs.shape[-1]).index_copy_(0, token_index, outputs)
         return outputs.new_zeros(N, outputs.shape[-1]).index_add_(0, token_index, outputs)
@@ -151,70 +156,134 @@ class ExpertMLPs(torch.autograd.Function):
     besides writing their zero rows (the gradient that AdamW then reads; see the module docstring), where
     autograd's own graph of ``unbind`` views made a zero tensor per idle expert and copied every expert's
     gradient into a stack (2,466 vs 790 ms of backward for 64 vs 8 experts at the same routing, issue 29).
+    Used with dropout; without it ``RoutedExpertMLPs`` also folds in the gather, the weighting and the combine.
     """
 
     @staticmethod
     def forward(ctx, x, sizes, fc_w, fc_b, proj_w, proj_b):
         x = x.to(fc_w.dtype)  # autocast: the stacks come cast (``GroupedExperts._operands``)
         segments = _segments(sizes)
-        hidden = _segment_linear(x, fc_w, fc_b, segments)
-        act = F.gelu(hidden, approximate="tanh")
-        out = _segment_linear(act, proj_w, proj_b, segments)
+        hidden, act, out = _mlps_forward(x, fc_w, fc_b, proj_w, proj_b, segments)
         ctx.segments, ctx.sizes, ctx.biased = segments, sizes, (fc_b is not None, proj_b is not None)
         ctx.save_for_backward(x, hidden, act, fc_w, proj_w)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        # each intermediate gradient is dropped as soon as it is used: the peak of this node is then what
-        # autograd's per-expert graph had (tests/test_scale.py's plan-vs-measured-peak cases)
         x, hidden, act, fc_w, proj_w = ctx.saved_tensors
-        segments, (fc_biased, proj_biased) = ctx.segments, ctx.biased
-        idle = [e for e, size in enumerate(ctx.sizes) if not size]
-        grad_out = grad_out.contiguous()
-        grad_proj_w, grad_proj_b = _segment_weight_grads(grad_out, act, proj_w, segments, idle, proj_biased)
-        grad_hidden = _segment_linear(grad_out, proj_w.transpose(1, 2), None, segments)  # d loss / d act
+        pending = [grad_out]
         del grad_out
-        # in place (an elementwise kernel): d loss / d hidden overwrites d loss / d act, one (M, hidden) less
-        torch.ops.aten.gelu_backward.grad_input(grad_hidden, hidden, approximate="tanh", grad_input=grad_hidden)
-        grad_fc_w, grad_fc_b = _segment_weight_grads(grad_hidden, x, fc_w, segments, idle, fc_biased)
-        grad_x = _segment_linear(grad_hidden, fc_w.transpose(1, 2), None, segments) if ctx.needs_input_grad[0] else None
-        return grad_x, None, grad_fc_w, grad_fc_b, grad_proj_w, grad_proj_b
+        grads = _mlps_backward(ctx, pending, x, hidden, act, fc_w, proj_w, ctx.needs_input_grad[0])
+        return grads[0], None, *grads[1:]
 
 
-def _segments(sizes) -> List[tuple]:
-    """(expert, first row, end row) of every expert with rows."""
-    out, start = [], 0
-    for e, size in enumerate(sizes):
-        if size:
-            out.append((e, start, start + size))
-        start += size
-    return out
+class RoutedExpertMLPs(torch.autograd.Function):
+    """``ExpertMLPs`` with the dispatch around it in the same node (the loop path without dropout): gather the
+    expert-sorted rows ``x[token_index]``, run the experts, multiply each row by its routing weight
+    ``row_weights`` (M, 1), combine into (N, D) (``index_copy`` when ``permutation``: every token exactly once,
+    else ``index_add`` onto zeros). The same aten ops, in the same order, as autograd's graph of
+    index_select -> ExpertMLPs -> mul -> index_copy / index_add (so the same numbers), without its four nodes'
+    bookkeeping per layer and step; it saves what that graph saved (the rows, the hidden and activated
+    rows, the unweighted outputs, the weights)."""
+
+    @staticmethod
+    def forward(ctx, x, token_index, row_weights, sizes, permutation, fc_w, fc_b, proj_w, proj_b):
+        tokens = x.index_select(0, token_index).to(fc_w.dtype)
+        segments = _segments(sizes)
+        hidden, act, out = _mlps_forward(tokens, fc_w, fc_b, proj_w, proj_b, segments)
+        weighted = out * row_weights
+        combined = weighted.new_empty(x.shape[0], weighted.shape[-1]) if permutation else \
+            weighted.new_zeros(x.shape[0], weighted.shape[-1])
+        (combined.index_copy_ if permutation else combined.index_add_)(0, token_index, weighted)
+        ctx.segments, ctx.sizes, ctx.biased = segments, sizes, (fc_b is not None, proj_b is not None)
+        ctx.x_meta = (x.shape, x.dtype)
+        ctx.save_for_backward(tokens, hidden, act, out, row_weights, token_index, fc_w, proj_w)
+        return combined
+
+    @staticmethod
+    def backward(ctx, grad_combined):
+        tokens, hidden, act, out, row_weights, token_index, fc_w, proj_w = ctx.saved_tensors
+        grad_weighted = grad_combined.index_select(0, token_index)
+        grad_row_weights = (grad_weighted * out).sum(-1, keepdim=True) if ctx.needs_input_grad[2] else None
+        pending = [grad_weighted * row_weights]
+        del out, grad_weighted  # as autograd's mul node would: the (M, D) gradients one at a time
+        grads = _mlps_backward(ctx, pending, tokens, hidden, act, fc_w, proj_w, ctx.needs_input_grad[0])
+        grad_x = None
+        if grads[0] is not None:  # index_select's backward: the rows added into zeros
+            shape, dtype = ctx.x_meta
+            grad_x = grads[0].new_zeros(shape, dtype=dtype).index_add_(0, token_index, grads[0].to(dtype))
+        return grad_x, None, grad_row_weights, None, None, *grads[1:]
 
 
-def _segment_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], segments) -> torch.Tensor:
-    """Rows ``start:end`` of ``x`` through expert ``e``'s (out, in) ``weight[e]`` (+ ``bias[e]``), in place into
-    one output; rows of no segment (none: the segments tile ``x``) would stay uninitialised."""
+def _mlps_forward(x, fc_w, fc_b, proj_w, proj_b, segments):
+    """(hidden, activated, output) rows of the experts' MLPs on their segments of ``x``."""
+    hidden = _segment_linear(x, fc_w, fc_b, segments)
+    act = F.gelu(hidden, approximate="tanh")
+    return hidden, act, _segment_linear(act, proj_w, proj_b, segments)
+
+
+def _mlps_backward(ctx, pending: list, x, hidden, act, fc_w, proj_w, input_grad: bool):
+    """(grad x or None, grad c_fc weight, bias, grad c_proj weight, bias) of ``_mlps_forward``'s output, whose
+    gradient is ``pending``'s one element (in a list the caller empties into this frame, so it is freed here)."""
+    # each intermediate gradient is dropped as soon as it is used: the peak of this node is then what
+    # autograd's per-expert graph had (tests/test_scale.py's plan-vs-measured-peak cases)
+    segments, (fc_biased, proj_biased) = ctx.segments, ctx.biased
+    idle = [e for e, size in enumerate(ctx.sizes) if not size]
+    grad_out = pending.pop().contiguous()
+    grad_proj_w, grad_proj_b = _segment_weight_grads(grad_out, act, proj_w, segments, idle, proj_biased)
+    grad_hidden = _segment_linear(grad_out, proj_w.transpose(1, 2), None, segments)  # d loss / d act
+    del grad_out
+    # in place (an elementwise kernel): d loss / d hidden overwrites d loss / d act, one (M, hidden) less
+    torch.ops.aten.gelu_backward.grad_input(grad_hidden, hidden, approximate="tanh", grad_input=grad_hidden)
+    grad_fc_w, grad_fc_b = _segment_weight_grads(grad_hidden, x, fc_w, segments, idle, fc_biased)
+    grad_x = _segment_linear(grad_hidden, fc_w.transpose(1, 2), None, segments) if input_grad else None
+    return grad_x, grad_fc_w, grad_fc_b, grad_proj_w, grad_proj_b
+
+
+class Segments(NamedTuple):
+    """The expert-sorted rows' layout: ``sizes[e]`` consecutive rows of expert e (in expert order, all E), and
+    ``busy`` the experts with rows."""
+
+    sizes: List[int]
+    busy: List[int]
+
+
+def _segments(sizes) -> Segments:
+    sizes = list(sizes)
+    return Segments(sizes, [e for e, size in enumerate(sizes) if size])
+
+
+def _segment_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], segments: Segments
+                    ) -> torch.Tensor:
+    """Each busy expert ``e``'s rows of ``x`` through its (out, in) ``weight[e]`` (+ ``bias[e]``), in place into one
+    output (the segments tile ``x``). The per-expert views come from one ``split`` / ``unbind`` each (one op,
+    whatever E), so a busy expert costs its matmul and no view op of its own."""
     out = x.new_empty(x.shape[0], weight.shape[1])
-    for e, start, end in segments:
-        if bias is None:
-            torch.mm(x[start:end], weight[e].t(), out=out[start:end])
+    rows, out_rows = x.split(segments.sizes), out.split(segments.sizes)
+    weights = weight.transpose(1, 2).unbind(0)  # expert e's (in, out) view: weight[e].t()
+    biases = None if bias is None else bias.unbind(0)
+    for e in segments.busy:
+        if biases is None:
+            torch.mm(rows[e], weights[e], out=out_rows[e])
         else:
-            torch.addmm(bias[e], x[start:end], weight[e].t(), out=out[start:end])
+            torch.addmm(biases[e], rows[e], weights[e], out=out_rows[e])
     return out
 
 
-def _segment_weight_grads(grad_out: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, segments, idle,
-                          biased: bool):
+def _segment_weight_grads(grad_out: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, segments: Segments,
+                          idle, biased: bool):
     """(E, out, in) weight gradient and (E, out) bias gradient (or None) of ``out = inputs @ weight[e].T + bias[e]``
     on each segment: a busy expert's rows are written by one matmul / one row sum, the idle experts' rows are
     zero (one ``index_fill`` of the weight gradient; the small bias gradient starts at zero)."""
     grad_w = torch.empty_like(weight)
     grad_b = grad_out.new_zeros(weight.shape[0], weight.shape[1]) if biased else None
-    for e, start, end in segments:
-        torch.mm(grad_out[start:end].t(), inputs[start:end], out=grad_w[e])
+    grads_t = grad_out.t().split(segments.sizes, dim=1)  # expert e's (out, rows) view: grad_out[rows].t()
+    rows, grad_ws = inputs.split(segments.sizes), grad_w.unbind(0)
+    grad_rows, grad_bs = (grad_out.split(segments.sizes), grad_b.unbind(0)) if biased else (None, None)
+    for e in segments.busy:
+        torch.mm(grads_t[e], rows[e], out=grad_ws[e])
         if biased:
-            torch.sum(grad_out[start:end], 0, out=grad_b[e])
+            torch.sum(grad_rows[e], 0, out=grad_bs[e])
     if idle:
         grad_w.index_fill_(0, torch.tensor(idle, device=weight.device), 0)
     return grad_w, grad_b
