@@ -25,7 +25,7 @@ state-dict pre-hook stacks those keys (``load_state_dict``, Lightning resume, ``
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, NamedTuple, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn as nn
@@ -240,50 +240,39 @@ def _mlps_backward(ctx, pending: list, x, hidden, act, fc_w, proj_w, input_grad:
     return grad_x, grad_fc_w, grad_fc_b, grad_proj_w, grad_proj_b
 
 
-class Segments(NamedTuple):
-    """The expert-sorted rows' layout: ``sizes[e]`` consecutive rows of expert e (in expert order, all E), and
-    ``busy`` the experts with rows."""
-
-    sizes: List[int]
-    busy: List[int]
-
-
-def _segments(sizes) -> Segments:
-    sizes = list(sizes)
-    return Segments(sizes, [e for e, size in enumerate(sizes) if size])
-
-
-def _segment_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], segments: Segments
-                    ) -> torch.Tensor:
-    """Each busy expert ``e``'s rows of ``x`` through its (out, in) ``weight[e]`` (+ ``bias[e]``), in place into one
-    output (the segments tile ``x``). The per-expert views come from one ``split`` / ``unbind`` each (one op,
-    whatever E), so a busy expert costs its matmul and no view op of its own."""
-    out = x.new_empty(x.shape[0], weight.shape[1])
-    rows, out_rows = x.split(segments.sizes), out.split(segments.sizes)
-    weights = weight.transpose(1, 2).unbind(0)  # expert e's (in, out) view: weight[e].t()
-    biases = None if bias is None else bias.unbind(0)
-    for e in segments.busy:
-        if biases is None:
-            torch.mm(rows[e], weights[e], out=out_rows[e])
-        else:
-            torch.addmm(biases[e], rows[e], weights[e], out=out_rows[e])
+def _segments(sizes) -> List[tuple]:
+    """(expert, first row, end row) of every expert with rows."""
+    out, start = [], 0
+    for e, size in enumerate(sizes):
+        if size:
+            out.append((e, start, start + size))
+        start += size
     return out
 
 
-def _segment_weight_grads(grad_out: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, segments: Segments,
-                          idle, biased: bool):
+def _segment_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], segments) -> torch.Tensor:
+    """Rows ``start:end`` of ``x`` through expert ``e``'s (out, in) ``weight[e]`` (+ ``bias[e]``), in place into
+    one output; rows of no segment (none: the segments tile ``x``) would stay uninitialised."""
+    out = x.new_empty(x.shape[0], weight.shape[1])
+    for e, start, end in segments:
+        if bias is None:
+            torch.mm(x[start:end], weight[e].t(), out=out[start:end])
+        else:
+            torch.addmm(bias[e], x[start:end], weight[e].t(), out=out[start:end])
+    return out
+
+
+def _segment_weight_grads(grad_out: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, segments, idle,
+                          biased: bool):
     """(E, out, in) weight gradient and (E, out) bias gradient (or None) of ``out = inputs @ weight[e].T + bias[e]``
     on each segment: a busy expert's rows are written by one matmul / one row sum, the idle experts' rows are
     zero (one ``index_fill`` of the weight gradient; the small bias gradient starts at zero)."""
     grad_w = torch.empty_like(weight)
     grad_b = grad_out.new_zeros(weight.shape[0], weight.shape[1]) if biased else None
-    grads_t = grad_out.t().split(segments.sizes, dim=1)  # expert e's (out, rows) view: grad_out[rows].t()
-    rows, grad_ws = inputs.split(segments.sizes), grad_w.unbind(0)
-    grad_rows, grad_bs = (grad_out.split(segments.sizes), grad_b.unbind(0)) if biased else (None, None)
-    for e in segments.busy:
-        torch.mm(grads_t[e], rows[e], out=grad_ws[e])
+    for e, start, end in segments:
+        torch.mm(grad_out[start:end].t(), inputs[start:end], out=grad_w[e])
         if biased:
-            torch.sum(grad_rows[e], 0, out=grad_bs[e])
+            torch.sum(grad_out[start:end], 0, out=grad_b[e])
     if idle:
         grad_w.index_fill_(0, torch.tensor(idle, device=weight.device), 0)
     return grad_w, grad_b
