@@ -183,8 +183,9 @@ class RoutedExpertMLPs(torch.autograd.Function):
     ``row_weights`` (M, 1), combine into (N, D) (``index_copy`` when ``permutation``: every token exactly once,
     else ``index_add`` onto zeros). The same aten ops, in the same order, as autograd's graph of
     index_select -> ExpertMLPs -> mul -> index_copy / index_add (so the same numbers), without its four nodes'
-    bookkeeping per layer and step; it saves what that graph saved (the rows, the hidden and activated
-    rows, the unweighted outputs, the weights)."""
+    bookkeeping per layer and step. It saves the rows, the hidden and activated rows, the unweighted outputs
+    and the weights: what that graph saved less the weighted outputs, which ``index_copy_``'s autograd formula
+    kept (one (M, D) tensor per layer: 18 MB of saved activations at d=384, L=6, B=4, T=512)."""
 
     @staticmethod
     def forward(ctx, x, token_index, row_weights, sizes, permutation, fc_w, fc_b, proj_w, proj_b):
