@@ -89,13 +89,18 @@ class GroupedExperts(nn.Module):
         sizes = traced_sizes(counts[:-1], N * k) if traced else counts.tolist()[:-1]
         order = order[: sum(sizes)]  # the assignments no expert computes sort last
         token_index = order if k == 1 else torch.div(order, k, rounding_mode="floor")  # flat = token * k + slot
+        row_weights = weights.reshape(-1).index_select(0, order).unsqueeze(-1)
+        if not traced and (self.drop.p == 0 or not self.training):  # the common case: one node, gather to combine
+            permutation = k == 1 and order.shape[0] == N  # every token once (top-1, none dropped)
+            operands = self._operands(x.device.type)
+            return RoutedExpertMLPs.apply(x, token_index, row_weights.to(operands[0].dtype), tuple(sizes),
+                                          permutation, *operands)
         tokens = x.index_select(0, token_index)
         if traced:  # unbacked sizes: autograd's own per-expert graph, which dynamo traces as one graph
             outputs = self._traced_mlps(tokens, sizes)
         else:
             outputs = ExpertMLPs.apply(tokens, tuple(sizes), *self._operands(x.device.type))
-        outputs = self.drop(outputs)
-        outputs = outputs * weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(outputs.dtype)
+        outputs = self.drop(outputs) * row_weights.to(outputs.dtype)
         if k == 1 and not traced and outputs.shape[0] == N:  # every token once (top-1, none dropped): a permutation
             return outputs.new_empty(N, outputs.shape[-1]).index_copy_(0, token_index, outputs)
         return outputs.new_zeros(N, outputs.shape[-1]).index_add_(0, token_index, outputs)
@@ -151,35 +156,89 @@ class ExpertMLPs(torch.autograd.Function):
     besides writing their zero rows (the gradient that AdamW then reads; see the module docstring), where
     autograd's own graph of ``unbind`` views made a zero tensor per idle expert and copied every expert's
     gradient into a stack (2,466 vs 790 ms of backward for 64 vs 8 experts at the same routing, issue 29).
+    Used with dropout; without it ``RoutedExpertMLPs`` also folds in the gather, the weighting and the combine.
     """
 
     @staticmethod
     def forward(ctx, x, sizes, fc_w, fc_b, proj_w, proj_b):
         x = x.to(fc_w.dtype)  # autocast: the stacks come cast (``GroupedExperts._operands``)
         segments = _segments(sizes)
-        hidden = _segment_linear(x, fc_w, fc_b, segments)
-        act = F.gelu(hidden, approximate="tanh")
-        out = _segment_linear(act, proj_w, proj_b, segments)
+        hidden, act, out = _mlps_forward(x, fc_w, fc_b, proj_w, proj_b, segments)
         ctx.segments, ctx.sizes, ctx.biased = segments, sizes, (fc_b is not None, proj_b is not None)
         ctx.save_for_backward(x, hidden, act, fc_w, proj_w)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        # each intermediate gradient is dropped as soon as it is used: the peak of this node is then what
-        # autograd's per-expert graph had (tests/test_scale.py's plan-vs-measured-peak cases)
         x, hidden, act, fc_w, proj_w = ctx.saved_tensors
-        segments, (fc_biased, proj_biased) = ctx.segments, ctx.biased
-        idle = [e for e, size in enumerate(ctx.sizes) if not size]
-        grad_out = grad_out.contiguous()
-        grad_proj_w, grad_proj_b = _segment_weight_grads(grad_out, act, proj_w, segments, idle, proj_biased)
-        grad_hidden = _segment_linear(grad_out, proj_w.transpose(1, 2), None, segments)  # d loss / d act
+        pending = [grad_out]
         del grad_out
-        # in place (an elementwise kernel): d loss / d hidden overwrites d loss / d act, one (M, hidden) less
-        torch.ops.aten.gelu_backward.grad_input(grad_hidden, hidden, approximate="tanh", grad_input=grad_hidden)
-        grad_fc_w, grad_fc_b = _segment_weight_grads(grad_hidden, x, fc_w, segments, idle, fc_biased)
-        grad_x = _segment_linear(grad_hidden, fc_w.transpose(1, 2), None, segments) if ctx.needs_input_grad[0] else None
-        return grad_x, None, grad_fc_w, grad_fc_b, grad_proj_w, grad_proj_b
+        grads = _mlps_backward(ctx, pending, x, hidden, act, fc_w, proj_w, ctx.needs_input_grad[0])
+        return grads[0], None, *grads[1:]
+
+
+class RoutedExpertMLPs(torch.autograd.Function):
+    """``ExpertMLPs`` with the dispatch around it in the same node (the loop path without dropout): gather the
+    expert-sorted rows ``x[token_index]``, run the experts, multiply each row by its routing weight
+    ``row_weights`` (M, 1), combine into (N, D) (``index_copy`` when ``permutation``: every token exactly once,
+    else ``index_add`` onto zeros). The same aten ops, in the same order, as autograd's graph of
+    index_select -> ExpertMLPs -> mul -> index_copy / index_add (so the same numbers), without its four nodes'
+    bookkeeping per layer and step. It saves the rows, the hidden and activated rows, the unweighted outputs
+    and the weights: what that graph saved less the weighted outputs, which ``index_copy_``'s autograd formula
+    kept (one (M, D) tensor per layer: 18 MB of saved activations at d=384, L=6, B=4, T=512)."""
+
+    @staticmethod
+    def forward(ctx, x, token_index, row_weights, sizes, permutation, fc_w, fc_b, proj_w, proj_b):
+        tokens = x.index_select(0, token_index).to(fc_w.dtype)
+        segments = _segments(sizes)
+        hidden, act, out = _mlps_forward(tokens, fc_w, fc_b, proj_w, proj_b, segments)
+        weighted = out * row_weights
+        combined = weighted.new_empty(x.shape[0], weighted.shape[-1]) if permutation else \
+            weighted.new_zeros(x.shape[0], weighted.shape[-1])
+        (combined.index_copy_ if permutation else combined.index_add_)(0, token_index, weighted)
+        ctx.segments, ctx.sizes, ctx.biased = segments, sizes, (fc_b is not None, proj_b is not None)
+        ctx.x_meta = (x.shape, x.dtype)
+        ctx.save_for_backward(tokens, hidden, act, out, row_weights, token_index, fc_w, proj_w)
+        return combined
+
+    @staticmethod
+    def backward(ctx, grad_combined):
+        tokens, hidden, act, out, row_weights, token_index, fc_w, proj_w = ctx.saved_tensors
+        grad_weighted = grad_combined.index_select(0, token_index)
+        grad_row_weights = (grad_weighted * out).sum(-1, keepdim=True) if ctx.needs_input_grad[2] else None
+        pending = [grad_weighted * row_weights]
+        del out, grad_weighted  # as autograd's mul node would: the (M, D) gradients one at a time
+        grads = _mlps_backward(ctx, pending, tokens, hidden, act, fc_w, proj_w, ctx.needs_input_grad[0])
+        grad_x = None
+        if grads[0] is not None:  # index_select's backward: the rows added into zeros
+            shape, dtype = ctx.x_meta
+            grad_x = grads[0].new_zeros(shape, dtype=dtype).index_add_(0, token_index, grads[0].to(dtype))
+        return grad_x, None, grad_row_weights, None, None, *grads[1:]
+
+
+def _mlps_forward(x, fc_w, fc_b, proj_w, proj_b, segments):
+    """(hidden, activated, output) rows of the experts' MLPs on their segments of ``x``."""
+    hidden = _segment_linear(x, fc_w, fc_b, segments)
+    act = F.gelu(hidden, approximate="tanh")
+    return hidden, act, _segment_linear(act, proj_w, proj_b, segments)
+
+
+def _mlps_backward(ctx, pending: list, x, hidden, act, fc_w, proj_w, input_grad: bool):
+    """(grad x or None, grad c_fc weight, bias, grad c_proj weight, bias) of ``_mlps_forward``'s output, whose
+    gradient is ``pending``'s one element (in a list the caller empties into this frame, so it is freed here)."""
+    # each intermediate gradient is dropped as soon as it is used: the peak of this node is then what
+    # autograd's per-expert graph had (tests/test_scale.py's plan-vs-measured-peak cases)
+    segments, (fc_biased, proj_biased) = ctx.segments, ctx.biased
+    idle = [e for e, size in enumerate(ctx.sizes) if not size]
+    grad_out = pending.pop().contiguous()
+    grad_proj_w, grad_proj_b = _segment_weight_grads(grad_out, act, proj_w, segments, idle, proj_biased)
+    grad_hidden = _segment_linear(grad_out, proj_w.transpose(1, 2), None, segments)  # d loss / d act
+    del grad_out
+    # in place (an elementwise kernel): d loss / d hidden overwrites d loss / d act, one (M, hidden) less
+    torch.ops.aten.gelu_backward.grad_input(grad_hidden, hidden, approximate="tanh", grad_input=grad_hidden)
+    grad_fc_w, grad_fc_b = _segment_weight_grads(grad_hidden, x, fc_w, segments, idle, fc_biased)
+    grad_x = _segment_linear(grad_hidden, fc_w.transpose(1, 2), None, segments) if input_grad else None
+    return grad_x, grad_fc_w, grad_fc_b, grad_proj_w, grad_proj_b
 
 
 def _segments(sizes) -> List[tuple]:

@@ -138,10 +138,12 @@ def capacity_keep(selected: torch.Tensor, num_experts: int, capacity: int, route
     return keep
 
 
-def balance_loss(probs: torch.Tensor, selected: torch.Tensor, num_experts: int, valid: torch.Tensor) -> torch.Tensor:
+def balance_loss(probs: torch.Tensor, selected: torch.Tensor, num_experts: int,
+                 valid: Optional[torch.Tensor]) -> torch.Tensor:
     """Switch loss E * sum_i f_i * P_i over the real experts i < num_experts (coefficient not applied).
 
-    probs (N, E_total), selected (N, k), valid (N,) bool. f_i = share of the valid tokens' real-expert
+    probs (N, E_total), selected (N, k), valid (N,) bool, or None: every token valid (the same numbers as
+    an all-True mask, without its masking ops). f_i = share of the valid tokens' real-expert
     assignments that chose i (before capacity dropping, as in Switch); P_i = mean over valid tokens of
     the router probability of i renormalised over the real experts. No-op experts (ids >= num_experts)
     are left out of the sum AND of both denominators, so the loss is the same whatever share of tokens
@@ -149,16 +151,21 @@ def balance_loss(probs: torch.Tensor, selected: torch.Tensor, num_experts: int, 
     denominators made it (1 - s)^2 at skip share s, minimised by skipping everything). A uniform router
     over E real experts gives exactly 1.
     """
-    n_valid = valid.sum().clamp(min=1)
     # counts by scatter_add, not bincount(selected[valid]): no data-dependent shape, so torch.compile
     # keeps the loss in the graph
-    valid_slots = valid.to(probs.dtype).unsqueeze(-1).expand(-1, selected.shape[1]).reshape(-1)
+    if valid is None:
+        n_valid, valid_slots = max(1, probs.shape[0]), probs.new_ones(selected.numel())
+    else:
+        n_valid = valid.sum().clamp(min=1)
+        valid_slots = valid.to(probs.dtype).unsqueeze(-1).expand(-1, selected.shape[1]).reshape(-1)
     counts = probs.new_zeros(probs.shape[1]).scatter_add_(0, selected.reshape(-1), valid_slots)[:num_experts]
     f = counts / counts.sum().clamp(min=1)
     real = probs[:, :num_experts]
     if probs.shape[1] > num_experts:
         real = real / real.sum(-1, keepdim=True).clamp(min=1e-9)
-    P = (real * valid.unsqueeze(-1).to(probs.dtype)).sum(0) / n_valid
+    if valid is not None:
+        real = real * valid.unsqueeze(-1).to(probs.dtype)
+    P = real.sum(0) / n_valid
     return num_experts * (f * P).sum()
 
 
@@ -186,8 +193,9 @@ def noop_budget_keep(wants: torch.Tensor, valid: torch.Tensor, share: float, k: 
     return keep, torch.stack([W[:, -1], m[:, -1], n[:, -1]], dim=1) if T else state
 
 
-def z_loss(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """ST-MoE router z-loss: mean over valid tokens of logsumexp(logits)^2 (coefficient not applied)."""
+def z_loss(logits: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
+    """ST-MoE router z-loss: mean over valid tokens of logsumexp(logits)^2 (coefficient not applied);
+    ``valid`` None: every token (the numbers of an all-True mask, without its masking ops)."""
     if torch.compiler.is_compiling():
         # logsumexp's decomposition branches on numel(), which a traced token count (MoD's causal decision
         # ahead of staged MoDE's experts) cannot answer; the same max-shifted sum, written out
@@ -195,6 +203,8 @@ def z_loss(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         lse = (logits - top).exp().sum(dim=-1).log() + top.squeeze(-1)
     else:
         lse = torch.logsumexp(logits, dim=-1)
+    if valid is None:
+        return lse.square().sum() / max(1, lse.shape[0])
     w = valid.to(lse.dtype)
     return (lse.square() * w).sum() / w.sum().clamp(min=1)
 
@@ -456,12 +466,13 @@ class Switch(PickRule):
             weights, selected = self.noop_budget(probs, weights, selected, valid, budgets)
         if self.renormalize and k > 1:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        valid_flat = flat_valid(valid, N, logits.device)
+        valid_flat = None if valid is None else valid.reshape(N).to(torch.bool)  # None: all valid
         sel_flat = selected.reshape(N, k)
         keep = None if valid is None else valid_flat.unsqueeze(-1).expand(N, k)
         dropped = torch.zeros(N, k, dtype=torch.bool, device=logits.device)
         if not self.dropless:
-            fits = capacity_keep(sel_flat, self.num_experts, self.capacity(int(valid_flat.sum())), valid_flat, T)
+            routed = flat_valid(valid, N, logits.device)
+            fits = capacity_keep(sel_flat, self.num_experts, self.capacity(int(routed.sum())), routed, T)
             dropped = ~fits
             keep = fits if keep is None else keep & fits
         aux: Dict[str, torch.Tensor] = {}
