@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import lightning as L
 import torch
 
+from lightning_modules.run_clock import process_age_s, run_age_s  # noqa: F401  (process_age_s: its old home)
 from lightning_modules.steps import completes_step, is_logging_step
 
 
@@ -44,7 +45,7 @@ class StepRecorder(L.Callback):
         self._measured_here = 0
         self._step_starts = True  # the next batch is the first micro-batch of an optimisation step
         self.starts: List[int] = []  # global step at which each process (first run, each resume) began training
-        self.seconds_to_first_step: Optional[float] = None  # this process: from its start to its first step
+        self.seconds_to_first_step: Optional[float] = None  # this run (lightning_modules.run_clock): to its first step
 
     # ------------------------------------------------------------------ timing
     @staticmethod
@@ -86,7 +87,7 @@ class StepRecorder(L.Callback):
         self._interrupted = False
         self._open = (trainer.global_step + 1, self._mark(trainer))
         if self.seconds_to_first_step is None:
-            self.seconds_to_first_step = process_age_s()
+            self.seconds_to_first_step = run_age_s()
 
     def on_validation_start(self, trainer, pl_module) -> None:
         self._interrupted = True
@@ -158,17 +159,6 @@ class StepRecorder(L.Callback):
         self.step_times, self.timed_steps = list(state.get("step_times", [])), list(state.get("timed_steps", []))
         self.warm = list(state.get("warm", [True] * len(self.step_times)))
         self.starts = list(state.get("starts", []))
-
-
-def process_age_s() -> Optional[float]:
-    """Seconds since this process started (interpreter start-up and every import included), from ``/proc``
-    (10 ms resolution); None where there is no ``/proc`` (not Linux)."""
-    try:
-        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
-            start_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
-            return float(uptime.read().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def routing_summary(trace) -> Dict[str, Dict[str, float]]:

@@ -50,6 +50,7 @@ from datamodules.corpora import DataError  # noqa: E402
 from lightning_modules.storage import StorageError, atomic_checkpoint_io, check_writable, claim_next_version  # noqa: E402
 from lightning_modules.storage import is_storage_error, release_if_empty, remove_killed_checkpoint_writes  # noqa: E402
 from lightning_modules.storage import storage_message  # noqa: E402
+from lightning_modules.run_clock import mark_run_start  # noqa: E402
 from datamodules.probe_labels import check_label_file  # noqa: E402
 from lightning_modules.flops_budget import require_counted_flops, validate_budget  # noqa: E402
 
@@ -501,6 +502,7 @@ def parse_with_presets(parser: ArgumentParser, argv: Sequence[str], prefix: str 
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Optional[pathlib.Path]:
+    mark_run_start()
     parser = build_parser()
     argv = join_option_values(expand_aliases(list(sys.argv[1:] if argv is None else argv)))
     printing = "--print_config" in argv  # ours, resolved; "--print_config=..." forms stay jsonargparse's
@@ -552,7 +554,8 @@ def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
 
 def fit_and_summarise(cfg: Namespace, parser: ArgumentParser, module, data, mcfg: ModelConfig, root: pathlib.Path,
                       version: str, ckpt_path: Optional[str]) -> pathlib.Path:
-    from callbacks.run_summary import StepRecorder, measured_summary, process_age_s, write_summary
+    from callbacks.run_summary import StepRecorder, measured_summary, write_summary
+    from lightning_modules.run_clock import run_age_s
     from analysis.provenance import summary_provenance
 
     inherited = os.environ.get("DYNCOMP_RUN_VERSION")
@@ -588,8 +591,9 @@ def fit_and_summarise(cfg: Namespace, parser: ArgumentParser, module, data, mcfg
             **measured_summary(trainer, module, recorder),  # global loss curve, routing, FLOPs, step times
             **budget_summary(module),
             "world_size": trainer.world_size,
-            # this process (the last one after a resume): start-up, training, validations, to this write
-            "process_seconds": process_age_s(),
+            # this run (its last process after a resume; lightning_modules.run_clock): start-up, training,
+            # validations, to this write
+            "run_seconds": run_age_s(),
             "run_dir": str(run_dir),
             "provenance": summary_provenance(run_dir),  # code commit, dirty tree, library versions, threads
         }

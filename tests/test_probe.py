@@ -583,8 +583,8 @@ def test_answers_only_correlation_separates_grading_from_telling_answers_from_fo
 def test_a_runs_wall_time_is_its_process_time_or_for_older_runs_a_marked_lower_bound():
     from experiments.repro.common import run_wall_seconds, wall_time_lines
 
-    assert run_wall_seconds({"process_seconds": 12.5, "step_times_s": [[1, 1.0]]}) == (12.5, True)
-    assert run_wall_seconds({"seconds_to_first_step": 3.0, "step_times_s": [[1, 0.5], [2, 1.5]]}) == (5.0, False)
+    assert run_wall_seconds({"run_seconds": 12.5, "step_times_s": [[1, 1.0]]}) == (12.5, True)
+    assert run_wall_seconds({"seconds_to_first_step": 3.0, "step_times_s": [[1, 0.5], [2, 1.5]]}) == (2.0, False)
     assert run_wall_seconds({"seconds_to_first_step": 3.0}) == (None, False)
     rows = [{"variant": "a", "wall_s": 10.0, "wall_measured": True}, {"variant": "a", "wall_s": 30.0, "wall_measured": True},
             {"variant": "b", "wall_s": 5.0, "wall_measured": False}]

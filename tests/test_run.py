@@ -224,3 +224,30 @@ def test_process_age_counts_from_the_process_start():
     lived = time.monotonic() - start
     age = float(out.stdout.strip().splitlines()[-1])
     assert 0.5 <= age <= lived + 0.02  # /proc's clock ticks: 10 ms
+
+
+def test_a_runs_clock_starts_with_its_process_only_for_the_processs_first_run(monkeypatch):
+    """Programmes train several runs in one process (``--jobs 1``) or in reused workers: the second run's
+    ``seconds_to_first_step`` / ``run_seconds`` must not include the first run's time."""
+    from lightning_modules import run_clock
+
+    monkeypatch.setattr(run_clock, "_runs_in_process", 0)
+    monkeypatch.setattr(run_clock, "process_age_s", lambda: 100.0)
+    run_clock.mark_run_start()
+    assert 100.0 <= run_clock.run_age_s() < 101.0  # the first run pays the process's start-up
+    run_clock.mark_run_start()
+    assert 0.0 <= run_clock.run_age_s() < 1.0  # a later run starts at its own main()
+
+
+def test_a_second_in_process_run_records_its_own_run_seconds(tmp_path):
+    from lightning_modules.run_clock import process_age_s
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("It was the best of times, it was the worst of times. " * 300)
+    argv = ["--data", "text", "--data.path", str(corpus), "--tokenizer", "bytes", "--max_steps", "2",
+            "--val_every", "2", *TINY_RUN]
+    main([*argv, "--log_dir", str(tmp_path / "a")])
+    before = process_age_s()
+    summary = _summary(main([*argv, "--log_dir", str(tmp_path / "b")]))
+    lived = process_age_s() - before  # the second run's whole life; a process-age clock would say ~process_age_s()
+    assert 0 < summary["seconds_to_first_step"] <= summary["run_seconds"] <= lived + 0.05

@@ -562,15 +562,15 @@ def verification_table(figures: Sequence[Tuple[str, Sequence[Optional[float]], S
 
 # ---------------------------------------------------------------------------- wall time per part
 def run_wall_seconds(summary: Dict[str, Any]) -> Tuple[Optional[float], bool]:
-    """A run's wall time (its last process: start-up, training, validations) and whether it was measured
-    (``process_seconds``) or, for run folders written before that field, estimated from the time to the
-    first step plus the timed steps (validation left out: a lower bound)."""
-    if summary.get("process_seconds") is not None:
-        return float(summary["process_seconds"]), True
-    steps, start = summary.get("step_times_s") or [], summary.get("seconds_to_first_step")
-    if not steps or start is None:
+    """A run's wall time (``run_seconds``: start-up when its process was started for it, training,
+    validations) and whether it was measured, or, for run folders written before that field, a lower bound:
+    its timed steps summed (their ``seconds_to_first_step`` counted every earlier run of a reused process)."""
+    if summary.get("run_seconds") is not None:
+        return float(summary["run_seconds"]), True
+    steps = summary.get("step_times_s") or []
+    if not steps:
         return None, False
-    return float(start) + sum(float(t) for _, t in steps), False
+    return sum(float(t) for _, t in steps), False
 
 
 def run_wall(summary: Dict[str, Any]) -> Dict[str, Any]:
@@ -594,7 +594,7 @@ def wall_time_lines(rows: Sequence[Dict[str, Any]], part_of, workers: int) -> Li
         total += sum(walls)
         mark = ">= " if low else ""
         lines.append(f"| {part} | {len(members)} | {mark}{sum(walls):,.0f} | {mark}{sum(walls) / max(1, len(walls)):,.0f} |")
-    note = (" (>=: run folders from before `process_seconds` was recorded; start-up plus timed steps, validation left "
-            "out)") if estimated else ""
+    note = (" (>=: run folders from before `run_seconds` was recorded: their timed steps, start-up and validation "
+            "left out)") if estimated else ""
     return [f"Wall time per part: every run's process, start to its summary{note}; {len(rows)} runs, "
             f"{total:,.0f} s summed, about {total / max(1, workers):,.0f} s at {max(1, workers)} at once.", "", *lines, ""]
