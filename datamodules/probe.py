@@ -16,7 +16,7 @@ block holds whole episodes; otherwise the evaluation drops labels whose episode 
 (``label_usable``).
 
 The difficulty level of a token is the number of sequential operations on earlier tokens the
-generator applied to produce it (0..MAX_DEPTH). Three versions exist; ``v1`` stays reproducible under its
+generator applied to produce it (0..MAX_DEPTH). Four versions exist; ``v1`` stays reproducible under its
 names (``probe``, ``probe/<family>``), ``v2`` has its own (``probe-v2``, ``probe-v2/<family>``) and
 changes only the arithmetic family:
 
@@ -50,6 +50,13 @@ width (a ``v2`` sum of d operands is one parallel read for attention):
   ``|`` (level 0) come 16 queries ``qa``: q the first name of a queried chain (each queried chain once),
   a its digit, level = the chain's length 1..4, i.e. the number of dependent lookups, each reading the
   cell named by the previous one's result. The query names and the padding ``.`` are unlabelled.
+
+``v4`` (``probe-v4/cups``, family ``cups``) is state tracking with every operand at a fixed offset:
+
+* ``cups`` (the shell game): 16 fixed-width queries ``s__47=a`` (4 per level, shuffled): a ball under
+  cup s of CUPS, k = 1..CUPS_LEVELS operand digits right-aligned in CUPS_LEVELS slots, each naming a swap
+  of two cups (``SWAPS``) applied in order; a, the ball's cup after them, has level k (each swap's
+  effect depends on where the previous ones left the ball). ``=`` level 0; start, slots, padding unlabelled.
 
 ``solve_episode`` re-derives every label from the tokens alone by brute force (for ``hops``: the fewest
 lookups, breadth-first, that reach a digit); the tests check the generator against it.
