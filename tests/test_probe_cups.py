@@ -133,3 +133,16 @@ def test_cli_trains_on_cups_and_logs_every_level(tmp_path, one_thread):
     cups = json.loads((run_dir / "probe.json").read_text())["families"]["cups"]
     queries = cups["0"]["tokens"]  # one '=' per query of the whole episodes in the evaluated blocks
     assert queries >= 16 and all(cups[str(k)]["tokens"] * probe.CUPS_LEVELS == queries for k in LEVELS)
+
+
+def test_the_best_order_blind_guess_is_exact_below_1_from_level_2():
+    """Exhaustively: the Bayes-optimal guess from the start and the multiset of the swaps (their order
+    ignored) scores 1, 0.82, 0.678, 0.5626 at levels 1-4: the ceiling of any reader that sees which swaps
+    were made but not in what order (a model above it at a level uses the order)."""
+    ceiling = {}
+    for k in LEVELS:
+        outcomes = {}
+        for start, *operands in itertools.product(range(probe.CUPS), *[range(len(probe.SWAPS))] * k):
+            outcomes.setdefault((start, tuple(sorted(operands))), Counter())[probe.shell_game(start, operands)] += 1
+        ceiling[k] = sum(max(c.values()) for c in outcomes.values()) / (probe.CUPS * len(probe.SWAPS) ** k)
+    assert ceiling == pytest.approx({1: 1.0, 2: 0.82, 3: 0.678, 4: 0.5626}, abs=5e-4)
