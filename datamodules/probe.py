@@ -16,7 +16,7 @@ block holds whole episodes; otherwise the evaluation drops labels whose episode 
 (``label_usable``).
 
 The difficulty level of a token is the number of sequential operations on earlier tokens the
-generator applied to produce it (0..MAX_DEPTH). Three versions exist; ``v1`` stays reproducible under its
+generator applied to produce it (0..MAX_DEPTH). Four versions exist; ``v1`` stays reproducible under its
 names (``probe``, ``probe/<family>``), ``v2`` has its own (``probe-v2``, ``probe-v2/<family>``) and
 changes only the arithmetic family:
 
@@ -51,6 +51,13 @@ width (a ``v2`` sum of d operands is one parallel read for attention):
   a its digit, level = the chain's length 1..4, i.e. the number of dependent lookups, each reading the
   cell named by the previous one's result. The query names and the padding ``.`` are unlabelled.
 
+``v4`` (``probe-v4/cups``, family ``cups``) is state tracking with every operand at a fixed offset:
+
+* ``cups`` (the shell game): 16 fixed-width queries ``s__47=a`` (4 per level, shuffled): a ball under
+  cup s of CUPS, k = 1..CUPS_LEVELS operand digits right-aligned in CUPS_LEVELS slots, each naming a swap
+  of two cups (``SWAPS``) applied in order; a, the ball's cup after them, has level k (each swap's
+  effect depends on where the previous ones left the ball). ``=`` level 0; start, slots, padding unlabelled.
+
 ``solve_episode`` re-derives every label from the tokens alone by brute force (for ``hops``: the fewest
 lookups, breadth-first, that reach a digit); the tests check the generator against it.
 """
@@ -72,13 +79,14 @@ MAX_HOPS = 3
 DATA_SEED = 20240615  # the probe content is fixed; --seed changes the training order only
 DEFAULT_EPISODES = 16384  # 2.1M tokens; data.max_tokens sets another size
 NO_LABEL = -1
-FAMILIES = ("arith", "recall", "text", "hops")  # families.npy holds the index: append only
-VERSIONS = {"probe": "v1", "probe-v2": "v2", "probe-v3": "v3"}  # dataset-name prefix -> generator version
+FAMILIES = ("arith", "recall", "text", "hops", "cups")  # families.npy holds the index: append only
+VERSIONS = {"probe": "v1", "probe-v2": "v2", "probe-v3": "v3", "probe-v4": "v4"}  # name prefix -> generator version
 _V1_FAMILIES = ("arith", "recall", "text")
 TASKS: Dict[str, Tuple[str, ...]] = {
     **{name: families for prefix in ("probe", "probe-v2")
        for name, families in [(prefix, _V1_FAMILIES), *((f"{prefix}/{f}", (f,)) for f in _V1_FAMILIES)]},
     "probe-v3/hops": ("hops",),
+    "probe-v4/cups": ("cups",),
 }
 BLANK = "_"  # an empty operand slot of a v2 arithmetic segment
 
@@ -86,6 +94,14 @@ BLANK = "_"  # an empty operand slot of a v2 arithmetic segment
 HOPS_LEVELS = 4
 HOPS_PER_LEVEL = 2  # queried chains of each length per alphabet (lower and upper case): 4 queries per level
 BAR = "|"  # ends the memory
+
+# v4 state tracking: a query applies 1..CUPS_LEVELS swaps of two cups, in order, to the ball's cup
+CUPS = 5
+SWAPS = tuple((i, j) for i in range(CUPS) for j in range(i + 1, CUPS))  # operand digit d swaps the cups SWAPS[d]
+MOVES = tuple(tuple(j if c == i else i if c == j else c for c in range(CUPS)) for i, j in SWAPS)  # MOVES[d][cup]
+CUPS_LEVELS = 4
+CUPS_PER_LEVEL = 4  # queries of each level per episode
+CUPS_SEGMENT = 1 + CUPS_LEVELS + 2  # start, operand slots, '=', answer
 
 MEMO, MEMO_END, COPY, COPY_END, COUNT = "\x02", "\x03", "\x05", "\x06", "\x07"
 _MARKERS = {ord(c) for c in (MEMO, MEMO_END, COPY, COPY_END, COUNT)}
@@ -226,9 +242,35 @@ def _distractor_lengths(rng: np.random.Generator, total: int) -> List[int]:
     return out
 
 
+def cups_episode(rng: np.random.Generator, length: int = EPISODE_LEN - 1) -> Episode:
+    """v4 state tracking (the shell game): CUPS_LEVELS * CUPS_PER_LEVEL fixed-width queries ``s__47=a``
+    in shuffled level order: s the ball's starting cup, k operand digits right-aligned in CUPS_LEVELS
+    slots (``_`` = empty), each naming a swap of two cups (SWAPS), applied in order; a the ball's cup
+    after the k swaps, level k (each swap's effect depends on where the previous ones left the ball);
+    '=' level 0 (at a fixed offset); start, slots and the '.' padding are unlabelled."""
+    text, levels = "", []
+    for k in rng.permutation(np.repeat(np.arange(1, CUPS_LEVELS + 1), CUPS_PER_LEVEL)).tolist():
+        start, operands = int(rng.integers(0, CUPS)), rng.integers(0, len(SWAPS), size=k).tolist()
+        slots = BLANK * (CUPS_LEVELS - k) + "".join(_DIGITS[d] for d in operands)
+        text += f"{start}{slots}={shell_game(start, operands)}"
+        levels += [NO_LABEL] * (1 + CUPS_LEVELS) + [0, k]
+    if len(text) > length:
+        raise ValueError(f"cups episodes need {len(text)} bytes, got length {length}")
+    pad = length - len(text)
+    return (text + "." * pad).encode("ascii"), levels + [NO_LABEL] * pad
+
+
+def shell_game(ball: int, operands: List[int]) -> int:
+    """The ball's cup after the swaps ``SWAPS[d]`` of ``operands``, applied one after another."""
+    for d in operands:  # one dependent step per operand: where a swap sends the ball depends on where it is
+        ball = MOVES[d][ball]
+    return ball
+
+
 GENERATORS = {"v1": {"arith": arith_episode, "recall": recall_episode, "text": text_episode},
               "v2": {"arith": arith_episode_v2, "recall": recall_episode, "text": text_episode},
-              "v3": {"hops": hops_episode}}
+              "v3": {"hops": hops_episode},
+              "v4": {"cups": cups_episode}}
 
 
 def version(task: str) -> str:
@@ -264,6 +306,8 @@ def solve_episode(family: str, data: bytes, generator: str = "v1") -> Dict[int, 
         return _solve_recall(text)
     if family == "hops":
         return _solve_hops(text)
+    if family == "cups":
+        return _solve_cups(text)
     return _solve_text(text)
 
 
@@ -354,6 +398,21 @@ def fewest_lookups(bindings: Dict[str, List[str]], name: str) -> Tuple[str, int]
     raise ValueError(f"hops: no digit is reachable from {name!r}")
 
 
+def _solve_cups(text: str) -> Dict[int, Tuple[int, int]]:
+    """Re-plays every fixed-width query from its bytes: the level is the number of swaps applied."""
+    out = {}
+    for start in range(0, len(text) - CUPS_SEGMENT + 1, CUPS_SEGMENT):
+        segment = text[start : start + CUPS_SEGMENT]
+        if segment[0] == ".":
+            break
+        ball, slots, eq = segment[0], segment[1:-2].lstrip(BLANK), start + CUPS_SEGMENT - 2
+        if ball not in _DIGITS[:CUPS] or text[eq] != "=" or not slots or any(c not in _DIGITS for c in slots):
+            raise ValueError(f"cups: {segment!r} at {start} is not a query 'start, slots, =, answer'")
+        out[eq] = (ord("="), 0)
+        out[eq + 1] = (ord(str(shell_game(int(ball), [int(c) for c in slots]))), len(slots))
+    return out
+
+
 def _solve_text(text: str) -> Dict[int, Tuple[int, int]]:
     out = {}
     memo = text[text.index(MEMO) + 1 : text.index(MEMO_END)]
@@ -413,6 +472,8 @@ class ProbeCorpus(Corpus):
         parts = f"{version(self.task)}-{self.task}-E{EPISODE_LEN}-D{MAX_DEPTH}-H{MAX_HOPS}-s{DATA_SEED}-n{self.episodes}"
         if "hops" in TASKS[self.task]:  # v1/v2 names keep their fingerprints (and caches)
             parts += f"-L{HOPS_LEVELS}x{HOPS_PER_LEVEL}-cells"
+        if "cups" in TASKS[self.task]:
+            parts += f"-C{CUPS}-L{CUPS_LEVELS}x{CUPS_PER_LEVEL}-fixed"
         if "text" in TASKS[self.task]:
             parts += "-" + hashlib.sha256(embedded_bytes()).hexdigest()[:12]
         return f"probe-{self.task.replace('/', '-')}-{hashlib.sha256(parts.encode()).hexdigest()[:16]}"

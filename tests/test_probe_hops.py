@@ -150,7 +150,7 @@ def test_same_index_gives_the_same_bytes_and_other_indices_differ():
 
 
 # The bytes, labels and family of the first 40 episodes of every task, and each cache fingerprint, as
-# they were before v3 was added (and v3's own, pinned when it was added): a new version must not move them.
+# they were before v3 was added (and v3's and v4's own, pinned when each was added): a new version must not move them.
 PINNED = {
     "probe": ("6d98f8b464fda20da870d577e424392bf5f3f173e55c45de15a4e288f3509856", "probe-probe-112a26be4f973ee9"),
     "probe-v2": ("013c081a477e397aa8c6d41a499a87258196d7cef743a7e702e5533dd645d8fc", "probe-probe-v2-f949e4424e95a35b"),
@@ -167,6 +167,8 @@ PINNED = {
     "probe/text": ("0430da59bf5250fc5a9eb9681023f7eab7a4b1c27741f65a87dcec015012c77c",
                    "probe-probe-text-c212e5d65d94f7ab"),
     TASK: ("4d506e013b89bfd01c3498e4a19e53206bbead9b95b8aac6c14f18f4dfc9171b", "probe-probe-v3-hops-3646a3843be6c1d0"),
+    "probe-v4/cups": ("307d8ea43735726ca3bd232f7c830cefc8b694247343ecd9acbb798f1d151ac4",
+                      "probe-probe-v4-cups-daf4223875aa4b8a"),
 }
 
 
