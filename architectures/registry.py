@@ -191,13 +191,14 @@ _BUILT_IN: Dict[str, Variant] = {
                    "Mixture-of-Recursions, expert choice: a shared middle stack cycled num_recursions times, the "
                    "top-k of the still-active tokens continue at each recursion (capacity shrinking)",
                    # top-k at both recursions in the invariant suite (the default schedule's first is 1: all tokens)
-                   test_settings={"mor": {"capacities": [0.5, 0.25]}}),
+                   test_settings={"mor": {"capacities": [0.5, 0.25]}}, tags=("probe",)),
     "mor_token": Variant("architectures.mor:MixtureOfRecursions",
                          "Mixture-of-Recursions, token choice: each token's recursion depth chosen once by a router "
-                         "over the depths, with a balance loss", overrides={"mor": {"routing": "token"}}),
+                         "over the depths, with a balance loss", overrides={"mor": {"routing": "token"}},
+                         tags=("probe",)),
     "recur_halt": Variant("architectures.recur_halt:RecurHalt",
                           "a shared block applied up to max_steps times per token, halted per token online (ACT, "
-                          "Graves 2016): halted tokens stop paying compute"),
+                          "Graves 2016): halted tokens stop paying compute", tags=("probe",)),
     "recur_halt_ponder": Variant("architectures.recur_halt:RecurHalt",
                                  "recur_halt with PonderNet's halting (Banino et al. 2021): geometric prior, KL term",
                                  overrides={"recur_halt": {"halting": "ponder"}}),
@@ -207,7 +208,7 @@ _BUILT_IN: Dict[str, Variant] = {
                           # at the tiny test init the head's max-probability is ~0.013-0.020 (median 0.0154): this
                           # threshold makes about half the tokens exit early. The suite compares unseeded training
                           # forwards, so layer dropout is off there; tests/test_early_exit.py tests it
-                          test_settings={"early_exit": {"exit_threshold": 0.0155, "p_max": 0.0}}),
+                          test_settings={"early_exit": {"exit_threshold": 0.0155, "p_max": 0.0}}, tags=("probe",)),
 }
 for _name, _variant in _BUILT_IN.items():
     register(_name, _variant)

@@ -114,7 +114,8 @@ def add_probe_experiment(add: Callable[[str, str], argparse.ArgumentParser]) -> 
     p.add_argument("--variants", default=None,
                    help="comma-separated entries: a variant (mod) or a variant with model options "
                         "(mod:n_layer=8:capacity=0.125); default: the registry's probe variants (vanilla, mod, "
-                        "mode_staged, mode_integrated, moe, mot, depth_gate, depth_gate_skip, mom, mom_e)")
+                        "mode_staged, mode_integrated, moe, mot, depth_gate, depth_gate_skip, mom, mom_e, mor, "
+                        "mor_token, recur_halt, early_exit)")
     p.add_argument("--dense_shapes", default=None, metavar="LxD,...",
                    help="dense vanilla controls at the same budget, n_layer x d_model (e.g. 2x64,4x48,8x64; default: "
                         "half the depth, 3/4 the width and twice the depth of the reference model)")
