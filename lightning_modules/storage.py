@@ -62,13 +62,15 @@ def _mkstemp_in(folder: pathlib.Path):
     return tempfile.mkstemp(prefix=".write-probe-", dir=folder)
 
 
-def retry_if_removed(make, attempts: int = 5):
-    """``make()``, again if a folder it just created vanished before it wrote there: a job started at the same
-    moment into the same fresh folder probes it too, and removes the (still empty) folders it created."""
+def retry_if_removed(make, attempts: int = 20):
+    """``make()``, again if a folder it needs vanished under it: a job started at the same moment into the same
+    fresh folder probes it too, and removes the (still empty) folders it created. A vanished folder shows as
+    ``FileNotFoundError``, or as ``FileExistsError`` from ``mkdir(exist_ok=True)`` when it existed at the mkdir
+    and was gone at the check after it."""
     for attempt in range(attempts):
         try:
             return make()
-        except FileNotFoundError:
+        except (FileNotFoundError, FileExistsError):
             if attempt == attempts - 1:
                 raise
 
@@ -87,20 +89,26 @@ def check_writable(folder: pathlib.Path) -> None:
 def claim_next_version(root: pathlib.Path, prefix: str = "version_") -> str:
     """Create ``root/<prefix>N`` for the smallest N above every existing one, exclusively: if another job
     created it first (``FileExistsError``), try the next N. Returns the folder name."""
-    root.mkdir(parents=True, exist_ok=True)
     pattern = re.compile(re.escape(prefix) + r"(\d+)")
-    existing = [int(m.group(1)) for p in root.iterdir() if (m := pattern.fullmatch(p.name))]
+    existing = retry_if_removed(lambda: _numbers_in(root, pattern))
     number = max(existing) + 1 if existing else 0
     while True:
         try:
-            retry_if_removed(lambda: (root / f"{prefix}{number}").mkdir(parents=True))
+            (root / f"{prefix}{number}").mkdir()
             return f"{prefix}{number}"
         except FileExistsError:
             number += 1
+        except FileNotFoundError:  # another job's writability probe released the fresh root: make it again
+            retry_if_removed(lambda: root.mkdir(parents=True, exist_ok=True))
         except OSError as err:
             if err.errno in STORAGE_ERRNOS:
                 raise StorageError(f"log_dir: {storage_message(root / f'{prefix}{number}', err, 'create')}") from None
             raise
+
+
+def _numbers_in(root: pathlib.Path, pattern: "re.Pattern") -> list:
+    root.mkdir(parents=True, exist_ok=True)
+    return [int(m.group(1)) for p in root.iterdir() if (m := pattern.fullmatch(p.name))]
 
 
 def release_if_empty(folder: pathlib.Path) -> None:

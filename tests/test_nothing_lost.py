@@ -63,19 +63,25 @@ def _claim(root: str, barrier, queue) -> None:
     queue.put((version, os.getpid()))
 
 
-def test_jobs_started_at_once_claim_distinct_run_folders(tmp_path):
-    root = tmp_path / "logs" / "vanilla-tiny"
-    (root / "version_0").mkdir(parents=True)  # an earlier run: the racers start above it
-    jobs = 6
+def race(job, root: pathlib.Path, jobs: int) -> list:
+    """``jobs`` forked processes run ``job(root, barrier, queue)``, released at once by the barrier; every one
+    must exit 0; returns what each put on the queue."""
     context = multiprocessing.get_context("fork")
     barrier, queue = context.Barrier(jobs), context.Queue()
-    processes = [context.Process(target=_claim, args=(str(root), barrier, queue)) for _ in range(jobs)]
+    processes = [context.Process(target=job, args=(str(root), barrier, queue)) for _ in range(jobs)]
     for process in processes:
         process.start()
     for process in processes:
         process.join(60)
     assert all(p.exitcode == 0 for p in processes), [p.exitcode for p in processes]
-    claims = [queue.get(timeout=5) for _ in range(jobs)]
+    return [queue.get(timeout=5) for _ in range(jobs)]
+
+
+def test_jobs_started_at_once_claim_distinct_run_folders(tmp_path):
+    root = tmp_path / "logs" / "vanilla-tiny"
+    (root / "version_0").mkdir(parents=True)  # an earlier run: the racers start above it
+    jobs = 6
+    claims = race(_claim, root, jobs)
     versions = sorted(v for v, _ in claims)
     assert versions == sorted(f"version_{i}" for i in range(1, jobs + 1))
     for version, pid in claims:  # every folder holds exactly its own job's file
@@ -114,15 +120,7 @@ def _probe_and_claim(root: str, barrier, queue) -> None:
 
 def test_jobs_started_at_once_into_a_fresh_log_dir_all_start(tmp_path):
     root, jobs = tmp_path / "logs" / "mod-tiny", 6  # nobody made it: each job probes, creates and releases it
-    context = multiprocessing.get_context("fork")
-    barrier, queue = context.Barrier(jobs), context.Queue()
-    processes = [context.Process(target=_probe_and_claim, args=(str(root), barrier, queue)) for _ in range(jobs)]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(60)
-    assert all(p.exitcode == 0 for p in processes), [p.exitcode for p in processes]
-    assert sorted(queue.get(timeout=5) for _ in range(jobs)) == [f"version_{i}" for i in range(jobs)]
+    assert sorted(race(_probe_and_claim, root, jobs)) == [f"version_{i}" for i in range(jobs)]
 
 
 @pytest.mark.slow
