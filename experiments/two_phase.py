@@ -83,6 +83,18 @@ def shared_version(log_dir: pathlib.Path, size: str, variant: str) -> str:
     return f"version_{max(taken) + 1 if taken else 0}"
 
 
+def vanilla_options(argv: List[str]) -> List[str]:
+    """Phase 1's command without the options shared with phase 2 that vanilla does not read (e.g. the routed
+    variant's ``--model.mom.router_hidden``), which ``experiments.run`` would refuse; says what it dropped."""
+    from experiments import run
+
+    kept, _, dropped = run.without_ignored_options(argv, run.build_parser())
+    if dropped:
+        print(f"note: two_phase: phase 1 (vanilla) does not use {', '.join(sorted(dropped))}; dropped from it",
+              file=sys.stderr)
+    return kept
+
+
 def main(argv: Optional[Sequence[str]] = None) -> pathlib.Path:
     from experiments import run
 
@@ -91,7 +103,8 @@ def main(argv: Optional[Sequence[str]] = None) -> pathlib.Path:
     log_dir = pathlib.Path(args.log_dir)
     version = shared_version(log_dir, args.size, args.variant)
     base = ["--size", args.size, "--log_dir", str(log_dir), "--version", version]
-    phase1 = run.main(["--variant", "vanilla", *base, "--max_steps", str(args.phase1_steps), *phase1_extra])
+    phase1 = run.main(vanilla_options(["--variant", "vanilla", *base, "--max_steps", str(args.phase1_steps),
+                                       *phase1_extra]))
     checkpoint = phase1 / "checkpoints" / "last.ckpt"
     if not checkpoint.is_file():
         raise FileNotFoundError(f"phase 1 wrote no {checkpoint}")

@@ -92,3 +92,19 @@ def test_two_phase_command_trains_vanilla_then_mom_from_it(tmp_path):
         drift = (b[f"model.chunks.0.ffn_modules.{j}.mlp.c_fc.weight"] - a[f"model.blocks.{j}.mlp.c_fc.weight"])
         assert drift.abs().max() < 3e-3
     assert (b["model.chunks.0.anchor.ln_1.weight"] - a["model.blocks.3.ln_1.weight"]).abs().max() < 3e-3
+
+
+def test_an_option_of_the_routed_variant_given_to_both_phases_is_dropped_from_vanilla_with_a_note(
+        tmp_path, monkeypatch, capsys):
+    """results.md's command passes ``--model.mom.router_hidden 64`` to both phases; ``experiments.run`` refuses
+    it for vanilla (an option of a group it does not read), so phase 1 drops it and says so."""
+    import experiments.run
+
+    calls = []
+    monkeypatch.setattr(experiments.run, "main", fake_run(calls, tmp_path))
+    two_phase.main(["--variant", "mom", "--phase1_steps", "3", "--phase2_steps", "3", "--log_dir", str(tmp_path),
+                    "--model.mom.router_hidden", "64", "--model.d_model", "32"])
+    phase1, phase2 = calls
+    assert "--model.mom.router_hidden" not in phase1 and phase1[phase1.index("--model.d_model") + 1] == "32"
+    assert phase2[phase2.index("--model.mom.router_hidden") + 1] == "64"
+    assert "phase 1 (vanilla) does not use --model.mom.router_hidden" in capsys.readouterr().err
