@@ -315,8 +315,8 @@ def test_jobs_of_the_same_model_share_one_measurement(monkeypatch):
                                             / "paper").glob("*.yaml")), ids=lambda p: p.stem)
 def test_every_paper_recipe_fits_its_gpus_by_the_plan(recipe, monkeypatch):
     """The largest job of each paper recipe (by parameters) fits 80 GiB per GPU as planned. Planning builds the
-    model on the CPU (~1 min per job), so the whole 21-job table (docs/scale.md, from `sweep --dry_run`, where
-    every job fits) would cost 20 minutes of the suite: here one job per recipe, not every job."""
+    model on the CPU (a few seconds to tens of seconds per job), so the whole 21-job table (docs/scale.md, from
+    `sweep --dry_run`, where every job fits) would cost minutes of the suite: here one job per recipe."""
     from experiments import sweep
     from experiments.memory import plan_run_config
     from tests.conftest import REPO
