@@ -8,7 +8,6 @@ of the checkpoint (callback state), so after a resume ``summary.json`` holds the
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import statistics
 import time
@@ -17,7 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import lightning as L
 import torch
 
-from lightning_modules.run_clock import process_age_s, run_age_s  # noqa: F401  (process_age_s: its old home)
+from lightning_modules.run_clock import run_age_s
 from lightning_modules.steps import completes_step, is_logging_step
 
 

@@ -218,7 +218,7 @@ def test_process_age_counts_from_the_process_start():
     import sys
     import time
 
-    probe = "import time; time.sleep(0.5); from callbacks.run_summary import process_age_s; print(process_age_s())"
+    probe = "import time; time.sleep(0.5); from lightning_modules.run_clock import process_age_s; print(process_age_s())"
     start = time.monotonic()
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     lived = time.monotonic() - start

@@ -50,8 +50,7 @@ from analysis import stats
 from analysis.tables import ci_cell as _ci, test_cell as _test_cell
 from experiments.repro.common import (Context, Entry, budget_spent, budget_step_cap, dense_entries, figure, fmt,
                                      markdown_table, narrower_width, option_path, parse_entry, parse_shape,
-                                     parse_shapes, run_wall,
-                                     wall_time_lines)  # noqa: F401  (option_path, parse_shape: probe's API)
+                                     parse_shapes, run_wall, wall_time_lines)  # noqa: F401  (option_path, parse_shape: probe's API)
 
 VARIANTS = tuple(tagged("probe"))  # the registry entries tagged "probe" (vanilla first)
 LEVELS = range(5)
