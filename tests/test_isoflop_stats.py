@@ -6,7 +6,10 @@ from __future__ import annotations
 import pytest
 
 from analysis import stats
-from experiments.repro.head_to_head import default_dense_shapes, dense_comparison, programme_entries
+from architectures.config import ConfigError
+from experiments.repro.common import parse_entry
+from experiments.repro.head_to_head import (bench_label, benchmarked, check_entries, default_dense_shapes,
+                                             dense_comparison, programme_entries)
 from experiments.repro.isoflop import bracket_verdict, budget_analysis, cells_of
 
 BUDGET = 1e12
@@ -122,10 +125,30 @@ def test_head_to_head_default_dense_shapes_span_the_routed_flops():
     class Base:
         n_layer, d_model, n_head = 4, 64, 4
 
-    labels = [e.label for e in programme_entries(["mod"], None, Base, {"vanilla": 1.0, "mod": 0.8})]
+    mod, mom = parse_entry("mod"), parse_entry("mom")
+    labels = [e.label for e in programme_entries([mod], None, Base, {"vanilla": 1.0, "mod": 0.8})]
     assert labels == ["vanilla", "dense:2x64", "dense:4x48", "dense:2x48", "mod"]
-    labels = [e.label for e in programme_entries(["mom"], None, Base, {"vanilla": 1.0, "mom": 1.7})]
+    labels = [e.label for e in programme_entries([mom], None, Base, {"vanilla": 1.0, "mom": 1.7})]
     assert labels[-2:] == ["dense:8x64", "mom"]
-    entries = programme_entries(["mod"], "4x64,1x32", Base, {"vanilla": 1.0, "mod": 0.8})
+    entries = programme_entries([mod], "4x64,1x32", Base, {"vanilla": 1.0, "mod": 0.8})
     assert [e.label for e in entries] == ["vanilla", "dense:1x32", "mod"]  # the reference shape is vanilla itself
     assert [e.dense for e in entries] == [True, True, False]
+
+
+def test_head_to_head_takes_entries_with_their_own_options():
+    entries = check_entries(["mod:n_layer=8:capacity=0.25", "moe", "dense:2x32", "mod:n_layer=8:capacity=0.25"], 1)
+    assert [e.label for e in entries] == ["vanilla", "mod:n_layer=8:capacity=0.25", "moe", "dense:2x32"]
+    deep = entries[1]
+    assert deep.variant == "mod" and deep.model == (("n_layer", "8"), ("mod.capacity", "0.25")) and not deep.dense
+    assert deep.run_options() == ["--variant", "mod", "--model.n_layer", "8", "--model.mod.capacity", "0.25"]
+    # the benchmark names it as experiments.bench takes a variant with overrides; dense controls are not timed
+    assert bench_label(deep) == "mod@n_layer=8@mod.capacity=0.25" and bench_label(entries[0]) == "vanilla"
+    assert [benchmarked(e) for e in entries] == [True, True, True, False]
+    with pytest.raises(ConfigError, match="no option of mod"):
+        check_entries(["mod:nope=1"], 1)
+    with pytest.raises(ConfigError, match="valid variants"):
+        check_entries(["nope"], 1)
+    with pytest.raises(ConfigError, match="empty"):
+        check_entries([], 1)
+    with pytest.raises(ConfigError, match="bench_steps"):
+        check_entries(["mod"], 0)

@@ -7,6 +7,7 @@ import pathlib
 
 import pytest
 import torch
+import yaml
 
 from architectures import ModelConfig, build_model
 from analysis.contribution import run_config
@@ -251,10 +252,11 @@ def test_contribution_table_shows_each_ratio_with_its_standard_error():
 
 @pytest.mark.slow
 def test_head_to_head_end_to_end(tmp_path):
-    result = repro(["head_to_head", "--out", str(tmp_path), "--variants", "mod,moe", "--bench_steps", "1", "--seeds", "2",
+    result = repro(["head_to_head", "--out", str(tmp_path), "--variants", "mod,moe:num_experts=4", "--bench_steps", "1", "--seeds", "2",
                     "--dense_shapes", "1x32", *STEPS, "--", *TINY_RUN])
     entries = {r["variant"]: r for r in result["entries"]}
-    assert list(entries) == ["vanilla", "dense:1x32", "mod", "moe"]
+    moe = "moe:num_experts=4"  # an entry with its own options, trained and benchmarked with them
+    assert list(entries) == ["vanilla", "dense:1x32", "mod", moe]
     assert [r["dense"] for r in result["entries"]] == [True, True, False, False]
     vanilla = entries["vanilla"]
     assert vanilla["flops_ratio"] == 1.0 and vanilla["step_time_ratio"] == 1.0
@@ -263,11 +265,11 @@ def test_head_to_head_end_to_end(tmp_path):
     for r in result["runs"]:
         assert r["val_loss"] > 0 and r["matched"] and r["budget"] == result["budget"] and r["train_flops"] >= result["budget"]
         assert r["train_time_s"] == pytest.approx(r["run_step_s"] * r["steps"])
-    for r in (entries["vanilla"], entries["mod"], entries["moe"]):
+    for r in (entries["vanilla"], entries["mod"], entries[moe]):
         assert r["memory_mb"] > 0 and r["bench_step_s"] > 0
     assert min(entries["mod"]["steps_seeds"]) > 3  # MoD's cheaper steps buy more of them
     dense = {k: r["val_loss"]["mean"] for k, r in entries.items() if r["dense"]}
-    assert result["best_dense"] == min(dense, key=dense.get) and set(result["tests"]["loss"]) == {"mod", "moe"}
+    assert result["best_dense"] == min(dense, key=dense.get) and set(result["tests"]["loss"]) == {"mod", moe}
     report = (tmp_path / "results.md").read_text()
     assert "not matched" not in report and "train time s [95% CI]" in report and "dense:1x32" in report
     # MoD's top-k sees the future: compared by its causal loss, at the causal evaluation's FLOPs (issue 20)
@@ -279,6 +281,8 @@ def test_head_to_head_end_to_end(tmp_path):
     assert set(results(tmp_path)["wall_time_s"]) == {"training", "benchmark", "tables"}
     assert "Wall time per part" in report and "| dense:1x32 |" in report
     assert (tmp_path / "head_to_head.png").is_file()
+    config = yaml.safe_load((pathlib.Path(entries[moe]["run_dirs"][0]) / "config.yaml").read_text())
+    assert config["model"]["moe"]["num_experts"] == 4
 
 
 @pytest.mark.slow

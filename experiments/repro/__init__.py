@@ -99,7 +99,9 @@ def add_training_experiments(add: Callable[[str, str], argparse.ArgumentParser])
                    help="out-of-distribution text (.txt or .jsonl with 'text'), repeatable")
     p.add_argument("--ood_tokens", type=int, default=32768, help="tokens evaluated per OOD file")
     p = add("head_to_head", "all variants at equal measured training FLOPs (vanilla's --steps steps)")
-    p.add_argument("--variants", default=None, help="comma-separated (default: every registered variant)")
+    p.add_argument("--variants", default=None,
+                   help="comma-separated entries: a variant (mod) or a variant with model options "
+                        "(mod:n_layer=8:capacity=0.125); default: every registered variant")
     p.add_argument("--bench_steps", type=int, default=5, help="timed steps per variant in the interleaved benchmark")
     p.add_argument("--seeds", type=int, default=5, help="seeds per entry (default 5)")
     p.add_argument("--dense_shapes", default=None, metavar="LxD,...",

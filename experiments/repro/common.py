@@ -367,6 +367,20 @@ def parse_entry(text: str) -> Entry:
     return Entry(text, name, tuple(model), dense=name == "vanilla")
 
 
+def entry_cost(ctx: Context, entry: Entry, vocab_size: int) -> float:
+    """Training FLOPs per token of the entry's model, resolved from its command line as its run will be
+    (built on the meta device: nothing allocated)."""
+    import torch
+
+    from architectures import build_model
+    from experiments.run import model_config
+
+    config = model_config(ctx.parse(ctx.argv(entry.run_options())), vocab_size=vocab_size).resolve()
+    with torch.device("meta"):
+        model = build_model(config)
+    return model.flops_per_token(None, config.block_size).training
+
+
 def parse_shape(text: str) -> Tuple[int, int]:
     layers, sep, width = text.partition("x")
     if not (sep and layers.isdigit() and width.isdigit() and int(layers) > 0 and int(width) > 0):

@@ -1,7 +1,7 @@
 """Every variant at equal measured training FLOPs, against dense controls: validation loss (training runs,
 ``--seeds`` seeds each), FLOPs per token (routing-aware, from each run's summary), the training wall clock
-(median step x steps), and step time + memory from ``experiments.bench`` (all registered variants timed at the
-reference shape in one process, repetitions interleaved so machine noise hits them alike; CPU memory =
+(median step x steps), and step time + memory from ``experiments.bench`` (the reference vanilla and every routed
+entry, with its own options, timed in one process, repetitions interleaved so machine noise hits them alike; CPU memory =
 parameters, gradients, AdamW state and the activations saved for backward; CUDA memory = peak allocated).
 
 The budget is what vanilla spends in ``--steps`` steps; every entry trains until its measured count
@@ -19,8 +19,8 @@ from architectures.config import ConfigError
 from callbacks.run_summary import causal_flops_per_token, headline_val_loss, noncausal_val_loss
 from analysis import stats
 from analysis.tables import ci_cell, error_bars, test_cell
-from experiments.repro.common import (Context, Entry, budget_spent, budget_step_cap, dense_entries, figure, fmt,
-                                     markdown_table, narrower_width, parse_entry, parse_shapes, run_wall,
+from experiments.repro.common import (Context, Entry, budget_spent, budget_step_cap, dense_entries, entry_cost,
+                                     figure, fmt, markdown_table, narrower_width, parse_entry, parse_shapes, run_wall,
                                      wall_time_lines)
 
 ALPHA = 0.05  # the level of the corrected tests against the best dense model
@@ -44,17 +44,30 @@ def bench_options(run_options: Sequence[str]) -> List[str]:
     return out
 
 
-def check_variants(variants: Optional[Sequence[str]], bench_steps: int) -> List[str]:
-    """The variants to compare, vanilla first (every ratio is relative to it); unknown ones refused."""
+def check_entries(variants: Optional[Sequence[str]], bench_steps: int) -> List[Entry]:
+    """The entries to compare, vanilla first (every ratio is relative to it): registry names (``mod``) or a
+    variant with its own model options (``mod:n_layer=8:capacity=0.125``, as ``experiments.repro probe``
+    takes them); unknown names and options refused before anything trains."""
     from architectures import variant_names
 
-    variants = list(variants) if variants is not None else variant_names()
-    unknown = [v for v in variants if v not in variant_names()]
-    if unknown or not variants:
-        raise ConfigError(f"--variants: unknown {unknown or 'empty list'}; valid variants: {', '.join(variant_names())}")
+    texts = list(variants) if variants is not None else variant_names()
+    if not texts:
+        raise ConfigError(f"--variants: the list is empty; valid variants: {', '.join(variant_names())}")
     if bench_steps <= 0:
         raise ConfigError(f"--bench_steps: must be a positive integer, got {bench_steps}")
-    return ["vanilla", *[v for v in variants if v != "vanilla"]]
+    entries = {text: parse_entry(text) for text in dict.fromkeys(["vanilla", *texts])}
+    return list(entries.values())
+
+
+def benchmarked(entry: Entry) -> bool:
+    """The reference vanilla and every routed entry are timed in the interleaved benchmark; dense controls of
+    other shapes are not (their cost is their FLOPs, read from their runs)."""
+    return not entry.dense or entry.label == "vanilla"
+
+
+def bench_label(entry: Entry) -> str:
+    """The entry as ``experiments.bench`` names a variant with its own overrides: ``mod@n_layer=8@mod.capacity=0.125``."""
+    return "".join([entry.variant, *(f"@{key}={value}" for key, value in entry.model)])
 
 
 def default_dense_shapes(n_layer: int, d_model: int, n_head: int, deeper: bool) -> List[Tuple[int, int]]:
@@ -66,13 +79,16 @@ def default_dense_shapes(n_layer: int, d_model: int, n_head: int, deeper: bool) 
     return shapes + [(2 * n_layer, d_model)] if deeper else shapes
 
 
-def programme_entries(variants: Sequence[str], dense_shapes: Optional[str], base,
+def programme_entries(entries: Sequence[Entry], dense_shapes: Optional[str], base,
                       planned: Dict[str, float]) -> List[Entry]:
-    """The reference vanilla, the dense controls (``--dense_shapes`` or ``default_dense_shapes``), the routed variants."""
+    """The reference vanilla, the dense controls (``--dense_shapes`` or ``default_dense_shapes``), the other
+    entries (``planned``: each entry's training FLOPs per token by label)."""
     reference = (base.n_layer, base.d_model)
     shapes = (parse_shapes(dense_shapes, base.n_head) if dense_shapes else
               default_dense_shapes(*reference, base.n_head, deeper=max(planned.values()) > planned["vanilla"]))
-    return [parse_entry(text) for text in dict.fromkeys(["vanilla", *dense_entries(shapes, reference), *variants])]
+    dense = [parse_entry(text) for text in dense_entries(shapes, reference)]
+    unique = {e.label: e for e in [parse_entry("vanilla"), *dense, *entries]}
+    return list(unique.values())
 
 
 def seed_row(entry: Entry, seed: int, s: Dict[str, Any]) -> Dict[str, Any]:
@@ -218,24 +234,24 @@ def goal_line(tests: Dict[str, Any]) -> str:
 
 def head_to_head(ctx: Context, variants: Optional[Sequence[str]] = None, bench_steps: int = 5, seeds: int = 5,
                  dense_shapes: Optional[str] = None) -> Dict[str, Any]:
-    from experiments.repro.isoflop import model_cost, run_geometry
+    from experiments.repro.isoflop import run_geometry
 
-    variants = check_variants(variants, bench_steps)
+    compared = check_entries(variants, bench_steps)
     if seeds < 1:
         raise ConfigError(f"--seeds: must be a positive integer, got {seeds}")
     cfg, base, tokens = run_geometry(ctx)
-    planned = {v: model_cost(base, v, base.d_model, base.n_layer, base.n_head)[1] for v in variants}
+    planned = {e.label: entry_cost(ctx, e, base.vocab_size) for e in compared}
     budget = ctx.steps * tokens * planned["vanilla"]  # vanilla's --steps steps: what its count measures too
-    entries = programme_entries(variants[1:], dense_shapes, base, planned)
-    costs = {e.label: planned.get(e.label) or model_cost(base, "vanilla", int(dict(e.model)["d_model"]),
-                                                         int(dict(e.model)["n_layer"]), base.n_head)[1] for e in entries}
+    entries = programme_entries(compared, dense_shapes, base, planned)
+    costs = {e.label: planned.get(e.label) or entry_cost(ctx, e, base.vocab_size) for e in entries}
     with ctx.part("training"):
         runs = train_entries(ctx, entries, costs, budget, tokens, seeds)
     with ctx.part("benchmark"):
-        timing = benchmark(ctx, cfg, base, variants, bench_steps)
+        timing = benchmark(ctx, cfg, base, [bench_label(e) for e in compared if benchmarked(e)], bench_steps)
     with ctx.part("tables"):
         reference_flops = next(r["flops_per_token"] for r in runs if r["variant"] == "vanilla")
-        rows = [entry_row([r for r in runs if r["variant"] == e.label], timing.get(e.label), reference_flops)
+        rows = [entry_row([r for r in runs if r["variant"] == e.label],
+                          timing[bench_label(e)] if benchmarked(e) else None, reference_flops)
                 for e in entries]
         tests = dense_comparison(rows)
         sections = [explanation(budget, ctx.steps, tokens, bench_steps, seeds), "", result_table(rows, tests), "",
@@ -244,7 +260,8 @@ def head_to_head(ctx: Context, variants: Optional[Sequence[str]] = None, bench_s
                     *wall_time_lines(runs, lambda r: r["variant"], ctx.workers)]
         plot_rows(ctx, rows)
         ctx.log_table("head_to_head", "\n".join(sections))
-    results = {"steps": ctx.steps, "budget": budget, "tokens_per_step": tokens, "seeds": seeds, "variants": variants,
+    results = {"steps": ctx.steps, "budget": budget, "tokens_per_step": tokens, "seeds": seeds,
+               "variants": [e.label for e in compared],
                "entries": rows, "best_dense": tests["best_dense"], "tests": tests, "runs": runs}
     ctx.write_report("Head-to-head: every variant at equal measured training FLOPs, with dense controls",
                      sections, results)
@@ -252,10 +269,11 @@ def head_to_head(ctx: Context, variants: Optional[Sequence[str]] = None, bench_s
 
 
 def benchmark(ctx: Context, cfg, base, variants: Sequence[str], bench_steps: int) -> Dict[str, Dict[str, Any]]:
-    """Step time and memory of every registered variant at the reference shape, interleaved in one process."""
+    """Step time and memory of the compared entries (``bench_label``s) at the reference shape and their own
+    options, interleaved in one process."""
     from experiments import bench
 
     return bench.run(bench.parse_args([
-        "--variants", ",".join(variants), "--size", ctx.size, "--steps", str(bench_steps), "--warmup", "1",
+        "--variants", ",".join(dict.fromkeys(variants)), "--size", ctx.size, "--steps", str(bench_steps), "--warmup", "1",
         "--batch_size", str(cfg.data.batch_size), "--seq_len", str(base.block_size), "--vocab_size", str(base.vocab_size),
         "--seed", str(ctx.seed), "--no_hf", *bench_options(ctx.run_options)]))

@@ -48,8 +48,8 @@ from architectures.config import ConfigError
 from architectures.registry import tagged
 from analysis import stats
 from analysis.tables import ci_cell as _ci, test_cell as _test_cell
-from experiments.repro.common import (Context, Entry, budget_spent, budget_step_cap, dense_entries, figure, fmt,
-                                     markdown_table, narrower_width, option_path, parse_entry, parse_shape,
+from experiments.repro.common import (Context, Entry, budget_spent, budget_step_cap, dense_entries, entry_cost, figure,
+                                     fmt, markdown_table, narrower_width, option_path, parse_entry, parse_shape,
                                      parse_shapes, run_wall, wall_time_lines)  # noqa: F401  (option_path, parse_shape: probe's API)
 
 VARIANTS = tuple(tagged("probe"))  # the registry entries tagged "probe" (vanilla first)
@@ -106,20 +106,6 @@ class Planned:
     @property
     def deviation(self) -> float:
         return self.steps * self.tokens_per_step * self.flops_per_token / self.budget - 1.0
-
-
-def entry_cost(ctx: Context, entry: Entry, vocab_size: int) -> float:
-    """Training FLOPs per token of the entry's model, resolved from its command line as its run will be
-    (built on the meta device: nothing allocated)."""
-    import torch
-
-    from architectures import build_model
-    from experiments.run import model_config
-
-    config = model_config(ctx.parse(ctx.argv(entry.run_options())), vocab_size=vocab_size).resolve()
-    with torch.device("meta"):
-        model = build_model(config)
-    return model.flops_per_token(None, config.block_size).training
 
 
 def plan_entries(ctx: Context, entries: Sequence[Entry], budget: float, tokens: int, vocab_size: int,
