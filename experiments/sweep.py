@@ -238,10 +238,10 @@ def estimate(cfg) -> Dict[str, Any]:
             "gpus": nodes * tasks, "flops_per_token": flops_per_token, "flops": tokens * flops_per_token}
 
 
-def memory_plans(parsed: Sequence[Any], gpu_memory_gb: float = 80.0) -> List[Dict[str, Any]]:
+def memory_plans(parsed: Sequence[Any], gpu_memory_gb: float = 80.0, workers: Optional[int] = None) -> List[Dict[str, Any]]:
     """The memory plan (``model_tools.memory``) of every parsed configuration: peak per GPU and what fits.
     One measurement per distinct model / precision / checkpointing (``memory.measurement_key``), reused by
-    every job that shares it."""
+    every job that shares it; ``workers`` measurements at once (default ``measurement_workers``)."""
     import concurrent.futures
 
     from model_tools.memory import job_plan, measure, measurement_key
@@ -251,15 +251,62 @@ def memory_plans(parsed: Sequence[Any], gpu_memory_gb: float = 80.0) -> List[Dic
     keys = [measurement_key(item) for item in inputs]
     distinct = list(dict.fromkeys(keys))
     first = [inputs[keys.index(key)] for key in distinct]
+    workers = workers or measurement_workers([item[0] for item in first])
     # one fresh process per measurement: a process that built a model does not get its memory back (measured:
     # ~1 GiB per GPT-2 small model stays with it; one worker for all of ffn_wider_contribution.yaml's models
     # peaked at 13.8 GB even with MALLOC_MMAP_THRESHOLD_=1 MiB), and a recipe builds several large ones
-    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=measurement_context(),
+    with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=measurement_context(),
                                                 max_tasks_per_child=1) as pool:
         # the worker gets the resolved model config, not the parsed run config: it imports torch and
         # architectures only, not Lightning and the run's CLI (about half of a job's CPU time before)
         measured = dict(zip(distinct, pool.map(measure, *zip(*first))))
     return [job_plan(measured[key], cfg, gpu_memory_gb).row() for key, cfg in zip(keys, parsed)]
+
+
+#: host memory one measuring process needs per parameter of its model: the fp32 weights (4 bytes, filled from a
+#: tiled pattern) and their bf16 autocast copies (2), with a margin for the few saved activations of micro-batch 1
+MEASUREMENT_BYTES_PER_PARAMETER = 8
+MEASUREMENT_BASE_BYTES = 1 << 30  # torch and the suite imported, allocator slack
+
+
+def measurement_workers(configs: Sequence[Any]) -> int:
+    """How many models to measure at once: one per CPU this process may use (a SLURM or container CPU set), no
+    more than there are models, and only as many of the largest as fit in the host's available memory (each
+    worker builds its model with real weights). The figures do not depend on it: each worker measures alone in
+    its own process."""
+    import os
+
+    import torch
+
+    from architectures import build_model
+
+    if len(configs) <= 1:
+        return 1
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        cpus = os.cpu_count() or 1
+    largest = 0
+    for config in configs:
+        with torch.device("meta"):
+            largest = max(largest, build_model(config).num_parameters())
+    per_worker = MEASUREMENT_BYTES_PER_PARAMETER * largest + MEASUREMENT_BASE_BYTES
+    return max(1, min(cpus, len(configs), available_memory_bytes() // per_worker))
+
+
+def available_memory_bytes() -> int:
+    """The host's available memory (``MemAvailable``: free plus what the kernel can reclaim); the total where
+    /proc/meminfo is missing (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def measurement_context():
@@ -309,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "on a loaded 2-core machine, docs/benchmarks.md)")
     parser.add_argument("--gpu_memory_gb", type=float, default=80.0,
                         help="--dry_run memory plan: GPU memory per device in GiB (docs/scale.md)")
+    parser.add_argument("--plan_workers", type=int, default=None,
+                        help="--dry_run memory plan: models measured at once, each in its own process (default: one "
+                             "per available CPU, as many as the host's available memory holds)")
     return parser
 
 
@@ -322,6 +372,8 @@ def main(argv: Optional[Sequence[str]] = None) -> List[List[str]]:
     from model_tools.memory import check_plan_settings
 
     check_plan_settings(args.gpu_memory_gb)
+    if args.plan_workers is not None and args.plan_workers < 1:
+        raise ConfigError(f"--plan_workers: must be a positive integer, got {args.plan_workers}")
     grid, file_common, sbatch = load_grid(args.grid_file, args.grid)
     configurations = drop_ignored_options([[*file_common, *common, *config] for config in grid])
     parsed = validate(configurations)
@@ -345,7 +397,7 @@ def dry_run(jobs: Sequence[List[str]], parsed: Sequence[Any], args: argparse.Nam
     if not args.no_plan:
         from model_tools.memory import print_plans
 
-        plans = memory_plans(parsed, args.gpu_memory_gb)
+        plans = memory_plans(parsed, args.gpu_memory_gb, args.plan_workers)
         print_plans(plans, [f"{cfg.model.variant}" for cfg in parsed], lambda line: print(line, file=sys.stderr))
 
 

@@ -111,6 +111,39 @@ def test_the_sweep_plan_from_forked_measurements_equals_the_in_process_plan():
     assert rows[1]["activations_GiB"] < rows[1]["activations_plain_GiB"] and rows[3]["micro_batch"] == 8
 
 
+def test_the_dry_run_measures_as_many_models_at_once_as_cpus_and_memory_allow(monkeypatch):
+    """One measuring process per available CPU, never more than there are models, and only as many of the
+    largest model as the host's available memory holds (8 bytes per parameter and 1 GiB each); at least one."""
+    import os
+
+    from architectures import ModelConfig, build_model
+    from experiments import sweep
+
+    small, large = ModelConfig(size="tiny").resolve(), ModelConfig(size="small").resolve()
+    with torch.device("meta"):
+        params = build_model(large).num_parameters()
+    per_worker = sweep.MEASUREMENT_BYTES_PER_PARAMETER * params + sweep.MEASUREMENT_BASE_BYTES
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(sweep, "available_memory_bytes", lambda: 100 * per_worker)
+    assert sweep.measurement_workers([small, large, small]) == 3  # the models, not the 16 CPUs
+    assert sweep.measurement_workers([small]) == 1
+    monkeypatch.setattr(sweep, "available_memory_bytes", lambda: 2 * per_worker + 1)
+    assert sweep.measurement_workers([small, large, small, large]) == 2  # memory for two of the largest
+    monkeypatch.setattr(sweep, "available_memory_bytes", lambda: per_worker // 2)
+    assert sweep.measurement_workers([small, large]) == 1  # too little for one: still one, as before
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    monkeypatch.setattr(sweep, "available_memory_bytes", lambda: 100 * per_worker)
+    assert sweep.measurement_workers([small, large, small]) == 1  # one CPU
+
+
+def test_plan_workers_must_be_positive():
+    from architectures.config import ConfigError
+    from experiments import sweep
+
+    with pytest.raises(ConfigError, match="--plan_workers"):
+        sweep.main(["--grid", "variant=vanilla", "--dry_run", "--plan_workers", "0"])
+
+
 #: the variants of the paper recipes (experiments/configs/paper/): their measurement repeats exactly
 PAPER_VARIANTS = ("vanilla", "mod", "ffn_wider", "cea", "caa", "cea_moe", "mom_p", "mom_e", "mom_i")
 
