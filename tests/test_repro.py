@@ -171,6 +171,7 @@ def test_mom_transitions_end_to_end(trained_mom, tmp_path):
     assert (tmp_path / "mom_transitions.png").is_file() and not (tmp_path / "runs").exists()  # nothing trained
 
 
+@pytest.mark.slow  # ~45-60 s: a 2 x 2 grid, two seeds, trained end to end
 def test_mod_isoflop_runs_spend_the_budget(tmp_path):
     """Two depths x one width, two seeds: vanilla at both depths (the dense curve), MoD where it can be built (its
     routed blocks need two layers), every run at the budget, the tables, the figure, and the rerun reuses every run."""
