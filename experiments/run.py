@@ -497,8 +497,15 @@ def parse_with_presets(parser: ArgumentParser, argv: Sequence[str], prefix: str 
 
     probe = [a for a in argv if not a.startswith("--print_config")]
     variant = parser.parse_args(probe, defaults=True)[prefix].variant
-    parser.set_defaults(preset_defaults(variant, prefix))
-    return parser.parse_args(list(argv))
+    preset = preset_defaults(variant, prefix)
+    # the parser's own defaults come back afterwards: a parser that parses several runs' options (the repro
+    # programmes') must not carry one variant's preset into the next one's fields
+    before = {key: parser.get_default(key) for key in preset}
+    parser.set_defaults(preset)
+    try:
+        return parser.parse_args(list(argv))
+    finally:
+        parser.set_defaults(before)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Optional[pathlib.Path]:

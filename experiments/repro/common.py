@@ -79,11 +79,12 @@ class Context:
         return self._parser
 
     def parse(self, argv: Sequence[str]):
-        """The run's resolved options (jsonargparse Namespace), validated as ``experiments.run`` does."""
-        from experiments.run import expand_aliases, validate_up_front
+        """The run's resolved options (jsonargparse Namespace), parsed and validated as ``experiments.run`` does:
+        the variant's preset under the explicit options (``cea_moe``'s FFN ratio, not the dataclass default)."""
+        from experiments.run import expand_aliases, parse_with_presets, validate_up_front
 
         try:
-            cfg = self.parser().parse_args(expand_aliases(list(argv)))
+            cfg = parse_with_presets(self.parser(), expand_aliases(list(argv)))
         except SystemExit as exit_:  # jsonargparse reports and exits on unknown options
             raise ConfigError(f"invalid run options: {' '.join(argv)}") from exit_
         validate_up_front(cfg)
