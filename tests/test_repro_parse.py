@@ -48,3 +48,27 @@ def dataclasses_replace_vocab(config, vocab_size: int = 4096):
     import dataclasses
 
     return dataclasses.replace(config, vocab_size=vocab_size)
+
+
+def test_the_isoflop_plan_counts_a_variant_s_own_pass_through_options(tmp_path):
+    """``mod_isoflop -- --model.mod.capacity 0.5`` plans MoD at capacity 0.5 (before: at its preset's 0.125,
+    because the grid's shapes were cut from vanilla's config, which holds no MoD options)."""
+    import dataclasses
+
+    import torch
+
+    from architectures import build_model
+    from experiments.repro.isoflop import isoflop_configs, variant_bases
+
+    options = ["--model.d_model", "32", "--model.block_size", "32", "--model.mod.capacity", "0.5"]
+    ctx = Context(out=tmp_path, run_options=options)
+    bases = variant_bases(ctx, ["vanilla", "mod"], 4096)
+    assert bases["mod"].groups["mod"].capacity == 0.5
+    plan = isoflop_configs(1e11, bases["vanilla"], 256, ["vanilla", "mod"], [32], depths=[4], bases=bases)
+    mod = next(c for c in plan if c.variant == "mod")
+    run = dataclasses.replace(run_model_config(ctx.argv(["--variant", "mod"])), vocab_size=4096)
+    with torch.device("meta"):
+        expected = build_model(run).flops_per_token(None, run.block_size).training
+    assert mod.flops_per_token == expected
+    default = isoflop_configs(1e11, bases["vanilla"], 256, ["vanilla", "mod"], [32], depths=[4])
+    assert next(c for c in default if c.variant == "mod").flops_per_token < expected  # capacity 0.125: cheaper

@@ -83,13 +83,16 @@ def model_cost(base: ModelConfig, variant: str, d_model: int, n_layer: int, n_he
 def isoflop_configs(budget: float, base: ModelConfig, tokens_per_step: int, variants: Sequence[str] = ("vanilla", "mod"),
                     widths: Sequence[int] = (64,), n_layer: Optional[int] = None, n_head: Optional[int] = None,
                     min_steps: int = 20, tolerance: float = TOLERANCE,
-                    depths: Optional[Sequence[int]] = None) -> List[IsoFlopConfig]:
+                    depths: Optional[Sequence[int]] = None,
+                    bases: Optional[Dict[str, ModelConfig]] = None) -> List[IsoFlopConfig]:
     """Every (variant, depth, width) that can spend ``budget`` training FLOPs in at least ``min_steps`` steps.
 
     ``depths`` (default: ``[n_layer]``, the base's depth without it) x ``widths`` is the grid of every variant;
     a shape a variant cannot build (MoD's routed blocks need at least two layers) is left out of that variant.
     ``base`` supplies everything else (size, vocabulary, block size, and its own variant's config groups: a
-    config holds only those, so another variant gets its preset).
+    config holds only those, so another variant gets its preset); ``bases`` (variant -> its own resolved
+    config, as its run parses it) replaces it for the variants it holds, so their own options count
+    (``-- --model.mod.capacity 0.25`` plans MoD at that capacity).
     Raises ``ConfigError`` when the budget is not positive or too small for a variant's smallest model.
     """
     if not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget > 0):
@@ -110,7 +113,8 @@ def isoflop_configs(budget: float, base: ModelConfig, tokens_per_step: int, vari
                           else f"layers: {depths} must be positive")
     configs = []
     for variant in variants:
-        costs = shape_costs(resolved, variant, [(n, w) for n in depths for w in sorted(set(widths))], n_head)
+        own = (bases or {}).get(variant, resolved)
+        costs = shape_costs(own, variant, [(n, w) for n in depths for w in sorted(set(widths))], n_head)
         fitting = [c for c in (fitting_config(budget, variant, shape, cost, n_head, tokens_per_step)
                                for shape, cost in costs.items()) if c.steps >= min_steps and abs(c.deviation) <= tolerance]
         if not fitting:
@@ -174,6 +178,14 @@ def check_variants(variants: Sequence[str]) -> List[str]:
     return ["vanilla", *[v for v in dict.fromkeys(variants) if v != "vanilla"]]
 
 
+def variant_bases(ctx: Context, variants: Sequence[str], vocab_size: int) -> Dict[str, ModelConfig]:
+    """Each variant's resolved model config as its run parses its command line (preset, then the pass-through
+    options, its own groups' included), with the tokenizer's vocabulary: what the grid's shapes are cut from."""
+    from experiments.run import model_config
+
+    return {v: model_config(ctx.parse(ctx.argv(["--variant", v])), vocab_size=vocab_size).resolve() for v in variants}
+
+
 def isoflop_experiment(ctx: Context, budgets: Optional[Sequence[float]] = None, widths: Optional[Sequence[int]] = None,
                        n_layer: Union[int, Sequence[int], None] = None, variants: Sequence[str] = ("vanilla", "mod"),
                        min_steps: int = 20, seeds: int = 5) -> Dict[str, Any]:
@@ -188,7 +200,9 @@ def isoflop_experiment(ctx: Context, budgets: Optional[Sequence[float]] = None, 
     if budgets is None:
         _, reference = model_cost(base, "vanilla", base.d_model, base.n_layer, base.n_head)
         budgets = [0.5 * ctx.steps * tokens * reference, ctx.steps * tokens * reference]
-    plan = {b: isoflop_configs(b, base, tokens, variants, widths, min_steps=min_steps, depths=depths) for b in budgets}
+    bases = variant_bases(ctx, variants, base.vocab_size)
+    plan = {b: isoflop_configs(b, base, tokens, variants, widths, min_steps=min_steps, depths=depths, bases=bases)
+            for b in budgets}
     with ctx.part("training"):
         runs = train_grid(ctx, plan, seeds)
     with ctx.part("tables"):
