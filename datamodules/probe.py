@@ -470,6 +470,8 @@ def _solve_bounce(text: str) -> Dict[int, Tuple[int, int]]:
         state = operands[0]
         for x in operands[1:]:  # one dependent step per operand after the first
             state = bounce(state, x)
+        if text[eq + 1] != _DIGITS[state // 10]:  # unlabelled, so checked here: the labels cannot catch it
+            raise ValueError(f"bounce: segment at {start}: {text[start:eq + 4]!r} does not hold its result {state:02d}")
         out[eq + 2] = (ord(_DIGITS[state % 10]), len(operands) - 1)
         out[eq + 3] = (ord(";"), 0)
     return out

@@ -73,7 +73,7 @@ def test_results_follow_the_naive_rule_and_the_level_is_the_number_of_steps():
         assert level == len(operands) - 1 and result == _naive(operands) and 0 <= result <= probe.BOUNCE_LIMIT
 
 
-def test_the_solver_catches_a_wrong_result_and_refuses_a_broken_layout():
+def test_the_solver_catches_a_wrong_result_a_wrong_tens_digit_and_a_broken_layout():
     family, (data, levels) = probe.episode(TASK, 5)
     units = levels.index(probe.MAX_DEPTH)
     wrong = bytearray(data)
@@ -81,6 +81,10 @@ def test_the_solver_catches_a_wrong_result_and_refuses_a_broken_layout():
     assert probe.solve_episode(family, bytes(wrong), "v5")[units] == (data[units], probe.MAX_DEPTH)
     with pytest.raises(ValueError, match="is not 5 slots"):
         probe.solve_episode(family, data[1:], "v5")  # every segment shifted by one byte
+    tens = bytearray(data)
+    tens[units - 1] = ord("1") if data[units - 1] == ord("0") else ord("0")  # the unlabelled tens digit
+    with pytest.raises(ValueError, match="does not hold its result"):
+        probe.solve_episode(family, bytes(tens), "v5")
 
 
 # ---------------------------------------------------------------------------- the operation
