@@ -28,7 +28,8 @@ CORPUS_OPTIONS: Dict[str, Tuple[str, ...]] = {"embedded": ("num_proc",), "text":
 CORPUS_SPECIFIC = _HUB_OPTIONS  # options some corpus reads and others ignore
 
 for _task in ("probe", "probe/arith", "probe/recall", "probe/text",
-              "probe-v2", "probe-v2/arith", "probe-v2/recall", "probe-v2/text", "probe-v3/hops", "probe-v4/cups"):
+              "probe-v2", "probe-v2/arith", "probe-v2/recall", "probe-v2/text", "probe-v3/hops", "probe-v4/cups",
+              "probe-v5/bounce"):
     CORPORA[_task] = lambda _task=_task, **options: ProbeCorpus(_task, options.get("max_tokens"))
     CORPUS_OPTIONS[_task] = ("max_tokens",)  # generated: the number of episodes
 

@@ -16,7 +16,7 @@ block holds whole episodes; otherwise the evaluation drops labels whose episode 
 (``label_usable``).
 
 The difficulty level of a token is the number of sequential operations on earlier tokens the
-generator applied to produce it (0..MAX_DEPTH). Four versions exist; ``v1`` stays reproducible under its
+generator applied to produce it (0..MAX_DEPTH). Five versions exist; ``v1`` stays reproducible under its
 names (``probe``, ``probe/<family>``), ``v2`` has its own (``probe-v2``, ``probe-v2/<family>``) and
 changes only the arithmetic family:
 
@@ -58,6 +58,13 @@ width (a ``v2`` sum of d operands is one parallel read for attention):
   of two cups (``SWAPS``) applied in order; a, the ball's cup after them, has level k (each swap's
   effect depends on where the previous ones left the ball). ``=`` level 0; start, slots, padding unlabelled.
 
+``v5`` (``probe-v5/bounce``, family ``bounce``) is one fixed operation composed in order, in v2's layout:
+
+* ``bounce``: v2's segments ``__x0x1..xd=SS;`` (the same operand draws), ``SS`` the two-digit result of
+  s = x0, then for each further operand x: s + x, or |s - x| when s + x would pass BOUNCE_LIMIT. Whether
+  a step adds or reflects depends on the state the earlier steps left, so the units digit of ``SS`` (level
+  d) needs the d steps in order; mostly a sum, so each operand moves it (v2's learnability).
+
 ``solve_episode`` re-derives every label from the tokens alone by brute force (for ``hops``: the fewest
 lookups, breadth-first, that reach a digit); the tests check the generator against it.
 """
@@ -79,14 +86,15 @@ MAX_HOPS = 3
 DATA_SEED = 20240615  # the probe content is fixed; --seed changes the training order only
 DEFAULT_EPISODES = 16384  # 2.1M tokens; data.max_tokens sets another size
 NO_LABEL = -1
-FAMILIES = ("arith", "recall", "text", "hops", "cups")  # families.npy holds the index: append only
-VERSIONS = {"probe": "v1", "probe-v2": "v2", "probe-v3": "v3", "probe-v4": "v4"}  # name prefix -> generator version
+FAMILIES = ("arith", "recall", "text", "hops", "cups", "bounce")  # families.npy holds the index: append only
+VERSIONS = {"probe": "v1", "probe-v2": "v2", "probe-v3": "v3", "probe-v4": "v4", "probe-v5": "v5"}  # name prefix -> generator version
 _V1_FAMILIES = ("arith", "recall", "text")
 TASKS: Dict[str, Tuple[str, ...]] = {
     **{name: families for prefix in ("probe", "probe-v2")
        for name, families in [(prefix, _V1_FAMILIES), *((f"{prefix}/{f}", (f,)) for f in _V1_FAMILIES)]},
     "probe-v3/hops": ("hops",),
     "probe-v4/cups": ("cups",),
+    "probe-v5/bounce": ("bounce",),
 }
 BLANK = "_"  # an empty operand slot of a v2 arithmetic segment
 
@@ -102,6 +110,9 @@ MOVES = tuple(tuple(j if c == i else i if c == j else c for c in range(CUPS)) fo
 CUPS_LEVELS = 4
 CUPS_PER_LEVEL = 4  # queries of each level per episode
 CUPS_SEGMENT = 1 + CUPS_LEVELS + 2  # start, operand slots, '=', answer
+
+# v5 a fixed non-associative operation composed in order: s <- s + x, or |s - x| when the sum passes the limit
+BOUNCE_LIMIT = 14
 
 MEMO, MEMO_END, COPY, COPY_END, COUNT = "\x02", "\x03", "\x05", "\x06", "\x07"
 _MARKERS = {ord(c) for c in (MEMO, MEMO_END, COPY, COPY_END, COUNT)}
@@ -267,10 +278,45 @@ def shell_game(ball: int, operands: List[int]) -> int:
     return ball
 
 
+def bounce_episode(rng: np.random.Generator, length: int = EPISODE_LEN - 1) -> Episode:
+    """v5: v2's fixed-width segments ``__x0x1..xd=SS;`` (d uniform in 0..MAX_DEPTH, operands right-aligned),
+    ``SS`` the two-digit result of ``bounce_chain`` (one dependent step per operand after x0) instead of
+    the sum. The units digit of ``SS`` has level d, ``;`` level 0; slots, '=', the tens digit unlabelled."""
+    width = MAX_DEPTH + 1
+    segment_len = width + 4  # slots, '=', two result digits, ';'
+    text, levels = [], []
+    for _ in range(length // segment_len):
+        d = int(rng.integers(0, MAX_DEPTH + 1))
+        operands = rng.integers(0, 10, size=d + 1).tolist()
+        slots = BLANK * (width - d - 1) + "".join(_DIGITS[x] for x in operands)
+        text.extend(f"{slots}={bounce_chain(operands):02d};")
+        levels.extend([NO_LABEL] * (width + 2) + [d, 0])
+    pad = length - len(text)
+    return ("".join(text) + "." * pad).encode("ascii"), levels + [NO_LABEL] * pad
+
+
+def bounce(state: int, x: int) -> int:
+    """One step: add x, unless the sum would pass BOUNCE_LIMIT; then the distance |state - x|. The order of
+    the steps matters (7, 6, 5: 13, then 13 + 5 > 14 reflects to 8; 5, 6, 7: 11, then |11 - 7| = 4), so no
+    sum of the operands gives the result, and each input moves it (not a Latin square: a sum most of the time)."""
+    total = state + x
+    return total if total <= BOUNCE_LIMIT else abs(state - x)
+
+
+def bounce_chain(operands: List[int]) -> int:
+    """x0, then one ``bounce`` per further operand, in order: whether step i adds or reflects depends on
+    the state the steps before it left."""
+    state = operands[0]
+    for x in operands[1:]:
+        state = bounce(state, x)
+    return state
+
+
 GENERATORS = {"v1": {"arith": arith_episode, "recall": recall_episode, "text": text_episode},
               "v2": {"arith": arith_episode_v2, "recall": recall_episode, "text": text_episode},
               "v3": {"hops": hops_episode},
-              "v4": {"cups": cups_episode}}
+              "v4": {"cups": cups_episode},
+              "v5": {"bounce": bounce_episode}}
 
 
 def version(task: str) -> str:
@@ -308,6 +354,8 @@ def solve_episode(family: str, data: bytes, generator: str = "v1") -> Dict[int, 
         return _solve_hops(text)
     if family == "cups":
         return _solve_cups(text)
+    if family == "bounce":
+        return _solve_bounce(text)
     return _solve_text(text)
 
 
@@ -413,6 +461,22 @@ def _solve_cups(text: str) -> Dict[int, Tuple[int, int]]:
     return out
 
 
+def _solve_bounce(text: str) -> Dict[int, Tuple[int, int]]:
+    """Re-plays every segment step by step from its bytes: the level is the number of steps after x0."""
+    out = {}
+    for start, eq, operands in _arith_segments(text, answer_len=2):
+        if not operands or len(text[start:eq]) != MAX_DEPTH + 1:
+            raise ValueError(f"bounce: segment at {start}: {text[start:eq + 4]!r} is not {MAX_DEPTH + 1} slots, '=', two digits, ';'")
+        state = operands[0]
+        for x in operands[1:]:  # one dependent step per operand after the first
+            state = bounce(state, x)
+        if text[eq + 1] != _DIGITS[state // 10]:  # unlabelled, so checked here: the labels cannot catch it
+            raise ValueError(f"bounce: segment at {start}: {text[start:eq + 4]!r} does not hold its result {state:02d}")
+        out[eq + 2] = (ord(_DIGITS[state % 10]), len(operands) - 1)
+        out[eq + 3] = (ord(";"), 0)
+    return out
+
+
 def _solve_text(text: str) -> Dict[int, Tuple[int, int]]:
     out = {}
     memo = text[text.index(MEMO) + 1 : text.index(MEMO_END)]
@@ -474,6 +538,8 @@ class ProbeCorpus(Corpus):
             parts += f"-L{HOPS_LEVELS}x{HOPS_PER_LEVEL}-cells"
         if "cups" in TASKS[self.task]:
             parts += f"-C{CUPS}-L{CUPS_LEVELS}x{CUPS_PER_LEVEL}-fixed"
+        if "bounce" in TASKS[self.task]:
+            parts += f"-B{BOUNCE_LIMIT}"
         if "text" in TASKS[self.task]:
             parts += "-" + hashlib.sha256(embedded_bytes()).hexdigest()[:12]
         return f"probe-{self.task.replace('/', '-')}-{hashlib.sha256(parts.encode()).hexdigest()[:16]}"

@@ -44,7 +44,7 @@ def test_labels_match_the_brute_force_solver(task):
         solved = probe.solve_episode(family, data, probe.version(task))
         assert {i: (data[i], level) for i, level in _labels(levels).items()} == solved, (task, index)
         seen_levels |= {level for _, level in solved.values()}
-    if task.split("/")[-1] in ("probe", "probe-v2", "arith"):
+    if task.split("/")[-1] in ("probe", "probe-v2", "arith", "bounce"):
         assert seen_levels == set(range(probe.MAX_DEPTH + 1))  # d in 0..D mixed in the sequences
     if task.endswith("/recall"):
         assert seen_levels == set(range(probe.MAX_HOPS + 1))
