@@ -527,10 +527,10 @@ def test_entries_name_variants_with_their_own_model_options_and_dense_shapes():
                          ("nope", "unknown 'nope'"), ("dense:2by64", "n_layer x d_model")):
         with pytest.raises(ConfigError, match=message):
             parse_entry(bad)
-    assert default_dense_shapes(4, 64, 4) == [(2, 64), (4, 48), (8, 64)]
+    assert default_dense_shapes(4, 64, 4) == [(2, 64), (4, 48), (2, 48), (8, 64)]
     base = ModelConfig(d_model=64, n_layer=4, n_head=4)
     labels = [e.label for e in programme_entries(["mod", "vanilla", "mom_e"], None, base)]
-    assert labels == ["vanilla", "dense:2x64", "dense:4x48", "dense:8x64", "mod", "mom_e"]
+    assert labels == ["vanilla", "dense:2x64", "dense:4x48", "dense:2x48", "dense:8x64", "mod", "mom_e"]
     assert [e.label for e in programme_entries(["mod"], "4x64,2x32", base)] == ["vanilla", "dense:2x32", "mod"]
     with pytest.raises(ConfigError, match="multiples of n_head=4"):
         programme_entries(["mod"], "2x30", base)

@@ -120,7 +120,7 @@ def add_probe_experiment(add: Callable[[str, str], argparse.ArgumentParser]) -> 
                         "mor_token, recur_halt, early_exit)")
     p.add_argument("--dense_shapes", default=None, metavar="LxD,...",
                    help="dense vanilla controls at the same budget, n_layer x d_model (e.g. 2x64,4x48,8x64; default: "
-                        "half the depth, 3/4 the width and twice the depth of the reference model)")
+                        "half the depth, 3/4 the width, both, and twice the depth of the reference model)")
     p.add_argument("--seeds", type=int, default=5, help="seeds per entry (default 5)")
     p.add_argument("--blocks", type=int, default=128, help="validation blocks of the per-difficulty evaluation")
     p.add_argument("--min_steps", type=int, default=None,

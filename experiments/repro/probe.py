@@ -76,9 +76,11 @@ QUICK = ["--data.max_tokens", "16384", "--model.d_model", "32", "--model.n_layer
 
 # ---------------------------------------------------------------------------- entries
 def default_dense_shapes(n_layer: int, d_model: int, n_head: int) -> List[Tuple[int, int]]:
-    """Half the depth, 3/4 of the width, twice the depth of the reference: FLOPs per token below and above it
-    (at the programme's size the routed entries span ~0.6x (mode_staged) to ~1.7x (mom_e) the reference's)."""
-    return [(max(1, n_layer // 2), d_model), (n_layer, narrower_width(d_model, n_head)), (2 * n_layer, d_model)]
+    """Half the depth, 3/4 of the width, both, and twice the depth of the reference: FLOPs per token below and
+    above the routed entries' (at the programme's size, planned from each entry's own parse, they span ~0.47x
+    (depth_gate_skip: below the half-depth and the narrower shapes, hence both together) to ~1.7x (mom))."""
+    fewer, narrower = max(1, n_layer // 2), narrower_width(d_model, n_head)
+    return [(fewer, d_model), (n_layer, narrower), (fewer, narrower), (2 * n_layer, d_model)]
 
 
 def programme_entries(variants: Sequence[str], dense_shapes: Optional[str], base) -> List[Entry]:
