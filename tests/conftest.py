@@ -127,3 +127,19 @@ def pytest_collection_modifyitems(config, items):
     other workers sit idle. A serial run keeps the files' order."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: files' order otherwise
+
+
+def solved_level_counts(task: str, episodes: int):
+    """Every label of the first ``episodes`` episodes of a probe task re-derived from the bytes alone by its
+    brute-force solver (asserted equal to the generator's); the count of labels per level."""
+    from collections import Counter
+
+    from datamodules import probe
+
+    seen = Counter()
+    for index in range(episodes):
+        family, (data, levels) = probe.episode(task, index)
+        solved = probe.solve_episode(family, data, probe.version(task))
+        assert {i: (data[i], level) for i, level in enumerate(levels) if level != probe.NO_LABEL} == solved
+        seen.update(level for _, level in solved.values())
+    return seen

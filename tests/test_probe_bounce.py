@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from datamodules import probe
+from tests.conftest import solved_level_counts
 
 TASK = "probe-v5/bounce"
 EPISODES = 400  # 5,600 segments, ~1,120 per level
@@ -58,12 +59,7 @@ def _bayes(keys, results):
 
 # ---------------------------------------------------------------------------- generator vs brute force
 def test_the_solver_re_derives_every_label_from_the_bytes():
-    seen = Counter()
-    for index in range(EPISODES):
-        family, (data, levels) = probe.episode(TASK, index)
-        solved = probe.solve_episode(family, data, probe.version(TASK))
-        assert {i: (data[i], level) for i, level in enumerate(levels) if level != probe.NO_LABEL} == solved
-        seen.update(level for _, level in solved.values())
+    seen = solved_level_counts(TASK, EPISODES)
     segments = EPISODES * ((probe.EPISODE_LEN - 1) // (probe.MAX_DEPTH + 5))
     assert sum(seen.values()) == 2 * segments and all(seen[k] > 0.17 * segments for k in LEVELS)
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from datamodules import probe
+from tests.conftest import solved_level_counts
 
 TASK = "probe-v4/cups"
 EPISODES = 400  # 6,400 queries, 1,600 per level
@@ -39,12 +40,7 @@ def _play(start, operands):
 
 # ---------------------------------------------------------------------------- generator vs brute force
 def test_the_solver_re_derives_every_label_from_the_bytes():
-    seen = Counter()
-    for index in range(EPISODES):
-        family, (data, levels) = probe.episode(TASK, index)
-        solved = probe.solve_episode(family, data, probe.version(TASK))
-        assert {i: (data[i], level) for i, level in enumerate(levels) if level != probe.NO_LABEL} == solved
-        seen.update(level for _, level in solved.values())
+    seen = solved_level_counts(TASK, EPISODES)
     queries = probe.CUPS_LEVELS * probe.CUPS_PER_LEVEL * EPISODES
     assert seen == {0: queries, **{k: probe.CUPS_PER_LEVEL * EPISODES for k in LEVELS}}
 
