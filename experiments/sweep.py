@@ -274,24 +274,19 @@ def measurement_workers(configs: Sequence[Any]) -> int:
     more than there are models, and only as many of the largest as fit in the host's available memory (each
     worker builds its model with real weights). The figures do not depend on it: each worker measures alone in
     its own process."""
-    import os
-
     import torch
 
     from architectures import build_model
+    from datamodules.cache_build import available_cpus
 
     if len(configs) <= 1:
         return 1
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        cpus = os.cpu_count() or 1
     largest = 0
     for config in configs:
         with torch.device("meta"):
             largest = max(largest, build_model(config).num_parameters())
     per_worker = MEASUREMENT_BYTES_PER_PARAMETER * largest + MEASUREMENT_BASE_BYTES
-    return max(1, min(cpus, len(configs), available_memory_bytes() // per_worker))
+    return max(1, min(available_cpus(), len(configs), available_memory_bytes() // per_worker))
 
 
 def available_memory_bytes() -> int:

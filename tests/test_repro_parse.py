@@ -30,24 +30,20 @@ def test_every_variant_is_parsed_by_the_programmes_as_its_run_parses_it(tmp_path
 
 
 def test_the_planned_cost_follows_presets_and_pass_through_options(tmp_path):
-    ctx = Context(out=tmp_path, run_options=OPTIONS)
+    import dataclasses
+
     import torch
 
     from architectures import build_model
 
+    ctx = Context(out=tmp_path, run_options=OPTIONS)
     for name in ("cea_moe", "mom", "layer_skip", "mod", "cea_moe"):  # cea_moe again after mom: nothing carried over
         argv = ctx.argv(parse_entry(name).run_options())
         config = run_model_config(argv)
         assert config.groups.get("mom") is None or config.groups["mom"].router_hidden == 16
         with torch.device("meta"):
-            expected = build_model(dataclasses_replace_vocab(config)).flops_per_token(None, config.block_size).training
-        assert entry_cost(ctx, parse_entry(name), 4096) == expected, name
-
-
-def dataclasses_replace_vocab(config, vocab_size: int = 4096):
-    import dataclasses
-
-    return dataclasses.replace(config, vocab_size=vocab_size)
+            model = build_model(dataclasses.replace(config, vocab_size=4096))
+        assert entry_cost(ctx, parse_entry(name), 4096) == model.flops_per_token(None, config.block_size).training, name
 
 
 def test_the_isoflop_plan_counts_a_variant_s_own_pass_through_options(tmp_path):

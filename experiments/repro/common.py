@@ -368,15 +368,22 @@ def parse_entry(text: str) -> Entry:
     return Entry(text, name, tuple(model), dense=name == "vanilla")
 
 
+def run_model_config(ctx: Context, options: Sequence[str], vocab_size: int):
+    """The resolved model config of the run with these options, as its run parses them (the variant's preset,
+    then the common, pass-through and own options), with the tokenizer's vocabulary."""
+    from experiments.run import model_config
+
+    return model_config(ctx.parse(ctx.argv(options)), vocab_size=vocab_size).resolve()
+
+
 def entry_cost(ctx: Context, entry: Entry, vocab_size: int) -> float:
     """Training FLOPs per token of the entry's model, resolved from its command line as its run will be
     (built on the meta device: nothing allocated)."""
     import torch
 
     from architectures import build_model
-    from experiments.run import model_config
 
-    config = model_config(ctx.parse(ctx.argv(entry.run_options())), vocab_size=vocab_size).resolve()
+    config = run_model_config(ctx, entry.run_options(), vocab_size)
     with torch.device("meta"):
         model = build_model(config)
     return model.flops_per_token(None, config.block_size).training

@@ -55,8 +55,7 @@ def check_entries(variants: Optional[Sequence[str]], bench_steps: int) -> List[E
         raise ConfigError(f"--variants: the list is empty; valid variants: {', '.join(variant_names())}")
     if bench_steps <= 0:
         raise ConfigError(f"--bench_steps: must be a positive integer, got {bench_steps}")
-    entries = {text: parse_entry(text) for text in dict.fromkeys(["vanilla", *texts])}
-    return list(entries.values())
+    return [parse_entry(text) for text in dict.fromkeys(["vanilla", *texts])]
 
 
 def benchmarked(entry: Entry) -> bool:

@@ -36,8 +36,8 @@ from architectures.config import ConfigError
 from callbacks.run_summary import headline_val_loss, noncausal_val_loss
 from analysis import stats
 from analysis.tables import ci_cell, error_bars, test_cell
-from experiments.repro.common import (Context, budget_spent, budget_step_cap, figure, fmt, markdown_table, run_wall,
-                                     wall_time_lines)
+from experiments.repro.common import (Context, budget_spent, budget_step_cap, figure, fmt, markdown_table,
+                                     run_model_config, run_wall, wall_time_lines)
 
 TOLERANCE = 0.05
 ALPHA = 0.05  # the level of the corrected tests against the best dense model
@@ -181,9 +181,7 @@ def check_variants(variants: Sequence[str]) -> List[str]:
 def variant_bases(ctx: Context, variants: Sequence[str], vocab_size: int) -> Dict[str, ModelConfig]:
     """Each variant's resolved model config as its run parses its command line (preset, then the pass-through
     options, its own groups' included), with the tokenizer's vocabulary: what the grid's shapes are cut from."""
-    from experiments.run import model_config
-
-    return {v: model_config(ctx.parse(ctx.argv(["--variant", v])), vocab_size=vocab_size).resolve() for v in variants}
+    return {v: run_model_config(ctx, ["--variant", v], vocab_size) for v in variants}
 
 
 def isoflop_experiment(ctx: Context, budgets: Optional[Sequence[float]] = None, widths: Optional[Sequence[int]] = None,
