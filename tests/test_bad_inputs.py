@@ -264,6 +264,11 @@ CASES = [
     ("compare-no-runs", "compare", lambda d: [str(d / "no_runs_here")], r"no run folders matched .*no_runs_here"),
     ("repro-jobs-0", "repro", lambda d: ["probe", "--out", str(d / "repro_out"), "--quick", "--jobs", "0"],
      r"--jobs: must be a positive integer, got 0"),
+    ("sweep-plan_workers-0", "sweep", lambda d: ["--grid", "variant=vanilla", "--dry_run", "--plan_workers", "0"],
+     r"--plan_workers: must be a positive integer, got 0"),
+    ("repro-head_to_head-unknown-entry-option", "repro",
+     lambda d: ["head_to_head", "--out", str(d / "repro_out"), "--variants", "mod:nope=1", "--seeds", "1"],
+     r"--variants: mod:nope=\.\.\. is no option of mod; options: "),
 ]
 SUBPROCESS_CASES = {"text-not-utf8", "ckpt-truncated", "ft-max_train_examples-0", "bench-set-unknown-field",
                     "analyze-stats-without-sites", "compare-no-runs"}
