@@ -152,3 +152,15 @@ def test_head_to_head_takes_entries_with_their_own_options():
         check_entries([], 1)
     with pytest.raises(ConfigError, match="bench_steps"):
         check_entries(["mod"], 0)
+
+
+def test_goal_line_of_a_vanilla_only_grid_says_not_tested_instead_of_not_met():
+    from experiments.repro.isoflop import goal_lines
+
+    dense_only = budget_analysis(BUDGET, cells_of(planted_runs(DENSE_TURNING, PARAMS)))
+    with_mod = budget_analysis(BUDGET, cells_of(planted_runs({**DENSE_TURNING, **MOD}, PARAMS)))
+    (line,) = goal_lines([dense_only])
+    assert "no routed shape in the grid: **not tested**" in line and "Holm over the 0" not in line
+    assert "not met" not in line and "**met**" not in line
+    (line,) = goal_lines([with_mod])
+    assert "Holm over the 3 routed shapes" in line and "**met**" in line  # mod 2x16 (2.50) beats vanilla 2x24 (2.81)

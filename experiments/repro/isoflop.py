@@ -375,12 +375,16 @@ def goal_lines(analyses: Sequence[Dict[str, Any]]) -> List[str]:
         best = a["cells"][a["best_dense"]]
         per_depth = "; ".join(f"n_layer={n}: {v}" for n, v in a["bracket_by_depth"].items())
         beaten = a["beats_best_dense"]
+        if a["tests"]:
+            verdict = (f"lower validation loss than the best dense model, one-sided Welch over seeds, Holm over the "
+                       f"{len(a['tests'])} routed shapes, p < {ALPHA}: {', '.join(beaten) or 'none'}: "
+                       f"**{'met' if beaten else 'not met'}**")
+        else:  # a vanilla-only grid: nothing to test, and "not met" would claim a test that never ran
+            verdict = "no routed shape in the grid: **not tested**"
         lines.append(
             f"- budget {fmt(a['budget'])}: best dense model {a['best_dense']} (loss "
             f"{ci_cell(best['val_loss']['mean'], best['val_loss']['ci'], 4)}); dense isoFLOP curve: "
-            f"{a['bracket']} (per depth, over widths: {per_depth}); lower validation loss than the best dense model, "
-            f"one-sided Welch over seeds, Holm over the {len(a['tests'])} routed shapes, p < {ALPHA}: "
-            f"{', '.join(beaten) or 'none'}: **{'met' if beaten else 'not met'}**; left out of the grid (fewer than "
+            f"{a['bracket']} (per depth, over widths: {per_depth}); {verdict}; left out of the grid (fewer than "
             f"--min_steps steps, or a shape the variant cannot build): {', '.join(a.get('left_out') or []) or 'none'}")
     return lines
 
