@@ -112,9 +112,6 @@ class Context:
         otherwise). The index (``runs.json``) is only written here, by the parent, so it never races."""
         if self.workers <= 1:
             return [self.run(options, steps, budget) for options, steps, budget in jobs]
-        import concurrent.futures
-        import multiprocessing
-
         argvs = [self.argv(options, steps, budget) for options, steps, budget in jobs]
         done: Dict[int, pathlib.Path] = {}
         todo = []
@@ -124,16 +121,14 @@ class Context:
                 done[i] = previous
             elif argv not in [argvs[j] for j in todo]:
                 todo.append(i)
-        context = multiprocessing.get_context("spawn")  # a fresh interpreter per worker: no forked torch state
-        with concurrent.futures.ProcessPoolExecutor(self.workers, mp_context=context) as pool:
-            futures = {}
-            for i in todo:
-                print(f"[repro] python -m experiments.run {' '.join(argvs[i])}", file=sys.stderr, flush=True)
-                futures[pool.submit(_train_in_worker, argvs[i], self.threads or 1)] = i
-            for future in concurrent.futures.as_completed(futures):
-                i = futures[future]
-                done[i] = pathlib.Path(future.result())
-                self.remember("experiments.run", argvs[i], done[i])
+        for i in todo:
+            print(f"[repro] python -m experiments.run {' '.join(argvs[i])}", file=sys.stderr, flush=True)
+
+        def record(k: int, run_dir: str) -> None:
+            done[todo[k]] = pathlib.Path(run_dir)
+            self.remember("experiments.run", argvs[todo[k]], done[todo[k]])
+
+        run_in_workers(_train_in_worker, [(argvs[i], self.threads or 1) for i in todo], self.workers, record)
         for i, argv in enumerate(argvs):  # duplicates of a configuration share its run
             if i not in done:
                 done[i] = done[next(j for j in todo if argvs[j] == argv)]
@@ -272,6 +267,52 @@ def _jsonable(value):
 #: a budget run's ``--max_steps``: this many times the steps its plan (analytic FLOPs per token) needs, room for
 #: routers that spend less than planned (MoM-E spent half its upper bound); a run the cap stops is reported
 BUDGET_STEP_CAP = 4.0
+
+
+def run_in_workers(fn: Callable[..., Any], calls: Sequence[Tuple[Any, ...]], workers: int,
+                   on_result: Callable[[int, Any], None]) -> None:
+    """``fn(*call)`` for every call, ``workers`` at once, each in a fresh spawned interpreter (no forked torch
+    state); ``on_result(k, value)`` in this process as call k finishes. A SIGTERM (``kill``, SLURM's time limit),
+    Ctrl-C or a failing call stops the workers too: a ``ProcessPoolExecutor`` left to itself keeps its workers
+    training for an hour after the programme was killed, and a rerun then races them for the same run folders."""
+    import concurrent.futures
+    import multiprocessing
+    import signal
+    import threading
+
+    if not calls:
+        return
+    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if in_main_thread else None
+    try:
+        futures = {pool.submit(fn, *call): k for k, call in enumerate(calls)}
+        for future in concurrent.futures.as_completed(futures):
+            on_result(futures[future], future.result())
+    except BaseException:
+        _stop_workers(pool)
+        raise
+    else:
+        pool.shutdown()
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds through run_in_workers, which stops the workers
+
+
+def _stop_workers(pool) -> None:
+    """Terminate a process pool's workers (the executor has no public call for it before Python 3.14)."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.join(10)
+        if process.is_alive():
+            process.kill()
 
 
 def _train_in_worker(argv: Sequence[str], threads: int) -> str:

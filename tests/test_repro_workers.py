@@ -1,0 +1,82 @@
+"""The programmes' worker processes (``--jobs N``) live and die with the programme: results come back to the
+call that asked for them, and a failing run, Ctrl-C or a SIGTERM (``kill``, SLURM's time limit) stops the other
+workers instead of leaving them training into the run folders a rerun will use."""
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from experiments.repro.common import run_in_workers
+from tests.conftest import REPO
+
+SLEEP_AND_SAY = "(open({path!r}, 'a').write(str(__import__('os').getpid()) + chr(10)), __import__('time').sleep(600))"
+
+
+def alive(pid: int) -> bool:
+    """The process runs (a zombie waiting for its parent to reap it has stopped)."""
+    try:
+        status = pathlib.Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status
+
+
+def wait_for_lines(path: pathlib.Path, n: int, timeout: float = 60.0) -> list:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = path.read_text().split() if path.is_file() else []
+        if len(lines) >= n:
+            return [int(line) for line in lines]
+        time.sleep(0.1)
+    raise AssertionError(f"{n} workers did not start within {timeout} s")
+
+
+def test_each_result_comes_back_to_its_call():
+    results = {}
+    run_in_workers(pow, [(2, 3), (3, 2), (5, 1)], 2, results.__setitem__)
+    assert results == {0: 8, 1: 9, 2: 5}
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/status").is_file(), reason="reads process states from /proc (Linux)")
+def test_a_failing_call_stops_the_other_workers(tmp_path):
+    started = tmp_path / "pids"
+    calls = [(SLEEP_AND_SAY.format(path=str(started)),), ("__import__('time').sleep(2) or 1 / 0",)]
+    begin = time.monotonic()
+    with pytest.raises(ZeroDivisionError):
+        run_in_workers(eval, calls, 2, lambda k, value: None)
+    assert time.monotonic() - begin < 60  # not the sleeping call's 600 s
+    (pid,) = wait_for_lines(started, 1, timeout=1)
+    deadline = time.monotonic() + 10
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(pid), "the sleeping worker outlived the failed programme"
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/status").is_file(), reason="reads process states from /proc (Linux)")
+def test_sigterm_to_the_programme_stops_its_workers(tmp_path):
+    started = tmp_path / "pids"
+    call = SLEEP_AND_SAY.format(path=str(started))
+    script = textwrap.dedent(f"""
+        from experiments.repro.common import run_in_workers
+        run_in_workers(eval, [({call!r},), ({call!r},)], 2, lambda k, value: None)
+    """)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    programme = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=env)
+    try:
+        workers = wait_for_lines(started, 2)
+        programme.send_signal(signal.SIGTERM)
+        assert programme.wait(timeout=30) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 10
+        while any(map(alive, workers)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(alive, workers)), "a worker kept running after the programme got SIGTERM"
+    finally:
+        programme.kill()
+        for pid in wait_for_lines(started, 0):
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
