@@ -396,6 +396,59 @@ def test_verify_refuses_another_kernel_path_than_the_published_runs_before_train
     check_kernels({"provenance": {"kernels": kernels()}}, published)
 
 
+BOUNCE = REPO / "docs" / "results" / "probe_bounce"
+
+
+def _report_tables(path: pathlib.Path) -> str:
+    """results.md from its "Budget" paragraph to the invocation's own wall-time line (tables, tests, goals)."""
+    text = path.read_text()
+    return text[text.index("\nBudget "):text.index("\nWall time of this invocation")]
+
+
+def test_the_published_bounce_tables_rebuild_from_their_stored_rows(tmp_path):
+    """The repository keeps each published probe table's run rows (results.json): the programme rebuilds its
+    tables, tests and goal lines from them, without the run folders, to the character."""
+    from experiments.repro import main
+
+    results = main(["probe", "--out", str(tmp_path / "rebuilt"), "--tables_from", str(BOUNCE / "results.json")])
+    assert _report_tables(tmp_path / "rebuilt" / "results.md") == _report_tables(BOUNCE / "results.md")
+    published = json.loads((BOUNCE / "results.json").read_text())
+    assert json.loads(json.dumps(results["tests"])) == published["tests"]
+    assert (tmp_path / "rebuilt" / "probe_accuracy.png").is_file()
+
+
+def _split(tmp_path, published, parts):
+    paths = []
+    for i, entries in enumerate(parts):
+        path = tmp_path / f"part{i}.json"
+        path.write_text(json.dumps({**published, "runs": [r for r in published["runs"] if r["variant"] in entries]}))
+        paths.append(path)
+    return paths
+
+
+def test_tables_merged_from_two_invocations_equal_the_tables_of_one(tmp_path):
+    """Two invocations at the same settings and budget (vanilla trained in both, the same runs) merge into the
+    table one invocation of all their entries gives; a row stored twice with different numbers, or files of
+    another budget, are refused with the entry, seed and field named."""
+    from architectures.config import ConfigError
+    from experiments.repro import main
+
+    published = json.loads((BOUNCE / "results.json").read_text())
+    a, b = _split(tmp_path, published, [("vanilla", "dense:1x64", "recur_halt"),
+                                         ("vanilla", "dense:8x64", "mod:n_layer=8:capacity=0.125")])
+    main(["probe", "--out", str(tmp_path / "merged"), "--tables_from", f"{a},{b}"])
+    assert _report_tables(tmp_path / "merged" / "results.md") == _report_tables(BOUNCE / "results.md")
+
+    changed = json.loads(b.read_text())
+    next(r for r in changed["runs"] if r["variant"] == "vanilla" and r["seed"] == 1338)["val_loss"] += 1e-6
+    b.write_text(json.dumps(changed))
+    with pytest.raises(ConfigError, match=r"vanilla seed 1338 is stored in .* with different val_loss: not the same run"):
+        main(["probe", "--out", str(tmp_path / "refused"), "--tables_from", f"{a},{b}"])
+    b.write_text(json.dumps({**published, "budget": published["budget"] * 2}))
+    with pytest.raises(ConfigError, match=r"budget is .*; only runs of the same programme settings and budget"):
+        main(["probe", "--out", str(tmp_path / "refused"), "--tables_from", f"{a},{b}"])
+
+
 def test_sweeps_accept_probe_datasets(capsys):
     from experiments import sweep
 
@@ -591,3 +644,11 @@ def test_a_runs_wall_time_is_its_process_time_or_for_older_runs_a_marked_lower_b
     lines = wall_time_lines(rows, lambda r: r["variant"], workers=2)
     assert "| a | 2 | 40 | 20 |" in lines and "| b | 1 | >= 5 | >= 5 |" in lines
     assert "45 s summed, about 22 s at 2 at once" in lines[0]
+
+
+def test_the_report_names_the_code_of_every_run():
+    from experiments.repro.probe import code_lines
+
+    rows = [{"code": "abc"}, {"code": "abc"}, {"code": "def+dirty:12345678"}]
+    assert code_lines(rows) == ["Code the runs trained at: `abc` (2 runs), `def+dirty:12345678` (1 runs).", ""]
+    assert code_lines([{"variant": "vanilla"}]) == []  # rows stored before runs recorded their code

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import shlex
 import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -131,6 +132,9 @@ def add_probe_experiment(add: Callable[[str, str], argparse.ArgumentParser]) -> 
                         "report each figure beside the published one with its interval")
     p.add_argument("--published", default=None, metavar="RESULTS_JSON",
                    help="the published table's results.json for --verify (default docs/results/probe/results.json)")
+    p.add_argument("--tables_from", default=None, metavar="RESULTS_JSON,...",
+                   help="rebuild the tables, tests and figures from the run rows stored in these results.json files "
+                        "(one invocation's, or several at the same settings and budget merged) without training")
 
 
 def split_argv(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
@@ -202,7 +206,9 @@ def dispatch(ctx, args) -> Dict[str, Any]:
         return probe_experiment(ctx, variants, seeds=args.seeds, blocks=args.blocks,
                                 min_steps=args.min_steps or (10 if args.quick else 20),
                                 quick=args.quick, dense_shapes=args.dense_shapes, verify=args.verify,
-                                published=args.published)
+                                published=args.published,
+                                tables_from_paths=[pathlib.Path(p) for p in parse_list(args.tables_from, str, "tables_from")]
+                                if args.tables_from else ())
     from experiments.repro.head_to_head import head_to_head
 
     variants = parse_list(args.variants, str, "variants") if args.variants else None

@@ -39,6 +39,7 @@ Outputs: ``results.md`` (tables, goal figures), ``results.json`` (``settings``: 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 import math
 import pathlib
 import statistics
@@ -149,7 +150,10 @@ def prepare(ctx: Context, variants: Sequence[str], seeds: int, blocks: int, quic
 # ---------------------------------------------------------------------------- the programme
 def probe_experiment(ctx: Context, variants: Sequence[str] = VARIANTS, seeds: int = 5, blocks: int = 128,
                      min_steps: int = 20, quick: bool = False, dense_shapes: Optional[str] = None,
-                     verify: Optional[str] = None, published: Optional[pathlib.Path] = None) -> Dict[str, Any]:
+                     verify: Optional[str] = None, published: Optional[pathlib.Path] = None,
+                     tables_from_paths: Sequence[pathlib.Path] = ()) -> Dict[str, Any]:
+    if tables_from_paths:
+        return tables_from(ctx, tables_from_paths)
     if verify is not None:
         return verify_row(ctx, verify, pathlib.Path(published or PUBLISHED), seeds, blocks, min_steps, quick)
     with ctx.part("planning"):
@@ -157,19 +161,110 @@ def probe_experiment(ctx: Context, variants: Sequence[str] = VARIANTS, seeds: in
         plan = plan_entries(ctx, entries, budget, tokens, vocab, min_steps)
     with ctx.part("training and evaluating the runs"):
         runs = train_runs(ctx, plan, seeds, blocks)
+    return write_tables(ctx, settings, budget, tokens, [e.label for e in entries], runs)
+
+
+def write_tables(ctx: Context, settings: Dict[str, Any], budget: float, tokens: int, labels: Sequence[str],
+                 runs: List[Dict[str, Any]], preface: Sequence[str] = (), extra: Optional[Dict[str, Any]] = None
+                 ) -> Dict[str, Any]:
+    """The programme's tables, tests, goal lines and figures from its run rows (one per entry and seed)."""
     with ctx.part("tables"):
-        per_variant = {e.label: aggregate([r for r in runs if r["variant"] == e.label]) for e in entries}
+        per_variant = {label: aggregate([r for r in runs if r["variant"] == label]) for label in labels}
         tests = dense_tests(per_variant)
         goals = goal_figures(per_variant, tests)
-        sections = report_sections(ctx, budget, tokens, per_variant, tests, goals)
-        sections += wall_time_lines(runs, lambda r: r["variant"], ctx.workers)
+        sections = [*preface, *report_sections(ctx, budget, tokens, per_variant, tests, goals)]
+        sections += wall_time_lines(runs, lambda r: r["variant"], ctx.workers) + code_lines(runs)
         plot_accuracy(ctx, per_variant)
         plot_compute(ctx, per_variant)
     ctx.log_table("probe", "\n".join(sections))
     results = {"settings": settings, "budget": budget, "tokens_per_step": tokens, "variants": per_variant,
-               "best_dense": tests["best_dense"], "tests": tests, "goals": goals, "runs": runs}
+               "best_dense": tests["best_dense"], "tests": tests, "goals": goals, "runs": runs, **(extra or {})}
     ctx.write_report("Routing probes: compute vs difficulty at matched training FLOPs", sections, results)
     return results
+
+
+def code_lines(runs: List[Dict[str, Any]]) -> List[str]:
+    """The code every run trained at (``analysis.provenance.code_label``), with how many runs each; none for
+    rows stored before runs recorded it."""
+    codes = Counter(r["code"] for r in runs if r.get("code"))
+    if not codes:
+        return []
+    return ["Code the runs trained at: " + ", ".join(f"`{code}` ({n} runs)" for code, n in codes.items()) + ".", ""]
+
+
+# ---------------------------------------------------------------------------- --tables_from
+#: what must be equal for two stored rows of one (entry, seed) to be the same run
+SAME_RUN = ("steps", "train_flops", "val_loss", "val_loss_causal", "headline_val_loss", "probe")
+
+
+def merged_rows(paths: Sequence[pathlib.Path]) -> Tuple[Dict[str, Any], List[str], List[Dict[str, Any]], List[str]]:
+    """(first file's results, entry labels: dense first, then routed, each in order of appearance; one row per
+    entry and seed; a line per file naming its commit) of one or more probe results.json files at identical
+    settings and budget. An (entry, seed) stored twice must hold the same run (a reproduction), or the files
+    are refused: which one to trust is the user's question, not the tool's."""
+    from experiments.repro.common import read_published
+
+    files = [read_published(path) for path in paths]
+    first = files[0]
+    for path, data in zip(paths[1:], files[1:]):
+        for key in ("settings", "budget", "tokens_per_step"):
+            if data.get(key) != first.get(key):
+                raise ConfigError(f"--tables_from: {path}'s {key} is {data.get(key)!r}, {paths[0]}'s is "
+                                  f"{first.get(key)!r}; only runs of the same programme settings and budget share a table")
+    rows: Dict[Tuple[str, int], Dict[str, Any]] = {}
+    labels: List[str] = []
+    sources = []
+    for path, data in zip(paths, files):
+        if not isinstance(data.get("runs"), list) or not data["runs"]:
+            raise ConfigError(f"--tables_from: {path} holds no run rows ('runs'); give a probe programme's results.json")
+        commit = (data.get("provenance") or {}).get("commit")
+        sources.append(f"`{path}` (tables computed at commit {commit or 'unknown'}; its entries: "
+                       f"{', '.join(dict.fromkeys(r['variant'] for r in data['runs']))})")
+        for row in data["runs"]:
+            key = (row["variant"], row["seed"])
+            if key in rows:
+                differs = [f for f in SAME_RUN if rows[key].get(f) != row.get(f)]
+                if differs:
+                    raise ConfigError(f"--tables_from: {key[0]} seed {key[1]} is stored in {rows[key]['source']} and "
+                                      f"{path} with different {', '.join(differs)}: not the same run; give one of them")
+                continue
+            rows[key] = {**row, "source": str(path)}
+            if row["variant"] not in labels:
+                labels.append(row["variant"])
+    dense = [label for label in labels if rows_of(rows, label)[0].get("dense")]
+    return first, dense + [label for label in labels if label not in dense], list(rows.values()), sources
+
+
+def rows_of(rows: Dict[Tuple[str, int], Dict[str, Any]], label: str) -> List[Dict[str, Any]]:
+    return [r for (variant, _), r in rows.items() if variant == label]
+
+
+def stored_jobs(path: pathlib.Path) -> int:
+    """The ``--jobs`` a stored programme invocation ran with (its provenance's argv; 1 where it gave none)."""
+    import json
+
+    argv = (json.loads(pathlib.Path(path).read_text()).get("provenance") or {}).get("argv") or []
+    return int(argv[argv.index("--jobs") + 1]) if "--jobs" in argv[:-1] else 1
+
+
+def tables_from(ctx: Context, paths: Sequence[pathlib.Path]) -> Dict[str, Any]:
+    """The probe tables rebuilt from stored run rows (``results.json``, no run folders or checkpoints needed),
+    of one programme invocation or merged over several at the same settings and budget."""
+    first, labels, runs, sources = merged_rows(paths)
+    runs.sort(key=lambda r: labels.index(r["variant"]))  # entry-major, as one invocation orders them
+    if "vanilla" not in labels:
+        raise ConfigError("--tables_from: no vanilla rows in the files; the tables are relative to the reference vanilla")
+    seeds = {label: sum(r["variant"] == label for r in runs) for label in labels}
+    if len(set(seeds.values())) > 1:
+        raise ConfigError(f"--tables_from: the entries have different numbers of seeds ({seeds}); merge files of "
+                          "complete entries")
+    ctx.steps = first["settings"]["steps"]
+    jobs = {stored_jobs(path) for path in paths}
+    ctx.workers = jobs.pop() if len(jobs) == 1 else 1  # the wall-time line's "N at once" of the runs' invocations
+    preface = ["Rebuilt from the stored run rows of " + "; ".join(sources) + " (no run retrained; an entry and seed "
+               "stored in two files is the same run there, bit for bit).", ""]
+    return write_tables(ctx, first["settings"], first["budget"], first["tokens_per_step"], labels, runs, preface,
+                        {"tables_from": [str(p) for p in paths]})
 
 
 def train_runs(ctx: Context, plan: Sequence[Planned], seeds: int, blocks: int) -> List[Dict[str, Any]]:
@@ -220,6 +315,7 @@ def evaluate_run(run_dir: pathlib.Path, blocks: int, causal: bool = True,
 def run_row(c: Planned, seed: int, summary: Dict[str, Any]) -> Dict[str, Any]:
     import json
 
+    from analysis.provenance import code_label
     from callbacks.run_summary import headline_val_loss
 
     detail = json.loads((pathlib.Path(summary["run_dir"]) / "probe.json").read_text())
@@ -233,7 +329,7 @@ def run_row(c: Planned, seed: int, summary: Dict[str, Any]) -> Dict[str, Any]:
             "val_loss_causal": summary["val_metrics"].get("val/loss_causal"),
             "headline_val_loss": headline_val_loss(summary),  # causal where the variant has it: what it is ranked by
             "step_time_s": step_time, "train_time_s": step_time * summary["steps"] if step_time is not None else None,
-            **run_wall(summary),
+            **run_wall(summary), "code": code_label(summary),
             "probe": detail, "run_dir": summary["run_dir"]}
 
 
