@@ -650,5 +650,5 @@ def test_the_report_names_the_code_of_every_run():
     from experiments.repro.probe import code_lines
 
     rows = [{"code": "abc"}, {"code": "abc"}, {"code": "def+dirty:12345678"}]
-    assert code_lines(rows) == ["Code the runs trained at: `abc` (2 runs), `def+dirty:12345678` (1 runs).", ""]
+    assert code_lines(rows) == ["Code the runs trained at: `abc` (2 runs), `def+dirty:12345678` (1 run).", ""]
     assert code_lines([{"variant": "vanilla"}]) == []  # rows stored before runs recorded their code

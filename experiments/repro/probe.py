@@ -189,7 +189,7 @@ def code_lines(runs: List[Dict[str, Any]]) -> List[str]:
     codes = Counter(r["code"] for r in runs if r.get("code"))
     if not codes:
         return []
-    return ["Code the runs trained at: " + ", ".join(f"`{code}` ({n} runs)" for code, n in codes.items()) + ".", ""]
+    return ["Code the runs trained at: " + ", ".join(f"`{code}` ({n} run{'s' * (n != 1)})" for code, n in codes.items()) + ".", ""]
 
 
 # ---------------------------------------------------------------------------- --tables_from
