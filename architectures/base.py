@@ -41,6 +41,8 @@ class ForwardState:
     * ``options``: variant-specific switches a model hands its blocks (e.g. MoD's test hook).
     * ``tokens``: the input ids of this call (B, T): their shift idx[:, 1:] is the LM targets of positions
       0 .. T-2, for a loss the model computes itself (early exit's per-layer exit losses).
+    * ``loss_weights``: (B, T) weights of the next-token targets of positions 0 .. T-1 (a loss mask), scaled
+      by the caller so that a loss the model computes itself is sum(w * ce) over its positions; None: no mask.
     * ``checkpoint``: the activation-checkpointing policy of this call (None: off); ``units`` counts the
       units run so far (``architectures.checkpointing``).
     """
@@ -58,6 +60,7 @@ class ForwardState:
     units: int = 0
     reported: Set[str] = field(default_factory=set)  # site names reported so far (each at most once)
     tokens: Optional[torch.Tensor] = None
+    loss_weights: Optional[torch.Tensor] = None
 
     @classmethod
     def standalone(cls) -> "ForwardState":
@@ -214,11 +217,15 @@ class LanguageModel(nn.Module):
         return_residuals: bool = False,
         cache: Optional[KVCache] = None,
         compute_logits: bool = True,
+        loss_weights: Optional[torch.Tensor] = None,
     ) -> ModelOutput:
         """Right padding only: causal attention keeps real tokens from seeing pads; ``attention_mask``
         (its last T columns, so a mask covering the cached prefix works too) tells routers which tokens
         are real. ``compute_logits=False`` skips the head: ``logits`` is None and ``hidden`` is the
-        stream the head would read, before ``ln_f``."""
+        stream the head would read, before ``ln_f``. ``loss_weights`` (B, T): the loss mask's weights of
+        the targets of positions 0 .. T-1 divided by the LM loss's divisor (``data.loss_mask``; the LM
+        module passes them), so a loss the model computes itself over the targets (early exit's) is the
+        same weighted mean as the LM loss and a target of weight 0 cannot train it."""
         T = idx.shape[1]
         offset = cache.offset if cache is not None else 0
         x = self.embed(idx, offset)
@@ -226,7 +233,7 @@ class LanguageModel(nn.Module):
         state = ForwardState(cache=cache, valid=valid, causal=self._causal or cache is not None,
                              residuals=[] if return_residuals else None, offset=offset,
                              checkpoint=self.checkpoint_policy if cache is None and torch.is_grad_enabled() else None,
-                             tokens=idx)
+                             tokens=idx, loss_weights=loss_weights)
         state.record("embed", -1, x)
         x = self.body(x, state)
         if cache is not None:

@@ -18,8 +18,9 @@ code facebookresearch/LayerSkip):
   **Targets**: the model sees its input ``idx`` (``ForwardState.tokens``); the next-token targets of
   positions 0 .. T-2 are idx[:, 1:], exactly the LM module's targets there (it trains on batch[:, :-1] ->
   batch[:, 1:]); the last position's target is not in the input and gets no exit loss. With padding,
-  a pair counts only when both tokens are real. A loss mask (``data.loss_mask``) is not seen: the exits
-  learn every next token (LayerSkip trains its exits on all tokens).
+  a pair counts only when both tokens are real. With a loss mask (``data.loss_mask``: the model gets the
+  LM loss's normalised weights, ``loss_weights``) each exit loss is the same weighted mean as the LM loss
+  (sum over positions 0 .. T-2 of w * CE), so an exit learns only the targets the LM loss does.
 
 Evaluation and generation (Schuster et al. 2022, "Confident Adaptive Language Modeling"):
 
@@ -206,6 +207,11 @@ class EarlyExit(LanguageModel):
         token) pairs of the input: targets idx[:, 1:], as the LM module's on positions 0 .. T-2."""
         logits = self.head(x[:, :-1]).float()
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), state.tokens[:, 1:].reshape(-1), reduction="none")
+        if state.loss_weights is not None:  # already divided by the LM loss's total weight
+            w = state.loss_weights[:, :-1]
+            if state.valid is not None:
+                w = w * (state.valid[:, :-1] & state.valid[:, 1:])
+            return (ce * w.reshape(-1).to(ce.dtype)).sum()
         if state.valid is None:
             return ce.mean()
         pair = (state.valid[:, :-1] & state.valid[:, 1:]).reshape(-1).to(ce.dtype)

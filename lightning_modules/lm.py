@@ -276,8 +276,10 @@ class LanguageModelModule(L.LightningModule):
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         batch, weights = self.unpack(batch)
         idx, targets = self.split(batch)
-        out = self.model(idx)
         total = None if weights is None else self.rank_mean_weight(weights)
+        # the model's own losses over the targets (early exit's) weigh them as the LM loss does
+        scaled = None if weights is None else weights / total.clamp_min(torch.finfo(total.dtype).tiny)
+        out = self.model(idx) if scaled is None else self.model(idx, loss_weights=scaled)
         lm_loss = self.lm_loss(out.logits, targets, weights, total)
         loss = lm_loss + out.aux_loss
         completed = self.global_step + 1

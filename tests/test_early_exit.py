@@ -192,6 +192,34 @@ def test_exit_losses_are_the_weighted_next_token_losses_of_the_head_after_each_l
     assert model.blocks[0].mlp.c_fc.weight.grad.abs().max() > 0  # the exits train the layers below them
 
 
+def test_with_a_loss_mask_the_exit_losses_are_the_lm_loss_s_weighted_mean_and_masked_targets_train_nothing():
+    """``data.loss_mask``: the LM module hands the model its weights divided by the LM loss's divisor; each exit
+    loss is then sum(w * CE) over the real pairs (a naive per-position reference), and the head's logits at a
+    masked position get no gradient from the exits (before this, the exits trained on every target)."""
+    model = build(p_max=0.0, exit_scale=0.5).train()
+    idx = tokens(B=3)
+    mask = torch.ones(3, T, dtype=torch.long)
+    mask[2, 9:] = 0
+    weights = (torch.rand(3, T, generator=torch.Generator().manual_seed(3)) > 0.6).float()
+    weights[0, 0] = 1.0
+    scaled = weights / weights.sum()
+    out = model(idx, attention_mask=mask, return_residuals=True, loss_weights=scaled)
+    exit_weights = exit_loss_weights(model.config.early_exit, L)
+    heads = {}
+    for l in (1, 2):
+        h = out.residuals[2 + 2 * l].hidden
+        h.retain_grad()
+        heads[l] = h
+        naive = sum(float(scaled[b, t]) * float(F.cross_entropy(model.head(h[b, t]).detach().float(), idx[b, t + 1]))
+                    for b in range(3) for t in range(T - 1) if mask[b, t] and mask[b, t + 1])
+        assert float(out.aux_losses[f"early_exit/layer{l}"]) == pytest.approx(exit_weights[l] * naive, rel=1e-5)
+    sum(out.aux_losses.values()).backward()
+    grad = heads[2].grad  # layer 2 is below no later exit: its stream's gradient is its own exit's
+    masked = (weights[:, :-1] == 0) | ~(mask[:, :-1] & mask[:, 1:]).bool()
+    assert masked.any() and (~masked).any()
+    assert grad[:, :-1][masked].abs().max() == 0 and grad[:, :-1][~masked].abs().max() > 0
+
+
 def test_training_is_causal_with_layer_dropout_and_a_layer_no_row_runs_gets_zero_gradients():
     model = build(p_max=0.6)
     invariants.check_causal(model, tokens(), T // 2, training=True)

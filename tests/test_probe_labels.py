@@ -283,6 +283,28 @@ def test_a_training_run_whose_masked_targets_change_trains_the_same_weights(tmp_
     assert not all(torch.equal(straight[k], moved[k]) for k in straight)  # the same change, unmasked, moves them
 
 
+def test_the_lm_module_hands_the_model_its_loss_weights_divided_by_the_lm_loss_s_divisor(tmp_path):
+    """A model's own losses over the targets (early exit's) get the loss mask as the LM loss uses it."""
+    dm = _datamodule(tmp_path, labelled_corpus(tmp_path), mask="labelled")
+    tokens, weights = next(iter(dm.train_dataloader()))
+    module = _module()
+    seen = []
+    forward = module.model.forward
+    module.model.forward = lambda idx, **kwargs: seen.append(kwargs) or forward(idx, **kwargs)
+    trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, accelerator="cpu", num_sanity_val_steps=0)
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([(tokens, weights)], batch_size=None))
+    torch.testing.assert_close(seen[0]["loss_weights"], weights / weights.sum())
+    unmasked = _module()
+    unmasked_seen = []
+    forward_unmasked = unmasked.model.forward
+    unmasked.model.forward = lambda idx, **kwargs: unmasked_seen.append(kwargs) or forward_unmasked(idx, **kwargs)
+    L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False, accelerator="cpu", num_sanity_val_steps=0).fit(
+        unmasked, train_dataloaders=torch.utils.data.DataLoader([tokens], batch_size=None))
+    assert unmasked_seen[0] == {}  # no mask: the forward every variant has always had
+
+
 # ---------------------------------------------------------------------------- sharding and resume with labels
 class _Trainer:
     def __init__(self, rank, world):
