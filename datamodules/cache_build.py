@@ -43,6 +43,7 @@ CHECKPOINT_S = 2.0  # build.json is rewritten (after an fsync of the data) at mo
 LOCK_STALE_S = 600.0  # a lock not refreshed for this long belongs to a dead build (another host)
 HEARTBEAT_S = 30.0
 POLL_S = 30.0  # a waiting builder logs the other build's progress this often
+CHECK_S = 0.5  # and looks whether it has ended this often
 DDP_WAIT_S = 20 * 60.0  # under DDP, below Lightning's 30-minute barrier timeout
 DDP_BUILD_LIMIT_BYTES = 256 << 20  # under DDP, prepare_data builds caches of corpora up to this much text
 ONE_PROCESS_BYTES = 16 << 20  # a corpus known to be smaller is encoded in this process: starting workers costs more
@@ -149,19 +150,24 @@ def _pid_alive(pid: int) -> bool:
 
 
 def wait_for_builder(lock: BuildLock, wait_s: Optional[float], description: str, hint: str) -> None:
-    """Return once no live build holds ``lock``; log its progress every ``POLL_S``; give up after ``wait_s``."""
+    """Return once no live build holds ``lock`` (checked every ``CHECK_S``: a probe's cache takes seconds);
+    log its progress every ``POLL_S``; give up after ``wait_s``."""
     start = time.monotonic()
+    logged = None
     while lock.held_by_other():
         waited = time.monotonic() - start
-        holder, done = lock.holder() or {}, _read_manifest(lock.path.parent) or {}
+        holder = lock.holder() or {}
         if wait_s is not None and waited >= wait_s:
             raise DataError(f"{description}: the token cache {lock.path.parent} is still being built by pid "
                             f"{holder.get('pid')} on {holder.get('host')} after {waited / 60:.0f} min of waiting; "
                             f"let it finish, or build it before training: {hint}")
-        log(f"{description}: waiting for pid {holder.get('pid')} on {holder.get('host')} to finish the token cache "
-            f"{lock.path.parent} ({done.get('shards', 0)} shards, {done.get('tokens', 0):,} tokens so far; "
-            f"waited {waited:.0f} s)")
-        time.sleep(POLL_S if wait_s is None else max(0.05, min(POLL_S, wait_s - waited)))
+        if logged is None or waited - logged >= POLL_S:
+            done = _read_manifest(lock.path.parent)
+            progress = f"{done.get('shards', 0)} shards, {done.get('tokens', 0):,} tokens so far; " if done else ""
+            log(f"{description}: waiting for pid {holder.get('pid')} on {holder.get('host')} to finish the token "
+                f"cache {lock.path.parent} ({progress}waited {waited:.0f} s)")
+            logged = waited
+        time.sleep(CHECK_S if wait_s is None else max(0.01, min(CHECK_S, wait_s - waited)))
 
 
 # ---------------------------------------------------------------------------- resumable progress
@@ -323,14 +329,17 @@ def build_cache(documents: Iterable[str], tokenizer: TextTokenizer, folder: path
                 text_bytes: Callable[[], Optional[int]] = lambda: None,
                 total_docs: Callable[[], Optional[int]] = lambda: None, shard_docs: int = SHARD_DOCS,
                 wait_s: Optional[float] = None, hint: str = "python -m experiments.prepare",
-                prefer_tiktoken: bool = True, refusal: Optional[DataError] = None) -> BuildStats:
+                prefer_tiktoken: bool = True, refusal: Optional[DataError] = None,
+                only_if_missing: bool = False) -> BuildStats:
     """Tokenise ``documents`` (EOT after each) into ``folder/tokens.bin`` + ``meta.json`` with ``num_proc``
     processes (None: every available CPU), resuming a killed build of the same cache.
 
     ``text_bytes`` / ``total_docs`` (asked after the first shard, when a Hub dataset is loaded) size the disk
     estimate and the progress bar. When another process is building this cache, waits for it (at most
     ``wait_s``; the error names ``hint``, the prepare command) and returns its cache. ``refusal``: raised
-    instead of building here (a large cache under DDP), when no other build made the cache."""
+    instead of building here (a large cache under DDP), when no other build made the cache.
+    ``only_if_missing``: a cache that is complete once the lock is held is kept (the caller found it missing,
+    and another process finished it since; rebuilding would take it away from that process's readers)."""
     folder.mkdir(parents=True, exist_ok=True)
     lock = BuildLock(folder)
     while not lock.try_acquire():
@@ -338,6 +347,8 @@ def build_cache(documents: Iterable[str], tokenizer: TextTokenizer, folder: path
         if token_cache.open_tokens(folder) is not None:
             return BuildStats(folder)
     try:
+        if only_if_missing and token_cache.open_tokens(folder) is not None:
+            return BuildStats(folder)  # another process built it between our check and the lock: keep it
         if refusal is not None:  # the other build died: rebuilding here would keep the ranks at the barrier
             raise refusal
         return _build_locked(documents, tokenizer, folder, description, max_tokens, resolve_num_proc(num_proc),
@@ -459,7 +470,26 @@ def build_corpus_cache(corpus, tokenizer: TextTokenizer, folder: pathlib.Path, d
     return build_cache(corpus.documents(), tokenizer, folder, description,
                        max_tokens=getattr(corpus, "max_tokens", None), num_proc=num_proc, text_bytes=size,
                        total_docs=getattr(corpus, "num_documents", lambda: None),
-                       wait_s=DDP_WAIT_S if world_size > 1 else None, hint=hint, refusal=refusal)
+                       wait_s=DDP_WAIT_S if world_size > 1 else None, hint=hint, refusal=refusal,
+                       only_if_missing=True)
+
+
+def build_generated_cache(folder: pathlib.Path, write: Callable[[], object], complete: Callable[[], bool],
+                          description: str, world_size: int = 1) -> None:
+    """A generated corpus's cache (the probes' ``write_tokens``: tokens and labels in one go) under the same
+    ``build.lock`` as ``build_cache``: of the processes that find it missing at once (``repro --jobs 2``'s first
+    runs, two shells), one writes it and the others wait and use it. Unlocked, a second writer's rebuild
+    removed ``meta.json`` under a third process that had found the cache complete: that run failed with
+    'missing or corrupt'."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = BuildLock(folder)
+    while not lock.try_acquire():
+        wait_for_builder(lock, DDP_WAIT_S if world_size > 1 else None, description, "the same command on one process")
+    try:
+        if not complete():
+            write()
+    finally:
+        lock.release()
 
 def build_tokens(
     documents: Iterable[str],

@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from datamodules import probe_labels, token_cache
-from datamodules.cache_build import build_corpus_cache
+from datamodules.cache_build import build_corpus_cache, build_generated_cache
 from datamodules.catalog import get_corpus
 from datamodules.corpora import Corpus, DataError
 from datamodules.files import atomic_npy, default_cache_dir
@@ -221,17 +221,22 @@ class LMDataModule(L.LightningDataModule):
     def prepare_data(self) -> None:
         for split, corpus in self._corpora().items():
             folder = self._folder(corpus)
-            # the token cache verifies its own files; a corpus verifies what it writes beside them (probe labels)
-            if token_cache.open_tokens(folder) is None or not corpus.cache_is_complete(folder):
+            if not self._complete(corpus, folder):
                 description = f"tokenising {corpus.name}/{split}"
                 write_tokens = getattr(corpus, "write_tokens", None)  # generated corpora write their own files
                 if write_tokens is not None:
-                    write_tokens(self.tokenizer, folder, description)
+                    build_generated_cache(folder, lambda: write_tokens(self.tokenizer, folder, description),
+                                          lambda: self._complete(corpus, folder), description, self._rank_world()[1])
                 else:  # every core, resumable; under DDP only small corpora (datamodules/cache_build.py)
                     build_corpus_cache(corpus, self.tokenizer, folder, description, self.config.num_proc,
                                        self._rank_world()[1], hint=f"python -m experiments.prepare --data "
                                        f"{self.config.name} (plus this run's --data.* / --tokenizer options)")
         self._convert_span_labels()
+
+    @staticmethod
+    def _complete(corpus: Corpus, folder: pathlib.Path) -> bool:
+        """The token cache verifies its own files; a corpus verifies what it writes beside them (probe labels)."""
+        return token_cache.open_tokens(folder) is not None and corpus.cache_is_complete(folder)
 
     def _check_label_options(self) -> None:
         from datamodules.probe import ProbeCorpus

@@ -294,3 +294,43 @@ def test_data_benchmark_measures_ours_and_bare_hf_on_the_same_tokens(tmp_path, c
     assert int(rows[0][2].replace(",", "")) == sum(len(f"paragraph {i}: the quick brown fox jumps over the lazy dog")
                                                    for i in range(400))  # bytes: one token per byte
     assert "median of 1" in capsys.readouterr().out
+
+
+def test_a_builder_that_gets_the_lock_after_another_finished_keeps_that_cache(tmp_path):
+    """Two processes find the cache missing; the first builds it and releases the lock before the second asks
+    for it: the second must not rebuild (its rebuild removed meta.json under a third process's reader)."""
+    tok = get_tokenizer("bytes", tmp_path)
+    folder = tmp_path / "c"
+    cache_build.build_cache(["abc", "def"], tok, folder, num_proc=1)
+    meta = (folder / "meta.json").stat()
+    stats = cache_build.build_cache(["other", "text"], tok, folder, num_proc=1, only_if_missing=True)
+    assert stats.num_tokens == 0 and (folder / "meta.json").stat().st_mtime_ns == meta.st_mtime_ns
+    written = []
+    cache_build.build_generated_cache(folder, lambda: written.append(1), lambda: True, "generating")
+    assert written == [] and not (folder / cache_build.LOCK).exists()
+    cache_build.build_generated_cache(tmp_path / "new", lambda: written.append(1), lambda: False, "generating")
+    assert written == [1]
+
+
+def test_a_probe_run_that_found_the_cache_missing_keeps_the_one_another_run_finished(tmp_path):
+    """The race of ``repro probe --jobs 2``'s first runs, in order: run B finds the probe cache missing, run A
+    writes it, run C finds it complete; B then takes the lock. B must keep A's cache: its rebuild removed
+    meta.json while C opened the tokens, and C failed with 'missing or corrupt'."""
+    from datamodules.lm import DataConfig, LMDataModule
+    from datamodules.probe import EPISODE_LEN
+
+    def datamodule():
+        return LMDataModule(DataConfig(name="probe-v5/bounce", batch_size=4, max_tokens=64 * EPISODE_LEN,
+                                       cache_dir=str(tmp_path)), block_size=128)
+
+    late = datamodule()
+    checks = []
+    real = late._complete
+    late._complete = lambda corpus, folder: bool(checks.append(1)) or (len(checks) > 1 and real(corpus, folder))
+    first = datamodule()
+    first.prepare_data()  # A writes the cache
+    folder = first._folder(first.corpus)
+    meta = (folder / "meta.json").stat().st_mtime_ns
+    late.prepare_data()  # B: "missing" before the lock, complete under it
+    assert len(checks) == 2 and (folder / "meta.json").stat().st_mtime_ns == meta
+    late.setup("fit")
