@@ -224,8 +224,8 @@ class LanguageModel(nn.Module):
         are real. ``compute_logits=False`` skips the head: ``logits`` is None and ``hidden`` is the
         stream the head would read, before ``ln_f``. ``loss_weights`` (B, T): the loss mask's weights of
         the targets of positions 0 .. T-1 divided by the LM loss's divisor (``data.loss_mask``; the LM
-        module passes them), so a loss the model computes itself over the targets (early exit's) is the
-        same weighted mean as the LM loss and a target of weight 0 cannot train it."""
+        module passes them), so a loss the model computes itself over the targets (early exit's) weighs them
+        as the LM loss does and a target of weight 0 cannot train it."""
         T = idx.shape[1]
         offset = cache.offset if cache is not None else 0
         x = self.embed(idx, offset)

@@ -19,8 +19,9 @@ code facebookresearch/LayerSkip):
   positions 0 .. T-2 are idx[:, 1:], exactly the LM module's targets there (it trains on batch[:, :-1] ->
   batch[:, 1:]); the last position's target is not in the input and gets no exit loss. With padding,
   a pair counts only when both tokens are real. With a loss mask (``data.loss_mask``: the model gets the
-  LM loss's normalised weights, ``loss_weights``) each exit loss is the same weighted mean as the LM loss
-  (sum over positions 0 .. T-2 of w * CE), so an exit learns only the targets the LM loss does.
+  LM loss's weights over its divisor, ``loss_weights``) each exit loss is sum over positions 0 .. T-2 of
+  w * CE: the LM loss's weighting without the last target (not in the input), so a target of weight 0
+  trains no exit. (XSUM's module masks with ignored targets instead and passes no weights.)
 
 Evaluation and generation (Schuster et al. 2022, "Confident Adaptive Language Modeling"):
 

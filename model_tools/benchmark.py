@@ -237,15 +237,10 @@ class Contender:
     def forward_loss_saving(self, batch: torch.Tensor):
         """(loss, bytes saved for backward): storages saved by autograd, parameters excluded, plus the
         inputs checkpointed units keep (``model_tools.memory``)."""
+        from model_tools.memory import recorded_saved_storages
+
         params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
-        saved: Dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            if t.untyped_storage().data_ptr() not in params:
-                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with watch_checkpoint_inputs(skip=params) as inputs, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with watch_checkpoint_inputs(skip=params) as inputs, recorded_saved_storages(params) as saved:
             loss = self.forward_loss(batch)
         for t in inputs:
             saved.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())

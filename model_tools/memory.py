@@ -25,13 +25,14 @@ Routing that depends on the data (MoE loads, MoM choices) is measured on random 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 from collections import Counter
 import json
 import math
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -59,30 +60,43 @@ class Activations:
         return self.per_token * tokens + self.fixed + max(2 * self.largest_per_token, self.unit_per_token) * tokens
 
 
-def saved_storages(model: torch.nn.Module, idx: torch.Tensor, autocast: bool = False) -> Dict[int, int]:
-    """{data_ptr: bytes} of the storages one forward + loss saves for backward, parameters excluded,
-    plus the inputs checkpointed units keep for their recomputation."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    # weak references, read after the forward: a tensor saved by a part of the graph that the forward itself
-    # dropped (a branch not in the loss) is freed before the backward and its address may be reused by a later
-    # storage; keyed by address as it was saved, the count depended on the allocator (up to ~6% between two
-    # identical measurements of depth_gate_skip)
+@contextlib.contextmanager
+def recorded_saved_storages(params: Set[int]) -> Iterator[Dict[int, int]]:
+    """Within the block, record what autograd saves for backward; on leaving it, the yielded dict is
+    {data_ptr: bytes} of the saved storages still alive, parameters (``params``: their data pointers) excluded.
+
+    Read after the forward, through weak references: a tensor saved by a part of the graph that the forward itself
+    dropped (a branch not in the loss) is freed before the backward and its address may be reused by a later
+    storage; keyed by address as it was saved, the count depended on the allocator (up to ~6% between two
+    identical measurements of depth_gate_skip). The hook keeps a detached alias (same storage): the tensor itself
+    would close a loop tensor -> grad_fn -> saved tensor for ops that save their output (exp, sigmoid, softmax),
+    which kept a dropped branch alive, counted and leaking until the cycle collector ran."""
     packed: List[weakref.ref] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        packed.append(weakref.ref(t))
-        return t
+        alias = t.detach()
+        packed.append(weakref.ref(alias))
+        return alias
 
-    with watch_checkpoint_inputs() as inputs, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=autocast):
-            out = model(idx[:, :-1])
-            logits = out.logits.float()
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1)) + out.aux_loss
     saved: Dict[int, int] = {}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield saved
+    gc.collect()  # what only a reference cycle kept alive is not saved for any backward
     for ref in packed:
         t = ref()
         if t is not None and t.untyped_storage().data_ptr() not in params:
             saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+
+
+def saved_storages(model: torch.nn.Module, idx: torch.Tensor, autocast: bool = False) -> Dict[int, int]:
+    """{data_ptr: bytes} of the storages one forward + loss saves for backward, parameters excluded,
+    plus the inputs checkpointed units keep for their recomputation."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with watch_checkpoint_inputs() as inputs, recorded_saved_storages(params) as saved:
+        with torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=autocast):
+            out = model(idx[:, :-1])
+            logits = out.logits.float()
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1)) + out.aux_loss
     for t in inputs:
         saved.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
     del loss, out, logits

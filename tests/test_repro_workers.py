@@ -42,15 +42,27 @@ def test_each_result_comes_back_to_its_call():
     assert results == {0: 8, 1: 9, 2: 5}
 
 
+def test_calls_that_finished_when_another_failed_still_report_their_results():
+    """A run that finished while another's failure was being raised is recorded (a rerun does not retrain it)."""
+    results = {}
+    calls = [("7",), ("__import__('time').sleep(1.5) or 1 / 0",), ("__import__('time').sleep(1.0) or 8",)]
+    with pytest.raises(ZeroDivisionError):
+        run_in_workers(eval, calls, 3, results.__setitem__)
+    assert results == {0: 7, 2: 8}
+
+
 @pytest.mark.skipif(not pathlib.Path("/proc/self/status").is_file(), reason="reads process states from /proc (Linux)")
 def test_a_failing_call_stops_the_other_workers(tmp_path):
     started = tmp_path / "pids"
-    calls = [(SLEEP_AND_SAY.format(path=str(started)),), ("__import__('time').sleep(2) or 1 / 0",)]
+    # the failing call waits until the other worker has said its pid (a loaded machine starts workers slowly)
+    fail_once_started = (f"[__import__('time').sleep(0.05) for _ in range(1200) if not __import__('os').path.exists("
+                         f"{str(started)!r})] and 1 / 0 or 1 / 0")
+    calls = [(SLEEP_AND_SAY.format(path=str(started)),), (fail_once_started,)]
     begin = time.monotonic()
     with pytest.raises(ZeroDivisionError):
         run_in_workers(eval, calls, 2, lambda k, value: None)
     assert time.monotonic() - begin < 60  # not the sleeping call's 600 s
-    (pid,) = wait_for_lines(started, 1, timeout=1)
+    (pid,) = wait_for_lines(started, 1, timeout=30)
     deadline = time.monotonic() + 10
     while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -285,17 +285,24 @@ def run_in_workers(fn: Callable[..., Any], calls: Sequence[Tuple[Any, ...]], wor
     pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if in_main_thread else None
+    futures: Dict[Any, int] = {}
+    reported = set()
     try:
         futures = {pool.submit(fn, *call): k for k, call in enumerate(calls)}
         for future in concurrent.futures.as_completed(futures):
+            reported.add(future)
             on_result(futures[future], future.result())
     except BaseException:
-        _stop_workers(pool)
+        # calls that finished while the failure was raised are kept (their runs need no retraining)
+        finished = [f for f in futures if f not in reported and f.done() and not f.cancelled() and f.exception() is None]
+        _stop_workers(pool, in_main_thread)
+        for future in finished:
+            on_result(futures[future], future.result())
         raise
     else:
         pool.shutdown()
     finally:
-        if in_main_thread:
+        if in_main_thread and previous is not None:  # None: a handler installed outside Python, left as it is
             signal.signal(signal.SIGTERM, previous)
 
 
@@ -303,16 +310,25 @@ def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)  # unwinds through run_in_workers, which stops the workers
 
 
-def _stop_workers(pool) -> None:
-    """Terminate a process pool's workers (the executor has no public call for it before Python 3.14)."""
-    processes = list((getattr(pool, "_processes", None) or {}).values())
-    pool.shutdown(wait=False, cancel_futures=True)
-    for process in processes:
-        process.terminate()
-    for process in processes:
-        process.join(10)
-        if process.is_alive():
-            process.kill()
+def _stop_workers(pool, in_main_thread: bool) -> None:
+    """Terminate a process pool's workers (the executor has no public call for it before Python 3.14); a second
+    SIGTERM or Ctrl-C meanwhile does not cut it short (the workers that linger are killed)."""
+    import signal
+
+    ignored = [(s, signal.signal(s, signal.SIG_IGN)) for s in (signal.SIGTERM, signal.SIGINT)] if in_main_thread else []
+    try:
+        processes = list((getattr(pool, "_processes", None) or {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+    finally:
+        for signum, handler in ignored:
+            if handler is not None:
+                signal.signal(signum, handler)
 
 
 def _train_in_worker(argv: Sequence[str], threads: int) -> str:

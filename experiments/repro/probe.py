@@ -244,7 +244,12 @@ def stored_jobs(path: pathlib.Path) -> int:
     import json
 
     argv = (json.loads(pathlib.Path(path).read_text()).get("provenance") or {}).get("argv") or []
-    return int(argv[argv.index("--jobs") + 1]) if "--jobs" in argv[:-1] else 1
+    for i, arg in enumerate(argv):
+        if arg.startswith("--jobs="):
+            return int(arg.split("=", 1)[1])
+        if arg == "--jobs" and i + 1 < len(argv):
+            return int(argv[i + 1])
+    return 1
 
 
 def tables_from(ctx: Context, paths: Sequence[pathlib.Path]) -> Dict[str, Any]:
@@ -255,12 +260,15 @@ def tables_from(ctx: Context, paths: Sequence[pathlib.Path]) -> Dict[str, Any]:
     if "vanilla" not in labels:
         raise ConfigError("--tables_from: no vanilla rows in the files; the tables are relative to the reference vanilla")
     seeds = {label: sum(r["variant"] == label for r in runs) for label in labels}
-    if len(set(seeds.values())) > 1:
-        raise ConfigError(f"--tables_from: the entries have different numbers of seeds ({seeds}); merge files of "
-                          "complete entries")
+    wanted = first["settings"].get("seeds")
+    seed_sets = {label: sorted(r["seed"] for r in runs if r["variant"] == label) for label in labels}
+    if len({tuple(v) for v in seed_sets.values()}) > 1 or (wanted and len(next(iter(seed_sets.values()))) != wanted):
+        raise ConfigError(f"--tables_from: every entry needs the programme's {wanted} seeds, the same ones; got "
+                          + ", ".join(f"{k} {v}" for k, v in seed_sets.items()) + "; merge files of complete entries")
     ctx.steps = first["settings"]["steps"]
     jobs = {stored_jobs(path) for path in paths}
-    ctx.workers = jobs.pop() if len(jobs) == 1 else 1  # the wall-time line's "N at once" of the runs' invocations
+    # the wall-time line's "N at once" of the runs' invocations (several: the smallest, a bound on the wall time)
+    ctx.workers = min(jobs)
     preface = ["Rebuilt from the stored run rows of " + "; ".join(sources) + " (no run retrained; an entry and seed "
                "stored in two files is the same run there, bit for bit).", ""]
     return write_tables(ctx, first["settings"], first["budget"], first["tokens_per_step"], labels, runs, preface,
