@@ -652,3 +652,5 @@ def test_the_report_names_the_code_of_every_run():
     rows = [{"code": "abc"}, {"code": "abc"}, {"code": "def+dirty:12345678"}]
     assert code_lines(rows) == ["Code the runs trained at: `abc` (2 runs), `def+dirty:12345678` (1 run).", ""]
     assert code_lines([{"variant": "vanilla"}]) == []  # rows stored before runs recorded their code
+    assert code_lines([{"code": "abc"}, {}])[0] == ("Code the runs trained at: `abc` (1 run); 1 stored before runs "
+                                                   "recorded it (their file's provenance names its commit).")

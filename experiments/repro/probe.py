@@ -189,7 +189,10 @@ def code_lines(runs: List[Dict[str, Any]]) -> List[str]:
     codes = Counter(r["code"] for r in runs if r.get("code"))
     if not codes:
         return []
-    return ["Code the runs trained at: " + ", ".join(f"`{code}` ({n} run{'s' * (n != 1)})" for code, n in codes.items()) + ".", ""]
+    missing = sum(not r.get("code") for r in runs)
+    unknown = f"; {missing} stored before runs recorded it (their file's provenance names its commit)" if missing else ""
+    return ["Code the runs trained at: " + ", ".join(f"`{code}` ({n} run{'s' * (n != 1)})" for code, n in codes.items())
+            + unknown + ".", ""]
 
 
 # ---------------------------------------------------------------------------- --tables_from
