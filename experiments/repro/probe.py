@@ -262,7 +262,6 @@ def tables_from(ctx: Context, paths: Sequence[pathlib.Path]) -> Dict[str, Any]:
     runs.sort(key=lambda r: labels.index(r["variant"]))  # entry-major, as one invocation orders them
     if "vanilla" not in labels:
         raise ConfigError("--tables_from: no vanilla rows in the files; the tables are relative to the reference vanilla")
-    seeds = {label: sum(r["variant"] == label for r in runs) for label in labels}
     wanted = first["settings"].get("seeds")
     seed_sets = {label: sorted(r["seed"] for r in runs if r["variant"] == label) for label in labels}
     if len({tuple(v) for v in seed_sets.values()}) > 1 or (wanted and len(next(iter(seed_sets.values()))) != wanted):
