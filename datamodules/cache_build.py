@@ -17,6 +17,7 @@ barrier; the error says to run ``python -m experiments.prepare`` first.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import multiprocessing
@@ -171,6 +172,26 @@ def wait_for_builder(lock: BuildLock, wait_s: Optional[float], description: str,
 
 
 # ---------------------------------------------------------------------------- resumable progress
+@contextlib.contextmanager
+def locked_build(folder: pathlib.Path, wait_s: Optional[float], description: str, hint: str,
+                 complete: Callable[[], bool], keep_complete: bool = True) -> Iterator[bool]:
+    """Hold ``folder``'s ``build.lock`` for the block, waiting (at most ``wait_s``) while another live process
+    builds there; yields whether this process must build: False when the cache is ``complete()`` after a wait
+    (the other build made it) or, with ``keep_complete``, once the lock is held (finished between the caller's
+    check and the lock)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = BuildLock(folder)
+    while not lock.try_acquire():
+        wait_for_builder(lock, wait_s, description, hint)
+        if complete():
+            yield False
+            return
+    try:
+        yield not (keep_complete and complete())
+    finally:
+        lock.release()
+
+
 def build_key(tokenizer: TextTokenizer, dtype: str, shard_docs: int, max_tokens: Optional[int]) -> dict:
     """What a partial build's bytes depend on (the corpus is the folder's own key)."""
     return {"tokenizer_fingerprint": tokenizer.fingerprint, "eot_id": tokenizer.eot_id, "dtype": dtype,
@@ -340,21 +361,16 @@ def build_cache(documents: Iterable[str], tokenizer: TextTokenizer, folder: path
     instead of building here (a large cache under DDP), when no other build made the cache.
     ``only_if_missing``: a cache that is complete once the lock is held is kept (the caller found it missing,
     and another process finished it since; rebuilding would take it away from that process's readers)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    lock = BuildLock(folder)
-    while not lock.try_acquire():
-        wait_for_builder(lock, wait_s, description, hint)
-        if token_cache.open_tokens(folder) is not None:
+    def built() -> bool:
+        return token_cache.open_tokens(folder) is not None
+
+    with locked_build(folder, wait_s, description, hint, built, keep_complete=only_if_missing) as needed:
+        if not needed:
             return BuildStats(folder)
-    try:
-        if only_if_missing and token_cache.open_tokens(folder) is not None:
-            return BuildStats(folder)  # another process built it between our check and the lock: keep it
         if refusal is not None:  # the other build died: rebuilding here would keep the ranks at the barrier
             raise refusal
         return _build_locked(documents, tokenizer, folder, description, max_tokens, resolve_num_proc(num_proc),
                              text_bytes, total_docs, shard_docs, prefer_tiktoken)
-    finally:
-        lock.release()
 
 
 def _build_locked(documents, tokenizer, folder, description, max_tokens, num_proc, text_bytes, total_docs,
@@ -481,15 +497,11 @@ def build_generated_cache(folder: pathlib.Path, write: Callable[[], object], com
     runs, two shells), one writes it and the others wait and use it. Unlocked, a second writer's rebuild
     removed ``meta.json`` under a third process that had found the cache complete: that run failed with
     'missing or corrupt'."""
-    folder.mkdir(parents=True, exist_ok=True)
-    lock = BuildLock(folder)
-    while not lock.try_acquire():
-        wait_for_builder(lock, DDP_WAIT_S if world_size > 1 else None, description, "the same command on one process")
-    try:
-        if not complete():
+    wait_s = DDP_WAIT_S if world_size > 1 else None
+    with locked_build(folder, wait_s, description, "the same command on one process", complete) as needed:
+        if needed:
             write()
-    finally:
-        lock.release()
+
 
 def build_tokens(
     documents: Iterable[str],

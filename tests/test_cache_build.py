@@ -199,6 +199,25 @@ def test_a_second_builder_waits_for_the_first_and_uses_its_cache(tmp_path, monke
     assert "waiting for pid 4242 on other-node" in capsys.readouterr().err
 
 
+def test_a_generated_cache_waits_for_the_writer_holding_the_lock_and_does_not_write_again(tmp_path, monkeypatch):
+    """The probes' caches take the same lock: while another live process writes, this one waits, then keeps
+    what that process wrote."""
+    monkeypatch.setattr(cache_build, "POLL_S", 0.1)
+    folder = tmp_path / "probe"
+    lock = _foreign_lock(folder)
+    done = threading.Event()
+
+    def the_other_writer_finishes():
+        time.sleep(0.3)
+        done.set()
+        lock.unlink()
+
+    threading.Thread(target=the_other_writer_finishes).start()
+    written = []
+    cache_build.build_generated_cache(folder, lambda: written.append(1), done.is_set, "generating")
+    assert done.is_set() and written == [] and not lock.exists()
+
+
 def test_the_wait_is_bounded_and_says_to_run_the_prepare_step(tmp_path, monkeypatch):
     monkeypatch.setattr(cache_build, "POLL_S", 0.05)
     _foreign_lock(tmp_path / "c")
