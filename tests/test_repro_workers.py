@@ -92,3 +92,41 @@ def test_sigterm_to_the_programme_stops_its_workers(tmp_path):
         for pid in wait_for_lines(started, 0):
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/status").is_file(), reason="reads process states from /proc (Linux)")
+def test_a_worker_whose_run_ends_gracefully_on_sigterm_starts_no_queued_call(tmp_path):
+    """Lightning's SIGTERM handler lets the run end at the next step, and the executor had already queued the
+    next call to that worker: it must not start (it left a partial run folder for the kill ten seconds later)."""
+    started, second = tmp_path / "pids", tmp_path / "second"
+    run_like_lightning = textwrap.dedent(f"""
+        import os, signal, time
+        got, previous = [], signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, lambda s, f: (got.append(s), previous(s, f) if callable(previous) else None))
+        open({str(started)!r}, "a").write(str(os.getpid()) + chr(10))
+        while not got:
+            time.sleep(0.05)
+        time.sleep(0.5)  # the last step, the checkpoint
+        signal.signal(signal.SIGTERM, previous)
+    """)
+    calls = [(f"exec({run_like_lightning!r}, {{}})",), (f"open({str(second)!r}, 'w').write('started')",)]
+    script = textwrap.dedent(f"""
+        from experiments.repro.common import run_in_workers
+        run_in_workers(eval, {calls!r}, 1, lambda k, value: None)
+    """)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    programme = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=env)
+    try:
+        (worker,) = wait_for_lines(started, 1)
+        programme.send_signal(signal.SIGTERM)
+        assert programme.wait(timeout=30) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 10
+        while alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(worker)
+        assert not second.exists(), "the worker started the queued call after SIGTERM"
+    finally:
+        programme.kill()
+        for pid in wait_for_lines(started, 0):
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)

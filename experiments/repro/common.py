@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import pathlib
 import sys
 import time
@@ -282,13 +283,14 @@ def run_in_workers(fn: Callable[..., Any], calls: Sequence[Tuple[Any, ...]], wor
 
     if not calls:
         return
-    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                                  initializer=_worker_exits_on_sigterm)
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if in_main_thread else None
     futures: Dict[Any, int] = {}
     reported = set()
     try:
-        futures = {pool.submit(fn, *call): k for k, call in enumerate(calls)}
+        futures = {pool.submit(_call_unless_stopping, fn, *call): k for k, call in enumerate(calls)}
         for future in concurrent.futures.as_completed(futures):
             reported.add(future)
             on_result(futures[future], future.result())
@@ -304,6 +306,35 @@ def run_in_workers(fn: Callable[..., Any], calls: Sequence[Tuple[Any, ...]], wor
     finally:
         if in_main_thread and previous is not None:  # None: a handler installed outside Python, left as it is
             signal.signal(signal.SIGTERM, previous)
+
+
+_worker_state = {"stopping": False, "in_call": False}  # a pool worker's own (each spawned interpreter has one)
+
+
+def _worker_exits_on_sigterm() -> None:
+    """A worker's SIGTERM handler. In a call whose own handler calls this one (Lightning's composes the handler
+    it found: it checkpoints and ends the run through ``SIGTERMException``), the worker is only marked as
+    stopping, and ``_call_unless_stopping`` then refuses the call the executor had already queued to it:
+    without that, the worker started the next run for the ten seconds before ``_stop_workers`` killed it,
+    leaving a partial run folder. Idle, or in a call that left SIGTERM to this handler, it exits at once."""
+    import signal
+
+    def on_sigterm(signum, frame):
+        _worker_state["stopping"] = True
+        if not _worker_state["in_call"] or signal.getsignal(signal.SIGTERM) is on_sigterm:
+            os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _call_unless_stopping(fn: Callable[..., Any], *args: Any) -> Any:
+    if _worker_state["stopping"]:
+        os._exit(128 + 15)  # SIGTERM's status: the programme is being stopped, no new call starts
+    _worker_state["in_call"] = True
+    try:
+        return fn(*args)
+    finally:
+        _worker_state["in_call"] = False
 
 
 def _exit_on_sigterm(signum, frame) -> None:
