@@ -6,6 +6,7 @@ catching its SystemExit and reading stderr; a few rows also run as real subproce
 status and the absence of a traceback end to end."""
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
@@ -35,6 +36,9 @@ def inputs(tmp_path_factory) -> pathlib.Path:
     (root / "broken.jsonl").write_text('{"text": "ok"}\n{"text": \n')
     (root / "nokey.jsonl").write_text('{"body": "ok"}\n')
     (root / "notes.ckpt").write_text("this is not a checkpoint\n")
+    bounce = json.loads((REPO / "docs" / "results" / "probe_bounce" / "results.json").read_text())
+    no_vanilla = {**bounce, "runs": [r for r in bounce["runs"] if r["variant"] != "vanilla"]}
+    (root / "probe_without_vanilla.json").write_text(json.dumps(no_vanilla))
     bad_vocab = root / "tok_vocab"
     bad_vocab.mkdir()
     (bad_vocab / "vocab.json").write_text('{"a": 0, "b": ')
@@ -264,6 +268,15 @@ CASES = [
     ("compare-no-runs", "compare", lambda d: [str(d / "no_runs_here")], r"no run folders matched .*no_runs_here"),
     ("repro-jobs-0", "repro", lambda d: ["probe", "--out", str(d / "repro_out"), "--quick", "--jobs", "0"],
      r"--jobs: must be a positive integer, got 0"),
+    ("repro-tables_from-missing-file", "repro",
+     lambda d: ["probe", "--out", str(d / "repro_out"), "--tables_from", str(d / "nope.json")],
+     r"--tables_from: no file .*nope\.json; give the results\.json of the published table"),
+    ("repro-tables_from-not-json", "repro",
+     lambda d: ["probe", "--out", str(d / "repro_out"), "--tables_from", str(d / "good.txt")],
+     r"--tables_from: .*good\.txt is unreadable \(Expecting value"),
+    ("repro-tables_from-without-vanilla", "repro",
+     lambda d: ["probe", "--out", str(d / "repro_out"), "--tables_from", str(d / "probe_without_vanilla.json")],
+     r"--tables_from: no vanilla rows in the files; the tables are relative to the reference vanilla"),
     ("sweep-plan_workers-0", "sweep", lambda d: ["--grid", "variant=vanilla", "--dry_run", "--plan_workers", "0"],
      r"--plan_workers: must be a positive integer, got 0"),
     ("repro-head_to_head-unknown-entry-option", "repro",

@@ -604,17 +604,18 @@ def result_options(options: Sequence[str]) -> List[str]:
     return out
 
 
-def read_published(path: pathlib.Path) -> Dict[str, Any]:
-    """A published ``results.json`` (one line naming the file when it is missing or unreadable)."""
+def read_published(path: pathlib.Path, option: str = "--published") -> Dict[str, Any]:
+    """A published ``results.json`` (one line naming ``option``, the argument that gave it, and the file when it
+    is missing or unreadable)."""
     path = pathlib.Path(path)
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"--published: no file {path}; give the results.json of the published table") from None
+        raise ConfigError(f"{option}: no file {path}; give the results.json of the published table") from None
     except (OSError, ValueError) as err:
-        raise ConfigError(f"--published: {path} is unreadable ({err})") from None
+        raise ConfigError(f"{option}: {path} is unreadable ({err})") from None
     if not isinstance(data, dict) or not isinstance(data.get("settings"), dict) or not isinstance(data.get("variants"), dict):
-        raise ConfigError(f"--published: {path} holds no 'settings' and 'variants' (write it with the experiment's "
+        raise ConfigError(f"{option}: {path} holds no 'settings' and 'variants' (write it with the experiment's "
                           "results.json)")
     return data
 

@@ -207,7 +207,7 @@ def merged_rows(paths: Sequence[pathlib.Path]) -> Tuple[Dict[str, Any], List[str
     are refused: which one to trust is the user's question, not the tool's."""
     from experiments.repro.common import read_published
 
-    files = [read_published(path) for path in paths]
+    files = [read_published(path, "--tables_from") for path in paths]
     first = files[0]
     for path, data in zip(paths[1:], files[1:]):
         for key in ("settings", "budget", "tokens_per_step"):
