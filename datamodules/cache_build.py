@@ -171,7 +171,6 @@ def wait_for_builder(lock: BuildLock, wait_s: Optional[float], description: str,
         time.sleep(CHECK_S if wait_s is None else max(0.01, min(CHECK_S, wait_s - waited)))
 
 
-# ---------------------------------------------------------------------------- resumable progress
 @contextlib.contextmanager
 def locked_build(folder: pathlib.Path, wait_s: Optional[float], description: str, hint: str,
                  complete: Callable[[], bool], keep_complete: bool = True) -> Iterator[bool]:
@@ -192,6 +191,7 @@ def locked_build(folder: pathlib.Path, wait_s: Optional[float], description: str
         lock.release()
 
 
+# ---------------------------------------------------------------------------- resumable progress
 def build_key(tokenizer: TextTokenizer, dtype: str, shard_docs: int, max_tokens: Optional[int]) -> dict:
     """What a partial build's bytes depend on (the corpus is the folder's own key)."""
     return {"tokenizer_fingerprint": tokenizer.fingerprint, "eot_id": tokenizer.eot_id, "dtype": dtype,

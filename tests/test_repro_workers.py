@@ -36,6 +36,31 @@ def wait_for_lines(path: pathlib.Path, n: int, timeout: float = 60.0) -> list:
     raise AssertionError(f"{n} workers did not start within {timeout} s")
 
 
+def sigterm_the_programme_once_its_workers_started(calls: list, workers: int, started: pathlib.Path) -> None:
+    """``run_in_workers(eval, calls, workers)`` in a programme of its own, SIGTERM'd once ``workers`` calls have
+    written their pid to ``started``: the programme exits with SIGTERM's status and no worker outlives it by more
+    than 10 s (any that do are killed after the check)."""
+    script = textwrap.dedent(f"""
+        from experiments.repro.common import run_in_workers
+        run_in_workers(eval, {calls!r}, {workers}, lambda k, value: None)
+    """)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    programme = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=env)
+    try:
+        pids = wait_for_lines(started, workers)
+        programme.send_signal(signal.SIGTERM)
+        assert programme.wait(timeout=30) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 10
+        while any(map(alive, pids)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(alive, pids)), "a worker kept running after the programme got SIGTERM"
+    finally:
+        programme.kill()
+        for pid in wait_for_lines(started, 0):
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_each_result_comes_back_to_its_call():
     results = {}
     run_in_workers(pow, [(2, 3), (3, 2), (5, 1)], 2, results.__setitem__)
@@ -73,25 +98,7 @@ def test_a_failing_call_stops_the_other_workers(tmp_path):
 def test_sigterm_to_the_programme_stops_its_workers(tmp_path):
     started = tmp_path / "pids"
     call = SLEEP_AND_SAY.format(path=str(started))
-    script = textwrap.dedent(f"""
-        from experiments.repro.common import run_in_workers
-        run_in_workers(eval, [({call!r},), ({call!r},)], 2, lambda k, value: None)
-    """)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    programme = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=env)
-    try:
-        workers = wait_for_lines(started, 2)
-        programme.send_signal(signal.SIGTERM)
-        assert programme.wait(timeout=30) == 128 + signal.SIGTERM
-        deadline = time.monotonic() + 10
-        while any(map(alive, workers)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(map(alive, workers)), "a worker kept running after the programme got SIGTERM"
-    finally:
-        programme.kill()
-        for pid in wait_for_lines(started, 0):
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+    sigterm_the_programme_once_its_workers_started([(call,), (call,)], 2, started)
 
 
 @pytest.mark.skipif(not pathlib.Path("/proc/self/status").is_file(), reason="reads process states from /proc (Linux)")
@@ -110,23 +117,5 @@ def test_a_worker_whose_run_ends_gracefully_on_sigterm_starts_no_queued_call(tmp
         signal.signal(signal.SIGTERM, previous)
     """)
     calls = [(f"exec({run_like_lightning!r}, {{}})",), (f"open({str(second)!r}, 'w').write('started')",)]
-    script = textwrap.dedent(f"""
-        from experiments.repro.common import run_in_workers
-        run_in_workers(eval, {calls!r}, 1, lambda k, value: None)
-    """)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    programme = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=env)
-    try:
-        (worker,) = wait_for_lines(started, 1)
-        programme.send_signal(signal.SIGTERM)
-        assert programme.wait(timeout=30) == 128 + signal.SIGTERM
-        deadline = time.monotonic() + 10
-        while alive(worker) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not alive(worker)
-        assert not second.exists(), "the worker started the queued call after SIGTERM"
-    finally:
-        programme.kill()
-        for pid in wait_for_lines(started, 0):
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+    sigterm_the_programme_once_its_workers_started(calls, 1, started)
+    assert not second.exists(), "the worker started the queued call after SIGTERM"

@@ -328,8 +328,10 @@ def _worker_exits_on_sigterm() -> None:
 
 
 def _call_unless_stopping(fn: Callable[..., Any], *args: Any) -> Any:
+    import signal
+
     if _worker_state["stopping"]:
-        os._exit(128 + 15)  # SIGTERM's status: the programme is being stopped, no new call starts
+        os._exit(128 + signal.SIGTERM)  # the programme is being stopped: no new call starts
     _worker_state["in_call"] = True
     try:
         return fn(*args)
