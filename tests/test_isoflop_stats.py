@@ -10,7 +10,8 @@ from architectures.config import ConfigError
 from experiments.repro.common import parse_entry
 from experiments.repro.head_to_head import (bench_label, benchmarked, check_entries, default_dense_shapes,
                                              dense_comparison, programme_entries)
-from experiments.repro.isoflop import bracket_verdict, budget_analysis, cells_of
+from experiments.repro.common import bracket_verdict, dense_grid_line, dense_shape, grid_bracket
+from experiments.repro.isoflop import budget_analysis, cells_of
 
 BUDGET = 1e12
 
@@ -118,18 +119,23 @@ def test_head_to_head_best_dense_and_corrected_tests():
     assert stats.passes(tests["loss_vs_reference"]["moe"]) and not stats.passes(tests["loss"]["moe"])
 
 
-def test_head_to_head_default_dense_shapes_span_the_routed_flops():
-    assert default_dense_shapes(4, 64, 4, deeper=False) == [(2, 64), (4, 48), (2, 48)]
-    assert default_dense_shapes(4, 64, 4, deeper=True) == [(2, 64), (4, 48), (2, 48), (8, 64)]
+def test_head_to_head_default_dense_shapes_span_the_routed_flops_and_reach_the_narrow_optimum():
+    ladder = [(4, 32), (4, 16), (4, 8), (4, 4)]  # 4 x 8 is the isoFLOP optimum at 4 x 64's 300 steps (results.md)
+    assert default_dense_shapes(4, 64, 4, deeper=False) == [(2, 64), (4, 48), (2, 48), *ladder]
+    assert default_dense_shapes(4, 64, 4, deeper=True) == [(2, 64), (4, 48), (2, 48), (8, 64), *ladder]
+    # every width a positive multiple of n_head, none repeated (d = 96, 8 heads: 72, then 48, 24; 12 is not)
+    assert default_dense_shapes(2, 96, 8, deeper=False) == [(1, 96), (2, 72), (1, 72), (2, 48), (2, 24)]
+    assert default_dense_shapes(1, 8, 8, deeper=False) == [(1, 8)]
 
     class Base:
         n_layer, d_model, n_head = 4, 64, 4
 
     mod, mom = parse_entry("mod"), parse_entry("mom")
     labels = [e.label for e in programme_entries([mod], None, Base, {"vanilla": 1.0, "mod": 0.8})]
-    assert labels == ["vanilla", "dense:2x64", "dense:4x48", "dense:2x48", "mod"]
+    assert labels == ["vanilla", "dense:2x64", "dense:4x48", "dense:2x48", "dense:4x32", "dense:4x16", "dense:4x8",
+                      "dense:4x4", "mod"]
     labels = [e.label for e in programme_entries([mom], None, Base, {"vanilla": 1.0, "mom": 1.7})]
-    assert labels[-2:] == ["dense:8x64", "mom"]
+    assert labels[3:5] == ["dense:2x48", "dense:8x64"] and labels[-1] == "mom"
     entries = programme_entries([mod], "4x64,1x32", Base, {"vanilla": 1.0, "mod": 0.8})
     assert [e.label for e in entries] == ["vanilla", "dense:1x32", "mod"]  # the reference shape is vanilla itself
     assert [e.dense for e in entries] == [True, True, False]
@@ -164,3 +170,29 @@ def test_goal_line_of_a_vanilla_only_grid_says_not_tested_instead_of_not_met():
     assert "not met" not in line and "**met**" not in line
     (line,) = goal_lines([with_mod])
     assert "Holm over the 3 routed shapes" in line and "**met**" in line  # mod 2x16 (2.50) beats vanilla 2x24 (2.81)
+
+
+def test_dense_shape_of_each_kind_of_dense_entry():
+    assert dense_shape("dense:1x32", (4, 64)) == (1, 32)
+    assert dense_shape("vanilla", (4, 64)) == (4, 64)
+    assert dense_shape("vanilla:n_layer=2", (4, 64)) == (2, 64)
+
+
+def test_grid_bracket_over_shapes_names_the_axis_the_best_shape_is_at_the_edge_of():
+    shapes = {"vanilla": (4, 64), "dense:1x64": (1, 64), "dense:1x32": (1, 32), "dense:2x64": (2, 64)}
+    means = {"vanilla": 1.04, "dense:1x64": 0.97, "dense:1x32": 0.96, "dense:2x64": 0.99}
+    assert grid_bracket(shapes, means, "dense:1x32") == ("not bracketed: the best is the smallest shape tried "
+                                                          "(over the widths at n_layer=1)")
+    means["dense:1x16"], shapes["dense:1x16"] = 0.98, (1, 16)
+    # the width curve turns at one layer, but one layer is the shallowest depth at d = 32 (the only one there)
+    assert grid_bracket(shapes, means, "dense:1x32") == ("not bracketed: only one shape tried "
+                                                          "(over the depths at d_model=32)")
+    shapes["dense:2x32"], means["dense:2x32"] = (2, 32), 0.965
+    assert grid_bracket(shapes, means, "dense:1x32") == ("not bracketed: the best is the smallest shape tried "
+                                                          "(over the depths at d_model=32)")
+    assert grid_bracket({"vanilla": (4, 64)}, {"vanilla": 1.0}, "vanilla") == (
+        "not bracketed: only one shape tried (over the widths at n_layer=4)")
+    assert "bracketed" == grid_bracket({"a": (2, 16), "b": (2, 32), "c": (2, 64), "d": (1, 32), "e": (4, 32)},
+                                       {"a": 1.1, "b": 1.0, "c": 1.2, "d": 1.05, "e": 1.3}, "b")
+    assert dense_grid_line("b", "bracketed") == "Dense grid: the best dense model is b, bracketed."
+    assert "beyond the grid's edge" in dense_grid_line("a", "not bracketed: the best is the smallest shape tried")

@@ -415,6 +415,10 @@ def test_the_published_bounce_tables_rebuild_from_their_stored_rows(tmp_path):
     published = json.loads((BOUNCE / "results.json").read_text())
     assert json.loads(json.dumps(results["tests"])) == published["tests"]
     assert (tmp_path / "rebuilt" / "probe_accuracy.png").is_file()
+    # its dense shapes (4 x 64, 1 x 64, 8 x 64) have one width at the best one's depth: the report says so
+    assert results["dense_grid"] == "not bracketed: only one shape tried (over the widths at n_layer=1)"
+    assert ("Dense grid: the best dense model is dense:1x64, not bracketed"
+            in (tmp_path / "rebuilt" / "results.md").read_text())
 
 
 def _split(tmp_path, published, parts):

@@ -281,6 +281,9 @@ def test_head_to_head_end_to_end(tmp_path):
     assert not vanilla["causal"] and vanilla["causal_flops_ratio"] is None
     assert set(results(tmp_path)["wall_time_s"]) == {"training", "benchmark", "tables"}
     assert "Wall time per part" in report and "| dense:1x32 |" in report
+    # two dense shapes at different depths: neither axis has a curve to turn, and the report says so
+    assert result["dense_grid"].startswith("not bracketed: only one shape tried")
+    assert f"Dense grid: the best dense model is {result['best_dense']}, {result['dense_grid']}" in report
     assert (tmp_path / "head_to_head.png").is_file()
     config = yaml.safe_load((pathlib.Path(entries[moe]["run_dirs"][0]) / "config.yaml").read_text())
     assert config["model"]["moe"]["num_experts"] == 4

@@ -486,6 +486,55 @@ def parse_shape(text: str) -> Tuple[int, int]:
     return int(layers), int(width)
 
 
+def dense_shape(label: str, reference: Tuple[int, int]) -> Tuple[int, int]:
+    """(n_layer, d_model) of a dense entry: ``dense:LxD``'s, or the reference's with the entry's own ``n_layer`` /
+    ``d_model`` (``vanilla``, ``vanilla:n_layer=2``)."""
+    if label.startswith("dense:"):
+        return parse_shape(label[len("dense:"):])
+    shape = dict(zip(("n_layer", "d_model"), reference))
+    for key, value in parse_entry(label).model:
+        if key in shape:
+            shape[key] = int(value)
+    return shape["n_layer"], shape["d_model"]
+
+
+def bracket_verdict(points: Sequence[Tuple[float, Optional[float]]]) -> str:
+    """Whether a curve of (size, mean loss) turns inside the grid: "bracketed" when its lowest point has a smaller
+    and a larger shape on either side, else which edge of the grid the best shape is at."""
+    points = sorted((p, m) for p, m in points if m is not None and math.isfinite(m))
+    if len(points) < 2:
+        return "not bracketed: only one shape tried" if points else "not bracketed: no shape with a loss"
+    best = min(range(len(points)), key=lambda i: points[i][1])
+    if best == 0:
+        return "not bracketed: the best is the smallest shape tried"
+    if best == len(points) - 1:
+        return "not bracketed: the best is the largest shape tried"
+    return "bracketed"
+
+
+def grid_bracket(shapes: Dict[str, Tuple[int, int]], means: Dict[str, Optional[float]], best: str) -> str:
+    """Whether the best dense shape (``shapes``: label -> (n_layer, d_model), ``means``: its mean loss) is inside
+    the grid on both axes: over the widths at its depth, and over the depths at its width when the grid has more
+    than one depth. An isoFLOP claim against "the best dense model" needs "bracketed"; otherwise a model beyond
+    the grid's edge may be better still."""
+    n_layer, d_model = shapes[best]
+    verdict = bracket_verdict([(d, means[k]) for k, (n, d) in shapes.items() if n == n_layer])
+    if verdict != "bracketed":
+        return f"{verdict} (over the widths at n_layer={n_layer})"
+    if len({n for n, _ in shapes.values()}) > 1:
+        verdict = bracket_verdict([(n, means[k]) for k, (n, d) in shapes.items() if d == d_model])
+        if verdict != "bracketed":
+            return f"{verdict} (over the depths at d_model={d_model})"
+    return "bracketed"
+
+
+def dense_grid_line(best: str, verdict: str) -> str:
+    """The report's line on the dense grid (``grid_bracket``'s verdict), with what it means for the claims."""
+    caveat = ("" if verdict == "bracketed" else "; a dense shape beyond the grid's edge may be better still, so "
+              "'beats the best dense model' below is against the best shape tried, not the isoFLOP optimum")
+    return f"Dense grid: the best dense model is {best}, {verdict}{caveat}."
+
+
 def narrower_width(d_model: int, n_head: int) -> int:
     """3/4 of the width, a positive multiple of ``n_head``: the narrower dense control."""
     return max(n_head, round(0.75 * d_model / n_head) * n_head)

@@ -6,8 +6,10 @@ parameters, gradients, AdamW state and the activations saved for backward; CUDA 
 
 The budget is what vanilla spends in ``--steps`` steps; every entry trains until its measured count
 reaches it (``--max_train_flops``, docs/compute-budget.md), with ``--max_steps`` only a cap. Dense controls
-(``--dense_shapes LxD,...``, vanilla of other depths and widths; default fewer layers, narrower, both, and
-twice the depth when a routed variant plans more FLOPs per token than vanilla) train to the same budget:
+(``--dense_shapes LxD,...``, vanilla of other depths and widths; default fewer layers, narrower, both, twice
+the depth when a routed variant plans more FLOPs per token than vanilla, and the reference depth at halved widths
+down to one head dimension) train to the same budget, and the report says whether they bracket the best dense
+shape (its width curve turns inside the grid, ``common.grid_bracket``):
 "beats vanilla" means beats the best dense model (lowest seed-mean loss), tested per routed entry with a
 one-sided Welch test over seeds, Holm over the routed entries, Hedges' g and the difference with its
 bootstrap interval over seeds (``analysis/stats.py``); the reference vanilla is the second column."""
@@ -19,8 +21,9 @@ from architectures.config import ConfigError
 from callbacks.run_summary import causal_flops_per_token, headline_val_loss, noncausal_val_loss
 from analysis import stats
 from analysis.tables import ci_cell, error_bars, test_cell
-from experiments.repro.common import (Context, Entry, budget_spent, budget_step_cap, dense_entries, entry_cost,
-                                     figure, fmt, markdown_table, narrower_width, parse_entry, parse_shapes, run_wall,
+from experiments.repro.common import (Context, Entry, budget_spent, budget_step_cap, dense_entries,
+                                     dense_grid_line, dense_shape, entry_cost, figure, fmt, grid_bracket,
+                                     markdown_table, narrower_width, parse_entry, parse_shapes, run_wall,
                                      wall_time_lines)
 
 ALPHA = 0.05  # the level of the corrected tests against the best dense model
@@ -71,11 +74,22 @@ def bench_label(entry: Entry) -> str:
 
 def default_dense_shapes(n_layer: int, d_model: int, n_head: int, deeper: bool) -> List[Tuple[int, int]]:
     """Dense controls whose FLOPs per token span the routed entries': fewer layers, narrower, both (all below the
-    reference's), and twice the depth when ``deeper`` (a routed entry plans more training FLOPs per token than the
-    reference vanilla)."""
+    reference's), twice the depth when ``deeper`` (a routed entry plans more training FLOPs per token than the
+    reference vanilla), and the reference depth at halved widths down to ``n_head``: at a small budget the
+    isoFLOP-optimal dense model is far narrower than the reference (4 x 8 at 4 x 64's 300 steps,
+    docs/results.md), and a claim against "the best dense model" needs the width curve to turn inside the grid."""
     fewer, narrower = max(1, n_layer // 2), narrower_width(d_model, n_head)
-    shapes = [(fewer, d_model), (n_layer, narrower), (fewer, narrower)]
-    return shapes + [(2 * n_layer, d_model)] if deeper else shapes
+    shapes = [(fewer, d_model), (n_layer, narrower), (fewer, narrower)] + ([(2 * n_layer, d_model)] if deeper else [])
+    return list(dict.fromkeys(shapes + [(n_layer, width) for width in halved_widths(d_model, n_head)]))
+
+
+def halved_widths(d_model: int, n_head: int) -> List[int]:
+    """d/2, d/4, ... while a positive multiple of ``n_head`` (at least one head dimension each)."""
+    widths, width = [], d_model // 2
+    while width >= n_head and width % n_head == 0:
+        widths.append(width)
+        width //= 2
+    return widths
 
 
 def programme_entries(entries: Sequence[Entry], dense_shapes: Optional[str], base,
@@ -253,7 +267,11 @@ def head_to_head(ctx: Context, variants: Optional[Sequence[str]] = None, bench_s
                           timing[bench_label(e)] if benchmarked(e) else None, reference_flops)
                 for e in entries]
         tests = dense_comparison(rows)
-        sections = [explanation(budget, ctx.steps, tokens, bench_steps, seeds), "", result_table(rows, tests), "",
+        reference = (base.n_layer, base.d_model)
+        dense_grid = grid_bracket({r["variant"]: dense_shape(r["variant"], reference) for r in rows if r["dense"]},
+                                  {r["variant"]: r["val_loss"]["mean"] for r in rows if r["dense"]}, tests["best_dense"])
+        sections = [explanation(budget, ctx.steps, tokens, bench_steps, seeds), "",
+                    dense_grid_line(tests["best_dense"], dense_grid), "", result_table(rows, tests), "",
                     cost_table(rows), "", "Goal line (computed from the numbers above; 'met' only when the corrected "
                     "test passes):", "", goal_line(tests), "",
                     *wall_time_lines(runs, lambda r: r["variant"], ctx.workers)]
@@ -261,7 +279,7 @@ def head_to_head(ctx: Context, variants: Optional[Sequence[str]] = None, bench_s
         ctx.log_table("head_to_head", "\n".join(sections))
     results = {"steps": ctx.steps, "budget": budget, "tokens_per_step": tokens, "seeds": seeds,
                "variants": [e.label for e in compared],
-               "entries": rows, "best_dense": tests["best_dense"], "tests": tests, "runs": runs}
+               "entries": rows, "best_dense": tests["best_dense"], "dense_grid": dense_grid, "tests": tests, "runs": runs}
     ctx.write_report("Head-to-head: every variant at equal measured training FLOPs, with dense controls",
                      sections, results)
     return results

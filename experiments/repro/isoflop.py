@@ -36,8 +36,8 @@ from architectures.config import ConfigError
 from callbacks.run_summary import headline_val_loss, noncausal_val_loss
 from analysis import stats
 from analysis.tables import ci_cell, error_bars, test_cell
-from experiments.repro.common import (Context, budget_spent, budget_step_cap, figure, fmt, markdown_table,
-                                     run_model_config, run_wall, wall_time_lines)
+from experiments.repro.common import (Context, bracket_verdict, budget_spent, budget_step_cap, figure, fmt,
+                                     grid_bracket, markdown_table, run_model_config, run_wall, wall_time_lines)
 
 TOLERANCE = 0.05
 ALPHA = 0.05  # the level of the corrected tests against the best dense model
@@ -280,36 +280,6 @@ def cells_of(runs: Sequence[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
     return cells
 
 
-def bracket_verdict(points: Sequence[Tuple[float, Optional[float]]]) -> str:
-    """Whether a curve of (size, mean loss) turns inside the grid: "bracketed" when its lowest point has a smaller
-    and a larger shape on either side, else which edge of the grid the best shape is at."""
-    points = sorted((p, m) for p, m in points if m is not None and math.isfinite(m))
-    if len(points) < 2:
-        return "not bracketed: only one shape tried" if points else "not bracketed: no shape with a loss"
-    best = min(range(len(points)), key=lambda i: points[i][1])
-    if best == 0:
-        return "not bracketed: the best is the smallest shape tried"
-    if best == len(points) - 1:
-        return "not bracketed: the best is the largest shape tried"
-    return "bracketed"
-
-
-def grid_bracket(dense: Dict[str, Dict[str, Any]], best: str) -> str:
-    """Whether the best dense shape is inside the grid on both axes: over the widths (parameters) at its depth,
-    and over the depths at its width when the grid has more than one depth."""
-    n_layer, d_model = dense[best]["n_layer"], dense[best]["d_model"]
-    verdict = bracket_verdict([(c["parameters"], c["val_loss"]["mean"]) for c in dense.values()
-                               if c["n_layer"] == n_layer])
-    if verdict != "bracketed":
-        return f"{verdict} (over the widths at n_layer={n_layer})"
-    if len({c["n_layer"] for c in dense.values()}) > 1:
-        verdict = bracket_verdict([(c["n_layer"], c["val_loss"]["mean"]) for c in dense.values()
-                                   if c["d_model"] == d_model])
-        if verdict != "bracketed":
-            return f"{verdict} (over the depths at d_model={d_model})"
-    return "bracketed"
-
-
 def budget_analysis(budget: float, cells: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
     """One budget: the best dense shape (lowest seed-mean loss), whether the dense curve turns inside the grid
     (``grid_bracket``; and each depth's curve over widths), and every routed shape against the best dense
@@ -326,7 +296,8 @@ def budget_analysis(budget: float, cells: Dict[str, Dict[str, Any]]) -> Dict[str
     depths = sorted({c["n_layer"] for c in dense.values()})
     best_time = dense[best]["train_time_s"]["mean"]
     return {"budget": budget, "cells": cells, "best_dense": best,
-            "bracket": grid_bracket(dense, best),
+            "bracket": grid_bracket({k: (c["n_layer"], c["d_model"]) for k, c in dense.items()},
+                                    {k: c["val_loss"]["mean"] for k, c in dense.items()}, best),
             "bracket_by_depth": {n: bracket_verdict([(c["parameters"], c["val_loss"]["mean"]) for c in dense.values()
                                                      if c["n_layer"] == n]) for n in depths},
             "tests": tests, "tests_same_shape": same_shape,

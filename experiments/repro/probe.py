@@ -49,9 +49,10 @@ from architectures.config import ConfigError
 from architectures.registry import tagged
 from analysis import stats
 from analysis.tables import ci_cell as _ci, test_cell as _test_cell
-from experiments.repro.common import (Context, Entry, budget_spent, budget_step_cap, dense_entries, entry_cost, figure,
-                                     fmt, markdown_table, narrower_width, option_path, parse_entry, parse_shape,
-                                     parse_shapes, run_wall, wall_time_lines)  # noqa: F401  (option_path, parse_shape: probe's API)
+from experiments.repro.common import (Context, Entry, budget_spent, budget_step_cap, dense_entries, dense_grid_line, dense_shape,
+                                     entry_cost, figure, fmt, grid_bracket, markdown_table, narrower_width, option_path,
+                                     parse_entry, parse_shape, parse_shapes, run_model_config, run_wall,
+                                     wall_time_lines)  # noqa: F401  (option_path, parse_shape: probe's API)
 
 VARIANTS = tuple(tagged("probe"))  # the registry entries tagged "probe" (vanilla first)
 LEVELS = range(5)
@@ -172,15 +173,37 @@ def write_tables(ctx: Context, settings: Dict[str, Any], budget: float, tokens: 
         per_variant = {label: aggregate([r for r in runs if r["variant"] == label]) for label in labels}
         tests = dense_tests(per_variant)
         goals = goal_figures(per_variant, tests)
-        sections = [*preface, *report_sections(ctx, budget, tokens, per_variant, tests, goals)]
+        dense_grid = dense_grid_verdict(ctx, settings, per_variant, tests["best_dense"])
+        sections = [*preface, dense_grid_line(tests["best_dense"], dense_grid), "",
+                    *report_sections(ctx, budget, tokens, per_variant, tests, goals)]
         sections += wall_time_lines(runs, lambda r: r["variant"], ctx.workers) + code_lines(runs)
         plot_accuracy(ctx, per_variant)
         plot_compute(ctx, per_variant)
     ctx.log_table("probe", "\n".join(sections))
     results = {"settings": settings, "budget": budget, "tokens_per_step": tokens, "variants": per_variant,
-               "best_dense": tests["best_dense"], "tests": tests, "goals": goals, "runs": runs, **(extra or {})}
+               "best_dense": tests["best_dense"], "dense_grid": dense_grid, "tests": tests, "goals": goals, "runs": runs,
+               **(extra or {})}
     ctx.write_report("Routing probes: compute vs difficulty at matched training FLOPs", sections, results)
     return results
+
+
+def reference_shape(ctx: Context, settings: Dict[str, Any]) -> Tuple[int, int]:
+    """(n_layer, d_model) of the reference vanilla as its runs parsed them: the programme's defaults, then the
+    stored pass-through options (``settings``, so a table rebuilt from stored rows gets the same shape)."""
+    options = [*DEFAULTS, *(QUICK if settings.get("quick") else []), *settings.get("run_options", [])]
+    run = dataclasses.replace(ctx, size=settings.get("size", ctx.size), run_options=options)
+    config = run_model_config(run, ["--variant", "vanilla"], vocab_size=None)
+    return config.n_layer, config.d_model
+
+
+def dense_grid_verdict(ctx: Context, settings: Dict[str, Any], per_variant: Dict[str, Dict[str, Any]],
+                       best: str) -> str:
+    """Whether the dense shapes bracket the best one (``grid_bracket``): "beats the best dense model" is a claim
+    against the isoFLOP optimum only when they do."""
+    reference = reference_shape(ctx, settings)
+    dense = [v for v, a in per_variant.items() if a.get("dense")]
+    return grid_bracket({v: dense_shape(v, reference) for v in dense},
+                        {v: per_variant[v]["headline_val_loss"][0] for v in dense}, best)
 
 
 def code_lines(runs: List[Dict[str, Any]]) -> List[str]:
