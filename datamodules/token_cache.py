@@ -27,6 +27,11 @@ from datamodules.tokenizer import TextTokenizer
 CHUNK_BYTES = 64 << 20  # tokens.bin is hashed in chunks of this size at build time (all of it)
 EAGER_VERIFY_BYTES = 1 << 30  # up to this size every chunk is verified when the cache is opened
 _FULL_HASH_LIMIT = 1 << 30  # legacy caches (one "sha256"): above 1 GiB only sampled blocks were hashed
+# What tokens.bin holds for a corpus and tokenizer (document order, separators, the probe generators' streams).
+# The folder name keys the inputs, not the code that turned them into tokens: bump this when that code changes
+# what it writes, and every older cache is rebuilt instead of read as if current. Caches written before the
+# field existed (no "format" in meta.json) hold format 1.
+FORMAT = 1
 _SAMPLE_BLOCK = 1 << 20
 
 
@@ -167,6 +172,7 @@ def cache_meta(data_path: pathlib.Path, tokenizer: TextTokenizer, count: int, do
         "tokenizer_fingerprint": tokenizer.fingerprint,
         "chunk_bytes": CHUNK_BYTES,
         "chunk_sha256": chunk_checksums(data_path),
+        "format": FORMAT,
     }
     if max_tokens is not None:
         meta["max_tokens"] = max_tokens
@@ -221,7 +227,7 @@ def _newest_mtime(path: pathlib.Path) -> float:
 def open_tokens(folder: pathlib.Path) -> Optional[np.memmap]:
     """The verified token memmap, or ``None`` when the cache is missing, partial or corrupt.
 
-    Verified here: ``meta.json`` parses, the file has exactly the recorded size, and (up to
+    Verified here: ``meta.json`` parses and has this code's ``FORMAT``, the file has exactly the recorded size, and (up to
     ``EAGER_VERIFY_BYTES``) every chunk matches its build-time sha256. Above that, the first and last
     chunks are checked here and the others by ``verifier(folder)`` when first read."""
     meta_path, data_path = folder / "meta.json", folder / "tokens.bin"
@@ -232,6 +238,8 @@ def open_tokens(folder: pathlib.Path) -> Optional[np.memmap]:
         dtype = np.dtype(meta["dtype"])
         expected_bytes = meta["num_tokens"] * dtype.itemsize
     except (ValueError, KeyError, TypeError):
+        return None
+    if meta.get("format", 1) != FORMAT:  # written by code that produced other tokens: stale, rebuilt
         return None
     if data_path.stat().st_size != expected_bytes:
         return None

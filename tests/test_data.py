@@ -93,7 +93,16 @@ def test_token_cache_contents_and_atomic_layout(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "tokens.bin"]  # no temp files left
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "no_meta", "bad_meta"])
+def test_a_cache_records_its_format_and_one_written_before_the_field_is_format_1(tmp_path):
+    _, _, folder = _build(tmp_path)
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["format"] == token_cache.FORMAT
+    del meta["format"]
+    (folder / "meta.json").write_text(json.dumps(meta))
+    assert (token_cache.open_tokens(folder) is not None) == (token_cache.FORMAT == 1)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "no_meta", "bad_meta", "other_format"])
 def test_corrupt_or_partial_cache_is_detected_and_rebuilt(tmp_path, damage):
     corpus, tok, folder = _build(tmp_path)
     good = np.array(token_cache.open_tokens(folder))
@@ -106,6 +115,9 @@ def test_corrupt_or_partial_cache_is_detected_and_rebuilt(tmp_path, damage):
         data.write_bytes(bytes(raw))
     elif damage == "no_meta":
         (folder / "meta.json").unlink()
+    elif damage == "other_format":  # written by code whose tokens differ: intact, but not this code's cache
+        meta = json.loads((folder / "meta.json").read_text())
+        (folder / "meta.json").write_text(json.dumps({**meta, "format": token_cache.FORMAT + 1}))
     else:
         (folder / "meta.json").write_text("{not json")
     assert token_cache.open_tokens(folder) is None
