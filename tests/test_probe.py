@@ -442,6 +442,17 @@ def test_tables_merged_from_two_invocations_equal_the_tables_of_one(tmp_path):
                                          ("vanilla", "dense:8x64", "mod:n_layer=8:capacity=0.125")])
     main(["probe", "--out", str(tmp_path / "merged"), "--tables_from", f"{a},{b}"])
     assert _report_tables(tmp_path / "merged" / "results.md") == _report_tables(BOUNCE / "results.md")
+    assert "different CPUs" not in (tmp_path / "merged" / "results.md").read_text()
+    # a part computed on another CPU: merged (its rows are other entries), with the warning in the report
+    other_cpu = json.loads(b.read_text())
+    other_cpu["provenance"] = {**other_cpu["provenance"],
+                               "kernels": {**other_cpu["provenance"]["kernels"], "cpu": "Intel(R) Xeon(R) Processor"}}
+    other_cpu["runs"] = [r for r in other_cpu["runs"] if r["variant"] != "vanilla"]
+    c = tmp_path / "other_cpu.json"
+    c.write_text(json.dumps(other_cpu))
+    main(["probe", "--out", str(tmp_path / "mixed"), "--tables_from", f"{a},{c}"])
+    report = (tmp_path / "mixed" / "results.md").read_text()
+    assert "different CPUs (AMD EPYC, Intel(R) Xeon(R) Processor)" in report and "on Intel(R) Xeon(R) Processor;" in report
 
     changed = json.loads(b.read_text())
     next(r for r in changed["runs"] if r["variant"] == "vanilla" and r["seed"] == 1338)["val_loss"] += 1e-6

@@ -244,8 +244,9 @@ def merged_rows(paths: Sequence[pathlib.Path]) -> Tuple[Dict[str, Any], List[str
         if not isinstance(data.get("runs"), list) or not data["runs"]:
             raise ConfigError(f"--tables_from: {path} holds no run rows ('runs'); give a probe programme's results.json")
         commit = (data.get("provenance") or {}).get("commit")
-        sources.append(f"`{path}` (tables computed at commit {commit or 'unknown'}; its entries: "
-                       f"{', '.join(dict.fromkeys(r['variant'] for r in data['runs']))})")
+        cpu = ((data.get("provenance") or {}).get("kernels") or {}).get("cpu")
+        sources.append(f"`{path}` (tables computed at commit {commit or 'unknown'}{f' on {cpu}' if cpu else ''}; its "
+                       f"entries: {', '.join(dict.fromkeys(r['variant'] for r in data['runs']))})")
         for row in data["runs"]:
             key = (row["variant"], row["seed"])
             if key in rows:
@@ -295,9 +296,24 @@ def tables_from(ctx: Context, paths: Sequence[pathlib.Path]) -> Dict[str, Any]:
     # the wall-time line's "N at once" of the runs' invocations (several: the smallest, a bound on the wall time)
     ctx.workers = min(jobs)
     preface = ["Rebuilt from the stored run rows of " + "; ".join(sources) + " (no run retrained; an entry and seed "
-               "stored in two files is the same run there, bit for bit).", ""]
+               "stored in two files is the same run there, bit for bit).", "", *mixed_cpu_lines(paths)]
     return write_tables(ctx, first["settings"], first["budget"], first["tokens_per_step"], labels, runs, preface,
                         {"tables_from": [str(p) for p in paths]})
+
+
+def mixed_cpu_lines(paths: Sequence[pathlib.Path]) -> List[str]:
+    """A warning when the files were computed on different CPUs: bit-identical runs need the same CPU and kernel
+    path (``analysis.provenance.kernels``); across CPUs one (entry, seed) differs like another seed, so such a
+    table compares entries in distribution only."""
+    from experiments.repro.common import read_published
+
+    cpus = {(read_published(path, "--tables_from").get("provenance") or {}).get("kernels", {}).get("cpu") for path in paths}
+    cpus.discard(None)
+    if len(cpus) < 2:
+        return []
+    return [f"Warning: the files were computed on different CPUs ({', '.join(sorted(cpus))}); a run is bit-identical "
+            "only on the same CPU and kernel path, so across them an entry's seed differs like another seed and the "
+            "entries compare in distribution only.", ""]
 
 
 def train_runs(ctx: Context, plan: Sequence[Planned], seeds: int, blocks: int) -> List[Dict[str, Any]]:
