@@ -194,8 +194,11 @@ def locked_build(folder: pathlib.Path, wait_s: Optional[float], description: str
 # ---------------------------------------------------------------------------- resumable progress
 def build_key(tokenizer: TextTokenizer, dtype: str, shard_docs: int, max_tokens: Optional[int]) -> dict:
     """What a partial build's bytes depend on (the corpus is the folder's own key)."""
+    # the cache format too (above 1: format-1 partial builds keep their key): a build killed under one format is
+    # not resumed under another, which would mix the two in one tokens.bin
     return {"tokenizer_fingerprint": tokenizer.fingerprint, "eot_id": tokenizer.eot_id, "dtype": dtype,
-            "shard_docs": shard_docs, "max_tokens": max_tokens}
+            "shard_docs": shard_docs, "max_tokens": max_tokens,
+            **({"format": token_cache.FORMAT} if token_cache.FORMAT > 1 else {})}
 
 
 @dataclass

@@ -36,7 +36,10 @@ _SAMPLE_BLOCK = 1 << 20
 
 
 def cache_folder(cache_dir: pathlib.Path, corpus_fingerprint: str, tokenizer: TextTokenizer) -> pathlib.Path:
-    return cache_dir / "tokens" / f"{corpus_fingerprint}-{tokenizer.name.replace('/', '_')[-24:]}-{tokenizer.fingerprint}"
+    # formats above 1 get their own folder: two checkouts of different formats sharing a cache directory keep
+    # one cache each instead of rebuilding each other's (format 1 keeps the names caches had before the field)
+    suffix = f"-f{FORMAT}" if FORMAT > 1 else ""
+    return cache_dir / "tokens" / f"{corpus_fingerprint}-{tokenizer.name.replace('/', '_')[-24:]}-{tokenizer.fingerprint}{suffix}"
 
 
 def token_dtype(vocab_size: int):

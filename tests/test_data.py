@@ -102,6 +102,17 @@ def test_a_cache_records_its_format_and_one_written_before_the_field_is_format_1
     assert (token_cache.open_tokens(folder) is not None) == (token_cache.FORMAT == 1)
 
 
+def test_a_later_cache_format_keys_its_own_folder_and_its_own_partial_builds(tmp_path, monkeypatch):
+    corpus = TextFilesCorpus([str(_write_text(tmp_path / "c.txt", "alpha beta. " * 50))])
+    tok = get_tokenizer("bytes", tmp_path)
+    first = token_cache.cache_folder(tmp_path, corpus.fingerprint(), tok)
+    key = cache_build.build_key(tok, "uint16", 8, None)
+    assert not first.name.endswith("-f1") and "format" not in key  # format 1: the names and keys of before
+    monkeypatch.setattr(token_cache, "FORMAT", 2)
+    assert token_cache.cache_folder(tmp_path, corpus.fingerprint(), tok).name == first.name + "-f2"
+    assert cache_build.build_key(tok, "uint16", 8, None) == {**key, "format": 2}  # a format-1 partial build: not resumed
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip", "no_meta", "bad_meta", "other_format"])
 def test_corrupt_or_partial_cache_is_detected_and_rebuilt(tmp_path, damage):
     corpus, tok, folder = _build(tmp_path)

@@ -194,5 +194,9 @@ def test_grid_bracket_over_shapes_names_the_axis_the_best_shape_is_at_the_edge_o
         "not bracketed: only one shape tried (over the widths at n_layer=4)")
     assert "bracketed" == grid_bracket({"a": (2, 16), "b": (2, 32), "c": (2, 64), "d": (1, 32), "e": (4, 32)},
                                        {"a": 1.1, "b": 1.0, "c": 1.2, "d": 1.05, "e": 1.3}, "b")
+    # two entries of one shape are one point: widths 48 / 64 / 64 with the best at 64 are not a bracket
+    assert grid_bracket({"vanilla": (4, 64), "vanilla:n_head=2": (4, 64), "dense:4x48": (4, 48)},
+                        {"vanilla": 1.0, "vanilla:n_head=2": 1.1, "dense:4x48": 1.2}, "vanilla") == (
+        "not bracketed: the best is the largest shape tried (over the widths at n_layer=4)")
     assert dense_grid_line("b", "bracketed") == "Dense grid: the best dense model is b, bracketed."
     assert "beyond the grid's edge" in dense_grid_line("a", "not bracketed: the best is the smallest shape tried")

@@ -421,6 +421,26 @@ def test_the_published_bounce_tables_rebuild_from_their_stored_rows(tmp_path):
             in (tmp_path / "rebuilt" / "results.md").read_text())
 
 
+def test_the_dense_grid_verdict_reads_the_reference_shape_from_the_stored_options(tmp_path):
+    from experiments.repro.common import Context
+    from experiments.repro.probe import dense_grid_verdict
+
+    published = json.loads((BOUNCE / "results.json").read_text())
+    ctx, settings = Context(out=tmp_path), published["settings"]
+    rows, best = published["variants"], published["best_dense"]
+    assert dense_grid_verdict(ctx, settings, rows, best) == published_verdict()
+    # vanilla at 1 x 64 by its stored options: the best shape is then one of two at that depth, the wider
+    one_layer = {**settings, "run_options": [*settings["run_options"], "--model.n_layer", "1", "--model.d_model", "32"]}
+    assert dense_grid_verdict(ctx, one_layer, rows, best).startswith("not bracketed: the best is the largest shape")
+    # options this code no longer parses: the verdict is unknown, the tables are not refused
+    gone = {**settings, "run_options": ["--model.nope", "1"]}
+    assert dense_grid_verdict(ctx, gone, rows, best).startswith("unknown (the stored run options do not parse here")
+
+
+def published_verdict() -> str:
+    return "not bracketed: only one shape tried (over the widths at n_layer=1)"
+
+
 def _split(tmp_path, published, parts):
     paths = []
     for i, entries in enumerate(parts):

@@ -518,14 +518,26 @@ def grid_bracket(shapes: Dict[str, Tuple[int, int]], means: Dict[str, Optional[f
     than one depth. An isoFLOP claim against "the best dense model" needs "bracketed"; otherwise a model beyond
     the grid's edge may be better still."""
     n_layer, d_model = shapes[best]
-    verdict = bracket_verdict([(d, means[k]) for k, (n, d) in shapes.items() if n == n_layer])
+    verdict = bracket_verdict(_best_per_size([(d, means[k]) for k, (n, d) in shapes.items() if n == n_layer]))
     if verdict != "bracketed":
         return f"{verdict} (over the widths at n_layer={n_layer})"
     if len({n for n, _ in shapes.values()}) > 1:
-        verdict = bracket_verdict([(n, means[k]) for k, (n, d) in shapes.items() if d == d_model])
+        verdict = bracket_verdict(_best_per_size([(n, means[k]) for k, (n, d) in shapes.items() if d == d_model]))
         if verdict != "bracketed":
             return f"{verdict} (over the depths at d_model={d_model})"
     return "bracketed"
+
+
+def _best_per_size(points: Sequence[Tuple[float, Optional[float]]]) -> List[Tuple[float, Optional[float]]]:
+    """One point per size, its lowest finite loss: two entries of one shape (``vanilla`` and ``dense:4x64``, or an
+    entry with another option) are one point of the curve, not a smaller and a larger shape around the best."""
+    best: Dict[float, Optional[float]] = {}
+    for size, loss in points:
+        if loss is not None and math.isfinite(loss) and (best.get(size) is None or loss < best[size]):
+            best[size] = loss
+        else:
+            best.setdefault(size, None)
+    return list(best.items())
 
 
 def dense_grid_line(best: str, verdict: str) -> str:

@@ -77,7 +77,10 @@ def default_dense_shapes(n_layer: int, d_model: int, n_head: int, deeper: bool) 
     reference's), twice the depth when ``deeper`` (a routed entry plans more training FLOPs per token than the
     reference vanilla), and the reference depth at halved widths down to ``n_head``: at a small budget the
     isoFLOP-optimal dense model is far narrower than the reference (4 x 8 at 4 x 64's 300 steps,
-    docs/results.md), and a claim against "the best dense model" needs the width curve to turn inside the grid."""
+    docs/results.md), and a claim against "the best dense model" needs the width curve to turn inside the grid.
+    The halved widths are at the reference depth only, so when one of them is best the depth axis at its width
+    has one shape and the report's verdict says "not bracketed ... (over the depths at d_model=D)": add
+    ``--dense_shapes`` at that width and other depths to settle it."""
     fewer, narrower = max(1, n_layer // 2), narrower_width(d_model, n_head)
     shapes = [(fewer, d_model), (n_layer, narrower), (fewer, narrower)] + ([(2 * n_layer, d_model)] if deeper else [])
     return list(dict.fromkeys(shapes + [(n_layer, width) for width in halved_widths(d_model, n_head)]))

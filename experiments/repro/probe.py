@@ -38,6 +38,7 @@ Outputs: ``results.md`` (tables, goal figures), ``results.json`` (``settings``: 
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from collections import Counter
 import math
@@ -200,7 +201,11 @@ def dense_grid_verdict(ctx: Context, settings: Dict[str, Any], per_variant: Dict
                        best: str) -> str:
     """Whether the dense shapes bracket the best one (``grid_bracket``): "beats the best dense model" is a claim
     against the isoFLOP optimum only when they do."""
-    reference = reference_shape(ctx, settings)
+    try:
+        reference = reference_shape(ctx, settings)
+    except (ConfigError, ValueError, argparse.ArgumentError) as err:
+        # stored options this code no longer parses: the tables stand, the verdict is unknown
+        return f"unknown (the stored run options do not parse here: {err})"
     dense = [v for v, a in per_variant.items() if a.get("dense")]
     return grid_bracket({v: dense_shape(v, reference) for v in dense},
                         {v: per_variant[v]["headline_val_loss"][0] for v in dense}, best)
@@ -307,7 +312,8 @@ def mixed_cpu_lines(paths: Sequence[pathlib.Path]) -> List[str]:
     table compares entries in distribution only."""
     from experiments.repro.common import read_published
 
-    cpus = {(read_published(path, "--tables_from").get("provenance") or {}).get("kernels", {}).get("cpu") for path in paths}
+    cpus = {((read_published(path, "--tables_from").get("provenance") or {}).get("kernels") or {}).get("cpu")
+            for path in paths}
     cpus.discard(None)
     if len(cpus) < 2:
         return []
