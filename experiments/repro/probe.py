@@ -228,8 +228,9 @@ def code_lines(runs: List[Dict[str, Any]]) -> List[str]:
 SAME_RUN = ("steps", "train_flops", "val_loss", "val_loss_causal", "headline_val_loss", "probe")
 
 
-def merged_rows(paths: Sequence[pathlib.Path]) -> Tuple[Dict[str, Any], List[str], List[Dict[str, Any]], List[str]]:
-    """(first file's results, entry labels: dense first, then routed, each in order of appearance; one row per
+def merged_rows(paths: Sequence[pathlib.Path]
+                ) -> Tuple[List[Dict[str, Any]], List[str], List[Dict[str, Any]], List[str]]:
+    """(each file's results, read once, entry labels: dense first, then routed, each in order of appearance; one row per
     entry and seed; a line per file naming its commit) of one or more probe results.json files at identical
     settings and budget. An (entry, seed) stored twice must hold the same run (a reproduction), or the files
     are refused: which one to trust is the user's question, not the tool's."""
@@ -249,7 +250,7 @@ def merged_rows(paths: Sequence[pathlib.Path]) -> Tuple[Dict[str, Any], List[str
         if not isinstance(data.get("runs"), list) or not data["runs"]:
             raise ConfigError(f"--tables_from: {path} holds no run rows ('runs'); give a probe programme's results.json")
         commit = (data.get("provenance") or {}).get("commit")
-        cpu = ((data.get("provenance") or {}).get("kernels") or {}).get("cpu")
+        cpu = file_cpu(data)
         sources.append(f"`{path}` (tables computed at commit {commit or 'unknown'}{f' on {cpu}' if cpu else ''}; its "
                        f"entries: {', '.join(dict.fromkeys(r['variant'] for r in data['runs']))})")
         for row in data["runs"]:
@@ -264,18 +265,21 @@ def merged_rows(paths: Sequence[pathlib.Path]) -> Tuple[Dict[str, Any], List[str
             if row["variant"] not in labels:
                 labels.append(row["variant"])
     dense = [label for label in labels if rows_of(rows, label)[0].get("dense")]
-    return first, dense + [label for label in labels if label not in dense], list(rows.values()), sources
+    return files, dense + [label for label in labels if label not in dense], list(rows.values()), sources
+
+
+def file_cpu(data: Dict[str, Any]) -> Optional[str]:
+    """The CPU a stored results file's provenance names (None for files from before it was recorded)."""
+    return ((data.get("provenance") or {}).get("kernels") or {}).get("cpu")
 
 
 def rows_of(rows: Dict[Tuple[str, int], Dict[str, Any]], label: str) -> List[Dict[str, Any]]:
     return [r for (variant, _), r in rows.items() if variant == label]
 
 
-def stored_jobs(path: pathlib.Path) -> int:
-    """The ``--jobs`` a stored programme invocation ran with (its provenance's argv; 1 where it gave none)."""
-    import json
-
-    argv = (json.loads(pathlib.Path(path).read_text()).get("provenance") or {}).get("argv") or []
+def stored_jobs(data: Dict[str, Any]) -> int:
+    """The ``--jobs`` a stored programme invocation ran with (its results' provenance argv; 1 where it gave none)."""
+    argv = (data.get("provenance") or {}).get("argv") or []
     for i, arg in enumerate(argv):
         if arg.startswith("--jobs="):
             return int(arg.split("=", 1)[1])
@@ -287,7 +291,8 @@ def stored_jobs(path: pathlib.Path) -> int:
 def tables_from(ctx: Context, paths: Sequence[pathlib.Path]) -> Dict[str, Any]:
     """The probe tables rebuilt from stored run rows (``results.json``, no run folders or checkpoints needed),
     of one programme invocation or merged over several at the same settings and budget."""
-    first, labels, runs, sources = merged_rows(paths)
+    files, labels, runs, sources = merged_rows(paths)
+    first = files[0]
     runs.sort(key=lambda r: labels.index(r["variant"]))  # entry-major, as one invocation orders them
     if "vanilla" not in labels:
         raise ConfigError("--tables_from: no vanilla rows in the files; the tables are relative to the reference vanilla")
@@ -297,24 +302,20 @@ def tables_from(ctx: Context, paths: Sequence[pathlib.Path]) -> Dict[str, Any]:
         raise ConfigError(f"--tables_from: every entry needs the programme's {wanted} seeds, the same ones; got "
                           + ", ".join(f"{k} {v}" for k, v in seed_sets.items()) + "; merge files of complete entries")
     ctx.steps = first["settings"]["steps"]
-    jobs = {stored_jobs(path) for path in paths}
+    jobs = {stored_jobs(data) for data in files}
     # the wall-time line's "N at once" of the runs' invocations (several: the smallest, a bound on the wall time)
     ctx.workers = min(jobs)
     preface = ["Rebuilt from the stored run rows of " + "; ".join(sources) + " (no run retrained; an entry and seed "
-               "stored in two files is the same run there, bit for bit).", "", *mixed_cpu_lines(paths)]
+               "stored in two files is the same run there, bit for bit).", "", *mixed_cpu_lines(files)]
     return write_tables(ctx, first["settings"], first["budget"], first["tokens_per_step"], labels, runs, preface,
                         {"tables_from": [str(p) for p in paths]})
 
 
-def mixed_cpu_lines(paths: Sequence[pathlib.Path]) -> List[str]:
+def mixed_cpu_lines(files: Sequence[Dict[str, Any]]) -> List[str]:
     """A warning when the files were computed on different CPUs: bit-identical runs need the same CPU and kernel
     path (``analysis.provenance.kernels``); across CPUs one (entry, seed) differs like another seed, so such a
     table compares entries in distribution only."""
-    from experiments.repro.common import read_published
-
-    cpus = {((read_published(path, "--tables_from").get("provenance") or {}).get("kernels") or {}).get("cpu")
-            for path in paths}
-    cpus.discard(None)
+    cpus = {file_cpu(data) for data in files} - {None}
     if len(cpus) < 2:
         return []
     return [f"Warning: the files were computed on different CPUs ({', '.join(sorted(cpus))}); a run is bit-identical "
