@@ -528,15 +528,13 @@ def grid_bracket(shapes: Dict[str, Tuple[int, int]], means: Dict[str, Optional[f
     return "bracketed"
 
 
-def _best_per_size(points: Sequence[Tuple[float, Optional[float]]]) -> List[Tuple[float, Optional[float]]]:
+def _best_per_size(points: Sequence[Tuple[float, Optional[float]]]) -> List[Tuple[float, float]]:
     """One point per size, its lowest finite loss: two entries of one shape (``vanilla`` and ``dense:4x64``, or an
     entry with another option) are one point of the curve, not a smaller and a larger shape around the best."""
-    best: Dict[float, Optional[float]] = {}
+    best: Dict[float, float] = {}
     for size, loss in points:
-        if loss is not None and math.isfinite(loss) and (best.get(size) is None or loss < best[size]):
-            best[size] = loss
-        else:
-            best.setdefault(size, None)
+        if loss is not None and math.isfinite(loss):  # bracket_verdict drops the others anyway
+            best[size] = min(loss, best.get(size, loss))
     return list(best.items())
 
 
