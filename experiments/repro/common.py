@@ -528,6 +528,12 @@ def grid_bracket(shapes: Dict[str, Tuple[int, int]], means: Dict[str, Optional[f
     return "bracketed"
 
 
+def dense_grid(means: Dict[str, Optional[float]], reference: Tuple[int, int], best: str) -> str:
+    """``grid_bracket`` over dense entries by label (``means``: label -> mean loss), each label's shape read by
+    ``dense_shape`` against the reference vanilla's (``probe`` and ``head_to_head`` label their dense models so)."""
+    return grid_bracket({label: dense_shape(label, reference) for label in means}, means, best)
+
+
 def _best_per_size(points: Sequence[Tuple[float, Optional[float]]]) -> List[Tuple[float, float]]:
     """One point per size, its lowest finite loss: two entries of one shape (``vanilla`` and ``dense:4x64``, or an
     entry with another option) are one point of the curve, not a smaller and a larger shape around the best."""

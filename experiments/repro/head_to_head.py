@@ -22,9 +22,8 @@ from callbacks.run_summary import causal_flops_per_token, headline_val_loss, non
 from analysis import stats
 from analysis.tables import ci_cell, error_bars, test_cell
 from experiments.repro.common import (Context, Entry, budget_spent, budget_step_cap, dense_entries,
-                                     dense_grid_line, dense_shape, entry_cost, figure, fmt, grid_bracket,
-                                     markdown_table, narrower_width, parse_entry, parse_shapes, run_wall,
-                                     wall_time_lines)
+                                     dense_grid, dense_grid_line, entry_cost, figure, fmt, markdown_table,
+                                     narrower_width, parse_entry, parse_shapes, run_wall, wall_time_lines)
 
 ALPHA = 0.05  # the level of the corrected tests against the best dense model
 
@@ -270,11 +269,10 @@ def head_to_head(ctx: Context, variants: Optional[Sequence[str]] = None, bench_s
                           timing[bench_label(e)] if benchmarked(e) else None, reference_flops)
                 for e in entries]
         tests = dense_comparison(rows)
-        reference = (base.n_layer, base.d_model)
-        dense_grid = grid_bracket({r["variant"]: dense_shape(r["variant"], reference) for r in rows if r["dense"]},
-                                  {r["variant"]: r["val_loss"]["mean"] for r in rows if r["dense"]}, tests["best_dense"])
+        verdict = dense_grid({r["variant"]: r["val_loss"]["mean"] for r in rows if r["dense"]},
+                             (base.n_layer, base.d_model), tests["best_dense"])
         sections = [explanation(budget, ctx.steps, tokens, bench_steps, seeds), "",
-                    dense_grid_line(tests["best_dense"], dense_grid), "", result_table(rows, tests), "",
+                    dense_grid_line(tests["best_dense"], verdict), "", result_table(rows, tests), "",
                     cost_table(rows), "", "Goal line (computed from the numbers above; 'met' only when the corrected "
                     "test passes):", "", goal_line(tests), "",
                     *wall_time_lines(runs, lambda r: r["variant"], ctx.workers)]
@@ -282,7 +280,7 @@ def head_to_head(ctx: Context, variants: Optional[Sequence[str]] = None, bench_s
         ctx.log_table("head_to_head", "\n".join(sections))
     results = {"steps": ctx.steps, "budget": budget, "tokens_per_step": tokens, "seeds": seeds,
                "variants": [e.label for e in compared],
-               "entries": rows, "best_dense": tests["best_dense"], "dense_grid": dense_grid, "tests": tests, "runs": runs}
+               "entries": rows, "best_dense": tests["best_dense"], "dense_grid": verdict, "tests": tests, "runs": runs}
     ctx.write_report("Head-to-head: every variant at equal measured training FLOPs, with dense controls",
                      sections, results)
     return results

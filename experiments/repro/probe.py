@@ -50,9 +50,9 @@ from architectures.config import ConfigError
 from architectures.registry import tagged
 from analysis import stats
 from analysis.tables import ci_cell as _ci, test_cell as _test_cell
-from experiments.repro.common import (Context, Entry, budget_spent, budget_step_cap, dense_entries, dense_grid_line, dense_shape,
-                                     entry_cost, figure, fmt, grid_bracket, markdown_table, narrower_width, option_path,
-                                     parse_entry, parse_shape, parse_shapes, run_model_config, run_wall,
+from experiments.repro.common import (Context, Entry, budget_spent, budget_step_cap, dense_entries, dense_grid,
+                                     dense_grid_line, entry_cost, figure, fmt, markdown_table, narrower_width,
+                                     option_path, parse_entry, parse_shape, parse_shapes, run_model_config, run_wall,
                                      wall_time_lines)  # noqa: F401  (option_path, parse_shape: probe's API)
 
 VARIANTS = tuple(tagged("probe"))  # the registry entries tagged "probe" (vanilla first)
@@ -174,15 +174,15 @@ def write_tables(ctx: Context, settings: Dict[str, Any], budget: float, tokens: 
         per_variant = {label: aggregate([r for r in runs if r["variant"] == label]) for label in labels}
         tests = dense_tests(per_variant)
         goals = goal_figures(per_variant, tests)
-        dense_grid = dense_grid_verdict(ctx, settings, per_variant, tests["best_dense"])
-        sections = [*preface, dense_grid_line(tests["best_dense"], dense_grid), "",
+        verdict = dense_grid_verdict(ctx, settings, per_variant, tests["best_dense"])
+        sections = [*preface, dense_grid_line(tests["best_dense"], verdict), "",
                     *report_sections(ctx, budget, tokens, per_variant, tests, goals)]
         sections += wall_time_lines(runs, lambda r: r["variant"], ctx.workers) + code_lines(runs)
         plot_accuracy(ctx, per_variant)
         plot_compute(ctx, per_variant)
     ctx.log_table("probe", "\n".join(sections))
     results = {"settings": settings, "budget": budget, "tokens_per_step": tokens, "variants": per_variant,
-               "best_dense": tests["best_dense"], "dense_grid": dense_grid, "tests": tests, "goals": goals, "runs": runs,
+               "best_dense": tests["best_dense"], "dense_grid": verdict, "tests": tests, "goals": goals, "runs": runs,
                **(extra or {})}
     ctx.write_report("Routing probes: compute vs difficulty at matched training FLOPs", sections, results)
     return results
@@ -206,9 +206,7 @@ def dense_grid_verdict(ctx: Context, settings: Dict[str, Any], per_variant: Dict
     except (ConfigError, ValueError, argparse.ArgumentError) as err:
         # stored options this code no longer parses: the tables stand, the verdict is unknown
         return f"unknown (the stored run options do not parse here: {err})"
-    dense = [v for v, a in per_variant.items() if a.get("dense")]
-    return grid_bracket({v: dense_shape(v, reference) for v in dense},
-                        {v: per_variant[v]["headline_val_loss"][0] for v in dense}, best)
+    return dense_grid({v: a["headline_val_loss"][0] for v, a in per_variant.items() if a.get("dense")}, reference, best)
 
 
 def code_lines(runs: List[Dict[str, Any]]) -> List[str]:
