@@ -99,6 +99,12 @@ def kernel_label(summary: Dict[str, Any]) -> str:
     return f"{record.get('cpu_capability')}" + (f" ({env})" if env else "")
 
 
+def cpu_label(summary: Dict[str, Any]) -> Optional[str]:
+    """The CPU model a run finished on (None for runs that recorded no kernels): the same AVX2 pin gives other
+    bits on another vendor's CPU (docs/results.md, 'Reproducibility'), so tables name it beside the code."""
+    return ((summary.get("provenance") or {}).get("kernels") or {}).get("cpu")
+
+
 def provenance() -> Dict[str, Any]:
     """This process's record: code state, library versions, Python, platform, torch threads and device."""
     import torch

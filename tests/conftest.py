@@ -143,3 +143,19 @@ def solved_level_counts(task: str, episodes: int):
         assert {i: (data[i], level) for i, level in enumerate(levels) if level != probe.NO_LABEL} == solved
         seen.update(level for _, level in solved.values())
     return seen
+
+
+def assert_rows_name_their_origin(rows, report: str) -> None:
+    """A programme's run rows carry the code and the CPU each run trained at (bit-identical reruns need both),
+    and its report names them: the invariant every matched-compute programme keeps."""
+    from collections import Counter
+
+    from analysis import provenance
+
+    cpu = provenance.cpu_model()
+    assert cpu and all(r["cpu"] == cpu for r in rows)
+    commit = provenance.code_state()["commit"]
+    assert all(r["code"] != "unknown" and r["code"].startswith(commit[:10]) for r in rows) if commit else True
+    for code, n in Counter(r["code"] for r in rows).items():
+        assert f"`{code}` ({n} run{'s' * (n != 1)})" in report
+    assert f"CPUs the runs trained on: `{cpu}` ({len(rows)} runs)." in report and "different CPUs" not in report

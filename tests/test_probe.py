@@ -17,7 +17,7 @@ from datamodules import probe
 from datamodules.catalog import get_corpus
 from datamodules.corpora import DataError
 from datamodules.lm import DataConfig, LMDataModule
-from tests.conftest import REPO
+from tests.conftest import REPO, assert_rows_name_their_origin
 
 SMALL = 64 * probe.EPISODE_LEN  # 64 episodes: a few milliseconds to generate
 
@@ -321,6 +321,7 @@ def test_probe_experiment_quick_writes_tables_plots_and_goals(tmp_path, one_thre
     for v, total in walls.items():  # the wall time per part: each entry's runs summed, from their summaries
         assert f"| {v} | 2 | {total:,.0f} |" in report
     assert "Wall time per part" in report and "Wall time of this invocation per part: planning" in report
+    assert_rows_name_their_origin(results["runs"], report)
     for name in ("probe_accuracy.png", "probe_compute.png", "results.json"):
         assert (out / name).stat().st_size > 1000
     # --verify against this table: the row retrained from nothing gives the published numbers again, exactly
@@ -400,9 +401,13 @@ BOUNCE = REPO / "docs" / "results" / "probe_bounce"
 
 
 def _report_tables(path: pathlib.Path) -> str:
-    """results.md from its "Budget" paragraph to the invocation's own wall-time line (tables, tests, goals)."""
+    """results.md from its "Budget" paragraph to the runs' origin lines or the invocation's own wall-time line
+    (tables, tests, goals; a report written before runs recorded their CPU has no CPU line)."""
     text = path.read_text()
-    return text[text.index("\nBudget "):text.index("\nWall time of this invocation")]
+    start = text.index("\nBudget ")
+    ends = [i for marker in ("\nCode the runs", "\nCPUs the runs", "\nWall time of this invocation")
+            if (i := text.find(marker, start)) >= 0]
+    return text[start:min(ends)]
 
 
 def test_the_published_bounce_tables_rebuild_from_their_stored_rows(tmp_path):
@@ -681,11 +686,15 @@ def test_a_runs_wall_time_is_its_process_time_or_for_older_runs_a_marked_lower_b
     assert "45 s summed, about 22 s at 2 at once" in lines[0]
 
 
-def test_the_report_names_the_code_of_every_run():
-    from experiments.repro.probe import code_lines
+def test_the_report_names_the_code_and_the_cpu_of_every_run():
+    from experiments.repro.common import origin_lines
 
-    rows = [{"code": "abc"}, {"code": "abc"}, {"code": "def+dirty:12345678"}]
-    assert code_lines(rows) == ["Code the runs trained at: `abc` (2 runs), `def+dirty:12345678` (1 run).", ""]
-    assert code_lines([{"variant": "vanilla"}]) == []  # rows stored before runs recorded their code
-    assert code_lines([{"code": "abc"}, {}])[0] == ("Code the runs trained at: `abc` (1 run); 1 stored before runs "
-                                                   "recorded it (their file's provenance names its commit).")
+    rows = [{"code": "abc", "cpu": "AMD EPYC"}, {"code": "abc", "cpu": "AMD EPYC"}, {"code": "def+dirty:12345678"}]
+    assert origin_lines(rows) == ["Code the runs trained at: `abc` (2 runs), `def+dirty:12345678` (1 run).",
+                                  "CPUs the runs trained on: `AMD EPYC` (2 runs); 1 stored before runs recorded it "
+                                  "(their file's provenance names its CPU).", ""]
+    assert origin_lines([{"variant": "vanilla"}]) == []  # rows stored before runs recorded their code and CPU
+    assert origin_lines([{"code": "abc"}, {}])[0] == ("Code the runs trained at: `abc` (1 run); 1 stored before runs "
+                                                     "recorded it (their file's provenance names its commit).")
+    mixed = origin_lines([{"code": "abc", "cpu": "AMD EPYC"}, {"code": "abc", "cpu": "Intel(R) Xeon(R)"}])
+    assert mixed[2].startswith("Warning: the runs were computed on different CPUs (AMD EPYC, Intel(R) Xeon(R));")

@@ -16,7 +16,7 @@ from experiments.repro import main as repro
 from experiments.repro.head_to_head import bench_options
 from experiments.repro.isoflop import isoflop_configs, model_cost
 from experiments.repro.mom import pareto_front, removed_modules, transition_shares
-from tests.conftest import TINY_RUN
+from tests.conftest import TINY_RUN, assert_rows_name_their_origin
 
 STEPS = ["--steps", "3"]
 
@@ -204,6 +204,7 @@ def test_mod_isoflop_runs_spend_the_budget(tmp_path):
     assert (tmp_path / "mod_isoflop.png").is_file()
     assert set(results(tmp_path)["wall_time_s"]) == {"training", "tables"} and "Wall time of this invocation" in report
     assert "Wall time per part" in report and all(r["wall_measured"] and r["wall_s"] > 0 for r in results(tmp_path)["runs"])
+    assert_rows_name_their_origin(result["runs"], report)
     again = repro(command)  # resumable: every finished run is reused
     assert [r["run_dir"] for r in again["runs"]] == [r["run_dir"] for r in result["runs"]]
 
@@ -281,6 +282,7 @@ def test_head_to_head_end_to_end(tmp_path):
     assert not vanilla["causal"] and vanilla["causal_flops_ratio"] is None
     assert set(results(tmp_path)["wall_time_s"]) == {"training", "benchmark", "tables"}
     assert "Wall time per part" in report and "| dense:1x32 |" in report
+    assert_rows_name_their_origin(result["runs"], report)
     # two dense shapes at different depths: neither axis has a curve to turn, and the report says so
     assert result["dense_grid"].startswith("not bracketed: only one shape tried")
     assert f"Dense grid: the best dense model is {result['best_dense']}, {result['dense_grid']}" in report

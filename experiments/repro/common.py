@@ -756,6 +756,37 @@ def run_wall(summary: Dict[str, Any]) -> Dict[str, Any]:
     return dict(zip(("wall_s", "wall_measured"), run_wall_seconds(summary)))
 
 
+def run_origin(summary: Dict[str, Any]) -> Dict[str, Any]:
+    """A run row's ``code`` (``analysis.provenance.code_label``) and ``cpu`` (``cpu_label``): what a run is
+    bit-identical to a rerun under, beside the seed; ``origin_lines`` names them under a table."""
+    from analysis.provenance import code_label, cpu_label
+
+    return {"code": code_label(summary), "cpu": cpu_label(summary)}
+
+
+def origin_lines(rows: Sequence[Dict[str, Any]]) -> List[str]:
+    """The code every run trained at and the CPUs they trained on, with how many runs each (none for rows stored
+    before runs recorded them), and a warning when the CPUs differ: across CPUs an (entry, seed) differs like
+    another seed, so the table compares its entries in distribution only."""
+    from collections import Counter
+
+    lines = []
+    for key, what, unknown in (("code", "Code the runs trained at", "their file's provenance names its commit"),
+                               ("cpu", "CPUs the runs trained on", "their file's provenance names its CPU")):
+        counts = Counter(r[key] for r in rows if r.get(key))
+        if not counts:
+            continue
+        missing = sum(not r.get(key) for r in rows)
+        lines.append(f"{what}: " + ", ".join(f"`{label}` ({n} run{'s' * (n != 1)})" for label, n in counts.items())
+                     + (f"; {missing} stored before runs recorded it ({unknown})" if missing else "") + ".")
+    cpus = sorted({r["cpu"] for r in rows if r.get("cpu")})
+    if len(cpus) > 1:
+        lines.append(f"Warning: the runs were computed on different CPUs ({', '.join(cpus)}); a run is bit-identical "
+                     "only on the same CPU and kernel path, so across them an entry's seed differs like another seed "
+                     "and the entries compare in distribution only.")
+    return lines + [""] if lines else []
+
+
 def wall_time_lines(rows: Sequence[Dict[str, Any]], part_of, workers: int) -> List[str]:
     """The programme's wall time per part: each part's runs (``part_of(row)``: the entry), their wall times
     summed (one run per core at once: divide by the runs trained at once). Finished runs are reused, so this

@@ -23,7 +23,8 @@ from analysis import stats
 from analysis.tables import ci_cell, error_bars, test_cell
 from experiments.repro.common import (Context, Entry, budget_spent, budget_step_cap, dense_entries,
                                      dense_grid, dense_grid_line, entry_cost, figure, fmt, markdown_table,
-                                     narrower_width, parse_entry, parse_shapes, run_wall, wall_time_lines)
+                                     narrower_width, origin_lines, parse_entry, parse_shapes, run_origin, run_wall,
+                                     wall_time_lines)
 
 ALPHA = 0.05  # the level of the corrected tests against the best dense model
 
@@ -118,7 +119,7 @@ def seed_row(entry: Entry, seed: int, s: Dict[str, Any]) -> Dict[str, Any]:
             "causal_flops_ratio": causal_flops["ratio_to_vanilla"] if causal_flops else None,
             "flops_per_token": s["flops_per_token"]["forward"], "run_step_s": step_time,
             "train_time_s": step_time * s["steps"] if step_time is not None else None, **run_wall(s),
-            "run_dir": s["run_dir"]}
+            **run_origin(s), "run_dir": s["run_dir"]}
 
 
 def entry_row(rows: Sequence[Dict[str, Any]], b: Optional[Dict[str, Any]], reference_flops: float) -> Dict[str, Any]:
@@ -275,7 +276,7 @@ def head_to_head(ctx: Context, variants: Optional[Sequence[str]] = None, bench_s
                     dense_grid_line(tests["best_dense"], verdict), "", result_table(rows, tests), "",
                     cost_table(rows), "", "Goal line (computed from the numbers above; 'met' only when the corrected "
                     "test passes):", "", goal_line(tests), "",
-                    *wall_time_lines(runs, lambda r: r["variant"], ctx.workers)]
+                    *wall_time_lines(runs, lambda r: r["variant"], ctx.workers), *origin_lines(runs)]
         plot_rows(ctx, rows)
         ctx.log_table("head_to_head", "\n".join(sections))
     results = {"steps": ctx.steps, "budget": budget, "tokens_per_step": tokens, "seeds": seeds,

@@ -37,7 +37,8 @@ from callbacks.run_summary import headline_val_loss, noncausal_val_loss
 from analysis import stats
 from analysis.tables import ci_cell, error_bars, test_cell
 from experiments.repro.common import (Context, bracket_verdict, budget_spent, budget_step_cap, figure, fmt,
-                                     grid_bracket, markdown_table, run_model_config, run_wall, wall_time_lines)
+                                     grid_bracket, markdown_table, origin_lines, run_model_config, run_origin,
+                                     run_wall, wall_time_lines)
 
 TOLERANCE = 0.05
 ALPHA = 0.05  # the level of the corrected tests against the best dense model
@@ -208,7 +209,7 @@ def isoflop_experiment(ctx: Context, budgets: Optional[Sequence[float]] = None, 
                      "left_out": left_out(plan[b], variants, depths, widths)} for b in plan]
         sections = report_sections(tokens, depths, widths, seeds, analyses)
         sections += wall_time_lines(runs, lambda r: f"{r['variant']} {r['n_layer']}x{r['d_model']} at {r['budget']:.3e}",
-                                    ctx.workers)
+                                    ctx.workers) + origin_lines(runs)
         plot_isoflop(ctx, analyses)
         ctx.log_table("mod_isoflop", "\n".join(sections))
     results = {"tokens_per_step": tokens, "budgets": list(plan), "widths": widths, "depths": depths, "seeds": seeds,
@@ -243,7 +244,7 @@ def isoflop_row(budget: float, c, s: Dict[str, Any], seed: Optional[int] = None)
             "forward_flops_per_token": s["flops_per_token"]["forward"],
             # wall clock at the budget: median step x steps (the measurement callbacks included)
             "step_time_s": step_time, "train_time_s": step_time * s["steps"] if step_time is not None else None,
-            **run_wall(s), "run_dir": s["run_dir"]}
+            **run_wall(s), **run_origin(s), "run_dir": s["run_dir"]}
 
 
 def shape_label(variant: str, n_layer: int, d_model: int) -> str:

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections import Counter
 import math
 import pathlib
 import statistics
@@ -52,8 +51,8 @@ from analysis import stats
 from analysis.tables import ci_cell as _ci, test_cell as _test_cell
 from experiments.repro.common import (Context, Entry, budget_spent, budget_step_cap, dense_entries, dense_grid,
                                      dense_grid_line, entry_cost, figure, fmt, markdown_table, narrower_width,
-                                     option_path, parse_entry, parse_shape, parse_shapes, run_model_config, run_wall,
-                                     wall_time_lines)  # noqa: F401  (option_path, parse_shape: probe's API)
+                                     option_path, origin_lines, parse_entry, parse_shape, parse_shapes,
+                                     run_model_config, run_origin, run_wall, wall_time_lines)  # noqa: F401  (option_path, parse_shape: probe's API)
 
 VARIANTS = tuple(tagged("probe"))  # the registry entries tagged "probe" (vanilla first)
 LEVELS = range(5)
@@ -177,7 +176,7 @@ def write_tables(ctx: Context, settings: Dict[str, Any], budget: float, tokens: 
         verdict = dense_grid_verdict(ctx, settings, per_variant, tests["best_dense"])
         sections = [*preface, dense_grid_line(tests["best_dense"], verdict), "",
                     *report_sections(ctx, budget, tokens, per_variant, tests, goals)]
-        sections += wall_time_lines(runs, lambda r: r["variant"], ctx.workers) + code_lines(runs)
+        sections += wall_time_lines(runs, lambda r: r["variant"], ctx.workers) + origin_lines(runs)
         plot_accuracy(ctx, per_variant)
         plot_compute(ctx, per_variant)
     ctx.log_table("probe", "\n".join(sections))
@@ -207,18 +206,6 @@ def dense_grid_verdict(ctx: Context, settings: Dict[str, Any], per_variant: Dict
         # stored options this code no longer parses: the tables stand, the verdict is unknown
         return f"unknown (the stored run options do not parse here: {err})"
     return dense_grid({v: a["headline_val_loss"][0] for v, a in per_variant.items() if a.get("dense")}, reference, best)
-
-
-def code_lines(runs: List[Dict[str, Any]]) -> List[str]:
-    """The code every run trained at (``analysis.provenance.code_label``), with how many runs each; none for
-    rows stored before runs recorded it."""
-    codes = Counter(r["code"] for r in runs if r.get("code"))
-    if not codes:
-        return []
-    missing = sum(not r.get("code") for r in runs)
-    unknown = f"; {missing} stored before runs recorded it (their file's provenance names its commit)" if missing else ""
-    return ["Code the runs trained at: " + ", ".join(f"`{code}` ({n} run{'s' * (n != 1)})" for code, n in codes.items())
-            + unknown + ".", ""]
 
 
 # ---------------------------------------------------------------------------- --tables_from
@@ -259,7 +246,9 @@ def merged_rows(paths: Sequence[pathlib.Path]
                     raise ConfigError(f"--tables_from: {key[0]} seed {key[1]} is stored in {rows[key]['source']} and "
                                       f"{path} with different {', '.join(differs)}: not the same run; give one of them")
                 continue
-            rows[key] = {**row, "source": str(path)}
+            # rows stored before runs recorded their CPU: the file's, which is theirs when the programme that
+            # trained them wrote it (a file merged by --tables_from names the merging machine)
+            rows[key] = {**row, "cpu": row.get("cpu") or cpu, "source": str(path)}
             if row["variant"] not in labels:
                 labels.append(row["variant"])
     dense = [label for label in labels if rows_of(rows, label)[0].get("dense")]
@@ -304,21 +293,9 @@ def tables_from(ctx: Context, paths: Sequence[pathlib.Path]) -> Dict[str, Any]:
     # the wall-time line's "N at once" of the runs' invocations (several: the smallest, a bound on the wall time)
     ctx.workers = min(jobs)
     preface = ["Rebuilt from the stored run rows of " + "; ".join(sources) + " (no run retrained; an entry and seed "
-               "stored in two files is the same run there, bit for bit).", "", *mixed_cpu_lines(files)]
+               "stored in two files is the same run there, bit for bit).", ""]
     return write_tables(ctx, first["settings"], first["budget"], first["tokens_per_step"], labels, runs, preface,
                         {"tables_from": [str(p) for p in paths]})
-
-
-def mixed_cpu_lines(files: Sequence[Dict[str, Any]]) -> List[str]:
-    """A warning when the files were computed on different CPUs: bit-identical runs need the same CPU and kernel
-    path (``analysis.provenance.kernels``); across CPUs one (entry, seed) differs like another seed, so such a
-    table compares entries in distribution only."""
-    cpus = {file_cpu(data) for data in files} - {None}
-    if len(cpus) < 2:
-        return []
-    return [f"Warning: the files were computed on different CPUs ({', '.join(sorted(cpus))}); a run is bit-identical "
-            "only on the same CPU and kernel path, so across them an entry's seed differs like another seed and the "
-            "entries compare in distribution only.", ""]
 
 
 def train_runs(ctx: Context, plan: Sequence[Planned], seeds: int, blocks: int) -> List[Dict[str, Any]]:
@@ -369,7 +346,6 @@ def evaluate_run(run_dir: pathlib.Path, blocks: int, causal: bool = True,
 def run_row(c: Planned, seed: int, summary: Dict[str, Any]) -> Dict[str, Any]:
     import json
 
-    from analysis.provenance import code_label
     from callbacks.run_summary import headline_val_loss
 
     detail = json.loads((pathlib.Path(summary["run_dir"]) / "probe.json").read_text())
@@ -383,7 +359,7 @@ def run_row(c: Planned, seed: int, summary: Dict[str, Any]) -> Dict[str, Any]:
             "val_loss_causal": summary["val_metrics"].get("val/loss_causal"),
             "headline_val_loss": headline_val_loss(summary),  # causal where the variant has it: what it is ranked by
             "step_time_s": step_time, "train_time_s": step_time * summary["steps"] if step_time is not None else None,
-            **run_wall(summary), "code": code_label(summary),
+            **run_wall(summary), **run_origin(summary),
             "probe": detail, "run_dir": summary["run_dir"]}
 
 
