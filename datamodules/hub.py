@@ -401,7 +401,12 @@ def stream_val_cap(source: Source) -> Optional[int]:
 
 
 def _has_cache(cache_dir: pathlib.Path, corpus: Corpus) -> bool:
-    return any((cache_dir / "tokens").glob(f"{corpus.fingerprint()}-*/meta.json"))
+    # a cache this code can read (its format, its full size), for some tokenizer: one of another format would be
+    # rebuilt, and offline that rebuild fails only after the tokenizer and the model are built
+    from datamodules.token_cache import complete_meta
+
+    return any(complete_meta(meta.parent) is not None
+               for meta in (cache_dir / "tokens").glob(f"{corpus.fingerprint()}-*/meta.json"))
 
 
 def fail_fast_offline(corpora: Sequence[HubCorpus], cache_dir: pathlib.Path) -> None:

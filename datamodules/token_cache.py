@@ -227,25 +227,34 @@ def _newest_mtime(path: pathlib.Path) -> float:
     return max(times)
 
 
+def complete_meta(folder: pathlib.Path) -> Optional[dict]:
+    """``meta.json`` of a cache this code reads (it parses, has this code's ``FORMAT``) whose ``tokens.bin`` has the
+    recorded size; None otherwise. No checksum is read: the cheap half of ``open_tokens``'s check, enough to tell
+    a usable cache from a partial, stale or foreign one before anything is built."""
+    meta_path, data_path = folder / "meta.json", folder / "tokens.bin"
+    if not meta_path.is_file() or not data_path.is_file():
+        return None
+    try:
+        meta = json.loads(meta_path.read_text())
+        expected_bytes = meta["num_tokens"] * np.dtype(meta["dtype"]).itemsize
+    except (ValueError, KeyError, TypeError):
+        return None
+    if meta.get("format", 1) != FORMAT:  # written by code that produced other tokens: stale, rebuilt
+        return None
+    return meta if data_path.stat().st_size == expected_bytes else None
+
+
 def open_tokens(folder: pathlib.Path) -> Optional[np.memmap]:
     """The verified token memmap, or ``None`` when the cache is missing, partial or corrupt.
 
     Verified here: ``meta.json`` parses and has this code's ``FORMAT``, the file has exactly the recorded size, and (up to
     ``EAGER_VERIFY_BYTES``) every chunk matches its build-time sha256. Above that, the first and last
     chunks are checked here and the others by ``verifier(folder)`` when first read."""
-    meta_path, data_path = folder / "meta.json", folder / "tokens.bin"
-    if not meta_path.is_file() or not data_path.is_file():
+    meta = complete_meta(folder)
+    if meta is None:
         return None
-    try:
-        meta = json.loads(meta_path.read_text())
-        dtype = np.dtype(meta["dtype"])
-        expected_bytes = meta["num_tokens"] * dtype.itemsize
-    except (ValueError, KeyError, TypeError):
-        return None
-    if meta.get("format", 1) != FORMAT:  # written by code that produced other tokens: stale, rebuilt
-        return None
-    if data_path.stat().st_size != expected_bytes:
-        return None
+    data_path, dtype = folder / "tokens.bin", np.dtype(meta["dtype"])
+    expected_bytes = meta["num_tokens"] * dtype.itemsize
     if "chunk_sha256" in meta:
         try:
             checker = ChunkVerifier(folder, meta)

@@ -161,10 +161,22 @@ def test_offline_with_a_built_cache_does_not_need_the_hub(tmp_path):
                           hub.Selection(fraction=hub.OPENWEBTEXT_VAL_FRACTION))
     val = hub.HubCorpus("openwebtext", train.source, "train",
                         hub.Selection(fraction=hub.OPENWEBTEXT_VAL_FRACTION, side="take"))
-    for corpus in (train, val):
-        folder = cache / "tokens" / f"{corpus.fingerprint()}-gpt2-0123"
-        folder.mkdir(parents=True)
-        (folder / "meta.json").write_text("{}")
+    folders = [cache / "tokens" / f"{corpus.fingerprint()}-gpt2-0123" for corpus in (train, val)]
+
+    def leave(meta, tokens=b"\0" * 4):
+        for folder in folders:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "tokens.bin").write_bytes(tokens)
+            (folder / "meta.json").write_text(json.dumps(meta))
+
+    complete = {"num_tokens": 2, "dtype": "uint16", "format": token_cache.FORMAT}
+    # a cache this code would not read (another format, cut short, no meta fields) is rebuilt, which offline
+    # cannot happen: the fast error still comes first, before a tokenizer or a model is built
+    for stale, tokens in (({**complete, "format": token_cache.FORMAT + 1}, b"\0" * 4), (complete, b"\0" * 3), ({}, b"")):
+        leave(stale, tokens)
+        with pytest.raises(DataError, match="offline"):
+            get_corpus("openwebtext", cache_dir=cache)
+    leave(complete)
     corpus = get_corpus("openwebtext", cache_dir=cache)
     assert corpus.fingerprint() == train.fingerprint() and corpus.validation_sets()["val"].fingerprint() == val.fingerprint()
 
