@@ -16,6 +16,7 @@ import time
 import pytest
 
 from experiments import analyze, bench, compare, finetune, repro, run, sweep
+from experiments.repro import publish
 from tests.conftest import REPO, TINY_RUN, DiskFillsAfter
 
 SECONDS = 30  # generous for a loaded 2-core CI machine; the failures themselves take well under 5 s
@@ -38,6 +39,10 @@ def inputs(tmp_path_factory) -> pathlib.Path:
     (root / "notes.ckpt").write_text("this is not a checkpoint\n")
     bounce = json.loads((REPO / "docs" / "results" / "probe_bounce" / "results.json").read_text())
     no_vanilla = {**bounce, "runs": [r for r in bounce["runs"] if r["variant"] != "vanilla"]}
+    for name, runs in (("report_without_runs", []), ("report_of_gone_runs", [{"variant": "vanilla", "seed": 1337,
+                                                                             "run_dir": "out/gone/version_0"}])):
+        (root / name).mkdir()
+        (root / name / "results.json").write_text(json.dumps({"runs": runs}))
     (root / "probe_without_vanilla.json").write_text(json.dumps(no_vanilla))
     bad_vocab = root / "tok_vocab"
     bad_vocab.mkdir()
@@ -277,6 +282,12 @@ CASES = [
     ("repro-tables_from-without-vanilla", "repro",
      lambda d: ["probe", "--out", str(d / "repro_out"), "--tables_from", str(d / "probe_without_vanilla.json")],
      r"--tables_from: no vanilla rows in the files; the tables are relative to the reference vanilla"),
+    ("publish-out-without-results", "publish", lambda d: [str(d / "no_runs_here"), str(d / "published")],
+     r"publish: .*no_runs_here/results\.json is not a finished programme's report \(.*\); give the --out folder"),
+    ("publish-results-without-runs", "publish", lambda d: [str(d / "report_without_runs"), str(d / "published")],
+     r"publish: .*report_without_runs/results\.json has no run rows with a run_dir; nothing to publish"),
+    ("publish-run-folder-gone", "publish", lambda d: [str(d / "report_of_gone_runs"), str(d / "published")],
+     r"publish: the run folder .*gone/version_0 of vanilla seed 1337 is not there \(no summary\.json\)"),
     ("sweep-plan_workers-0", "sweep", lambda d: ["--grid", "variant=vanilla", "--dry_run", "--plan_workers", "0"],
      r"--plan_workers: must be a positive integer, got 0"),
     ("repro-head_to_head-unknown-entry-option", "repro",
@@ -287,7 +298,7 @@ SUBPROCESS_CASES = {"text-not-utf8", "ckpt-truncated", "ft-max_train_examples-0"
                     "analyze-stats-without-sites", "compare-no-runs"}
 LEAVES_A_VALID_TOKEN_CACHE = {"text-too-small"}  # the corpus was tokenised correctly; it is only too short
 ENTRIES = {"run": run.main, "finetune": finetune.main, "sweep": sweep.main, "bench": bench.main, "analyze": analyze.main,
-           "compare": compare.main, "repro": repro.main}
+           "compare": compare.main, "repro": repro.main, "publish": publish.main}
 # options that keep a bench row quick should today's code run it instead of refusing it
 QUICK_BENCH = ["--steps", "1", "--warmup", "0", "--no_hf", "--no_minimal", "--device", "cpu", "--size", "tiny"]
 

@@ -332,6 +332,14 @@ def test_probe_experiment_quick_writes_tables_plots_and_goals(tmp_path, one_thre
         if figure["figure"] != "train time s":  # wall clock is measured, not computed
             assert figure["this_run"] == figure["published"] and figure["inside_published_ci"] in (True, None)
     assert "| acc L0 |" in (tmp_path / "verify" / "results.md").read_text()
+    # published into the repository (experiments.repro.publish): the run records rebuild the same tables
+    from experiments.repro.publish import publish
+
+    publish(out, tmp_path / "docs")
+    main(["probe", "--out", str(tmp_path / "rebuilt"), "--tables_from", str(tmp_path / "docs" / "results.json")])
+    assert _report_tables(tmp_path / "rebuilt" / "results.md") == _report_tables(out / "results.md")
+    published = json.loads((tmp_path / "docs" / "results.json").read_text())["runs"]
+    assert len(published) == 6 and all((tmp_path / "docs" / r["run_dir"] / "probe.json").is_file() for r in published)
 
 
 def _published(path, **settings) -> pathlib.Path:

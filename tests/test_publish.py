@@ -1,0 +1,83 @@
+"""``experiments.repro.publish``: a programme's report and its runs' small records into the repository, with no
+path of the machine that trained them, and summaries thinned to what a table or a reviewer needs."""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from architectures.config import ConfigError
+from experiments.repro import publish
+
+
+@pytest.mark.parametrize("length,points", [(0, 4), (3, 4), (4, 4), (5, 4), (1000, 256), (1001, 256), (257, 256)])
+def test_a_thinned_curve_keeps_its_first_and_last_point_in_order_within_the_limit(length, points):
+    curve = [[step, float(step)] for step in range(1, length + 1)]
+    kept = publish.thinned(curve, points)
+    assert len(kept) <= points and (kept == curve if length <= points else len(kept) >= points // 2)
+    if curve:
+        assert kept[0] == curve[0] and kept[-1] == curve[-1]
+    steps = [s for s, _ in kept]
+    assert steps == sorted(set(steps)) and all(point in curve for point in kept)
+
+
+def _programme_out(root: pathlib.Path, steps: int = 1000) -> pathlib.Path:
+    """What a programme leaves: its report at the top of OUT, a run folder per row (run_dir relative to where it
+    ran, as the programmes store it), the reuse index, a checkpoint and an events file."""
+    out = root / "out" / "prog"
+    rows = []
+    for seed in (1337, 1338):
+        run = out / "runs" / "vanilla-tiny" / f"version_{seed - 1337}"
+        (run / "checkpoints").mkdir(parents=True)
+        (run / "checkpoints" / "last.ckpt").write_bytes(b"\0" * 64)
+        (run / "events.out.tfevents.1").write_bytes(b"\0" * 64)
+        (run / "config.yaml").write_text(f"seed: {seed}\n")
+        (run / "provenance.json").write_text(json.dumps([{"commit": "a" * 40, "kernels": {"cpu": "AMD EPYC"}}]))
+        (run / "probe.json").write_text(json.dumps({"levels": {}}))
+        summary = {"steps": steps, "median_step_time_s": 0.01, "run_seconds": 12.0, "run_dir": str(run.relative_to(root)),
+                   "step_times_s": [[s, 0.01] for s in range(1, steps + 1)],
+                   "train_loss_curve": [[s, 5.0 - s / steps] for s in range(1, steps + 1)]}
+        (run / "summary.json").write_text(json.dumps(summary))
+        rows.append({"variant": "vanilla", "seed": seed, "val_loss": 1.0, "run_dir": str(run.relative_to(root))})
+    (out / "results.json").write_text(json.dumps({"settings": {}, "runs": rows}))
+    (out / "results.md").write_text("# report\n")
+    (out / "figure.png").write_bytes(b"\x89PNG")
+    (out / "runs.json").write_text(json.dumps({"[\"x\"]": rows[0]["run_dir"]}))
+    return out
+
+
+def test_publish_copies_the_report_and_each_runs_records_without_paths_or_curves(tmp_path, monkeypatch):
+    out = _programme_out(tmp_path)
+    monkeypatch.chdir(tmp_path / "out")  # not where the programme ran: the folders are found from OUT's parents
+    dest = tmp_path / "docs" / "results" / "prog"
+    results = publish.main([str(out), str(dest)])
+    assert sorted(p.name for p in dest.iterdir()) == ["figure.png", "results.json", "results.md", "runs"]
+    stored = json.loads((dest / "results.json").read_text())
+    assert stored == results
+    for seed, row in zip((1337, 1338), stored["runs"]):
+        assert row["run_dir"] == f"runs/vanilla-tiny/version_{seed - 1337}"  # relative to DEST: no machine's path
+        assert row["run_dir_trained"] == f"out/prog/runs/vanilla-tiny/version_{seed - 1337}"
+        record = dest / row["run_dir"]
+        assert sorted(p.name for p in record.iterdir()) == ["config.yaml", "probe.json", "provenance.json", "summary.json"]
+        trained = out / "runs" / "vanilla-tiny" / f"version_{seed - 1337}"
+        for name in ("config.yaml", "probe.json", "provenance.json"):
+            assert (record / name).read_bytes() == (trained / name).read_bytes()
+        slim, full = (json.loads((d / "summary.json").read_text()) for d in (record, trained))
+        assert "step_times_s" not in slim and slim["train_loss_curve"][-1] == full["train_loss_curve"][-1]
+        assert len(slim["train_loss_curve"]) <= publish.CURVE_POINTS
+        assert {k: v for k, v in slim.items() if k not in ("train_loss_curve", "published")} == \
+            {k: v for k, v in full.items() if k not in ("train_loss_curve", "step_times_s")}
+        assert "1000 steps" in slim["published"]["step_times_s"]
+    assert publish.main([str(out), str(dest)]) == results  # again: the same files (the trained rows are unchanged)
+
+
+def test_publish_refuses_a_missing_run_folder_before_writing_anything(tmp_path):
+    out = _programme_out(tmp_path)
+    (out / "runs" / "vanilla-tiny" / "version_1" / "summary.json").unlink()
+    dest = tmp_path / "dest"
+    with pytest.raises(ConfigError, match=r"run folder .*version_1 of vanilla seed 1338 is not there"):
+        publish.publish(out, dest)
+    assert not dest.exists()
+    with pytest.raises(ConfigError, match="DEST is OUT"):
+        publish.publish(out, out)
