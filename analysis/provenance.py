@@ -100,9 +100,13 @@ def kernel_label(summary: Dict[str, Any]) -> str:
 
 
 def cpu_label(summary: Dict[str, Any]) -> Optional[str]:
-    """The CPU model a run finished on (None for runs that recorded no kernels): the same AVX2 pin gives other
-    bits on another vendor's CPU (docs/results.md, 'Reproducibility'), so tables name it beside the code."""
-    return ((summary.get("provenance") or {}).get("kernels") or {}).get("cpu")
+    """The CPU model a run trained on, several joined with '>' (a run resumed on another machine); None for runs
+    that recorded no kernels. The same AVX2 pin gives other bits on another vendor's CPU (docs/results.md,
+    'Reproducibility'), so tables name it beside the code. Reads a ``summary.json`` or a results file (the same
+    ``provenance`` record)."""
+    record = summary.get("provenance") or {}
+    cpus = [c for c in record.get("cpus") or [(record.get("kernels") or {}).get("cpu")] if c]
+    return ">".join(cpus) if cpus else None
 
 
 def provenance() -> Dict[str, Any]:
@@ -134,10 +138,13 @@ def read_records(run_dir: pathlib.Path) -> List[Dict[str, Any]]:
 
 
 def summary_provenance(run_dir: pathlib.Path) -> Dict[str, Any]:
-    """``summary.json``'s ``provenance``: this process's record and ``commits``, every commit the run trained at."""
+    """``summary.json``'s ``provenance``: this process's record, ``commits`` (every commit the run trained at) and
+    ``cpus`` (every CPU it trained on), in the order of the processes that trained it."""
     record = provenance()
-    commits = [r.get("commit") for r in read_records(run_dir)] + [record["commit"]]
-    return {**record, "commits": list(dict.fromkeys(commits))}
+    records = [*read_records(run_dir), record]
+    commits = [r.get("commit") for r in records]
+    cpus = [c for r in records if (c := (r.get("kernels") or {}).get("cpu"))]
+    return {**record, "commits": list(dict.fromkeys(commits)), "cpus": list(dict.fromkeys(cpus))}
 
 
 def code_label(summary: Dict[str, Any]) -> str:

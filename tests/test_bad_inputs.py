@@ -287,7 +287,7 @@ CASES = [
     ("publish-results-without-runs", "publish", lambda d: [str(d / "report_without_runs"), str(d / "published")],
      r"publish: .*report_without_runs/results\.json has no run rows with a run_dir; nothing to publish"),
     ("publish-run-folder-gone", "publish", lambda d: [str(d / "report_of_gone_runs"), str(d / "published")],
-     r"publish: the run folder .*gone/version_0 of vanilla seed 1337 is not there \(no summary\.json\)"),
+     r"publish: the run folder .*gone/version_0 of vanilla seed 1337 is not there \(no summary\.json of that run\)"),
     ("sweep-plan_workers-0", "sweep", lambda d: ["--grid", "variant=vanilla", "--dry_run", "--plan_workers", "0"],
      r"--plan_workers: must be a positive integer, got 0"),
     ("repro-head_to_head-unknown-entry-option", "repro",

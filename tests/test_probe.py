@@ -338,6 +338,9 @@ def test_probe_experiment_quick_writes_tables_plots_and_goals(tmp_path, one_thre
     publish(out, tmp_path / "docs")
     main(["probe", "--out", str(tmp_path / "rebuilt"), "--tables_from", str(tmp_path / "docs" / "results.json")])
     assert _report_tables(tmp_path / "rebuilt" / "results.md") == _report_tables(out / "results.md")
+    origin = [[line for line in (d / "results.md").read_text().splitlines() if line.startswith(("Code the", "CPUs the"))]
+              for d in (out, tmp_path / "rebuilt")]
+    assert origin[0] == origin[1] and len(origin[0]) == 2  # the code and the CPU of every run survive publishing
     published = json.loads((tmp_path / "docs" / "results.json").read_text())["runs"]
     assert len(published) == 6 and all((tmp_path / "docs" / r["run_dir"] / "probe.json").is_file() for r in published)
 
@@ -486,6 +489,17 @@ def test_tables_merged_from_two_invocations_equal_the_tables_of_one(tmp_path):
     main(["probe", "--out", str(tmp_path / "mixed"), "--tables_from", f"{a},{c}"])
     report = (tmp_path / "mixed" / "results.md").read_text()
     assert "different CPUs (AMD EPYC, Intel(R) Xeon(R) Processor)" in report and "on Intel(R) Xeon(R) Processor;" in report
+    # rows stored before runs recorded their CPU take their file's, where the programme that trained them wrote it
+    mixed = json.loads((tmp_path / "mixed" / "results.json").read_text())
+    assert {r["cpu"] for r in mixed["runs"] if r["variant"] == "vanilla"} == {"AMD EPYC"}
+    assert {r["cpu"] for r in mixed["runs"] if r["variant"] == "dense:8x64"} == {"Intel(R) Xeon(R) Processor"}
+    # ... and fed back in from a merged file (whose provenance names the merging machine) they keep what they had
+    merged_on_intel = {**mixed, "provenance": other_cpu["provenance"],
+                       "runs": [{k: v for k, v in r.items() if k != "cpu" or r["variant"] != "vanilla"} for r in mixed["runs"]]}
+    (tmp_path / "merged_on_intel.json").write_text(json.dumps(merged_on_intel))
+    again = main(["probe", "--out", str(tmp_path / "again"), "--tables_from", str(tmp_path / "merged_on_intel.json")])
+    assert {r.get("cpu") for r in again["runs"] if r["variant"] == "vanilla"} == {None}
+    assert "; 5 stored before runs recorded it (unknown)." in (tmp_path / "again" / "results.md").read_text()
 
     changed = json.loads(b.read_text())
     next(r for r in changed["runs"] if r["variant"] == "vanilla" and r["seed"] == 1338)["val_loss"] += 1e-6
@@ -698,11 +712,13 @@ def test_the_report_names_the_code_and_the_cpu_of_every_run():
     from experiments.repro.common import origin_lines
 
     rows = [{"code": "abc", "cpu": "AMD EPYC"}, {"code": "abc", "cpu": "AMD EPYC"}, {"code": "def+dirty:12345678"}]
-    assert origin_lines(rows) == ["Code the runs trained at: `abc` (2 runs), `def+dirty:12345678` (1 run).",
+    assert origin_lines(rows) == ["Code the runs trained at: `abc` (2 runs), `def+dirty:12345678` (1 run).", "",
                                   "CPUs the runs trained on: `AMD EPYC` (2 runs); 1 stored before runs recorded it "
-                                  "(their file's provenance names its CPU).", ""]
+                                  "(unknown).", ""]
     assert origin_lines([{"variant": "vanilla"}]) == []  # rows stored before runs recorded their code and CPU
     assert origin_lines([{"code": "abc"}, {}])[0] == ("Code the runs trained at: `abc` (1 run); 1 stored before runs "
                                                      "recorded it (their file's provenance names its commit).")
     mixed = origin_lines([{"code": "abc", "cpu": "AMD EPYC"}, {"code": "abc", "cpu": "Intel(R) Xeon(R)"}])
-    assert mixed[2].startswith("Warning: the runs were computed on different CPUs (AMD EPYC, Intel(R) Xeon(R));")
+    assert mixed[4].startswith("Warning: the runs were computed on different CPUs (AMD EPYC, Intel(R) Xeon(R));")
+    resumed = origin_lines([{"code": "abc", "cpu": "AMD EPYC>Intel(R) Xeon(R)"}])  # one run, two machines
+    assert "`AMD EPYC>Intel(R) Xeon(R)` (1 run)" in resumed[2] and resumed[4].startswith("Warning: the runs were")

@@ -25,3 +25,17 @@ def test_the_kernel_record_names_the_cpu_path_and_the_variables_that_choose_it(m
     label = provenance.kernel_label({"provenance": {"kernels": record}})
     assert label == f"{record['cpu_capability']} (MKL_CBWR=AVX2)"
     assert provenance.kernel_label({}) == "unknown"
+
+
+def test_a_run_resumed_on_another_cpu_names_both(tmp_path, monkeypatch):
+    import json
+
+    (tmp_path / provenance.FILE).write_text(json.dumps([{"commit": "a" * 40, "kernels": {"cpu": "AMD EPYC"}},
+                                                        {"commit": "a" * 40, "kernels": {"cpu": "AMD EPYC"}}]))
+    monkeypatch.setattr(provenance, "cpu_model", lambda: "Intel(R) Xeon(R)")
+    record = provenance.summary_provenance(tmp_path)
+    assert record["cpus"] == ["AMD EPYC", "Intel(R) Xeon(R)"] and record["kernels"]["cpu"] == "Intel(R) Xeon(R)"
+    assert provenance.cpu_label({"provenance": record}) == "AMD EPYC>Intel(R) Xeon(R)"
+    # summaries written before "cpus" existed: the finishing process's CPU; none recorded: None
+    assert provenance.cpu_label({"provenance": {"kernels": {"cpu": "AMD EPYC"}}}) == "AMD EPYC"
+    assert provenance.cpu_label({}) is None and provenance.cpu_label({"provenance": {"kernels": {}}}) is None

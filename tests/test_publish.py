@@ -39,7 +39,8 @@ def _programme_out(root: pathlib.Path, steps: int = 1000) -> pathlib.Path:
                    "step_times_s": [[s, 0.01] for s in range(1, steps + 1)],
                    "train_loss_curve": [[s, 5.0 - s / steps] for s in range(1, steps + 1)]}
         (run / "summary.json").write_text(json.dumps(summary))
-        rows.append({"variant": "vanilla", "seed": seed, "val_loss": 1.0, "run_dir": str(run.relative_to(root))})
+        rows.append({"variant": "vanilla", "seed": seed, "steps": steps, "val_loss": 1.0,
+                     "run_dir": str(run.relative_to(root))})
     (out / "results.json").write_text(json.dumps({"settings": {}, "runs": rows}))
     (out / "results.md").write_text("# report\n")
     (out / "figure.png").write_bytes(b"\x89PNG")
@@ -69,15 +70,65 @@ def test_publish_copies_the_report_and_each_runs_records_without_paths_or_curves
         assert {k: v for k, v in slim.items() if k not in ("train_loss_curve", "published")} == \
             {k: v for k, v in full.items() if k not in ("train_loss_curve", "step_times_s")}
         assert "1000 steps" in slim["published"]["step_times_s"]
-    assert publish.main([str(out), str(dest)]) == results  # again: the same files (the trained rows are unchanged)
+    # published again after the programme's report changed: DEST is replaced, nothing stale stays
+    (dest / "runs" / "vanilla-tiny" / "version_9").mkdir()
+    (out / "figure.png").unlink()
+    assert publish.main([str(out), str(dest)]) == results
+    assert not (dest / "figure.png").exists() and not (dest / "runs" / "vanilla-tiny" / "version_9").exists()
+    assert [p.name for p in dest.parent.iterdir()] == ["prog"]  # no staging folder left beside it
 
 
-def test_publish_refuses_a_missing_run_folder_before_writing_anything(tmp_path):
+def test_a_thinned_summary_says_what_it_dropped_and_adds_nothing_a_run_did_not_write():
+    assert publish.slim_summary({"steps": 3}) == {"steps": 3, "published": {}}
+    slim = publish.slim_summary({"step_times_s": [[1, 0.1]], "train_loss_curve": None})
+    assert slim["train_loss_curve"] == [] and set(slim["published"]) == {"step_times_s", "train_loss_curve"}
+
+
+def test_runs_outside_out_are_published_under_external_and_two_that_would_share_a_record_are_refused(tmp_path):
     out = _programme_out(tmp_path)
-    (out / "runs" / "vanilla-tiny" / "version_1" / "summary.json").unlink()
+    results = json.loads((out / "results.json").read_text())
+    for i, row in enumerate(results["runs"]):  # runs of a reused --log_dir elsewhere, stored with absolute paths
+        moved = tmp_path / f"logs{i}" / "vanilla-tiny" / f"version_{i}"
+        moved.parent.mkdir(parents=True)
+        (tmp_path / row["run_dir"]).rename(moved)
+        summary = json.loads((moved / "summary.json").read_text())
+        row["run_dir"] = summary["run_dir"] = str(moved)
+        (moved / "summary.json").write_text(json.dumps(summary))
+    (out / "results.json").write_text(json.dumps(results))
+    published = publish.publish(out, tmp_path / "dest")
+    assert [r["run_dir"] for r in published["runs"]] == ["external/vanilla-tiny/version_0", "external/vanilla-tiny/version_1"]
+    # the same last two parts under two log folders: one record for two runs, refused
+    second = pathlib.Path(results["runs"][1]["run_dir"])
+    clash = second.parent.parent.parent / "logs_b" / "vanilla-tiny" / "version_0"
+    clash.parent.mkdir(parents=True)
+    second.rename(clash)
+    summary = json.loads((clash / "summary.json").read_text())
+    results["runs"][1]["run_dir"] = summary["run_dir"] = str(clash)
+    (clash / "summary.json").write_text(json.dumps(summary))
+    (out / "results.json").write_text(json.dumps(results))
+    with pytest.raises(ConfigError, match=r"would share the record external/vanilla-tiny/version_0"):
+        publish.publish(out, tmp_path / "dest2")
+    assert not (tmp_path / "dest2").exists()
+
+
+def test_publish_refuses_a_missing_foreign_or_unreadable_run_before_writing_anything(tmp_path):
+    out = _programme_out(tmp_path)
     dest = tmp_path / "dest"
+    second = out / "runs" / "vanilla-tiny" / "version_1" / "summary.json"
+    summary = json.loads(second.read_text())
+    second.write_text(json.dumps({**summary, "steps": 7}))  # the same folder name, another run
+    with pytest.raises(ConfigError, match=r"run folder .*version_1 of vanilla seed 1338 is not there"):
+        publish.publish(out, dest)
+    second.write_text("{")
+    with pytest.raises(ConfigError, match=r"version_1/summary\.json is unreadable"):
+        publish.publish(out, dest)
+    second.unlink()
     with pytest.raises(ConfigError, match=r"run folder .*version_1 of vanilla seed 1338 is not there"):
         publish.publish(out, dest)
     assert not dest.exists()
-    with pytest.raises(ConfigError, match="DEST is OUT"):
+    with pytest.raises(ConfigError, match="is inside OUT"):
         publish.publish(out, out)
+    (dest / "notes").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="holds files but no published report"):
+        publish.publish(out, dest)
+    assert [p.name for p in dest.iterdir()] == ["notes"]

@@ -772,19 +772,19 @@ def origin_lines(rows: Sequence[Dict[str, Any]]) -> List[str]:
 
     lines = []
     for key, what, unknown in (("code", "Code the runs trained at", "their file's provenance names its commit"),
-                               ("cpu", "CPUs the runs trained on", "their file's provenance names its CPU")):
+                               ("cpu", "CPUs the runs trained on", "unknown")):
         counts = Counter(r[key] for r in rows if r.get(key))
         if not counts:
             continue
         missing = sum(not r.get(key) for r in rows)
-        lines.append(f"{what}: " + ", ".join(f"`{label}` ({n} run{'s' * (n != 1)})" for label, n in counts.items())
-                     + (f"; {missing} stored before runs recorded it ({unknown})" if missing else "") + ".")
-    cpus = sorted({r["cpu"] for r in rows if r.get("cpu")})
+        lines += [f"{what}: " + ", ".join(f"`{label}` ({n} run{'s' * (n != 1)})" for label, n in counts.items())
+                  + (f"; {missing} stored before runs recorded it ({unknown})" if missing else "") + ".", ""]
+    cpus = sorted({cpu for r in rows if r.get("cpu") for cpu in r["cpu"].split(">")})
     if len(cpus) > 1:
-        lines.append(f"Warning: the runs were computed on different CPUs ({', '.join(cpus)}); a run is bit-identical "
-                     "only on the same CPU and kernel path, so across them an entry's seed differs like another seed "
-                     "and the entries compare in distribution only.")
-    return lines + [""] if lines else []
+        lines += [f"Warning: the runs were computed on different CPUs ({', '.join(cpus)}); a run is bit-identical "
+                  "only on the same CPU and kernel path, so across them an entry's seed differs like another seed "
+                  "and the entries compare in distribution only.", ""]
+    return lines
 
 
 def wall_time_lines(rows: Sequence[Dict[str, Any]], part_of, workers: int) -> List[str]:

@@ -51,8 +51,9 @@ from analysis import stats
 from analysis.tables import ci_cell as _ci, test_cell as _test_cell
 from experiments.repro.common import (Context, Entry, budget_spent, budget_step_cap, dense_entries, dense_grid,
                                      dense_grid_line, entry_cost, figure, fmt, markdown_table, narrower_width,
-                                     option_path, origin_lines, parse_entry, parse_shape, parse_shapes,
-                                     run_model_config, run_origin, run_wall, wall_time_lines)  # noqa: F401  (option_path, parse_shape: probe's API)
+                                     option_path, origin_lines, parse_entry, parse_shape,
+                                     parse_shapes, run_model_config, run_origin, run_wall,
+                                     wall_time_lines)  # noqa: F401  (option_path, parse_shape: probe's API)
 
 VARIANTS = tuple(tagged("probe"))  # the registry entries tagged "probe" (vanilla first)
 LEVELS = range(5)
@@ -236,6 +237,9 @@ def merged_rows(paths: Sequence[pathlib.Path]
             raise ConfigError(f"--tables_from: {path} holds no run rows ('runs'); give a probe programme's results.json")
         commit = (data.get("provenance") or {}).get("commit")
         cpu = file_cpu(data)
+        # rows stored before runs recorded their CPU take the file's, theirs when the programme that trained them
+        # wrote it; a file merged by --tables_from names the merging machine, so its rows stay unknown
+        trained_on = None if data.get("tables_from") else cpu
         sources.append(f"`{path}` (tables computed at commit {commit or 'unknown'}{f' on {cpu}' if cpu else ''}; its "
                        f"entries: {', '.join(dict.fromkeys(r['variant'] for r in data['runs']))})")
         for row in data["runs"]:
@@ -246,9 +250,7 @@ def merged_rows(paths: Sequence[pathlib.Path]
                     raise ConfigError(f"--tables_from: {key[0]} seed {key[1]} is stored in {rows[key]['source']} and "
                                       f"{path} with different {', '.join(differs)}: not the same run; give one of them")
                 continue
-            # rows stored before runs recorded their CPU: the file's, which is theirs when the programme that
-            # trained them wrote it (a file merged by --tables_from names the merging machine)
-            rows[key] = {**row, "cpu": row.get("cpu") or cpu, "source": str(path)}
+            rows[key] = {**row, "cpu": row.get("cpu") or trained_on, "source": str(path)}
             if row["variant"] not in labels:
                 labels.append(row["variant"])
     dense = [label for label in labels if rows_of(rows, label)[0].get("dense")]
@@ -257,7 +259,9 @@ def merged_rows(paths: Sequence[pathlib.Path]
 
 def file_cpu(data: Dict[str, Any]) -> Optional[str]:
     """The CPU a stored results file's provenance names (None for files from before it was recorded)."""
-    return ((data.get("provenance") or {}).get("kernels") or {}).get("cpu")
+    from analysis.provenance import cpu_label
+
+    return cpu_label(data)
 
 
 def rows_of(rows: Dict[Tuple[str, int], Dict[str, Any]], label: str) -> List[Dict[str, Any]]:

@@ -2,14 +2,17 @@
 into the repository (``docs/results/<name>/``), so its tables can be rebuilt and its runs checked on another machine
 without the run folders.
 
-Copied: the programme's own files at the top of ``OUT`` (``results.md``, ``results.json``, ``leaderboard.md``, the
-figures), and per run (``results.json``'s ``runs``) its ``config.yaml`` (the resolved config), ``provenance.json``
+Copied: the programme's own files at the top of ``OUT`` (``results.md``, ``leaderboard.md`` / ``.csv``, the figures;
+``results.json`` rewritten, below), and per run (``results.json``'s ``runs``) its ``config.yaml`` (the resolved config), ``provenance.json``
 (code, libraries, CPU, kernels of every process that trained it), ``probe.json`` where there is one, and
 ``summary.json`` without its per-step lists: ``step_times_s`` is dropped (``median_step_time_s`` and ``run_seconds``
 stay) and ``train_loss_curve`` is thinned to at most ``CURVE_POINTS`` points, the last step always kept; what was
-thinned is said in the copy's ``published``. Not copied: checkpoints, TensorBoard events, the ``runs.json`` index.
+thinned is said in the copy's ``published``. Not copied: checkpoints, TensorBoard events, ``leaderboard.json`` and
+the ``runs.json`` reuse index (both name the trained folders).
 Each row's ``run_dir`` in the copied ``results.json`` becomes the record's path relative to ``DEST`` (the trained
-folder stays as ``run_dir_trained``), so no published file holds a path of the machine that trained it.
+folder stays as ``run_dir_trained``); the records themselves keep what the run wrote (its own paths included).
+``DEST`` is replaced as a whole (written beside it, then swapped in), so a folder published again holds nothing stale;
+a non-empty ``DEST`` that is not a published report is refused.
 """
 from __future__ import annotations
 
@@ -17,14 +20,16 @@ import argparse
 import json
 import pathlib
 import shutil
-from typing import Any, Dict, List, Optional, Sequence
+import tempfile
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from architectures.config import ConfigError
 
 CURVE_POINTS = 256
 RUN_FILES = ("config.yaml", "provenance.json", "probe.json")  # copied as they are, where present
-REPORT_SUFFIXES = (".md", ".json", ".png")
-SKIPPED = ("runs.json",)  # the reuse index: paths of the machine that trained
+# the report (results.md, leaderboard.md / .csv) and figures; results.json is written with its rows' run_dir
+# rewritten; leaderboard.json and the runs.json reuse index name the trained folders and stay behind
+REPORT_SUFFIXES = (".md", ".csv", ".png")
 
 
 def thinned(curve: Sequence[Any], points: int = CURVE_POINTS) -> List[Any]:
@@ -33,7 +38,7 @@ def thinned(curve: Sequence[Any], points: int = CURVE_POINTS) -> List[Any]:
         return list(curve)
     stride = -(-(len(curve) - 1) // (points - 1))
     kept = list(curve[::stride])
-    if kept[-1] != curve[-1]:
+    if (len(curve) - 1) % stride:
         kept[-1] = curve[-1]  # the stride's last point gives way to the final step
     return kept
 
@@ -41,33 +46,45 @@ def thinned(curve: Sequence[Any], points: int = CURVE_POINTS) -> List[Any]:
 def slim_summary(summary: Dict[str, Any]) -> Dict[str, Any]:
     """``summary.json`` without its per-step lists (the size of a run record is its curves: ~200 KB each)."""
     out = {k: v for k, v in summary.items() if k != "step_times_s"}
-    curve = summary.get("train_loss_curve") or []
-    out["train_loss_curve"] = thinned(curve)
-    out["published"] = {"step_times_s": f"dropped ({len(summary.get('step_times_s') or [])} steps; "
-                                        "median_step_time_s kept)",
-                        "train_loss_curve": f"{len(out['train_loss_curve'])} of {len(curve)} points, the last kept"}
-    return out
+    published = {}
+    if "step_times_s" in summary:
+        published["step_times_s"] = f"dropped ({len(summary['step_times_s'] or [])} steps; median_step_time_s kept)"
+    if "train_loss_curve" in summary:
+        curve = summary["train_loss_curve"] or []
+        out["train_loss_curve"] = thinned(curve)
+        published["train_loss_curve"] = f"{len(out['train_loss_curve'])} of {len(curve)} points, the last kept"
+    return {**out, "published": published}
 
 
 def record_name(run_dir: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
     """Where a run's record goes under ``DEST``: its folder relative to ``OUT`` (``runs/<name>/version_N``), or for a
-    folder elsewhere (a reused ``--log_dir``) ``runs/`` and its last two parts."""
+    folder elsewhere (a reused ``--log_dir``) ``external/`` and its last two parts."""
     try:
         return run_dir.resolve().relative_to(out.resolve())
     except ValueError:
-        return pathlib.Path("runs", *run_dir.parts[-2:])
+        return pathlib.Path("external", *run_dir.parts[-2:])
 
 
-def find_run_dir(row: Dict[str, Any], out: pathlib.Path) -> pathlib.Path:
-    """A row's trained folder: its ``run_dir`` as stored, absolute or relative to where the programme ran: one of
-    ``OUT``'s parents (nearest first: ``/x/out/NAME`` ran in ``/x`` when it wrote ``out/NAME/runs/...``), then here."""
+def find_run(row: Dict[str, Any], out: pathlib.Path) -> Tuple[pathlib.Path, Dict[str, Any]]:
+    """A row's trained folder and its ``summary.json``. ``run_dir`` is stored absolute or relative to where the
+    programme ran: one of ``OUT``'s parents (nearest first: ``/x/out/NAME`` ran in ``/x`` when it wrote
+    ``out/NAME/runs/...``), then here. The summary must name the same folder and steps as the row: a folder of the
+    same relative path from another programme is not this run."""
     stored = pathlib.Path(row["run_dir"])
     candidates = [stored] if stored.is_absolute() else [*(p / stored for p in out.resolve().parents), stored]
     for candidate in candidates:
-        if (candidate / "summary.json").is_file():
-            return candidate
+        try:
+            summary = json.loads((candidate / "summary.json").read_text())
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"publish: {candidate}/summary.json is unreadable ({err}); retrain that run or drop "
+                              "it from the report") from None
+        if summary.get("run_dir") == row["run_dir"] and ("steps" not in row or summary.get("steps") == row["steps"]):
+            return candidate, summary
     raise ConfigError(f"publish: the run folder {stored} of {row.get('variant')} seed {row.get('seed')} is not there "
-                      f"(no summary.json); run publish where the programme ran, before its run folders are removed")
+                      f"(no summary.json of that run); run publish where the programme ran, before its run folders "
+                      "are removed")
 
 
 def publish(out: pathlib.Path, dest: pathlib.Path) -> Dict[str, Any]:
@@ -81,30 +98,43 @@ def publish(out: pathlib.Path, dest: pathlib.Path) -> Dict[str, Any]:
     rows = results.get("runs")
     if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) and r.get("run_dir") for r in rows):
         raise ConfigError(f"publish: {out}/results.json has no run rows with a run_dir; nothing to publish")
-    if dest.resolve() == out.resolve():
-        raise ConfigError("publish: DEST is OUT; give another folder (e.g. docs/results/<name>)")
-    run_dirs = [find_run_dir(row, out) for row in rows]  # every one found before anything is written
-    dest.mkdir(parents=True, exist_ok=True)
-    for path in sorted(out.iterdir()):
-        if path.is_file() and path.suffix in REPORT_SUFFIXES and path.name not in SKIPPED + ("results.json",):
-            shutil.copy2(path, dest / path.name)
-    for row, run_dir in zip(rows, run_dirs):
-        copy_record(row, run_dir, out, dest)
-    (dest / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    if dest.resolve() == out.resolve() or out.resolve() in dest.resolve().parents:
+        raise ConfigError(f"publish: DEST {dest} is inside OUT; give another folder (e.g. docs/results/<name>)")
+    if dest.exists() and any(dest.iterdir()) and not (dest / "results.json").is_file():
+        raise ConfigError(f"publish: {dest} holds files but no published report (results.json); give an empty or "
+                          "a published folder, it is replaced as a whole")
+    runs = [find_run(row, out) for row in rows]  # every one found and read before anything is written
+    names = [record_name(run_dir, out) for run_dir, _ in runs]
+    folders = {}
+    for (run_dir, _), name in zip(runs, names):
+        if folders.setdefault(name, run_dir.resolve()) != run_dir.resolve():
+            raise ConfigError(f"publish: the run folders {folders[name]} and {run_dir} would share the record {name}; "
+                              "publish runs of one --out (or one log folder) at a time")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))  # beside DEST: one file system
+    try:
+        for path in sorted(out.iterdir()):
+            if path.is_file() and path.suffix in REPORT_SUFFIXES:
+                shutil.copy2(path, staging / path.name)
+        for row, (run_dir, summary), name in zip(rows, runs, names):
+            copy_record(run_dir, summary, staging / name)
+            row["run_dir_trained"], row["run_dir"] = row["run_dir"], name.as_posix()
+        (staging / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+        if dest.exists():
+            shutil.rmtree(dest)
+        shutil.move(str(staging), str(dest))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return results
 
 
-def copy_record(row: Dict[str, Any], run_dir: pathlib.Path, out: pathlib.Path, dest: pathlib.Path) -> None:
-    """One run's record into ``dest``; ``row``'s ``run_dir`` rewritten to it (the trained one kept beside)."""
-    name = record_name(run_dir, out)
-    target = dest / name
+def copy_record(run_dir: pathlib.Path, summary: Dict[str, Any], target: pathlib.Path) -> None:
+    """One run's record (its small files, its summary thinned) into ``target``."""
     target.mkdir(parents=True, exist_ok=True)
     for file in RUN_FILES:
         if (run_dir / file).is_file():
             shutil.copy2(run_dir / file, target / file)
-    summary = json.loads((run_dir / "summary.json").read_text())
     (target / "summary.json").write_text(json.dumps(slim_summary(summary), indent=1) + "\n")
-    row["run_dir_trained"], row["run_dir"] = row["run_dir"], name.as_posix()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
