@@ -220,6 +220,7 @@ def merged_rows(paths: Sequence[pathlib.Path]
     entry and seed; a line per file naming its commit) of one or more probe results.json files at identical
     settings and budget. An (entry, seed) stored twice must hold the same run (a reproduction), or the files
     are refused: which one to trust is the user's question, not the tool's."""
+    from analysis.provenance import cpu_label
     from experiments.repro.common import read_published
 
     files = [read_published(path, "--tables_from") for path in paths]
@@ -236,7 +237,7 @@ def merged_rows(paths: Sequence[pathlib.Path]
         if not isinstance(data.get("runs"), list) or not data["runs"]:
             raise ConfigError(f"--tables_from: {path} holds no run rows ('runs'); give a probe programme's results.json")
         commit = (data.get("provenance") or {}).get("commit")
-        cpu = file_cpu(data)
+        cpu = cpu_label(data)  # the CPU the file's provenance names (None for files from before it was recorded)
         # rows stored before runs recorded their CPU take the file's, theirs when the programme that trained them
         # wrote it; a file merged by --tables_from names the merging machine, so its rows stay unknown
         trained_on = None if data.get("tables_from") else cpu
@@ -255,13 +256,6 @@ def merged_rows(paths: Sequence[pathlib.Path]
                 labels.append(row["variant"])
     dense = [label for label in labels if rows_of(rows, label)[0].get("dense")]
     return files, dense + [label for label in labels if label not in dense], list(rows.values()), sources
-
-
-def file_cpu(data: Dict[str, Any]) -> Optional[str]:
-    """The CPU a stored results file's provenance names (None for files from before it was recorded)."""
-    from analysis.provenance import cpu_label
-
-    return cpu_label(data)
 
 
 def rows_of(rows: Dict[Tuple[str, int], Dict[str, Any]], label: str) -> List[Dict[str, Any]]:
