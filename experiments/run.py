@@ -48,7 +48,7 @@ from callbacks import CallbacksConfig, config_from as callbacks_config  # noqa: 
 from datamodules.catalog import REQUIRED_TOKENIZER, corpus_names, ignored_data_options  # noqa: E402
 from datamodules.corpora import DataError  # noqa: E402
 from lightning_modules.storage import StorageError, atomic_checkpoint_io, check_writable, claim_next_version  # noqa: E402
-from lightning_modules.storage import is_storage_error, release_if_empty, remove_killed_checkpoint_writes  # noqa: E402
+from lightning_modules.storage import is_storage_error, release_unstarted, remove_killed_checkpoint_writes  # noqa: E402
 from lightning_modules.storage import storage_message  # noqa: E402
 from lightning_modules.run_clock import mark_run_start  # noqa: E402
 from datamodules.probe_labels import check_label_file  # noqa: E402
@@ -554,8 +554,8 @@ def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
         refuse_foreign_run_folder(root / version, ckpt_path)
         return fit_and_summarise(cfg, parser, module, data, mcfg, root, version, ckpt_path)
     except BaseException:
-        if claimed:
-            release_if_empty(root / version)  # a run that failed before writing anything leaves no folder
+        if claimed and module.global_step == 0:
+            release_unstarted(root / version)  # a run that failed before its first step leaves no folder
         raise
 
 

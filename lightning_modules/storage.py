@@ -119,6 +119,25 @@ def release_if_empty(folder: pathlib.Path) -> None:
         pass  # not empty (or already gone): keep it
 
 
+# what a run writes into its folder before its first optimiser step: the resolved config and provenance,
+# Lightning's hparams.yaml and TensorBoard's (scalar-free) events file
+START_FILES = ("config.yaml", "provenance.json", "hparams.yaml", "events.out.tfevents.*")
+
+
+def release_unstarted(folder: pathlib.Path) -> None:
+    """Remove a claimed run folder whose run failed before its first optimiser step: it holds only what the start
+    wrote (``START_FILES``, an empty ``checkpoints/``), nothing a resume or an analysis could use, and left there
+    it would push the next run to ``version_N+1`` and show as an empty run in TensorBoard. Anything else in the
+    folder (a file the user put there) keeps it."""
+    if not folder.is_dir():
+        return
+    for pattern in START_FILES:
+        for path in folder.glob(pattern):
+            path.unlink(missing_ok=True)
+    release_if_empty(folder / "checkpoints")
+    release_if_empty(folder)
+
+
 def remove_killed_checkpoint_writes(folder: pathlib.Path) -> list:
     """Remove the temp files (``.NAME.ckpt.XXXX.tmp``) that a checkpoint write killed mid-way left in ``folder``;
     returns their paths. Called when a run starts, before it saves: nothing else writes into its folder."""

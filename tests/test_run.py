@@ -50,6 +50,61 @@ def test_cli_smoke_run_writes_summary_config_checkpoints_and_events(tmp_path, ca
     assert torch.load(second / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 2
 
 
+
+def _fail_at_step(step):
+    """A training_step that raises at global step ``step`` (0: before the first optimiser step)."""
+    from lightning_modules.lm import LanguageModelModule
+
+    real = LanguageModelModule.__dict__["training_step"]
+    real = getattr(real, "unpatched", real)
+
+    def training_step(self, *args, **kwargs):
+        if self.global_step == step:
+            raise RuntimeError(f"failed at step {step}")
+        return real(self, *args, **kwargs)
+    training_step.unpatched = real
+    return training_step
+
+
+def test_a_run_that_fails_before_its_first_step_leaves_no_run_folder(tmp_path, monkeypatch):
+    from lightning_modules.lm import LanguageModelModule
+
+    args = ["--max_steps", "3", "--val_every", "3", "--log_dir", str(tmp_path), *TINY_RUN]
+    monkeypatch.setattr(LanguageModelModule, "training_step", _fail_at_step(0))
+    with pytest.raises(RuntimeError, match="failed at step 0"):
+        main(args)
+    assert list((tmp_path / "vanilla-tiny").iterdir()) == []  # config, provenance, hparams, events: all gone
+    # a run that fails after a step keeps its folder (its events hold the steps it logged)
+    monkeypatch.setattr(LanguageModelModule, "training_step", _fail_at_step(1))
+    with pytest.raises(RuntimeError, match="failed at step 1"):
+        main(args)
+    kept = tmp_path / "vanilla-tiny" / "version_0"
+    assert (kept / "config.yaml").is_file() and any(p.name.startswith("events.out") for p in kept.iterdir())
+    # a file the user put into a folder is never removed with it
+    monkeypatch.setattr(LanguageModelModule, "training_step", _fail_at_step(0))
+    (tmp_path / "vanilla-tiny" / "version_1").mkdir()
+    (tmp_path / "vanilla-tiny" / "version_1" / "notes.txt").write_text("mine")
+    with pytest.raises(RuntimeError):
+        main(args)  # claims version_2 (version_1 exists)
+    assert sorted(p.name for p in (tmp_path / "vanilla-tiny").iterdir()) == ["version_0", "version_1"]
+    assert (tmp_path / "vanilla-tiny" / "version_1" / "notes.txt").read_text() == "mine"
+
+
+def test_release_unstarted_keeps_a_folder_that_holds_anything_else(tmp_path):
+    from lightning_modules.storage import release_unstarted
+
+    folder = tmp_path / "version_0"
+    (folder / "checkpoints").mkdir(parents=True)
+    for name in ("config.yaml", "provenance.json", "hparams.yaml", "events.out.tfevents.1.host.1.0"):
+        (folder / name).write_text("x")
+    (folder / "checkpoints" / "last.ckpt").write_text("x")
+    release_unstarted(folder)
+    assert sorted(p.name for p in folder.rglob("*")) == ["checkpoints", "last.ckpt"]
+    (folder / "checkpoints" / "last.ckpt").unlink()
+    release_unstarted(folder)
+    assert not folder.exists()
+    release_unstarted(folder)  # already gone: nothing to do
+
 def check_provenance(summary, run_dir):
     """The run folder names the code it ran (commit, dirty tree) and the library versions."""
     import lightning
