@@ -279,6 +279,10 @@ CASES = [
     ("repro-tables_from-not-json", "repro",
      lambda d: ["probe", "--out", str(d / "repro_out"), "--tables_from", str(d / "good.txt")],
      r"--tables_from: .*good\.txt is unreadable \(Expecting value"),
+    ("repro-isoflop-tables_from-a-probe-file", "repro",
+     lambda d: ["mod_isoflop", "--out", str(d / "repro_out"), "--tables_from", str(d / "probe_without_vanilla.json")],
+     r"--tables_from: .*probe_without_vanilla\.json's run rows lack budget, variant, n_layer, d_model, seed: not a "
+     r"mod_isoflop results\.json"),
     ("repro-tables_from-without-vanilla", "repro",
      lambda d: ["probe", "--out", str(d / "repro_out"), "--tables_from", str(d / "probe_without_vanilla.json")],
      r"--tables_from: no vanilla rows in the files; the tables are relative to the reference vanilla"),

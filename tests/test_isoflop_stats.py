@@ -200,3 +200,92 @@ def test_grid_bracket_over_shapes_names_the_axis_the_best_shape_is_at_the_edge_o
         "not bracketed: the best is the largest shape tried (over the widths at n_layer=4)")
     assert dense_grid_line("b", "bracketed") == "Dense grid: the best dense model is b, bracketed."
     assert "beyond the grid's edge" in dense_grid_line("a", "not bracketed: the best is the smallest shape tried")
+
+
+# ---------------------------------------------------------------------------- mod_isoflop --tables_from
+def _stored(path, runs, options=("--model.d_model", "64"), tokens=512, jobs="1"):
+    """A results.json as ``isoflop_experiment`` writes it (the keys ``tables_from`` reads)."""
+    import json
+
+    argv = ["experiments/repro/__main__.py", "mod_isoflop", "--jobs", jobs, "--", *options]
+    path.write_text(json.dumps({"tokens_per_step": tokens, "runs": runs,
+                                "provenance": {"commit": "abc", "argv": argv, "platform": {}}}))
+    return path
+
+
+def _rows(path):
+    import json
+
+    return json.loads(path.read_text())["runs"]
+
+
+def _grid_files(tmp_path):
+    """The planted grid split as two invocations would train it: the widths at depth 2 (with MoD) and the depths
+    at width 24; vanilla 2x24 is in both."""
+    runs = planted_runs({**DENSE_TURNING, **MOD}, PARAMS)
+    widths = [r for r in runs if r["n_layer"] == 2]
+    depths = [r for r in runs if r["d_model"] == 24 and r["variant"] == "vanilla"]
+    return runs, _stored(tmp_path / "widths.json", widths), _stored(tmp_path / "depths.json", depths)
+
+
+def test_tables_from_merges_two_grids_into_one_dense_curve(tmp_path):
+    from experiments.repro import main as repro
+
+    runs, widths, depths = _grid_files(tmp_path)
+    merged = repro(["mod_isoflop", "--out", str(tmp_path / "merged"), "--tables_from", f"{widths},{depths}"])
+    expected = budget_analysis(BUDGET, cells_of([r for r in runs if r["n_layer"] == 2 or r["d_model"] == 24]))
+    (a,) = merged["analysis"]
+    assert a["best_dense"] == expected["best_dense"] == "vanilla 2x24" and a["bracket"] == expected["bracket"]
+    assert a["bracket"].startswith("bracketed")  # over widths at depth 2 and depths 1 / 4 at width 24
+    assert {k: t["p_holm"] for k, t in a["tests"].items()} == {k: t["p_holm"] for k, t in expected["tests"].items()}
+    assert len(merged["runs"]) == len({(r["variant"], r["n_layer"], r["d_model"], r["seed"]) for r in
+                                       [*_rows(widths), *_rows(depths)]})
+    assert "vanilla 1x16" in a["left_out"] and "mod 4x24" in a["left_out"]  # of the product, in no file
+    report = (tmp_path / "merged" / "results.md").read_text()
+    assert "left out of the grid (not in the merged files)" in report and str(widths) in report
+    assert merged["run_options"] == ["--model.d_model", "64"]
+    # the depths alone (one width) cannot bracket the best shape over widths
+    single = repro(["mod_isoflop", "--out", str(tmp_path / "alone"), "--tables_from", str(depths)])
+    assert single["analysis"][0]["bracket"].startswith("not bracketed")
+
+
+def test_tables_from_refuses_files_that_are_not_the_same_runs(tmp_path):
+    from experiments.repro import main as repro
+
+    runs, widths, depths = _grid_files(tmp_path)
+    out = ["mod_isoflop", "--out", str(tmp_path / "out"), "--tables_from"]
+    changed = [dict(r, val_loss=r["val_loss"] + 1e-9) if r["n_layer"] == 2 else r
+               for r in _rows(depths)]
+    other = _stored(tmp_path / "other.json", changed)
+    with pytest.raises(ConfigError, match=r"vanilla 2x24 at 1\.000e\+12 seed 0 is stored in .*widths\.json and "
+                                          r".*other\.json with different val_loss: not the same run"):
+        repro([*out, f"{widths},{other}"])
+    wider = _stored(tmp_path / "wider.json", _rows(depths), options=("--model.d_model", "96"))
+    with pytest.raises(ConfigError, match=r"wider\.json's run options \['--model\.d_model', '96'\] differ from .*widths\.json's"):
+        repro([*out, f"{widths},{wider}"])
+    longer = _stored(tmp_path / "longer.json", _rows(depths), tokens=1024)
+    with pytest.raises(ConfigError, match=r"longer\.json's tokens_per_step 1024 differ"):
+        repro([*out, f"{widths},{longer}"])
+    short = _stored(tmp_path / "short.json", [r for r in runs if r["n_layer"] == 2 and r["seed"] != 2])
+    with pytest.raises(ConfigError, match=r"every shape needs the same seeds; got .*vanilla 1x24 at 1\.000e\+12 \[0, 1, 2\]"):
+        repro([*out, f"{short},{depths}"])
+    routed_only = _stored(tmp_path / "routed.json", [r for r in runs if r["variant"] == "mod"])
+    with pytest.raises(ConfigError, match=r"no vanilla rows at budget 1\.000e\+12"):
+        repro([*out, str(routed_only)])
+    probe_like = _stored(tmp_path / "probe.json", [{"variant": "vanilla", "seed": 1, "val_loss": 1.0}])
+    with pytest.raises(ConfigError, match=r"probe\.json's run rows lack budget, variant, n_layer, d_model, seed"):
+        repro([*out, str(probe_like)])
+
+
+def test_tables_from_rebuilds_the_published_half_budget_cells_as_one_curve(tmp_path):
+    """The two published 0.5x invocations (widths at depth 4, depths at d = 8) share vanilla and MoD 4 x 8, and
+    those runs came back bit for bit: the merge accepts them and analyses one dense curve over both axes."""
+    from experiments.repro import main as repro
+    from tests.conftest import REPO
+
+    half, depth = (REPO / "docs" / "results" / "isoflop_seeds" / name / "results.json" for name in ("half", "half_depth"))
+    merged = repro(["mod_isoflop", "--out", str(tmp_path), "--tables_from", f"{half},{depth}"])
+    (a,) = merged["analysis"]
+    assert len(merged["runs"]) == 50  # 30 + 30, the 10 runs of 4 x 8 stored twice counted once
+    assert a["best_dense"] == "vanilla 2x8" and a["bracket_by_depth"][4].startswith("bracketed")
+    assert a["beats_best_dense"] == []

@@ -91,6 +91,10 @@ def add_training_experiments(add: Callable[[str, str], argparse.ArgumentParser])
     p.add_argument("--variants", default="vanilla,mod", help="comma-separated; vanilla (the dense curve) is always in")
     p.add_argument("--min_steps", type=int, default=20, help="configurations needing fewer steps are left out")
     p.add_argument("--seeds", type=int, default=5, help="seeds per shape (default 5)")
+    p.add_argument("--tables_from", default=None, metavar="RESULTS_JSON,...",
+                   help="rebuild the tables, tests and figure from the run rows stored in these results.json files "
+                        "(one invocation's, or several trained alike merged: e.g. a width grid and a depth grid of "
+                        "one budget as one dense curve) without training")
     p = add("contribution", "MHA/FFN contribution vs FFN width and CAA ratio r")
     p.add_argument("--wide_ratio", type=float, default=32.0, help="ffn_wider and caa total FFN width / d")
     p.add_argument("--ratios", default="0.125,0.25,0.5,0.75", help="CAA Outer-FFN ratios r")
@@ -185,8 +189,10 @@ def dispatch(ctx, args) -> Dict[str, Any]:
 
         return two_phase(ctx, args.variant, args.phase1_steps, args.phase2_steps)
     if name == "mod_isoflop":
-        from experiments.repro.isoflop import isoflop_experiment
+        from experiments.repro.isoflop import isoflop_experiment, tables_from
 
+        if args.tables_from:
+            return tables_from(ctx, [pathlib.Path(p) for p in parse_list(args.tables_from, str, "tables_from")])
         return isoflop_experiment(
             ctx, budgets=parse_list(args.budgets, float, "budgets") if args.budgets else None,
             widths=parse_list(args.widths, int, "widths") if args.widths else None,

@@ -671,9 +671,10 @@ def result_options(options: Sequence[str]) -> List[str]:
     return out
 
 
-def read_published(path: pathlib.Path, option: str = "--published") -> Dict[str, Any]:
-    """A published ``results.json`` (one line naming ``option``, the argument that gave it, and the file when it
-    is missing or unreadable)."""
+def read_published(path: pathlib.Path, option: str = "--published",
+                   needs: Sequence[Tuple[str, type]] = (("settings", dict), ("variants", dict))) -> Dict[str, Any]:
+    """A programme's ``results.json`` (one line naming ``option``, the argument that gave it, and the file when it
+    is missing, unreadable or lacks a key of ``needs``, (key, type) pairs: the probe's schema by default)."""
     path = pathlib.Path(path)
     try:
         data = json.loads(path.read_text())
@@ -681,10 +682,55 @@ def read_published(path: pathlib.Path, option: str = "--published") -> Dict[str,
         raise ConfigError(f"{option}: no file {path}; give the results.json of the published table") from None
     except (OSError, ValueError) as err:
         raise ConfigError(f"{option}: {path} is unreadable ({err})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("settings"), dict) or not isinstance(data.get("variants"), dict):
-        raise ConfigError(f"{option}: {path} holds no 'settings' and 'variants' (write it with the experiment's "
-                          "results.json)")
+    if not isinstance(data, dict) or not all(isinstance(data.get(key), kind) for key, kind in needs):
+        names = " and ".join(f"'{key}'" for key, _ in needs)
+        raise ConfigError(f"{option}: {path} holds no {names} (write it with the experiment's results.json)")
     return data
+
+
+def stored_jobs(data: Dict[str, Any]) -> int:
+    """The ``--jobs`` a stored programme invocation ran with (its results' provenance argv; 1 where it gave none)."""
+    argv = (data.get("provenance") or {}).get("argv") or []
+    for i, arg in enumerate(argv):
+        if arg.startswith("--jobs="):
+            return int(arg.split("=", 1)[1])
+        if arg == "--jobs" and i + 1 < len(argv):
+            return int(argv[i + 1])
+    return 1
+
+
+def merge_run_rows(files: Sequence[Tuple[pathlib.Path, Dict[str, Any]]], key: Callable[[Dict[str, Any]], Tuple],
+                   same_run: Sequence[str], entry_of: Callable[[Dict[str, Any]], str],
+                   option: str = "--tables_from") -> Tuple[List[Dict[str, Any]], List[str]]:
+    """(one row per ``key``, in order of first appearance; a line per file naming its commit, CPU and entries) of the
+    run rows (``runs``) of several stored programme invocations. A key stored twice must hold the same run (a
+    reproduction: equal in every ``same_run`` field), or the files are refused: which one to trust is the user's
+    question, not the tool's. Each row gets ``source`` (its file) and a ``cpu``: its own, else, for rows stored
+    before runs recorded it, its file's, unless that file is itself a merge (its provenance names the merging
+    machine, so such rows stay unknown)."""
+    from analysis.provenance import cpu_label
+
+    rows: Dict[Tuple, Dict[str, Any]] = {}
+    sources = []
+    for path, data in files:
+        if not isinstance(data.get("runs"), list) or not data["runs"]:
+            raise ConfigError(f"{option}: {path} holds no run rows ('runs'); give a programme's results.json")
+        commit = (data.get("provenance") or {}).get("commit")
+        cpu = cpu_label(data)  # the CPU the file's provenance names (None for files from before it was recorded)
+        trained_on = None if data.get("tables_from") else cpu
+        sources.append(f"`{path}` (tables computed at commit {commit or 'unknown'}{f' on {cpu}' if cpu else ''}; its "
+                       f"entries: {', '.join(dict.fromkeys(entry_of(r) for r in data['runs']))})")
+        for row in data["runs"]:
+            k = key(row)
+            if k in rows:
+                differs = [f for f in same_run if rows[k].get(f) != row.get(f)]
+                if differs:
+                    raise ConfigError(f"{option}: {entry_of(row)} seed {row.get('seed')} is stored in "
+                                      f"{rows[k]['source']} and {path} with different {', '.join(differs)}: not the "
+                                      "same run; give one of them")
+                continue
+            rows[k] = {**row, "cpu": row.get("cpu") or trained_on, "source": str(path)}
+    return list(rows.values()), sources
 
 
 def check_settings(published: Dict[str, Any], mine: Dict[str, Any], path: pathlib.Path) -> None:

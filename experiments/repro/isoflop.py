@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pathlib
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -37,10 +38,12 @@ from callbacks.run_summary import headline_val_loss, noncausal_val_loss
 from analysis import stats
 from analysis.tables import ci_cell, error_bars, test_cell
 from experiments.repro.common import (Context, bracket_verdict, budget_spent, budget_step_cap, figure, fmt,
-                                     grid_bracket, markdown_table, origin_lines, run_model_config, run_origin,
-                                     run_wall, wall_time_lines)
+                                     grid_bracket, markdown_table, merge_run_rows, origin_lines, read_published,
+                                     result_options, run_model_config, run_origin, run_wall, stored_jobs,
+                                     wall_time_lines)
 
 TOLERANCE = 0.05
+LEFT_OUT_WHY = "fewer than --min_steps steps, or a shape the variant cannot build"
 ALPHA = 0.05  # the level of the corrected tests against the best dense model
 
 
@@ -213,8 +216,100 @@ def isoflop_experiment(ctx: Context, budgets: Optional[Sequence[float]] = None, 
         plot_isoflop(ctx, analyses)
         ctx.log_table("mod_isoflop", "\n".join(sections))
     results = {"tokens_per_step": tokens, "budgets": list(plan), "widths": widths, "depths": depths, "seeds": seeds,
-               "variants": variants, "analysis": analyses, "runs": runs}
+               "variants": variants, "analysis": analyses, "runs": runs, "run_options": result_options(ctx.run_options)}
     ctx.write_report("MoD isoFLOP comparison", sections, results)
+    return results
+
+
+# ---------------------------------------------------------------------------- --tables_from
+# the figures an (budget, shape, seed) stored in two files must agree in to be one run
+SAME_RUN = ("parameters", "steps", "measured_flops", "val_loss", "val_loss_causal", "val_loss_noncausal")
+
+
+def stored_run_options(data: Dict[str, Any]) -> Optional[List[str]]:
+    """The pass-through run options a stored invocation trained with, those that can change a result: its own
+    record (``run_options``), else its provenance argv after ``--``; None when it names neither."""
+    if isinstance(data.get("run_options"), list):
+        return result_options(data["run_options"])
+    argv = (data.get("provenance") or {}).get("argv")
+    if not isinstance(argv, list):
+        return None
+    return result_options(argv[argv.index("--") + 1:] if "--" in argv else [])
+
+
+ROW_KEY = ("budget", "variant", "n_layer", "d_model", "seed")  # one run of the grid
+
+
+def run_key(row: Dict[str, Any]) -> Tuple[Any, ...]:
+    return tuple(row[k] for k in ROW_KEY)
+
+
+def stored_isoflop_runs(paths: Sequence[pathlib.Path]) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]], List[str]]:
+    """(each file's results, one row per budget, shape and seed, a line per file) of one or more mod_isoflop
+    results.json files whose runs trained with the same tokens per step and run options
+    (``common.merge_run_rows``: a run stored twice must be the same run)."""
+    files = [read_published(path, "--tables_from", needs=(("runs", list), ("tokens_per_step", int))) for path in paths]
+    options = [stored_run_options(data) for data in files]
+    for path, data, opts in zip(paths, files, options):
+        if not all(isinstance(r, dict) and all(k in r for k in (*ROW_KEY, *SAME_RUN)) for r in data["runs"]):
+            raise ConfigError(f"--tables_from: {path}'s run rows lack {', '.join(ROW_KEY)}: not a mod_isoflop "
+                              "results.json (give the file the programme wrote)")
+        if opts is None:
+            raise ConfigError(f"--tables_from: {path} names no run options (no run_options, no provenance argv); "
+                              "give a mod_isoflop results.json written by the programme")
+        for what, mine, first in (("tokens_per_step", data["tokens_per_step"], files[0]["tokens_per_step"]),
+                                  ("run options", opts, options[0])):
+            if mine != first:
+                raise ConfigError(f"--tables_from: {path}'s {what} {mine} differ from {paths[0]}'s {first}; only "
+                                  "runs trained alike share a table")
+    runs, sources = merge_run_rows(list(zip(paths, files)), run_key, SAME_RUN,
+                                   lambda r: f"{shape_label(r['variant'], r['n_layer'], r['d_model'])} at {fmt(r['budget'])}")
+    return files, runs, sources
+
+
+def tables_from(ctx: Context, paths: Sequence[pathlib.Path]) -> Dict[str, Any]:
+    """The isoFLOP tables, tests and figure rebuilt from stored run rows (no run folders needed) of one or more
+    invocations: e.g. a width grid and a depth grid at one budget, analysed as one dense curve. The grid is the
+    union of the files' shapes, not a full depths x widths product: the shapes of that product no file holds are
+    listed per budget."""
+    files, runs, sources = stored_isoflop_runs(paths)
+    seed_sets: Dict[str, set] = {}
+    for r in runs:
+        seed_sets.setdefault(f"{shape_label(r['variant'], r['n_layer'], r['d_model'])} at {fmt(r['budget'])}",
+                             set()).add(r["seed"])
+    if len({tuple(sorted(v)) for v in seed_sets.values()}) > 1:
+        raise ConfigError("--tables_from: every shape needs the same seeds; got " + ", ".join(
+            f"{k} {sorted(v)}" for k, v in seed_sets.items()) + "; merge files of complete shapes")
+    budgets = sorted({r["budget"] for r in runs})
+    without_dense = [fmt(b) for b in budgets if not any(r["variant"] == "vanilla" and r["budget"] == b for r in runs)]
+    if without_dense:
+        raise ConfigError(f"--tables_from: no vanilla rows at budget {', '.join(without_dense)}; every claim is "
+                          "against the dense curve of its budget")
+    depths, widths = sorted({r["n_layer"] for r in runs}), sorted({r["d_model"] for r in runs})
+    variants = list(dict.fromkeys(["vanilla", *(r["variant"] for r in runs)]))
+    seeds = len(next(iter(seed_sets.values())))
+    ctx.workers = min(stored_jobs(data) for data in files)  # the wall-time line's "N at once" (a bound when several)
+    analyses = []
+    for b in budgets:
+        at = [r for r in runs if r["budget"] == b]
+        held = {shape_label(r["variant"], r["n_layer"], r["d_model"]) for r in at}
+        analyses.append({**budget_analysis(b, cells_of(at)), "left_out_why": "not in the merged files",
+                         "left_out": [label for v in variants for n in depths for w in widths
+                                      if (label := shape_label(v, n, w)) not in held]})
+    grid = (f"the union of the merged files' shapes over depths {depths} and widths {widths} (vanilla: the dense "
+            "curve; the shapes of that product no file holds are listed in the goal lines)")
+    preface = ["Rebuilt from the stored run rows of " + "; ".join(sources) + " (no run retrained; a shape and seed "
+               "stored in two files is the same run there, bit for bit, and its row is the first file's). Train times "
+               "are each run's own invocation's: runs of different files were timed under different machine loads, "
+               "so their train-time ratios compare them only roughly.", ""]
+    sections = preface + report_sections(files[0]["tokens_per_step"], depths, widths, seeds, analyses, grid=grid)
+    sections += wall_time_lines(runs, lambda r: f"{r['variant']} {r['n_layer']}x{r['d_model']} at {r['budget']:.3e}",
+                                ctx.workers) + origin_lines(runs)
+    plot_isoflop(ctx, analyses)
+    results = {"tokens_per_step": files[0]["tokens_per_step"], "budgets": budgets, "widths": widths, "depths": depths,
+               "seeds": seeds, "variants": variants, "analysis": analyses, "runs": runs,
+               "run_options": stored_run_options(files[0]), "tables_from": [str(p) for p in paths]}
+    ctx.write_report("MoD isoFLOP comparison (rebuilt from stored runs)", sections, results)
     return results
 
 
@@ -356,15 +451,16 @@ def goal_lines(analyses: Sequence[Dict[str, Any]]) -> List[str]:
         lines.append(
             f"- budget {fmt(a['budget'])}: best dense model {a['best_dense']} (loss "
             f"{ci_cell(best['val_loss']['mean'], best['val_loss']['ci'], 4)}); dense isoFLOP curve: "
-            f"{a['bracket']} (per depth, over widths: {per_depth}); {verdict}; left out of the grid (fewer than "
-            f"--min_steps steps, or a shape the variant cannot build): {', '.join(a.get('left_out') or []) or 'none'}")
+            f"{a['bracket']} (per depth, over widths: {per_depth}); {verdict}; left out of the grid "
+            f"({a.get('left_out_why', LEFT_OUT_WHY)}): {', '.join(a.get('left_out') or []) or 'none'}")
     return lines
 
 
 def report_sections(tokens: int, depths: Sequence[int], widths: Sequence[int], seeds: int,
-                    analyses: Sequence[Dict[str, Any]]) -> List[str]:
-    intro = (f"{tokens} tokens per step; depths {list(depths)} x widths {list(widths)}, every variant at every shape "
-             f"it can build (vanilla: the dense curve), {seeds} seeds each. Every run trains until its measured "
+                    analyses: Sequence[Dict[str, Any]], grid: Optional[str] = None) -> List[str]:
+    grid = grid or (f"depths {list(depths)} x widths {list(widths)}, every variant at every shape it can build "
+                    "(vanilla: the dense curve)")
+    intro = (f"{tokens} tokens per step; {grid}, {seeds} seeds each. Every run trains until its measured "
              "training FLOPs (routing-aware, every step counted: --max_train_flops) reach the budget; 'FLOPs spent' "
              "is that count, 'spent vs budget' its excess (at most the last step), 'steps per seed (planned)' the "
              "steps each seed took and those the analytic plan predicted. Intervals: 95% percentile bootstrap over "

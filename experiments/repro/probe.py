@@ -52,7 +52,7 @@ from analysis.tables import ci_cell as _ci, test_cell as _test_cell
 from experiments.repro.common import (Context, Entry, budget_spent, budget_step_cap, dense_entries, dense_grid,
                                      dense_grid_line, entry_cost, figure, fmt, markdown_table, narrower_width,
                                      option_path, origin_lines, parse_entry, parse_shape,
-                                     parse_shapes, run_model_config, run_origin, run_wall,
+                                     parse_shapes, run_model_config, run_origin, run_wall, stored_jobs,
                                      wall_time_lines)  # noqa: F401  (option_path, parse_shape: probe's API)
 
 VARIANTS = tuple(tagged("probe"))  # the registry entries tagged "probe" (vanilla first)
@@ -218,10 +218,8 @@ def merged_rows(paths: Sequence[pathlib.Path]
                 ) -> Tuple[List[Dict[str, Any]], List[str], List[Dict[str, Any]], List[str]]:
     """(each file's results, read once, entry labels: dense first, then routed, each in order of appearance; one row per
     entry and seed; a line per file naming its commit) of one or more probe results.json files at identical
-    settings and budget. An (entry, seed) stored twice must hold the same run (a reproduction), or the files
-    are refused: which one to trust is the user's question, not the tool's."""
-    from analysis.provenance import cpu_label
-    from experiments.repro.common import read_published
+    settings and budget (``common.merge_run_rows``: an (entry, seed) stored twice must hold the same run)."""
+    from experiments.repro.common import merge_run_rows, read_published
 
     files = [read_published(path, "--tables_from") for path in paths]
     first = files[0]
@@ -230,47 +228,11 @@ def merged_rows(paths: Sequence[pathlib.Path]
             if data.get(key) != first.get(key):
                 raise ConfigError(f"--tables_from: {path}'s {key} is {data.get(key)!r}, {paths[0]}'s is "
                                   f"{first.get(key)!r}; only runs of the same programme settings and budget share a table")
-    rows: Dict[Tuple[str, int], Dict[str, Any]] = {}
-    labels: List[str] = []
-    sources = []
-    for path, data in zip(paths, files):
-        if not isinstance(data.get("runs"), list) or not data["runs"]:
-            raise ConfigError(f"--tables_from: {path} holds no run rows ('runs'); give a probe programme's results.json")
-        commit = (data.get("provenance") or {}).get("commit")
-        cpu = cpu_label(data)  # the CPU the file's provenance names (None for files from before it was recorded)
-        # rows stored before runs recorded their CPU take the file's, theirs when the programme that trained them
-        # wrote it; a file merged by --tables_from names the merging machine, so its rows stay unknown
-        trained_on = None if data.get("tables_from") else cpu
-        sources.append(f"`{path}` (tables computed at commit {commit or 'unknown'}{f' on {cpu}' if cpu else ''}; its "
-                       f"entries: {', '.join(dict.fromkeys(r['variant'] for r in data['runs']))})")
-        for row in data["runs"]:
-            key = (row["variant"], row["seed"])
-            if key in rows:
-                differs = [f for f in SAME_RUN if rows[key].get(f) != row.get(f)]
-                if differs:
-                    raise ConfigError(f"--tables_from: {key[0]} seed {key[1]} is stored in {rows[key]['source']} and "
-                                      f"{path} with different {', '.join(differs)}: not the same run; give one of them")
-                continue
-            rows[key] = {**row, "cpu": row.get("cpu") or trained_on, "source": str(path)}
-            if row["variant"] not in labels:
-                labels.append(row["variant"])
-    dense = [label for label in labels if rows_of(rows, label)[0].get("dense")]
-    return files, dense + [label for label in labels if label not in dense], list(rows.values()), sources
-
-
-def rows_of(rows: Dict[Tuple[str, int], Dict[str, Any]], label: str) -> List[Dict[str, Any]]:
-    return [r for (variant, _), r in rows.items() if variant == label]
-
-
-def stored_jobs(data: Dict[str, Any]) -> int:
-    """The ``--jobs`` a stored programme invocation ran with (its results' provenance argv; 1 where it gave none)."""
-    argv = (data.get("provenance") or {}).get("argv") or []
-    for i, arg in enumerate(argv):
-        if arg.startswith("--jobs="):
-            return int(arg.split("=", 1)[1])
-        if arg == "--jobs" and i + 1 < len(argv):
-            return int(argv[i + 1])
-    return 1
+    runs, sources = merge_run_rows(list(zip(paths, files)), lambda r: (r["variant"], r["seed"]), SAME_RUN,
+                                   lambda r: r["variant"])
+    labels = list(dict.fromkeys(r["variant"] for r in runs))
+    dense = [label for label in labels if next(r for r in runs if r["variant"] == label).get("dense")]
+    return files, dense + [label for label in labels if label not in dense], runs, sources
 
 
 def tables_from(ctx: Context, paths: Sequence[pathlib.Path]) -> Dict[str, Any]:
