@@ -352,6 +352,8 @@ def aggregate(group: Sequence[Run], options: Sequence[str]) -> Dict[str, Any]:
                 for key in (*[k for k, _ in METRICS], *[k for k, _ in PROBE_METRICS], HEADLINE)})
     row["runs"] = [str(r.folder) for r in group]
     row["headline_values"] = [m[HEADLINE] for m in per_run]  # per seed: the units of the intervals and tests
+    row["probe_acc_values"] = {k: [m[k] for m in per_run] for k, _ in PROBE_METRICS
+                               if any(m[k] is not None for m in per_run)}  # per seed, per level
     return row
 
 
@@ -438,6 +440,8 @@ def add_statistics(rows: Sequence[Dict[str, Any]], options: Sequence[str], basel
 
     for row in rows:
         row["headline_ci"] = stats.bootstrap_ci(row["headline_values"])
+        row["probe_levels"] = {k: {"ci": stats.bootstrap_ci(v), "solved": stats.solved_share(v),
+                                   "solved_n": int(len(stats.finite(v)))} for k, v in row["probe_acc_values"].items()}
     if baseline is None:
         return None
     base = find_baseline(rows, options, baseline)
@@ -445,6 +449,11 @@ def add_statistics(rows: Sequence[Dict[str, Any]], options: Sequence[str], basel
              for i, r in enumerate(rows) if r is not base}
     for i, test in stats.with_holm(tests).items():
         rows[i]["vs_baseline"] = test
+    for key, base_values in base["probe_acc_values"].items():  # each level: its own family over the other rows
+        level_tests = {i: stats.compare_groups(r["probe_acc_values"][key], base_values) for i, r in enumerate(rows)
+                       if r is not base and key in r["probe_acc_values"]}
+        for i, test in stats.with_holm(level_tests).items():
+            rows[i]["probe_levels"][key]["vs_baseline"] = test
     return row_label(base, options)
 
 
@@ -530,7 +539,66 @@ def to_markdown(board: Dict[str, Any]) -> str:
         note = f"**Warning: the table mixes code versions**: {_code_list(code)}.\n\n" + note
     elif code:
         note += f" Code: {next(iter(code))} (every run)."
-    return markdown_table(headers, rows) + "\n\n" + note + "\n"
+    return markdown_table(headers, rows) + "\n\n" + note + "\n" + probe_levels_markdown(board)
+
+
+def probe_levels_markdown(board: Dict[str, Any]) -> str:
+    """The routing probes' second table: per row and difficulty level, the accuracy's seed mean with its bootstrap
+    interval over seeds and the seeds that solve the level, and (with a baseline) the difference from the
+    baseline's with Welch's two-sided p after Holm's correction over the other rows, level by level. '' for
+    tables without probe runs."""
+    from analysis.stats import SOLVED
+    from analysis.tables import markdown_table
+
+    levels = [k for k, _ in PROBE_METRICS if any(k in r.get("probe_levels", {}) for r in board["rows"])]
+    if not levels:
+        return ""
+    headers = ["row", "n", *[f"acc {k[len('probe_acc_'):]} [95% CI] (seeds >= {SOLVED})" for k in levels]]
+    if board.get("baseline"):
+        headers += [f"Δ {k[len('probe_acc_'):]} vs baseline [95% CI], p (Holm)" for k in levels]
+    rows = []
+    for r in board["rows"]:
+        cells = [row_label(r, board["options"]), r["n"], *[_level_cell(r, k) for k in levels]]
+        if board.get("baseline"):
+            cells += [_level_test_cell(r.get("probe_levels", {}).get(k), r is _baseline_row(board)) for k in levels]
+        rows.append(cells)
+    note = ("Accuracy per difficulty level: the seed mean of each run's last-validation accuracy on the tokens of that "
+            "level, its 95% percentile bootstrap interval over the row's seeds (the runs are the units, never tokens), "
+            f"and how many seeds reach {SOLVED} (solve the level).")
+    if board.get("baseline"):
+        note += (f" Against the baseline {board['baseline']}: difference in mean accuracy (positive: more accurate) "
+                 "with its bootstrap interval, Welch's two-sided t-test over seeds, Holm's correction over the other "
+                 "rows, each level its own family.")
+    return "\n" + markdown_table(headers, rows) + "\n\n" + note + "\n"
+
+
+def _baseline_row(board: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    return next((r for r in board["rows"] if row_label(r, board["options"]) == board.get("baseline")), None)
+
+
+def _level_cell(row: Dict[str, Any], key: str) -> str:
+    from analysis.tables import fmt
+
+    level = row.get("probe_levels", {}).get(key)
+    if level is None or row[key]["mean"] is None:
+        return "-"
+    text = fmt(row[key]["mean"], 3) + (f" {_interval(level['ci'])}" if level["ci"][0] is not None else "")
+    solved = round(level["solved"] * level["solved_n"]) if level["solved"] is not None else 0
+    return f"{text} ({solved}/{level['solved_n']})"
+
+
+def _level_test_cell(level: Optional[Dict[str, Any]], is_baseline: bool) -> str:
+    from analysis.tables import fmt
+
+    if is_baseline:
+        return "baseline"
+    test = (level or {}).get("vs_baseline")
+    if test is None or test["difference"] is None:
+        return "-"
+    text = f"{test['difference']:+.3f}"
+    if test["ci_low"] is not None:
+        text += f" [{test['ci_low']:+.3f}, {test['ci_high']:+.3f}]"
+    return text + f", p {fmt(test['p_holm'], 3)}"
 
 
 def _interval(ci) -> str:

@@ -20,7 +20,10 @@ where they have one, else by the validation loss (what ``summary.json``'s ``fina
 Statistics (``analysis/stats.py``): each row's 95% percentile-bootstrap interval of its mean ranking loss
 over its seeds; ``--baseline NAME`` (a row label as in the plot's legend, or a variant only one row has)
 tests every other row against that one: the difference in mean loss with its bootstrap interval, Hedges'
-g, Welch's two-sided p over seeds and that p after Holm's correction over the rows. A table whose runs
+g, Welch's two-sided p over seeds and that p after Holm's correction over the rows. Routing-probe runs add a
+second table, accuracy per difficulty level: seed mean, bootstrap interval over seeds, seeds that solve the
+level (>= 0.9) and, with ``--baseline``, the difference from the baseline's with Holm's correction per level
+(e.g. the depth-necessity check: ``--group_by model.n_layer --baseline 'vanilla n_layer=1'``). A table whose runs
 were trained by different code (``summary.json``'s ``provenance``: commit, dirty tree) says so in one
 ``warning:`` line and at the top of the markdown note.
 

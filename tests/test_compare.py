@@ -266,6 +266,37 @@ def test_a_number_only_some_runs_of_a_row_have_is_marked_with_its_n(runs):
     assert line.count("(n=2)") == 1 and line.count("(n=") == 1  # the causal loss; every other number has all 4
 
 
+def test_probe_levels_get_seed_intervals_solved_seeds_and_holm_corrected_tests_per_level(runs, tmp_path):
+    """Per-level accuracy of probe runs: bootstrap interval over seeds, seeds reaching 0.9, and against a baseline
+    row the difference with Welch's p, Holm-corrected over the other rows within each level (here one other row,
+    so p_holm == p), recomputed from the seeds by hand."""
+    from scipy.stats import ttest_ind
+
+    from analysis import stats
+
+    folders = copy_runs(runs, tmp_path)
+    accs = {"vanilla": [(1.0, 0.62), (1.0, 0.55)], "mod": [(1.0, 0.93), (0.8, 0.88)]}  # (L1, L4) per seed
+    for (variant, seed), folder in folders.items():
+        l1, l4 = accs[variant][seed - 1]
+        edit_summary(folder, val_metrics={"val/loss": 1.0 + seed, "probe/level1/acc": l1, "probe/level4/acc": l4})
+    assert "Accuracy per difficulty level" not in compare.to_markdown(compare.compare([str(runs[("vanilla", 1)])]))
+    board = compare.compare([str(tmp_path / "runs")], baseline="vanilla")
+    mod, vanilla = row_of(board, "mod"), row_of(board, "vanilla")
+    l4 = [a[1] for a in accs["mod"]]
+    assert mod["probe_levels"]["probe_acc_L4"]["ci"] == stats.bootstrap_ci(l4)
+    assert mod["probe_levels"]["probe_acc_L4"]["solved"] == 0.5 and vanilla["probe_levels"]["probe_acc_L1"]["solved"] == 1.0
+    test = mod["probe_levels"]["probe_acc_L4"]["vs_baseline"]
+    base = [a[1] for a in accs["vanilla"]]
+    assert test["difference"] == pytest.approx(sum(l4) / 2 - sum(base) / 2)
+    assert test["p"] == pytest.approx(float(ttest_ind(l4, base, equal_var=False).pvalue)) == test["p_holm"]
+    assert "vs_baseline" not in vanilla["probe_levels"]["probe_acc_L4"]
+    markdown = compare.to_markdown(board)
+    assert "| row | n | acc L1 [95% CI] (seeds >= 0.9) | acc L4 [95% CI] (seeds >= 0.9) |" in markdown
+    assert f"| {test['difference']:+.3f} [{test['ci_low']:+.3f}, {test['ci_high']:+.3f}], p {test['p_holm']:.3f} |" \
+        in markdown
+    assert "0.905 [" in markdown and "(1/2)" in markdown and "| baseline | baseline |" in markdown
+
+
 def test_baseline_rows_get_intervals_effect_sizes_and_holm_corrected_p(runs, tmp_path, capsys):
     """Three configurations (vanilla, a second vanilla learning rate, MoD) with known per-seed losses, tested
     against MoD: the numbers are those of analysis.stats, recomputed here from the seeds by hand."""
