@@ -292,6 +292,8 @@ CASES = [
      r"publish: .*report_without_runs/results\.json has no run rows with a run_dir; nothing to publish"),
     ("publish-run-folder-gone", "publish", lambda d: [str(d / "report_of_gone_runs"), str(d / "published")],
      r"publish: the run folder .*gone/version_0 of vanilla seed 1337 is not there \(no summary\.json of that run\)"),
+    ("publish-runs-no-folder", "publish", lambda d: [str(d / "no_such_log_dir"), str(d / "published"), "--runs"],
+     r"publish --runs: .*no_such_log_dir is not a folder; give the --log_dir the runs wrote to"),
     ("sweep-plan_workers-0", "sweep", lambda d: ["--grid", "variant=vanilla", "--dry_run", "--plan_workers", "0"],
      r"--plan_workers: must be a positive integer, got 0"),
     ("repro-head_to_head-unknown-entry-option", "repro",

@@ -520,3 +520,24 @@ def test_repro_probe_table_aggregates_its_seeds(tmp_path, one_thread):
     again = compare.compare([str(tmp_path / "runs")])  # the command on the experiment's folder: the same table
     assert [r["val_loss"] for r in again["rows"]] == [r["val_loss"] for r in board["rows"]]
     assert compare.to_markdown(again) in (tmp_path / "results.md").read_text()
+
+
+def test_published_run_records_rebuild_the_same_table_and_an_unfinished_run_is_refused(runs, tmp_path):
+    """``publish --runs`` copies each run's small records (no checkpoint, thinned curves): compare over the records
+    gives the table of the trained folders, row for row (the runs' folders aside), so a published table of plain
+    experiments.run runs rebuilds on any machine."""
+    from architectures.config import ConfigError
+    from experiments.repro import publish
+
+    copy_runs(runs, tmp_path)
+    records = publish.main([str(tmp_path / "runs"), str(tmp_path / "docs"), "--runs"])["runs"]
+    assert sorted(pathlib.Path(r).name for r in records) == sorted(f"{n}-seed{s}" for n, s in runs)
+    assert not list((tmp_path / "docs").rglob("*.ckpt"))
+    trained, published = (compare.compare([str(path)]) for path in (tmp_path / "runs", tmp_path / "docs" / "runs"))
+    drop = ("runs",)
+    assert [{k: v for k, v in r.items() if k not in drop} for r in published["rows"]] == \
+        [{k: v for k, v in r.items() if k not in drop} for r in trained["rows"]]
+    (tmp_path / "runs" / "vanilla-seed1" / "summary.json").unlink()  # a run still training
+    with pytest.raises(ConfigError, match=r"publish --runs: .*vanilla-seed1 has no readable summary\.json"):
+        publish.main([str(tmp_path / "runs"), str(tmp_path / "docs"), "--runs"])
+    assert len(list((tmp_path / "docs" / "runs").iterdir())) == len(runs)  # the earlier records are left as they were

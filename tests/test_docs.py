@@ -148,12 +148,14 @@ def _option_strings(parser: argparse.ArgumentParser) -> Set[str]:
 def _parsers() -> Dict[str, argparse.ArgumentParser]:
     from experiments import (analyze, bench, bench_data, compare, compiling, device_check, finetune, paper_options,
                              repro, run, sweep, two_phase)
+    from experiments.repro import publish
     return {
         "experiments.run": run.build_parser(),
         "experiments.finetune": finetune.build_parser(),
         "experiments.repro": repro.build_parser(),
         "experiments.analyze": analyze.build_parser(),
         "experiments.compare": compare.build_parser(),
+        "experiments.repro.publish": publish.build_parser(),
         "experiments.bench": _capture(lambda: bench.parse_args([])),
         "experiments.bench_data": _capture(lambda: bench_data.parse_args([])),  # experiments.prepare: run's parser
         "experiments.device_check": _capture(lambda: device_check.parse_args([])),

@@ -394,7 +394,8 @@ def budget_analysis(budget: float, cells: Dict[str, Dict[str, Any]]) -> Dict[str
     return {"budget": budget, "cells": cells, "best_dense": best,
             "bracket": grid_bracket({k: (c["n_layer"], c["d_model"]) for k, c in dense.items()},
                                     {k: c["val_loss"]["mean"] for k, c in dense.items()}, best),
-            "bracket_by_depth": {n: bracket_verdict([(c["parameters"], c["val_loss"]["mean"]) for c in dense.values()
+            # each depth's curve over widths, ordered by d_model as grid_bracket orders them
+            "bracket_by_depth": {n: bracket_verdict([(c["d_model"], c["val_loss"]["mean"]) for c in dense.values()
                                                      if c["n_layer"] == n]) for n in depths},
             "tests": tests, "tests_same_shape": same_shape,
             "train_time_ratio": {k: (c["train_time_s"]["mean"] / best_time if best_time and c["train_time_s"]["mean"]

@@ -13,6 +13,11 @@ Each row's ``run_dir`` in the copied ``results.json`` becomes the record's path 
 folder stays as ``run_dir_trained``); the records themselves keep what the run wrote (its own paths included).
 ``DEST`` is replaced as a whole (written beside it, then swapped in), so a folder published again holds nothing stale;
 a non-empty ``DEST`` that is not a published report is refused.
+
+``python -m experiments.repro.publish --runs LOG_DIR DEST``: the same records of every finished run folder under
+``LOG_DIR`` (runs of ``experiments.run`` itself, e.g. a loop over depths and seeds, with no programme report), at
+their paths relative to ``LOG_DIR``, under ``DEST/runs``; ``experiments.compare DEST/runs ...`` then rebuilds their
+table on any machine. Unfinished folders are refused, so a published set is the finished set.
 """
 from __future__ import annotations
 
@@ -128,6 +133,37 @@ def publish(out: pathlib.Path, dest: pathlib.Path) -> Dict[str, Any]:
     return results
 
 
+def publish_runs(log_dir: pathlib.Path, dest: pathlib.Path) -> List[pathlib.Path]:
+    """Copy the records of every run folder under ``log_dir`` to ``dest/runs/<path relative to log_dir>`` (see the
+    module docstring; ``dest/runs`` is replaced as a whole); the records' folders."""
+    from analysis.compare import find_run_folders
+
+    log_dir, dest = pathlib.Path(log_dir), pathlib.Path(dest)
+    if not log_dir.is_dir():
+        raise ConfigError(f"publish --runs: {log_dir} is not a folder; give the --log_dir the runs wrote to")
+    if log_dir.resolve() in (dest.resolve(), *dest.resolve().parents):
+        raise ConfigError(f"publish --runs: DEST {dest} is inside {log_dir}; give another folder (e.g. docs/results/<name>)")
+    runs = []
+    for run_dir in find_run_folders([str(log_dir)]):  # every one read before anything is written
+        try:
+            runs.append((run_dir, json.loads((run_dir / "summary.json").read_text())))
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"publish --runs: {run_dir} has no readable summary.json ({err}); let the run finish "
+                              "(or resume it) before publishing") from None
+    dest.mkdir(parents=True, exist_ok=True)
+    staging = pathlib.Path(tempfile.mkdtemp(prefix=".runs.", dir=dest))
+    try:
+        names = [run_dir.relative_to(log_dir.resolve()) for run_dir, _ in runs]
+        for (run_dir, summary), name in zip(runs, names):
+            copy_record(run_dir, summary, staging / name)
+        if (dest / "runs").exists():
+            shutil.rmtree(dest / "runs")
+        shutil.move(str(staging), str(dest / "runs"))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return [dest / "runs" / name for name in names]
+
+
 def copy_record(run_dir: pathlib.Path, summary: Dict[str, Any], target: pathlib.Path) -> None:
     """One run's record (its small files, its summary thinned) into ``target``."""
     target.mkdir(parents=True, exist_ok=True)
@@ -137,11 +173,23 @@ def copy_record(run_dir: pathlib.Path, summary: Dict[str, Any], target: pathlib.
     (target / "summary.json").write_text(json.dumps(slim_summary(summary), indent=1) + "\n")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m experiments.repro.publish", description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", type=pathlib.Path, help="the programme's --out folder (with results.json and runs/)")
+    parser.add_argument("out", type=pathlib.Path, help="the programme's --out folder (with results.json and runs/); "
+                                                           "with --runs: the --log_dir of experiments.run runs")
     parser.add_argument("dest", type=pathlib.Path, help="where the report and the run records go (docs/results/NAME)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--runs", action="store_true",
+                        help="publish the records of the run folders under OUT (no programme report) to DEST/runs")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    args = build_parser().parse_args(argv)
+    if args.runs:
+        records = publish_runs(args.out, args.dest)
+        print(f"published {len(records)} runs' records of {args.out} to {args.dest / 'runs'}; their table: "
+              f"python -m experiments.compare {args.dest / 'runs'}")
+        return {"runs": [str(r) for r in records]}
     results = publish(args.out, args.dest)
     print(f"published {len(results['runs'])} runs' records and the report of {args.out} to {args.dest}")
     return results
