@@ -113,7 +113,7 @@ def read_run(folder: pathlib.Path) -> Optional[Run]:
         return None
     summary = _read_json(folder / "summary.json")
     config = without_unused_groups(flatten(_read_yaml(folder / "config.yaml")))
-    stale = _unfinished_reason(config, summary)
+    stale = unfinished_reason(config, summary)
     if stale:
         warn(f"skipping {folder}: unfinished ({stale})")
         return None
@@ -135,7 +135,7 @@ def without_unused_groups(config: Dict[str, Any]) -> Dict[str, Any]:
     return {k: v for k, v in config.items() if not any(k.startswith(prefix) for prefix in unused)}
 
 
-def _unfinished_reason(config: Dict[str, Any], summary: Dict[str, Any]) -> Optional[str]:
+def unfinished_reason(config: Dict[str, Any], summary: Dict[str, Any]) -> Optional[str]:
     """A summary written before the run's last step: a resumed run still training toward a larger max_steps.
     Runs that stop early by design (a FLOPs or time budget) are finished."""
     max_steps, steps = config.get("trainer.max_steps"), summary.get("steps")

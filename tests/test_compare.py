@@ -275,20 +275,41 @@ def test_probe_levels_get_seed_intervals_solved_seeds_and_holm_corrected_tests_p
     from analysis import stats
 
     folders = copy_runs(runs, tmp_path)
-    accs = {"vanilla": [(1.0, 0.62), (1.0, 0.55)], "mod": [(1.0, 0.93), (0.8, 0.88)]}  # (L1, L4) per seed
-    for (variant, seed), folder in folders.items():
-        l1, l4 = accs[variant][seed - 1]
+    for seed in SEEDS:  # a third configuration, so that each level's Holm family has two members
+        other = tmp_path / "runs" / f"vanilla-lr-seed{seed}"
+        shutil.copytree(runs[("vanilla", seed)], other)
+        edit_config(other, "optim.lr", 0.5)
+        folders[("vanilla-lr", seed)] = other
+    # (L1, L4) per seed
+    accs = {"vanilla": [(1.0, 0.62), (1.0, 0.55)], "mod": [(1.0, 0.93), (0.8, 0.88)], "vanilla-lr": [(0.9, 0.6), (1.0, 0.7)]}
+    for (name, seed), folder in folders.items():
+        l1, l4 = accs[name][seed - 1]
         edit_summary(folder, val_metrics={"val/loss": 1.0 + seed, "probe/level1/acc": l1, "probe/level4/acc": l4})
     assert "Accuracy per difficulty level" not in compare.to_markdown(compare.compare([str(runs[("vanilla", 1)])]))
-    board = compare.compare([str(tmp_path / "runs")], baseline="vanilla")
-    mod, vanilla = row_of(board, "mod"), row_of(board, "vanilla")
+    board = compare.compare([str(tmp_path / "runs")], baseline="vanilla lr=0.0010")
+    mod = row_of(board, "mod")
+    vanilla, other = sorted((r for r in board["rows"] if r["variant"] == "vanilla"), key=lambda r: r["optim.lr"])
     l4 = [a[1] for a in accs["mod"]]
-    assert mod["probe_levels"]["probe_acc_L4"]["ci"] == stats.bootstrap_ci(l4)
+    assert mod["probe_levels"]["probe_acc_L4"]["ci"][0] == pytest.approx(0.88)  # 2 seeds: the resampled means'
+    assert mod["probe_levels"]["probe_acc_L4"]["ci"][1] == pytest.approx(0.93)  # 2.5% / 97.5% are the two seeds
     assert mod["probe_levels"]["probe_acc_L4"]["solved"] == 0.5 and vanilla["probe_levels"]["probe_acc_L1"]["solved"] == 1.0
+    base = {level: [a[level] for a in accs["vanilla"]] for level in (0, 1)}
+    holm_checked = 0
+    for level, key in ((0, "probe_acc_L1"), (1, "probe_acc_L4")):  # each level its own family of two tests
+        p = {name: float(ttest_ind([a[level] for a in accs[name]], base[level], equal_var=False).pvalue)
+             if len({a[level] for a in accs[name]} | set(base[level])) > 1 else None for name in ("mod", "vanilla-lr")}
+        present = {k: v for k, v in p.items() if v is not None and v == v}
+        smallest = min(present, key=present.get) if present else None
+        for name, row in (("mod", mod), ("vanilla-lr", other)):
+            got = row["probe_levels"][key]["vs_baseline"]
+            if name == smallest and len(present) == 2:
+                assert got["p_holm"] == pytest.approx(min(1.0, 2 * present[name]))
+                holm_checked += 1
+            if name in present:
+                assert got["p"] == pytest.approx(present[name]) and got["p_holm"] >= got["p"]
+    assert holm_checked == 2  # both levels' families had two tests
     test = mod["probe_levels"]["probe_acc_L4"]["vs_baseline"]
-    base = [a[1] for a in accs["vanilla"]]
-    assert test["difference"] == pytest.approx(sum(l4) / 2 - sum(base) / 2)
-    assert test["p"] == pytest.approx(float(ttest_ind(l4, base, equal_var=False).pvalue)) == test["p_holm"]
+    assert test["difference"] == pytest.approx(sum(l4) / 2 - sum(base[1]) / 2)
     assert "vs_baseline" not in vanilla["probe_levels"]["probe_acc_L4"]
     markdown = compare.to_markdown(board)
     assert "| row | n | acc L1 [95% CI] (seeds >= 0.9) | acc L4 [95% CI] (seeds >= 0.9) |" in markdown
@@ -537,7 +558,23 @@ def test_published_run_records_rebuild_the_same_table_and_an_unfinished_run_is_r
     drop = ("runs",)
     assert [{k: v for k, v in r.items() if k not in drop} for r in published["rows"]] == \
         [{k: v for k, v in r.items() if k not in drop} for r in trained["rows"]]
-    (tmp_path / "runs" / "vanilla-seed1" / "summary.json").unlink()  # a run still training
+    before = {p: p.read_bytes() for p in (tmp_path / "docs").rglob("*") if p.is_file()}
+    steps = json.loads((tmp_path / "runs" / "mod-seed2" / "summary.json").read_text())["steps"]
+    edit_summary(tmp_path / "runs" / "mod-seed2", steps=1)  # a resumed run still training: its earlier summary
+    with pytest.raises(ConfigError, match=r"publish --runs: .*mod-seed2 is unfinished \(summary\.json at step 1 of "):
+        publish.main([str(tmp_path / "runs"), str(tmp_path / "docs"), "--runs"])
+    edit_summary(tmp_path / "runs" / "mod-seed2", steps=steps)
+    (tmp_path / "runs" / "vanilla-seed1" / "summary.json").unlink()  # a run that has not written one yet
     with pytest.raises(ConfigError, match=r"publish --runs: .*vanilla-seed1 has no readable summary\.json"):
         publish.main([str(tmp_path / "runs"), str(tmp_path / "docs"), "--runs"])
-    assert len(list((tmp_path / "docs" / "runs").iterdir())) == len(runs)  # the earlier records are left as they were
+    assert {p: p.read_bytes() for p in (tmp_path / "docs").rglob("*") if p.is_file()} == before  # nothing written
+    # DEST/runs is replaced as a whole: it must not be, or hold, the folder the runs are read from
+    for log_dir, dest in ((tmp_path / "docs" / "runs", tmp_path / "docs"), (tmp_path / "runs" / "mod-seed1", tmp_path),
+                          (tmp_path, tmp_path / "runs" / "x")):
+        with pytest.raises(ConfigError, match=r"publish --runs: DEST .* overlap"):
+            publish.main([str(log_dir), str(dest), "--runs"])
+    assert {p: p.read_bytes() for p in (tmp_path / "docs").rglob("*") if p.is_file()} == before
+    (tmp_path / "report").mkdir()
+    (tmp_path / "report" / "results.json").write_text("{}")  # a programme's published report: its runs/ is its own
+    with pytest.raises(ConfigError, match=r"publish --runs: .*report holds a programme's published report"):
+        publish.main([str(tmp_path / "docs" / "runs"), str(tmp_path / "report"), "--runs"])

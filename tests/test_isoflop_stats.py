@@ -203,11 +203,11 @@ def test_grid_bracket_over_shapes_names_the_axis_the_best_shape_is_at_the_edge_o
 
 
 # ---------------------------------------------------------------------------- mod_isoflop --tables_from
-def _stored(path, runs, options=("--model.d_model", "64"), tokens=512, jobs="1"):
+def _stored(path, runs, options=("--model.d_model", "64"), tokens=512, jobs="1", size=()):
     """A results.json as ``isoflop_experiment`` writes it (the keys ``tables_from`` reads)."""
     import json
 
-    argv = ["experiments/repro/__main__.py", "mod_isoflop", "--jobs", jobs, "--", *options]
+    argv = ["experiments/repro/__main__.py", "mod_isoflop", *size, "--jobs", jobs, "--", *options]
     path.write_text(json.dumps({"tokens_per_step": tokens, "runs": runs,
                                 "provenance": {"commit": "abc", "argv": argv, "platform": {}}}))
     return path
@@ -273,8 +273,30 @@ def test_tables_from_refuses_files_that_are_not_the_same_runs(tmp_path):
     with pytest.raises(ConfigError, match=r"no vanilla rows at budget 1\.000e\+12"):
         repro([*out, str(routed_only)])
     probe_like = _stored(tmp_path / "probe.json", [{"variant": "vanilla", "seed": 1, "val_loss": 1.0}])
-    with pytest.raises(ConfigError, match=r"probe\.json's run rows lack budget, variant, n_layer, d_model, seed"):
+    with pytest.raises(ConfigError, match=r"probe\.json's run rows lack budget, n_layer, d_model, parameters"):
         repro([*out, str(probe_like)])
+    unmatched = _stored(tmp_path / "unmatched.json", [{k: v for k, v in r.items() if k != "matched"}
+                                                      for r in _rows(depths)])
+    with pytest.raises(ConfigError, match=r"unmatched\.json's run rows lack matched: not a mod_isoflop"):
+        repro([*out, str(unmatched)])
+    small = _stored(tmp_path / "small.json", _rows(depths), size=("--size", "small"))  # another n_head
+    with pytest.raises(ConfigError, match=r"small\.json's --size small differ from .*widths\.json's tiny"):
+        repro([*out, f"{widths},{small}"])
+    with pytest.raises(ConfigError, match=r"--tables_from: the list is empty"):  # not "train the whole grid"
+        repro([*out, ""])
+
+
+def test_tables_from_takes_a_run_whose_stored_figure_is_nan_in_both_files_as_the_same_run(tmp_path):
+    from experiments.repro import main as repro
+
+    _, widths, depths = _grid_files(tmp_path)
+    nan = [dict(r, val_loss_noncausal=float("nan")) if (r["n_layer"], r["d_model"]) == (2, 24) else r
+           for r in _rows(widths)]
+    a = _stored(tmp_path / "a.json", nan)
+    b = _stored(tmp_path / "b.json", [dict(r, val_loss_noncausal=float("nan")) if r["n_layer"] == 2 else r
+                                      for r in _rows(depths)])
+    merged = repro(["mod_isoflop", "--out", str(tmp_path / "out"), "--tables_from", f"{a},{b}"])
+    assert merged["analysis"][0]["best_dense"] == "vanilla 2x24"
 
 
 def test_tables_from_rebuilds_the_published_half_budget_cells_as_one_curve(tmp_path):

@@ -191,7 +191,7 @@ def dispatch(ctx, args) -> Dict[str, Any]:
     if name == "mod_isoflop":
         from experiments.repro.isoflop import isoflop_experiment, tables_from
 
-        if args.tables_from:
+        if args.tables_from is not None:
             return tables_from(ctx, [pathlib.Path(p) for p in parse_list(args.tables_from, str, "tables_from")])
         return isoflop_experiment(
             ctx, budgets=parse_list(args.budgets, float, "budgets") if args.budgets else None,
@@ -214,7 +214,7 @@ def dispatch(ctx, args) -> Dict[str, Any]:
                                 quick=args.quick, dense_shapes=args.dense_shapes, verify=args.verify,
                                 published=args.published,
                                 tables_from_paths=[pathlib.Path(p) for p in parse_list(args.tables_from, str, "tables_from")]
-                                if args.tables_from else ())
+                                if args.tables_from is not None else ())
     from experiments.repro.head_to_head import head_to_head
 
     variants = parse_list(args.variants, str, "variants") if args.variants else None

@@ -699,6 +699,12 @@ def stored_jobs(data: Dict[str, Any]) -> int:
     return 1
 
 
+def same_figure(a: Any, b: Any) -> bool:
+    """Two stored figures (numbers, or nested lists / dicts of them) are the same, a NaN equal to a NaN (a
+    correlation over constant values is NaN in every copy of that run)."""
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
 def merge_run_rows(files: Sequence[Tuple[pathlib.Path, Dict[str, Any]]], key: Callable[[Dict[str, Any]], Tuple],
                    same_run: Sequence[str], entry_of: Callable[[Dict[str, Any]], str],
                    option: str = "--tables_from") -> Tuple[List[Dict[str, Any]], List[str]]:
@@ -723,7 +729,7 @@ def merge_run_rows(files: Sequence[Tuple[pathlib.Path, Dict[str, Any]]], key: Ca
         for row in data["runs"]:
             k = key(row)
             if k in rows:
-                differs = [f for f in same_run if rows[k].get(f) != row.get(f)]
+                differs = [f for f in same_run if not same_figure(rows[k].get(f), row.get(f))]
                 if differs:
                     raise ConfigError(f"{option}: {entry_of(row)} seed {row.get('seed')} is stored in "
                                       f"{rows[k]['source']} and {path} with different {', '.join(differs)}: not the "

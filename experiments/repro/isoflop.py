@@ -216,7 +216,8 @@ def isoflop_experiment(ctx: Context, budgets: Optional[Sequence[float]] = None, 
         plot_isoflop(ctx, analyses)
         ctx.log_table("mod_isoflop", "\n".join(sections))
     results = {"tokens_per_step": tokens, "budgets": list(plan), "widths": widths, "depths": depths, "seeds": seeds,
-               "variants": variants, "analysis": analyses, "runs": runs, "run_options": result_options(ctx.run_options)}
+               "variants": variants, "analysis": analyses, "runs": runs, "run_options": result_options(ctx.run_options),
+               "size": ctx.size}
     ctx.write_report("MoD isoFLOP comparison", sections, results)
     return results
 
@@ -238,6 +239,24 @@ def stored_run_options(data: Dict[str, Any]) -> Optional[List[str]]:
 
 
 ROW_KEY = ("budget", "variant", "n_layer", "d_model", "seed")  # one run of the grid
+# what the tables read of a stored row besides ROW_KEY and SAME_RUN (isoflop_row writes them all)
+ROW_FIGURES = ("planned_steps", "train_flops_per_token", "forward_flops_per_token", "matched", "measured_deviation",
+               "train_time_s")
+
+
+def stored_size(data: Dict[str, Any]) -> str:
+    """The ``--size`` a stored invocation gave every run (its record, else its provenance argv before ``--``;
+    the default, tiny, where it gave none): it sets n_head even where d_model and block_size are overridden."""
+    if isinstance(data.get("size"), str):
+        return data["size"]
+    argv = (data.get("provenance") or {}).get("argv") or []
+    own = argv[:argv.index("--")] if "--" in argv else argv
+    for i, arg in enumerate(own):
+        if arg.startswith("--size="):
+            return arg.split("=", 1)[1]
+        if arg == "--size" and i + 1 < len(own):
+            return own[i + 1]
+    return "tiny"
 
 
 def run_key(row: Dict[str, Any]) -> Tuple[Any, ...]:
@@ -251,13 +270,16 @@ def stored_isoflop_runs(paths: Sequence[pathlib.Path]) -> Tuple[List[Dict[str, A
     files = [read_published(path, "--tables_from", needs=(("runs", list), ("tokens_per_step", int))) for path in paths]
     options = [stored_run_options(data) for data in files]
     for path, data, opts in zip(paths, files, options):
-        if not all(isinstance(r, dict) and all(k in r for k in (*ROW_KEY, *SAME_RUN)) for r in data["runs"]):
-            raise ConfigError(f"--tables_from: {path}'s run rows lack {', '.join(ROW_KEY)}: not a mod_isoflop "
+        missing = [k for k in (*ROW_KEY, *SAME_RUN, *ROW_FIGURES)
+                   if not all(isinstance(r, dict) and k in r for r in data["runs"])]
+        if missing:
+            raise ConfigError(f"--tables_from: {path}'s run rows lack {', '.join(missing)}: not a mod_isoflop "
                               "results.json (give the file the programme wrote)")
         if opts is None:
             raise ConfigError(f"--tables_from: {path} names no run options (no run_options, no provenance argv); "
                               "give a mod_isoflop results.json written by the programme")
         for what, mine, first in (("tokens_per_step", data["tokens_per_step"], files[0]["tokens_per_step"]),
+                                  ("--size", stored_size(data), stored_size(files[0])),
                                   ("run options", opts, options[0])):
             if mine != first:
                 raise ConfigError(f"--tables_from: {path}'s {what} {mine} differ from {paths[0]}'s {first}; only "
@@ -308,7 +330,8 @@ def tables_from(ctx: Context, paths: Sequence[pathlib.Path]) -> Dict[str, Any]:
     plot_isoflop(ctx, analyses)
     results = {"tokens_per_step": files[0]["tokens_per_step"], "budgets": budgets, "widths": widths, "depths": depths,
                "seeds": seeds, "variants": variants, "analysis": analyses, "runs": runs,
-               "run_options": stored_run_options(files[0]), "tables_from": [str(p) for p in paths]}
+               "run_options": stored_run_options(files[0]), "size": stored_size(files[0]),
+               "tables_from": [str(p) for p in paths]}
     ctx.write_report("MoD isoFLOP comparison (rebuilt from stored runs)", sections, results)
     return results
 

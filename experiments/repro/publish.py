@@ -136,20 +136,24 @@ def publish(out: pathlib.Path, dest: pathlib.Path) -> Dict[str, Any]:
 def publish_runs(log_dir: pathlib.Path, dest: pathlib.Path) -> List[pathlib.Path]:
     """Copy the records of every run folder under ``log_dir`` to ``dest/runs/<path relative to log_dir>`` (see the
     module docstring; ``dest/runs`` is replaced as a whole); the records' folders."""
-    from analysis.compare import find_run_folders
+    from analysis import compare
 
     log_dir, dest = pathlib.Path(log_dir), pathlib.Path(dest)
     if not log_dir.is_dir():
         raise ConfigError(f"publish --runs: {log_dir} is not a folder; give the --log_dir the runs wrote to")
-    if log_dir.resolve() in (dest.resolve(), *dest.resolve().parents):
-        raise ConfigError(f"publish --runs: DEST {dest} is inside {log_dir}; give another folder (e.g. docs/results/<name>)")
-    runs = []
-    for run_dir in find_run_folders([str(log_dir)]):  # every one read before anything is written
-        try:
-            runs.append((run_dir, json.loads((run_dir / "summary.json").read_text())))
-        except (OSError, ValueError) as err:
-            raise ConfigError(f"publish --runs: {run_dir} has no readable summary.json ({err}); let the run finish "
-                              "(or resume it) before publishing") from None
+    source, records = log_dir.resolve(), (dest / "runs").resolve()
+    if source in (records, *records.parents) or records in source.parents:  # replacing DEST/runs would delete runs
+        raise ConfigError(f"publish --runs: DEST {dest} and {log_dir} overlap; give another folder (e.g. "
+                          "docs/results/<name>)")
+    if (dest / "results.json").is_file():
+        raise ConfigError(f"publish --runs: {dest} holds a programme's published report, whose runs/ its results.json "
+                          "names; give another folder")
+    try:
+        folders = compare.find_run_folders([str(log_dir)])
+    except compare.CompareError:
+        raise ConfigError(f"publish --runs: no run folders (config.yaml) under {log_dir}; give the --log_dir the "
+                          "runs wrote to") from None
+    runs = [(folder, finished_summary(folder)) for folder in folders]  # every one read before anything is written
     dest.mkdir(parents=True, exist_ok=True)
     staging = pathlib.Path(tempfile.mkdtemp(prefix=".runs.", dir=dest))
     try:
@@ -162,6 +166,29 @@ def publish_runs(log_dir: pathlib.Path, dest: pathlib.Path) -> List[pathlib.Path
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return [dest / "runs" / name for name in names]
+
+
+def finished_summary(run_dir: pathlib.Path) -> Dict[str, Any]:
+    """The summary.json of a run that finished (as ``experiments.compare`` judges it: a resumed run still training
+    has its earlier summary); one line naming the run otherwise."""
+    import yaml
+
+    from analysis.compare import flatten, unfinished_reason, without_unused_groups
+
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    except (OSError, ValueError, yaml.YAMLError) as err:
+        raise ConfigError(f"publish --runs: {run_dir} has no readable summary.json and config.yaml ({err}); let the "
+                          "run finish (or resume it) before publishing") from None
+    if not isinstance(summary, dict) or not isinstance(config, dict):
+        raise ConfigError(f"publish --runs: {run_dir}'s summary.json or config.yaml is not a mapping; not a run of "
+                          "experiments.run")
+    stale = unfinished_reason(without_unused_groups(flatten(config)), summary)
+    if stale:
+        raise ConfigError(f"publish --runs: {run_dir} is unfinished ({stale}); let the run finish (or resume it) "
+                          "before publishing")
+    return summary
 
 
 def copy_record(run_dir: pathlib.Path, summary: Dict[str, Any], target: pathlib.Path) -> None:
