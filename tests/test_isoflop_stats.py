@@ -299,6 +299,45 @@ def test_tables_from_takes_a_run_whose_stored_figure_is_nan_in_both_files_as_the
     assert merged["analysis"][0]["best_dense"] == "vanilla 2x24"
 
 
+def _tables(path) -> list:
+    """A report's table rows and goal lines (not its command and source lines, which name where it ran)."""
+    return [line for line in path.read_text().splitlines() if line.startswith(("|", "- budget"))]
+
+
+@pytest.mark.parametrize("merged", ["merged_1x", "merged_half"])
+def test_the_published_merged_isoflop_tables_rebuild_from_their_source_files(tmp_path, merged):
+    """Each committed merged isoFLOP report (docs/results/isoflop_seeds/merged_*) is the tool's output over the
+    published invocations it names: rebuilt here from those results.json files, its tables and goal lines come back
+    to the character (a shape and seed stored twice, e.g. vanilla 4 x 8, are the same run bit for bit, or the merge
+    would refuse), and its verdict is the one docs/results.md states."""
+    import json
+
+    from experiments.repro import main as repro
+    from tests.conftest import REPO
+
+    folder = REPO / "docs" / "results" / "isoflop_seeds" / merged
+    published = json.loads((folder / "results.json").read_text())
+    sources = [REPO / path for path in published["tables_from"]]
+    rebuilt = repro(["mod_isoflop", "--out", str(tmp_path), "--tables_from", ",".join(map(str, sources))])
+    assert _tables(tmp_path / "results.md") == _tables(folder / "results.md")
+    (a,) = rebuilt["analysis"]
+    assert a["bracket"] == "bracketed" and a["beats_best_dense"] == []
+    assert a["best_dense"] == {"merged_1x": "vanilla 4x8", "merged_half": "vanilla 2x8"}[merged]
+
+
+def test_tables_from_takes_a_run_whose_stored_figure_is_nan_in_both_files_as_the_same_run(tmp_path):
+    from experiments.repro import main as repro
+
+    _, widths, depths = _grid_files(tmp_path)
+    nan = [dict(r, val_loss_noncausal=float("nan")) if (r["n_layer"], r["d_model"]) == (2, 24) else r
+           for r in _rows(widths)]
+    a = _stored(tmp_path / "a.json", nan)
+    b = _stored(tmp_path / "b.json", [dict(r, val_loss_noncausal=float("nan")) if r["n_layer"] == 2 else r
+                                      for r in _rows(depths)])
+    merged = repro(["mod_isoflop", "--out", str(tmp_path / "out"), "--tables_from", f"{a},{b}"])
+    assert merged["analysis"][0]["best_dense"] == "vanilla 2x24"
+
+
 def test_tables_from_rebuilds_the_published_half_budget_cells_as_one_curve(tmp_path):
     """The two published 0.5x invocations (widths at depth 4, depths at d = 8) share vanilla and MoD 4 x 8, and
     those runs came back bit for bit: the merge accepts them and analyses one dense curve over both axes."""
