@@ -582,7 +582,7 @@ def _level_cell(row: Dict[str, Any], key: str) -> str:
     level = row.get("probe_levels", {}).get(key)
     if level is None or row[key]["mean"] is None:
         return "-"
-    text = fmt(row[key]["mean"], 3) + (f" {_interval(level['ci'])}" if level["ci"][0] is not None else "")
+    text = fmt(row[key]["mean"], 3) + (f" {_interval(level['ci'], 3)}" if level["ci"][0] is not None else "")
     solved = round(level["solved"] * level["solved_n"]) if level["solved"] is not None else 0
     return f"{text} ({solved}/{level['solved_n']})"
 
@@ -601,11 +601,11 @@ def _level_test_cell(level: Optional[Dict[str, Any]], is_baseline: bool) -> str:
     return text + f", p {fmt(test['p_holm'], 3)}"
 
 
-def _interval(ci) -> str:
+def _interval(ci, digits: int = 4) -> str:
     from analysis.tables import fmt
 
     lo, hi = ci
-    return "-" if lo is None else f"[{fmt(lo)}, {fmt(hi)}]"
+    return "-" if lo is None else f"[{fmt(lo, digits)}, {fmt(hi, digits)}]"
 
 
 def _baseline_cells(test: Optional[Dict[str, Any]]) -> List[str]:
