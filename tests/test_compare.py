@@ -578,3 +578,18 @@ def test_published_run_records_rebuild_the_same_table_and_an_unfinished_run_is_r
     (tmp_path / "report" / "results.json").write_text("{}")  # a programme's published report: its runs/ is its own
     with pytest.raises(ConfigError, match=r"publish --runs: .*report holds a programme's published report"):
         publish.main([str(tmp_path / "docs" / "runs"), str(tmp_path / "report"), "--runs"])
+
+
+def test_the_published_necessity_table_rebuilds_from_its_run_records():
+    """docs/results/probe_bounce_necessity: the 20 runs' records (4 depths x 5 seeds, equal steps) give the committed
+    table to the character, and the verdict probes.md states: no depth's accuracy on the top levels differs from one
+    layer's after Holm's correction (8 layers' L4 gain is inside the seeds' spread; 2 and 4 layers are below)."""
+    folder = REPO / "docs" / "results" / "probe_bounce_necessity"
+    board = compare.compare([str(folder / "runs")], ["model.n_layer"], baseline="vanilla n_layer=1")
+    assert compare.to_markdown(board) == (folder / "leaderboard.md").read_text()
+    rows = {r["model.n_layer"]: r for r in board["rows"]}
+    assert sorted(rows) == [1, 2, 4, 8] and all(r["n"] == 5 and r["steps"]["mean"] == 8000 for r in rows.values())
+    for depth in (2, 4, 8):
+        for level in ("probe_acc_L3", "probe_acc_L4"):
+            assert rows[depth]["probe_levels"][level]["vs_baseline"]["p_holm"] > 0.05
+    assert rows[8]["probe_acc_L4"]["mean"] > rows[1]["probe_acc_L4"]["mean"] > rows[4]["probe_acc_L4"]["mean"]
