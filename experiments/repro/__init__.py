@@ -168,6 +168,15 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         ctx.close()
 
 
+def stored_results(args) -> List[pathlib.Path]:
+    """``--tables_from``'s files; [] when it is not given (an empty value is refused: the list is empty)."""
+    from experiments.repro.common import parse_list
+
+    if args.tables_from is None:
+        return []
+    return [pathlib.Path(p) for p in parse_list(args.tables_from, str, "tables_from")]
+
+
 def dispatch(ctx, args) -> Dict[str, Any]:
     from experiments.repro.common import parse_list
 
@@ -192,7 +201,7 @@ def dispatch(ctx, args) -> Dict[str, Any]:
         from experiments.repro.isoflop import isoflop_experiment, tables_from
 
         if args.tables_from is not None:
-            return tables_from(ctx, [pathlib.Path(p) for p in parse_list(args.tables_from, str, "tables_from")])
+            return tables_from(ctx, stored_results(args))
         return isoflop_experiment(
             ctx, budgets=parse_list(args.budgets, float, "budgets") if args.budgets else None,
             widths=parse_list(args.widths, int, "widths") if args.widths else None,
@@ -212,9 +221,7 @@ def dispatch(ctx, args) -> Dict[str, Any]:
         return probe_experiment(ctx, variants, seeds=args.seeds, blocks=args.blocks,
                                 min_steps=args.min_steps or (10 if args.quick else 20),
                                 quick=args.quick, dense_shapes=args.dense_shapes, verify=args.verify,
-                                published=args.published,
-                                tables_from_paths=[pathlib.Path(p) for p in parse_list(args.tables_from, str, "tables_from")]
-                                if args.tables_from is not None else ())
+                                published=args.published, tables_from_paths=stored_results(args))
     from experiments.repro.head_to_head import head_to_head
 
     variants = parse_list(args.variants, str, "variants") if args.variants else None
