@@ -324,29 +324,3 @@ def test_the_published_merged_isoflop_tables_rebuild_from_their_source_files(tmp
     assert a["bracket"] == "bracketed" and a["beats_best_dense"] == []
     assert a["best_dense"] == {"merged_1x": "vanilla 4x8", "merged_half": "vanilla 2x8"}[merged]
 
-
-def test_tables_from_takes_a_run_whose_stored_figure_is_nan_in_both_files_as_the_same_run(tmp_path):
-    from experiments.repro import main as repro
-
-    _, widths, depths = _grid_files(tmp_path)
-    nan = [dict(r, val_loss_noncausal=float("nan")) if (r["n_layer"], r["d_model"]) == (2, 24) else r
-           for r in _rows(widths)]
-    a = _stored(tmp_path / "a.json", nan)
-    b = _stored(tmp_path / "b.json", [dict(r, val_loss_noncausal=float("nan")) if r["n_layer"] == 2 else r
-                                      for r in _rows(depths)])
-    merged = repro(["mod_isoflop", "--out", str(tmp_path / "out"), "--tables_from", f"{a},{b}"])
-    assert merged["analysis"][0]["best_dense"] == "vanilla 2x24"
-
-
-def test_tables_from_rebuilds_the_published_half_budget_cells_as_one_curve(tmp_path):
-    """The two published 0.5x invocations (widths at depth 4, depths at d = 8) share vanilla and MoD 4 x 8, and
-    those runs came back bit for bit: the merge accepts them and analyses one dense curve over both axes."""
-    from experiments.repro import main as repro
-    from tests.conftest import REPO
-
-    half, depth = (REPO / "docs" / "results" / "isoflop_seeds" / name / "results.json" for name in ("half", "half_depth"))
-    merged = repro(["mod_isoflop", "--out", str(tmp_path), "--tables_from", f"{half},{depth}"])
-    (a,) = merged["analysis"]
-    assert len(merged["runs"]) == 50  # 30 + 30, the 10 runs of 4 x 8 stored twice counted once
-    assert a["best_dense"] == "vanilla 2x8" and a["bracket_by_depth"][4].startswith("bracketed")
-    assert a["beats_best_dense"] == []
