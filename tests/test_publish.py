@@ -132,3 +132,30 @@ def test_publish_refuses_a_missing_foreign_or_unreadable_run_before_writing_anyt
     with pytest.raises(ConfigError, match="holds files but no published report"):
         publish.publish(out, dest)
     assert [p.name for p in dest.iterdir()] == ["notes"]
+
+
+# Published before .gitignore let docs/results/**/runs/ in (its "runs/" matched them): their run records were never
+# committed, so only their reports and results.json rows are in the repository. The set may only shrink.
+PUBLISHED_WITHOUT_RECORDS = {"isoflop_seeds/half", "isoflop_seeds/half_depth", "isoflop_seeds/mod_width",
+                             "probe_bounce_amd24"}
+
+
+def test_every_published_run_record_is_in_the_repository():
+    """Every row publish rewrote (it keeps ``run_dir_trained``) names a record folder with its summary.json, under its
+    own report's folder or, for a merged report, under the folder of the file the row came from (``source``)."""
+    from tests.conftest import REPO
+
+    results = REPO / "docs" / "results"
+    without: set = set()
+    checked = 0
+    for path in sorted(results.rglob("results.json")):
+        rows = json.loads(path.read_text()).get("runs")
+        for row in rows if isinstance(rows, list) else []:
+            if not isinstance(row, dict) or "run_dir_trained" not in row:
+                continue
+            folder = (REPO / row["source"]).parent if row.get("source") else path.parent
+            checked += 1
+            if not (folder / row["run_dir"] / "summary.json").is_file():
+                without.add(folder.relative_to(results).as_posix())
+    assert checked >= 40  # the records of this stop's publications at least (half_depth1/2, 20 runs)
+    assert without == PUBLISHED_WITHOUT_RECORDS
