@@ -115,9 +115,7 @@ def publish(out: pathlib.Path, dest: pathlib.Path) -> Dict[str, Any]:
         if folders.setdefault(name, run_dir.resolve()) != run_dir.resolve():
             raise ConfigError(f"publish: the run folders {folders[name]} and {run_dir} would share the record {name}; "
                               "publish runs of one --out (or one log folder) at a time")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))  # beside DEST: one file system
-    try:
+    def fill(staging: pathlib.Path) -> None:
         for path in sorted(out.iterdir()):
             if path.is_file() and path.suffix in REPORT_SUFFIXES:
                 shutil.copy2(path, staging / path.name)
@@ -125,12 +123,23 @@ def publish(out: pathlib.Path, dest: pathlib.Path) -> Dict[str, Any]:
             copy_record(run_dir, summary, staging / name)
             row["run_dir_trained"], row["run_dir"] = row["run_dir"], name.as_posix()
         (staging / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-        if dest.exists():
-            shutil.rmtree(dest)
-        shutil.move(str(staging), str(dest))
+
+    replace_folder(dest, fill)
+    return results
+
+
+def replace_folder(target: pathlib.Path, fill) -> None:
+    """``target`` replaced as a whole by a folder ``fill(staging)`` writes beside it (one file system, so the swap is
+    a rename); nothing of the old ``target`` is left, and no staging folder stays behind when ``fill`` fails."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        fill(staging)
+        if target.exists():
+            shutil.rmtree(target)
+        shutil.move(str(staging), str(target))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return results
 
 
 def publish_runs(log_dir: pathlib.Path, dest: pathlib.Path) -> List[pathlib.Path]:
@@ -154,17 +163,13 @@ def publish_runs(log_dir: pathlib.Path, dest: pathlib.Path) -> List[pathlib.Path
         raise ConfigError(f"publish --runs: no run folders (config.yaml) under {log_dir}; give the --log_dir the "
                           "runs wrote to") from None
     runs = [(folder, finished_summary(folder)) for folder in folders]  # every one read before anything is written
-    dest.mkdir(parents=True, exist_ok=True)
-    staging = pathlib.Path(tempfile.mkdtemp(prefix=".runs.", dir=dest))
-    try:
-        names = [run_dir.relative_to(log_dir.resolve()) for run_dir, _ in runs]
+    names = [run_dir.relative_to(source) for run_dir, _ in runs]
+
+    def fill(staging: pathlib.Path) -> None:
         for (run_dir, summary), name in zip(runs, names):
             copy_record(run_dir, summary, staging / name)
-        if (dest / "runs").exists():
-            shutil.rmtree(dest / "runs")
-        shutil.move(str(staging), str(dest / "runs"))
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+
+    replace_folder(dest / "runs", fill)
     return [dest / "runs" / name for name in names]
 
 
