@@ -87,7 +87,7 @@ DATA_SEED = 20240615  # the probe content is fixed; --seed changes the training 
 DEFAULT_EPISODES = 16384  # 2.1M tokens; data.max_tokens sets another size
 NO_LABEL = -1
 FAMILIES = ("arith", "recall", "text", "hops", "cups", "bounce")  # families.npy holds the index: append only
-VERSIONS = {"probe": "v1", "probe-v2": "v2", "probe-v3": "v3", "probe-v4": "v4", "probe-v5": "v5"}  # name prefix -> generator version
+VERSIONS = {"probe": "v1", "probe-v2": "v2", "probe-v3": "v3", "probe-v4": "v4", "probe-v5": "v5", "probe-v6": "v6"}  # name prefix -> generator version
 _V1_FAMILIES = ("arith", "recall", "text")
 TASKS: Dict[str, Tuple[str, ...]] = {
     **{name: families for prefix in ("probe", "probe-v2")
@@ -95,6 +95,7 @@ TASKS: Dict[str, Tuple[str, ...]] = {
     "probe-v3/hops": ("hops",),
     "probe-v4/cups": ("cups",),
     "probe-v5/bounce": ("bounce",),
+    "probe-v6/bounce": ("bounce",),
 }
 BLANK = "_"  # an empty operand slot of a v2 arithmetic segment
 
@@ -113,6 +114,8 @@ CUPS_SEGMENT = 1 + CUPS_LEVELS + 2  # start, operand slots, '=', answer
 
 # v5 a fixed non-associative operation composed in order: s <- s + x, or |s - x| when the sum passes the limit
 BOUNCE_LIMIT = 14
+# v6 the same step over wider segments: levels 0..BOUNCE_WIDE_LEVELS, past what one layer's MLP can tabulate
+BOUNCE_WIDE_LEVELS = 7
 
 MEMO, MEMO_END, COPY, COPY_END, COUNT = "\x02", "\x03", "\x05", "\x06", "\x07"
 _MARKERS = {ord(c) for c in (MEMO, MEMO_END, COPY, COPY_END, COUNT)}
@@ -278,21 +281,26 @@ def shell_game(ball: int, operands: List[int]) -> int:
     return ball
 
 
-def bounce_episode(rng: np.random.Generator, length: int = EPISODE_LEN - 1) -> Episode:
-    """v5: v2's fixed-width segments ``__x0x1..xd=SS;`` (d uniform in 0..MAX_DEPTH, operands right-aligned),
+def bounce_episode(rng: np.random.Generator, length: int = EPISODE_LEN - 1, top_level: int = MAX_DEPTH) -> Episode:
+    """v5: v2's fixed-width segments ``__x0x1..xd=SS;`` (d uniform in 0..top_level, operands right-aligned),
     ``SS`` the two-digit result of ``bounce_chain`` (one dependent step per operand after x0) instead of
     the sum. The units digit of ``SS`` has level d, ``;`` level 0; slots, '=', the tens digit unlabelled."""
-    width = MAX_DEPTH + 1
+    width = top_level + 1
     segment_len = width + 4  # slots, '=', two result digits, ';'
     text, levels = [], []
     for _ in range(length // segment_len):
-        d = int(rng.integers(0, MAX_DEPTH + 1))
+        d = int(rng.integers(0, top_level + 1))
         operands = rng.integers(0, 10, size=d + 1).tolist()
         slots = BLANK * (width - d - 1) + "".join(_DIGITS[x] for x in operands)
         text.extend(f"{slots}={bounce_chain(operands):02d};")
         levels.extend([NO_LABEL] * (width + 2) + [d, 0])
     pad = length - len(text)
     return ("".join(text) + "." * pad).encode("ascii"), levels + [NO_LABEL] * pad
+
+
+def bounce_episode_wide(rng: np.random.Generator, length: int = EPISODE_LEN - 1) -> Episode:
+    """v6: v5's segments with BOUNCE_WIDE_LEVELS + 1 slots (10 segments of 12 bytes per episode)."""
+    return bounce_episode(rng, length, top_level=BOUNCE_WIDE_LEVELS)
 
 
 def bounce(state: int, x: int) -> int:
@@ -316,7 +324,8 @@ GENERATORS = {"v1": {"arith": arith_episode, "recall": recall_episode, "text": t
               "v2": {"arith": arith_episode_v2, "recall": recall_episode, "text": text_episode},
               "v3": {"hops": hops_episode},
               "v4": {"cups": cups_episode},
-              "v5": {"bounce": bounce_episode}}
+              "v5": {"bounce": bounce_episode},
+              "v6": {"bounce": bounce_episode_wide}}
 
 
 def version(task: str) -> str:
@@ -355,7 +364,7 @@ def solve_episode(family: str, data: bytes, generator: str = "v1") -> Dict[int, 
     if family == "cups":
         return _solve_cups(text)
     if family == "bounce":
-        return _solve_bounce(text)
+        return _solve_bounce(text, slots=BOUNCE_WIDE_LEVELS + 1 if generator == "v6" else MAX_DEPTH + 1)
     return _solve_text(text)
 
 
@@ -461,12 +470,12 @@ def _solve_cups(text: str) -> Dict[int, Tuple[int, int]]:
     return out
 
 
-def _solve_bounce(text: str) -> Dict[int, Tuple[int, int]]:
+def _solve_bounce(text: str, slots: int) -> Dict[int, Tuple[int, int]]:
     """Re-plays every segment step by step from its bytes: the level is the number of steps after x0."""
     out = {}
     for start, eq, operands in _arith_segments(text, answer_len=2):
-        if not operands or len(text[start:eq]) != MAX_DEPTH + 1:
-            raise ValueError(f"bounce: segment at {start}: {text[start:eq + 4]!r} is not {MAX_DEPTH + 1} slots, '=', two digits, ';'")
+        if not operands or len(text[start:eq]) != slots:
+            raise ValueError(f"bounce: segment at {start}: {text[start:eq + 4]!r} is not {slots} slots, '=', two digits, ';'")
         state = operands[0]
         for x in operands[1:]:  # one dependent step per operand after the first
             state = bounce(state, x)
@@ -540,6 +549,8 @@ class ProbeCorpus(Corpus):
             parts += f"-C{CUPS}-L{CUPS_LEVELS}x{CUPS_PER_LEVEL}-fixed"
         if "bounce" in TASKS[self.task]:
             parts += f"-B{BOUNCE_LIMIT}"
+        if version(self.task) == "v6":
+            parts += f"-W{BOUNCE_WIDE_LEVELS + 1}"
         if "text" in TASKS[self.task]:
             parts += "-" + hashlib.sha256(embedded_bytes()).hexdigest()[:12]
         return f"probe-{self.task.replace('/', '-')}-{hashlib.sha256(parts.encode()).hexdigest()[:16]}"

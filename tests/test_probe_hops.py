@@ -150,7 +150,7 @@ def test_same_index_gives_the_same_bytes_and_other_indices_differ():
 
 
 # The bytes, labels and family of the first 40 episodes of every task, and each cache fingerprint, as
-# they were before v3 was added (and v3's, v4's and v5's own, pinned when each was added): a new version must not move them.
+# they were before v3 was added (and v3's to v6's own, pinned when each was added): a new version must not move them.
 PINNED = {
     "probe": ("6d98f8b464fda20da870d577e424392bf5f3f173e55c45de15a4e288f3509856", "probe-probe-112a26be4f973ee9"),
     "probe-v2": ("013c081a477e397aa8c6d41a499a87258196d7cef743a7e702e5533dd645d8fc", "probe-probe-v2-f949e4424e95a35b"),
@@ -171,6 +171,8 @@ PINNED = {
                       "probe-probe-v4-cups-daf4223875aa4b8a"),
     "probe-v5/bounce": ("b6c09beea37795783372d752cb1ac65cbda7a7c0e8bc1b3afc677b5cbc3623b3",
                         "probe-probe-v5-bounce-608fa0862ca06d70"),
+    "probe-v6/bounce": ("394910ab1eb198e066a0a0c86dcccbb28f0eb3abfab66406779654083f1fbbe1",
+                        "probe-probe-v6-bounce-7cf496c51577c1df"),
 }
 
 
