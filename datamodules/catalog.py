@@ -10,7 +10,7 @@ from typing import Callable, Dict, List, Tuple
 
 from datamodules import hub
 from datamodules.corpora import Corpus, DataError, EmbeddedCorpus, TextFilesCorpus
-from datamodules.probe import ProbeCorpus
+from datamodules.probe import TASKS as PROBE_TASKS, ProbeCorpus
 
 CorpusFactory = Callable[..., Corpus]
 
@@ -27,9 +27,7 @@ CORPUS_OPTIONS: Dict[str, Tuple[str, ...]] = {"embedded": ("num_proc",), "text":
                                               "openwebtext": _HUB_OPTIONS, "slimpajama": _HUB_OPTIONS}
 CORPUS_SPECIFIC = _HUB_OPTIONS  # options some corpus reads and others ignore
 
-for _task in ("probe", "probe/arith", "probe/recall", "probe/text",
-              "probe-v2", "probe-v2/arith", "probe-v2/recall", "probe-v2/text", "probe-v3/hops", "probe-v4/cups",
-              "probe-v5/bounce"):
+for _task in PROBE_TASKS:  # every probe name the generator module defines, so a new version needs no edit here
     CORPORA[_task] = lambda _task=_task, **options: ProbeCorpus(_task, options.get("max_tokens"))
     CORPUS_OPTIONS[_task] = ("max_tokens",)  # generated: the number of episodes
 
