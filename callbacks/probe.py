@@ -163,11 +163,16 @@ def probe_batches(model, tokens: np.ndarray, levels: np.ndarray, families: np.nd
     return {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in out.items()}
 
 
+def check_levels(token_levels: np.ndarray, levels: int) -> None:
+    """Refuses labels above the metrics' levels 0..levels-1, naming the option to raise."""
+    if token_levels.size and int(token_levels.max()) >= levels:
+        raise ConfigError(f"callbacks.probe_levels: the data hold level {int(token_levels.max())}, outside the "
+                          f"{levels} levels 0..{levels - 1}; raise --callbacks.probe_levels")
+
+
 def stats_tensor(tokens: Dict[str, np.ndarray], n_families: int, levels: int = LEVELS) -> torch.Tensor:
     """Sums per (all | family, level): tokens, loss, correct, flops (reduced across ranks by summing)."""
-    if len(tokens["level"]) and int(tokens["level"].max()) >= levels:
-        raise ConfigError(f"callbacks.probe_levels: the data hold level {int(tokens['level'].max())}, outside the "
-                          f"{levels} levels 0..{levels - 1}; raise --callbacks.probe_levels")
+    check_levels(tokens["level"], levels)
     stats = _empty_stats(n_families, levels)
     for row, mask in [(0, np.ones_like(tokens["level"], dtype=bool))] + [
             (f + 1, tokens["family"] == f) for f in range(n_families)]:
@@ -271,6 +276,12 @@ class ProbeMetrics(L.Callback):
         self.blocks, self.batch_size = blocks, batch_size
         self.levels, self.hard_from = levels, hard_from
         self.latest: Dict[str, Any] = {}
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        """The labels are checked against ``levels`` before the first step, not at the first validation."""
+        _, token_levels, _, _ = evaluation_blocks(trainer.datamodule, self.blocks, trainer.global_rank,
+                                                  trainer.world_size)
+        check_levels(token_levels, self.levels)
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking:
