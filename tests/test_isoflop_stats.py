@@ -244,6 +244,11 @@ def test_tables_from_merges_two_grids_into_one_dense_curve(tmp_path):
     report = (tmp_path / "merged" / "results.md").read_text()
     assert "left out of the grid (not in the merged files)" in report and str(widths) in report
     assert merged["run_options"] == ["--model.d_model", "64"]
+    # a file whose runs printed a progress bar holds the same runs (the option changes no result)
+    quiet = _stored(tmp_path / "quiet.json", _rows(depths), options=("--model.d_model", "64",
+                                                                     "--trainer.enable_progress_bar", "false"))
+    again = repro(["mod_isoflop", "--out", str(tmp_path / "quiet"), "--tables_from", f"{widths},{quiet}"])
+    assert again["analysis"][0]["best_dense"] == a["best_dense"] and again["run_options"] == merged["run_options"]
     # the depths alone (one width) cannot bracket the best shape over widths
     single = repro(["mod_isoflop", "--out", str(tmp_path / "alone"), "--tables_from", str(depths)])
     assert single["analysis"][0]["bracket"].startswith("not bracketed")

@@ -512,6 +512,31 @@ def test_tables_merged_from_two_invocations_equal_the_tables_of_one(tmp_path):
         main(["probe", "--out", str(tmp_path / "refused"), "--tables_from", f"{a},{b}"])
 
 
+def test_settings_that_differ_only_in_the_progress_bar_are_one_programme(tmp_path):
+    """``--trainer.enable_progress_bar`` changes what a run prints, not what it computes: --verify's settings check
+    and --tables_from take a table stored with it as one stored without it; an option that changes results differs."""
+    from architectures.config import ConfigError
+    from experiments.repro import main
+    from experiments.repro.common import check_settings, result_options
+
+    quiet = ["--trainer.enable_progress_bar", "false", "--model.n_layer", "2", "--trainer.enable_progress_bar=true"]
+    assert result_options(quiet) == ["--model.n_layer", "2"]
+    check_settings({"steps": 5, "run_options": quiet}, {"steps": 5, "run_options": ["--model.n_layer", "2"]}, tmp_path)
+    with pytest.raises(ConfigError, match=r"--verify: this command's run_options is \[\]"):
+        check_settings({"run_options": quiet}, {"run_options": []}, tmp_path)
+    published = json.loads((BOUNCE / "results.json").read_text())
+    a, b = _split(tmp_path, published, [("vanilla", "dense:1x64", "recur_halt"),
+                                         ("vanilla", "dense:8x64", "mod:n_layer=8:capacity=0.125")])
+    stored = json.loads(b.read_text())
+    options = stored["settings"].get("run_options", [])
+    b.write_text(json.dumps({**stored, "settings": {**stored["settings"], "run_options": [*options, *quiet[:2]]}}))
+    main(["probe", "--out", str(tmp_path / "merged"), "--tables_from", f"{a},{b}"])
+    assert _report_tables(tmp_path / "merged" / "results.md") == _report_tables(BOUNCE / "results.md")
+    b.write_text(json.dumps({**stored, "settings": {**stored["settings"], "run_options": [*options, *quiet[2:4]]}}))
+    with pytest.raises(ConfigError, match=r"settings is .*; only runs of the same programme settings"):
+        main(["probe", "--out", str(tmp_path / "refused"), "--tables_from", f"{a},{b}"])
+
+
 def test_sweeps_accept_probe_datasets(capsys):
     from experiments import sweep
 

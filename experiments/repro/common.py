@@ -651,8 +651,8 @@ def text_blocks(tokenizer, documents: Sequence[str], block_size: int, max_tokens
 
 
 # ---------------------------------------------------------------------------- published tables and --verify
-# Pass-through options that change where a run reads or writes files, not what it computes.
-_NOT_RESULT_OPTIONS = ("--data.cache_dir", "--data.num_workers", "--log_dir")
+# Pass-through options that change where a run reads or writes files, or what it prints, not what it computes.
+_NOT_RESULT_OPTIONS = ("--data.cache_dir", "--data.num_workers", "--log_dir", "--trainer.enable_progress_bar")
 
 
 def result_options(options: Sequence[str]) -> List[str]:
@@ -669,6 +669,14 @@ def result_options(options: Sequence[str]) -> List[str]:
             continue
         out.append(item)
     return out
+
+
+def comparable_settings(settings: Dict[str, Any]) -> Dict[str, Any]:
+    """A programme's stored ``settings`` with its ``run_options`` reduced to those that change results, so a table
+    stored before an option was known to be harmless still matches one stored after."""
+    if isinstance(settings, dict) and isinstance(settings.get("run_options"), list):
+        return {**settings, "run_options": result_options(settings["run_options"])}
+    return settings
 
 
 def read_published(path: pathlib.Path, option: str = "--published",
@@ -741,6 +749,7 @@ def merge_run_rows(files: Sequence[Tuple[pathlib.Path, Dict[str, Any]]], key: Ca
 
 def check_settings(published: Dict[str, Any], mine: Dict[str, Any], path: pathlib.Path) -> None:
     """Refuse a verification whose settings differ from those of the published table (naming the first)."""
+    published, mine = comparable_settings(published), comparable_settings(mine)
     for key in sorted(set(published) | set(mine)):
         if published.get(key) != mine.get(key):
             raise ConfigError(f"--verify: this command's {key} is {mine.get(key)!r}, the published table's ({path}) is "

@@ -219,13 +219,19 @@ def merged_rows(paths: Sequence[pathlib.Path]
     """(each file's results, read once, entry labels: dense first, then routed, each in order of appearance; one row per
     entry and seed; a line per file naming its commit) of one or more probe results.json files at identical
     settings and budget (``common.merge_run_rows``: an (entry, seed) stored twice must hold the same run)."""
-    from experiments.repro.common import merge_run_rows, read_published
+    from experiments.repro.common import comparable_settings, merge_run_rows, read_published
 
     files = [read_published(path, "--tables_from") for path in paths]
     first = files[0]
+
+    def same(key, data):
+        if key == "settings":
+            return comparable_settings(data[key]) == comparable_settings(first[key])
+        return data.get(key) == first.get(key)
+
     for path, data in zip(paths[1:], files[1:]):
         for key in ("settings", "budget", "tokens_per_step"):
-            if data.get(key) != first.get(key):
+            if not same(key, data):
                 raise ConfigError(f"--tables_from: {path}'s {key} is {data.get(key)!r}, {paths[0]}'s is "
                                   f"{first.get(key)!r}; only runs of the same programme settings and budget share a table")
     runs, sources = merge_run_rows(list(zip(paths, files)), lambda r: (r["variant"], r["seed"]), SAME_RUN,
