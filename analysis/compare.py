@@ -10,6 +10,7 @@ import glob
 import json
 import math
 import pathlib
+import re
 import statistics
 import sys
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -29,8 +30,9 @@ GROUP_ALIASES = {"variant": "model.variant", "size": "model.size", "data": "data
 METRICS = (("steps", "steps"), ("tokens", "tokens"), ("train_flops", "train FLOPs"), ("val_loss", "val loss"),
            ("val_loss_causal", "causal val loss"), ("flops_per_token", "fwd FLOPs/token"),
            ("step_time_s", "step s"), ("parameters", "params"))
-# Routing-probe runs (datamodules/probe.py) add their accuracy per difficulty level, when any run has it.
-PROBE_METRICS = tuple((f"probe_acc_L{level}", f"acc L{level}") for level in range(5))
+# Routing-probe runs (datamodules/probe.py) add their accuracy per difficulty level, for every level a run logged
+# (--callbacks.probe_levels sets how many: probe-v6/bounce has 8).
+_PROBE_ACC = re.compile(r"probe/level(\d+)/acc")
 # The loss rows are ranked and plotted by: the causal loss where the run has one (routing that sees the future
 # cannot generate that way), else the loss; what summary.json's final_val_loss holds since it names its metric.
 HEADLINE = "headline_val_loss"
@@ -61,7 +63,13 @@ class Run:
                 "val_loss": loss, "val_loss_causal": causal, "flops_per_token": per_token.get("forward"),
                 "step_time_s": s.get("median_step_time_s"), "parameters": s.get("parameters"),
                 HEADLINE: causal if causal is not None else loss,
-                **{key: val.get(f"probe/level{key[-1]}/acc") for key, _ in PROBE_METRICS}}
+                **{f"probe_acc_L{m.group(1)}": v for k, v in val.items() if (m := _PROBE_ACC.fullmatch(k))}}
+
+
+def probe_columns(runs: Sequence[Run]) -> List[Tuple[str, str]]:
+    """(key, header) of the probe accuracy of every level some run logged, in level order (L10 after L9)."""
+    levels = {int(m.group(1)) for r in runs for k in (r.summary.get("val_metrics") or {}) if (m := _PROBE_ACC.fullmatch(k))}
+    return [(f"probe_acc_L{level}", f"acc L{level}") for level in sorted(levels)]
 
 
 def train_flops_spent(summary: Dict[str, Any]) -> Optional[float]:
@@ -336,24 +344,23 @@ def mean_std(values: Sequence[Optional[float]]) -> Dict[str, Optional[float]]:
 
 def metric_columns(runs: Sequence[Run]) -> List[Tuple[str, str]]:
     """The measured columns of a table of these runs: ``METRICS``, and the probe accuracies where a run has them."""
-    probe = [(k, h) for k, h in PROBE_METRICS if any(r.metrics()[k] is not None for r in runs)]
-    return [*METRICS, *probe]
+    return [*METRICS, *probe_columns(runs)]
 
 
-def aggregate(group: Sequence[Run], options: Sequence[str]) -> Dict[str, Any]:
-    """One leaderboard row: the group's options (all values where they vary), seeds and metric statistics."""
+def aggregate(group: Sequence[Run], options: Sequence[str], probe_keys: Sequence[str] = ()) -> Dict[str, Any]:
+    """One leaderboard row: the group's options (all values where they vary), seeds and metric statistics
+    (``probe_keys``: the table's probe accuracy columns, which a row without them holds as empty)."""
     per_run = [r.metrics() for r in group]
     row: Dict[str, Any] = {"variant": _values(group, "model.variant")}
     row.update({k: _values(group, k) for k in options})
     row["varies"] = [k for k in ("variant", *options) if _varies(group, "model.variant" if k == "variant" else k)]
     row["n"] = len(group)
     row["seeds"] = [r.seed for r in group]
-    row.update({key: mean_std([m[key] for m in per_run])
-                for key in (*[k for k, _ in METRICS], *[k for k, _ in PROBE_METRICS], HEADLINE)})
+    row.update({key: mean_std([m.get(key) for m in per_run]) for key in (*[k for k, _ in METRICS], *probe_keys, HEADLINE)})
     row["runs"] = [str(r.folder) for r in group]
     row["headline_values"] = [m[HEADLINE] for m in per_run]  # per seed: the units of the intervals and tests
-    row["probe_acc_values"] = {k: [m[k] for m in per_run] for k, _ in PROBE_METRICS
-                               if any(m[k] is not None for m in per_run)}  # per seed, per level
+    row["probe_acc_values"] = {k: [m.get(k) for m in per_run] for k in probe_keys
+                               if any(m.get(k) is not None for m in per_run)}  # per seed, per level
     return row
 
 
@@ -471,7 +478,8 @@ def leaderboard(runs: Sequence[Run], group_by: Optional[Sequence[str]] = None,
     groups = group_runs(runs, keys)
     if keys is None:
         warn_duplicate_seeds(groups)
-    rows = [aggregate(g, columns) for g in groups]
+    probe_keys = [k for k, _ in probe_columns(runs)]
+    rows = [aggregate(g, columns, probe_keys) for g in groups]
     rows.sort(key=lambda r: (r[HEADLINE]["mean"] is None, r[HEADLINE]["mean"] or 0.0))
     front = pareto_front([(r["train_flops"]["mean"], r[HEADLINE]["mean"]) for r in rows])
     for row, on_front in zip(rows, front):
@@ -550,7 +558,8 @@ def probe_levels_markdown(board: Dict[str, Any]) -> str:
     from analysis.stats import SOLVED
     from analysis.tables import markdown_table
 
-    levels = [k for k, _ in PROBE_METRICS if any(k in r.get("probe_levels", {}) for r in board["rows"])]
+    levels = [k for k in board["metrics"] if k.startswith("probe_acc_L") and any(k in r.get("probe_levels", {})
+                                                                                   for r in board["rows"])]
     if not levels:
         return ""
     headers = ["row", "n", *[f"acc {k[len('probe_acc_'):]} [95% CI] (seeds >= {SOLVED})" for k in levels]]

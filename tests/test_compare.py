@@ -200,6 +200,22 @@ def test_probe_accuracy_columns_appear_only_for_probe_runs_and_are_seed_means(ru
     assert "| acc L0 | acc L4 | Pareto |" in markdown and "0.7000 ± 0.1414" in markdown
 
 
+def test_probe_columns_cover_every_level_a_run_logged_in_level_order(runs, tmp_path):
+    """--callbacks.probe_levels sets how many levels a probe has (probe-v6/bounce: 8): every level any run logged
+    gets its columns, numerically ordered (L10 after L9), and a row without a level holds it empty."""
+    folders = copy_runs(runs, tmp_path)
+    for (variant, seed), folder in folders.items():
+        levels = range(11) if variant == "mod" else range(8)
+        edit_summary(folder, val_metrics={"val/loss": 1.0, **{f"probe/level{k}/acc": k / 20 + seed / 100 for k in levels}})
+    board = compare.compare([str(tmp_path / "runs")], baseline="vanilla")
+    assert [h for h in board["headers"] if h.startswith("acc L")] == [f"acc L{k}" for k in range(11)]
+    vanilla, mod = row_of(board, "vanilla"), row_of(board, "mod")
+    assert mod["probe_acc_L10"]["mean"] == pytest.approx(0.5 + 0.015) and vanilla["probe_acc_L10"]["n"] == 0
+    assert mod["probe_levels"]["probe_acc_L7"]["vs_baseline"]["difference"] == pytest.approx(0.0)
+    levels = compare.probe_levels_markdown(board)
+    assert "acc L9 [95% CI]" in levels and levels.index("acc L9 [") < levels.index("acc L10 [")
+
+
 def test_step_caps_of_runs_a_flops_budget_stopped_are_no_difference(runs, tmp_path):
     folders = copy_runs(runs, tmp_path)
     for (variant, seed), folder in folders.items():  # budget runs: each variant with its own --max_steps cap
