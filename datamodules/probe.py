@@ -16,7 +16,7 @@ block holds whole episodes; otherwise the evaluation drops labels whose episode 
 (``label_usable``).
 
 The difficulty level of a token is the number of sequential operations on earlier tokens the
-generator applied to produce it (0..MAX_DEPTH). Five versions exist; ``v1`` stays reproducible under its
+generator applied to produce it (0..MAX_DEPTH; 0..BOUNCE_WIDE_LEVELS in v6). Six versions exist; ``v1`` stays reproducible under its
 names (``probe``, ``probe/<family>``), ``v2`` has its own (``probe-v2``, ``probe-v2/<family>``) and
 changes only the arithmetic family:
 
@@ -64,6 +64,13 @@ width (a ``v2`` sum of d operands is one parallel read for attention):
   s = x0, then for each further operand x: s + x, or |s - x| when s + x would pass BOUNCE_LIMIT. Whether
   a step adds or reflects depends on the state the earlier steps left, so the units digit of ``SS`` (level
   d) needs the d steps in order; mostly a sum, so each operand moves it (v2's learnability).
+
+``v6`` (``probe-v6/bounce``, family ``bounce``) is v5's step over wider segments:
+
+* ``bounce`` with BOUNCE_WIDE_LEVELS + 1 = 8 operand slots (segments of 12 bytes, 10 per episode), d uniform in
+  0..7: levels 5-7 need more steps than a one-layer model's table of input combinations can hold (10^6 and
+  more), so shallow readings stop at their ceilings (tests/test_probe_bounce_wide.py) while a layer per step,
+  or per two, stays small. Metrics need ``--callbacks.probe_levels 8``.
 
 ``solve_episode`` re-derives every label from the tokens alone by brute force (for ``hops``: the fewest
 lookups, breadth-first, that reach a digit); the tests check the generator against it.

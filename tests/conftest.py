@@ -129,6 +129,23 @@ def pytest_collection_modifyitems(config, items):
         items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: files' order otherwise
 
 
+def bounce_segments(task: str, slots: int, episodes: int):
+    """(level, operands, result) of every segment of the first ``episodes`` episodes of a bounce probe
+    (``slots`` operand slots per segment), read by position, not by the solver."""
+    from datamodules import probe
+
+    segment_len = slots + 4  # slots, '=', two result digits, ';'
+    for index in range(episodes):
+        family, (data, levels) = probe.episode(task, index)
+        text = data.decode("ascii")
+        assert family == "bounce" and len(text) == len(levels) == probe.EPISODE_LEN - 1
+        for start in range(0, (len(text) // segment_len) * segment_len, segment_len):
+            segment = text[start : start + segment_len]
+            assert segment[slots] == "=" and segment[-1] == ";"
+            operands = [int(c) for c in segment[:slots] if c != probe.BLANK]
+            yield levels[start + slots + 2], operands, int(segment[slots + 1 : slots + 3])
+
+
 def solved_level_counts(task: str, episodes: int):
     """Every label of the first ``episodes`` episodes of a probe task re-derived from the bytes alone by its
     brute-force solver (asserted equal to the generator's); the count of labels per level."""

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from datamodules import probe
-from tests.conftest import solved_level_counts
+from tests.conftest import bounce_segments, solved_level_counts
 
 TASK = "probe-v5/bounce"
 EPISODES = 400  # 5,600 segments, ~1,120 per level
@@ -19,16 +19,7 @@ LEVELS = range(1, probe.MAX_DEPTH + 1)
 
 def _segments(count=EPISODES):
     """(level, operands, result) of every segment of the first ``count`` episodes, read by position."""
-    width, seg = probe.MAX_DEPTH + 1, probe.MAX_DEPTH + 5
-    for index in range(count):
-        family, (data, levels) = probe.episode(TASK, index)
-        text = data.decode("ascii")
-        assert family == "bounce" and len(text) == len(levels) == probe.EPISODE_LEN - 1
-        for start in range(0, (len(text) // seg) * seg, seg):
-            segment = text[start : start + seg]
-            assert segment[width] == "=" and segment[-1] == ";"
-            operands = [int(c) for c in segment[:width] if c != probe.BLANK]
-            yield levels[start + width + 2], operands, int(segment[width + 1 : width + 3])
+    return bounce_segments(TASK, probe.MAX_DEPTH + 1, count)
 
 
 def _naive(operands):

@@ -12,32 +12,24 @@ import numpy as np
 import pytest
 
 from datamodules import probe
-from tests.conftest import solved_level_counts
+from tests.conftest import bounce_segments, solved_level_counts
 
 TASK = "probe-v6/bounce"
 TOP = probe.BOUNCE_WIDE_LEVELS
-SLOTS, SEGMENT = TOP + 1, TOP + 5  # operand slots; slots, '=', two digits, ';'
+SLOTS = TOP + 1  # operand slots
 EPISODES = 300  # 3,000 segments, ~375 per level
 STATES = probe.BOUNCE_LIMIT + 1  # the running value stays in 0..BOUNCE_LIMIT
 
 
 def _segments(count=EPISODES):
     """(level, operands, result) of every segment of the first ``count`` episodes, read by position."""
-    for index in range(count):
-        family, (data, levels) = probe.episode(TASK, index)
-        text = data.decode("ascii")
-        assert family == "bounce" and len(text) == len(levels) == probe.EPISODE_LEN - 1
-        for start in range(0, (len(text) // SEGMENT) * SEGMENT, SEGMENT):
-            segment = text[start : start + SEGMENT]
-            assert segment[SLOTS] == "=" and segment[-1] == ";"
-            operands = [int(c) for c in segment[:SLOTS] if c != probe.BLANK]
-            yield levels[start + SLOTS + 2], operands, int(segment[SLOTS + 1 : SLOTS + 3])
+    return bounce_segments(TASK, SLOTS, count)
 
 
 # ---------------------------------------------------------------------------- generator vs brute force
 def test_the_solver_re_derives_every_label_and_every_level_0_to_7_occurs():
     seen = solved_level_counts(TASK, EPISODES)
-    segments = EPISODES * ((probe.EPISODE_LEN - 1) // SEGMENT)
+    segments = EPISODES * ((probe.EPISODE_LEN - 1) // (SLOTS + 4))
     assert sum(seen.values()) == 2 * segments and set(seen) == set(range(TOP + 1))
     assert all(seen[k] > 0.09 * segments for k in range(1, TOP + 1))  # d uniform in 0..7: 1/8 each
 
@@ -92,17 +84,22 @@ def _best_from_last(level, m):
     return sum(v.max() for v in mass.values())
 
 
-def _best_from_sum(level):
-    """Accuracy of the Bayes guess from the plain sum of the operands and the tens digit (joint DP)."""
-    joint = defaultdict(float, {(x, x): 0.1 for x in range(10)})  # (value, sum) after x0
+def _value_and_sum(level):
+    """The exact joint distribution {(running value, plain sum): probability} after x0 and ``level`` steps."""
+    joint = defaultdict(float, {(x, x): 0.1 for x in range(10)})
     for _ in range(level):
         step = defaultdict(float)
         for (s, total), p in joint.items():
             for x in range(10):
                 step[probe.bounce(s, x), total + x] += p / 10
         joint = step
+    return joint
+
+
+def _best_from_sum(level):
+    """Accuracy of the Bayes guess from the plain sum of the operands and the tens digit."""
     mass = defaultdict(lambda: np.zeros(10))
-    for (s, total), p in joint.items():
+    for (s, total), p in _value_and_sum(level).items():
         mass[total, s // 10][s % 10] += p
     return sum(v.max() for v in mass.values())
 
@@ -159,15 +156,8 @@ def test_high_level_shortcut_ceilings_are_their_pinned_exact_values():
 
 
 def _sum_units_rate(level):
-    """P(the sum's units digit is the result's units digit), exactly (the joint DP above)."""
-    joint = defaultdict(float, {(x, x): 0.1 for x in range(10)})
-    for _ in range(level):
-        step = defaultdict(float)
-        for (s, total), p in joint.items():
-            for x in range(10):
-                step[probe.bounce(s, x), total + x] += p / 10
-        joint = step
-    return sum(p for (s, total), p in joint.items() if s % 10 == total % 10)
+    """P(the sum's units digit is the result's units digit), exactly."""
+    return sum(p for (s, total), p in _value_and_sum(level).items() if s % 10 == total % 10)
 
 
 def test_shortcuts_in_the_data_match_their_exact_expectation():
