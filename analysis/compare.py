@@ -63,7 +63,7 @@ class Run:
                 "val_loss": loss, "val_loss_causal": causal, "flops_per_token": per_token.get("forward"),
                 "step_time_s": s.get("median_step_time_s"), "parameters": s.get("parameters"),
                 HEADLINE: causal if causal is not None else loss,
-                **{f"probe_acc_L{m.group(1)}": v for k, v in val.items() if (m := _PROBE_ACC.fullmatch(k))}}
+                **{f"probe_acc_L{int(m.group(1))}": v for k, v in val.items() if (m := _PROBE_ACC.fullmatch(k))}}
 
 
 def probe_columns(runs: Sequence[Run]) -> List[Tuple[str, str]]:

@@ -278,9 +278,9 @@ class ProbeMetrics(L.Callback):
         self.latest: Dict[str, Any] = {}
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        """The labels are checked against ``levels`` before the first step, not at the first validation."""
-        _, token_levels, _, _ = evaluation_blocks(trainer.datamodule, self.blocks, trainer.global_rank,
-                                                  trainer.world_size)
+        """The labels are checked against ``levels`` before the first step, not at the first validation. Every rank
+        checks all the blocks (not its share), so under DDP all ranks stop together instead of some waiting."""
+        _, token_levels, _, _ = evaluation_blocks(trainer.datamodule, self.blocks, 0, 1)
         check_levels(token_levels, self.levels)
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:

@@ -615,6 +615,17 @@ def _programme(**routed):
             **routed}
 
 
+def test_the_programme_tables_every_level_the_runs_logged_in_level_order():
+    """``-- --data probe-v6/bounce --callbacks.probe_levels 8`` (or more levels): the accuracy and compute tables
+    have a column per logged level, L10 after L9, not the five of probe-v2/arith."""
+    from experiments.repro.probe import accuracy_table, table_levels
+
+    per_variant = {"vanilla": _aggregate([1.0 - k / 20 for k in range(11)], dense=True, variant="vanilla")}
+    assert table_levels(per_variant) == [str(k) for k in range(11)]
+    header = accuracy_table(per_variant).splitlines()[0]
+    assert header == "| entry | " + " | ".join(f"acc L{k}" for k in range(11)) + " |"
+
+
 def test_goals_are_met_only_when_the_corrected_test_against_the_best_dense_model_passes():
     from experiments.repro.probe import dense_tests, goal_figures
 

@@ -73,6 +73,7 @@ def _state_after(steps):
 
 def _best_from_last(level, m):
     """Accuracy of the Bayes guess of the units digit from the last m operands and the tens digit."""
+    assert 1 <= m <= level, (level, m)  # m operands of the level + 1; m = level + 1 would be the answer itself
     prefix = _state_after(level - m)  # the value the first level + 1 - m operands leave
     mass = defaultdict(lambda: np.zeros(10))
     for suffix in itertools.product(range(10), repeat=m):
@@ -106,7 +107,7 @@ def _best_from_sum(level):
 
 def _chance(level):
     p = _state_after(level)
-    return sum(max(p[t * 10 : t * 10 + 10]) for t in range(2))
+    return sum(max(p[t * 10 : t * 10 + 10]) for t in range((STATES + 9) // 10))
 
 
 # Exact accuracies on the labelled units digit at levels 5, 6, 7 (docs/probes.md's v6 table).
@@ -127,23 +128,34 @@ def _ceilings(level):
             "best from the sum": _best_from_sum(level)}
 
 
-def test_the_dynamic_programme_equals_enumeration_where_enumeration_is_cheap():
-    """At levels 2-3 the DP ceilings equal brute force over all 10^(k+1) inputs (the DP's only check)."""
-    for level in (2, 3):
-        rows = list(itertools.product(range(10), repeat=level + 1))
-        results = [probe.bounce_chain(list(r)) for r in rows]
+def _enumerated(level):
+    """Every input of a level (10^(level+1) rows of digits) and its result, vectorised."""
+    inputs = np.indices((10,) * (level + 1)).reshape(level + 1, -1).T
+    value = inputs[:, 0].copy()
+    for i in range(1, level + 1):
+        total = value + inputs[:, i]
+        value = np.where(total <= probe.BOUNCE_LIMIT, total, np.abs(value - inputs[:, i]))
+    return inputs, value
 
-        def bayes(keys):
-            table = defaultdict(Counter)
-            for key, result in zip(keys, results):
-                table[key, result // 10][result % 10] += 1
-            return sum(max(c.values()) for c in table.values()) / len(rows)
 
-        dp = _ceilings(level)
-        assert dp["best from the last 2 operands"] == pytest.approx(bayes([r[-2:] for r in rows]), abs=1e-12)
-        assert dp["best from the last operand"] == pytest.approx(bayes([r[-1] for r in rows]), abs=1e-12)
-        assert dp["best from the sum"] == pytest.approx(bayes([sum(r) for r in rows]), abs=1e-12)
-        assert dp["tens digit only (chance)"] == pytest.approx(bayes([0] * len(rows)), abs=1e-12)
+def _enumerated_bayes(keys, results):
+    """The Bayes accuracy of guessing the units digit from an integer key per input and the tens digit."""
+    cells = np.bincount((keys * 2 + results // 10) * 10 + results % 10, minlength=(keys.max() + 1) * 20)
+    return cells.reshape(-1, 10).max(1).sum() / len(results)
+
+
+@pytest.mark.parametrize("level", [3, 5])
+def test_the_dynamic_programme_equals_enumeration(level):
+    """The DP ceilings equal brute force over all 10^(level+1) inputs, at level 5 (10^6, pinned below) too."""
+    inputs, results = _enumerated(level)
+    suffix = lambda m: inputs[:, level + 1 - m :] @ (10 ** np.arange(m)[::-1])  # noqa: E731
+    dp = _ceilings(level)
+    for m, name in [(1, "best from the last operand"), (2, "best from the last 2 operands"),
+                    (3, "best from the last 3 operands")]:
+        assert dp[name] == pytest.approx(_enumerated_bayes(suffix(m), results), abs=1e-9), name
+    assert dp["best from the sum"] == pytest.approx(_enumerated_bayes(inputs.sum(1), results), abs=1e-9)
+    assert dp["tens digit only (chance)"] == pytest.approx(_enumerated_bayes(0 * results, results), abs=1e-9)
+    assert _sum_units_rate(level) == pytest.approx(np.mean(inputs.sum(1) % 10 == results % 10), abs=1e-9)
 
 
 def test_high_level_shortcut_ceilings_are_their_pinned_exact_values():
@@ -195,6 +207,7 @@ def test_v6_without_eight_levels_is_refused_before_the_first_step(tmp_path, one_
     """At the default 5 levels the labels 5-7 are refused at fit start, not after val_every steps."""
     import torch
 
+    from architectures.config import ConfigError
     from experiments.run import main
     from tests.conftest import TINY_RUN
 

@@ -56,7 +56,6 @@ from experiments.repro.common import (Context, Entry, budget_spent, budget_step_
                                      wall_time_lines)  # noqa: F401  (option_path, parse_shape: probe's API)
 
 VARIANTS = tuple(tagged("probe"))  # the registry entries tagged "probe" (vanilla first)
-LEVELS = range(5)
 CHANCE = 0.1  # a digit answer among ten
 SOLVED = 0.6  # the best dense model "solves" a level when its seed-mean accuracy reaches this
 LEARNABLE = {1: 0.9, 2: 0.6}  # the learnable setting: vanilla's seed-mean accuracy on these levels at least this
@@ -357,8 +356,7 @@ def aggregate(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
                            "steps_seeds": [r["steps"] for r in rows], "planned_steps": rows[0]["planned_steps"],
                            "planned_deviation": rows[0]["planned_deviation"], "matched": all(r["matched"] for r in rows),
                            "levels": {}}
-    for level in LEVELS:
-        key = str(level)
+    for key in sorted({k for r in rows for k in r["probe"]["levels"]}, key=int):  # every level the runs logged
         cells = [r["probe"]["levels"].get(key) for r in rows]
         if any(c is None for c in cells):
             continue
@@ -499,14 +497,19 @@ def _acc_cell(row: Optional[Dict[str, Any]]) -> str:
     return f"{_ci(row['acc'][0], row.get('acc_ci'), 2)} {solved}/{len(seeds)}"
 
 
+def table_levels(per_variant) -> List[str]:
+    """The levels (as ``probe.json`` keys) any entry has, in level order: 0-4, or 0-7 on ``probe-v6/bounce``."""
+    return sorted({k for a in per_variant.values() for k in a["levels"]}, key=int)
+
+
 def accuracy_table(per_variant) -> str:
-    levels = [str(level) for level in LEVELS]
+    levels = table_levels(per_variant)
     return markdown_table(["entry", *[f"acc L{k}" for k in levels]],
                           [[v, *[_acc_cell(a["levels"].get(k)) for k in levels]] for v, a in per_variant.items()])
 
 
 def compute_table(per_variant) -> str:
-    levels = [str(level) for level in LEVELS]
+    levels = table_levels(per_variant)
     return markdown_table(
         ["entry", *[f"FLOPs L{k} (rel.)" for k in levels], "Spearman (seeds)", "t-test p (Holm)",
          "Spearman, answers only (seeds)", "t-test p, answers (Holm)", "hard compute / token share",
@@ -663,7 +666,7 @@ def plot_accuracy(ctx: Context, per_variant) -> None:
     ax.axhline(CHANCE, color="grey", linewidth=0.8, linestyle=":", label="chance (digit answers)")
     ax.set_xlabel("difficulty level (sequential operations)")
     ax.set_ylabel("next-token accuracy (mean ± std over seeds)")
-    ax.set_xticks(list(LEVELS))
+    ax.set_xticks([int(k) for k in table_levels(per_variant)])
     ax.set_ylim(0, 1.02)
     ax.set_title("Probe accuracy vs difficulty, matched training FLOPs")
     ax.legend(fontsize=7, ncol=2)
@@ -684,7 +687,7 @@ def plot_compute(ctx: Context, per_variant) -> None:
     axes[0, 1].set_title("Absolute compute vs difficulty")
     for ax in axes[0]:
         ax.set_xlabel("difficulty level (sequential operations)")
-        ax.set_xticks(list(LEVELS))
+        ax.set_xticks([int(k) for k in table_levels(per_variant)])
         ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     ctx.save_figure(fig, "probe_compute")
