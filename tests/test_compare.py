@@ -609,3 +609,21 @@ def test_the_published_necessity_table_rebuilds_from_its_run_records():
         for level in ("probe_acc_L3", "probe_acc_L4"):
             assert rows[depth]["probe_levels"][level]["vs_baseline"]["p_holm"] > 0.05
     assert rows[8]["probe_acc_L4"]["mean"] > rows[1]["probe_acc_L4"]["mean"] > rows[4]["probe_acc_L4"]["mean"]
+
+
+def test_the_wide_probes_necessity_table_rebuilds_from_its_run_records():
+    """docs/results/probe_bounce_wide_necessity (probe-v6/bounce, levels 0-7): the 20 runs' records give the committed
+    table to the character, with all eight levels, and probes.md's verdict: no depth differs from one layer at any
+    level after Holm's correction, and levels 5-7 stay below what the last three operands alone give (0.31)."""
+    folder = REPO / "docs" / "results" / "probe_bounce_wide_necessity"
+    board = compare.compare([str(folder / "runs")], ["model.n_layer"], baseline="vanilla n_layer=1")
+    assert compare.to_markdown(board) == (folder / "leaderboard.md").read_text()
+    rows = {r["model.n_layer"]: r for r in board["rows"]}
+    assert sorted(rows) == [1, 2, 4, 8] and all(r["n"] == 5 and r["steps"]["mean"] == 8000 for r in rows.values())
+    assert [h for h in board["headers"] if h.startswith("acc L")] == [f"acc L{k}" for k in range(8)]
+    for depth in (2, 4, 8):
+        assert all(level["vs_baseline"]["p_holm"] > 0.05 for level in rows[depth]["probe_levels"].values())
+    assert all(rows[d][f"probe_acc_L{k}"]["mean"] < 0.31 for d in rows for k in (5, 6, 7))
+    masked = REPO / "docs" / "results" / "probe_bounce_wide_answers_only"
+    pilot = compare.compare([str(masked / "runs")], ["model.n_layer"])
+    assert compare.to_markdown(pilot) == (masked / "leaderboard.md").read_text()
