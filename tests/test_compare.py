@@ -625,5 +625,7 @@ def test_the_wide_probes_necessity_table_rebuilds_from_its_run_records():
         assert all(level["vs_baseline"]["p_holm"] > 0.05 for level in rows[depth]["probe_levels"].values())
     assert all(rows[d][f"probe_acc_L{k}"]["mean"] < 0.31 for d in rows for k in (5, 6, 7))
     masked = REPO / "docs" / "results" / "probe_bounce_wide_answers_only"
-    pilot = compare.compare([str(masked / "runs")], ["model.n_layer"])
-    assert compare.to_markdown(pilot) == (masked / "leaderboard.md").read_text()
+    answers_only = compare.compare([str(masked / "runs")], ["model.n_layer"], baseline="vanilla n_layer=1")
+    assert compare.to_markdown(answers_only) == (masked / "leaderboard.md").read_text()
+    deep = {r["model.n_layer"]: r for r in answers_only["rows"]}[8]["probe_levels"]
+    assert all(deep[f"probe_acc_L{k}"]["vs_baseline"]["p_holm"] < 0.05 for k in (2, 3))  # 1 layer ahead
