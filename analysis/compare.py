@@ -68,7 +68,7 @@ class Run:
 
 def probe_columns(runs: Sequence[Run]) -> List[Tuple[str, str]]:
     """(key, header) of the probe accuracy of every level some run logged, in level order (L10 after L9)."""
-    levels = {int(m.group(1)) for r in runs for k in (r.summary.get("val_metrics") or {}) if (m := _PROBE_ACC.fullmatch(k))}
+    levels = {int(k[len("probe_acc_L"):]) for r in runs for k in r.metrics() if k.startswith("probe_acc_L")}
     return [(f"probe_acc_L{level}", f"acc L{level}") for level in sorted(levels)]
 
 
