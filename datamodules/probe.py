@@ -70,7 +70,7 @@ width (a ``v2`` sum of d operands is one parallel read for attention):
 * ``bounce`` with BOUNCE_WIDE_LEVELS + 1 = 8 operand slots (segments of 12 bytes, 10 per episode), d uniform in
   0..7: levels 5-7 need more steps than a one-layer model's table of input combinations can hold (10^6 and
   more), so shallow readings stop at their ceilings (tests/test_probe_bounce_wide.py) while a layer per step,
-  or per two, stays small. Metrics need ``--callbacks.probe_levels 8``.
+  or per two, stays small. ``--callbacks.probe_levels`` defaults to 8 here (``level_count``).
 
 ``solve_episode`` re-derives every label from the tokens alone by brute force (for ``hops``: the fewest
 lookups, breadth-first, that reach a digit); the tests check the generator against it.
@@ -338,6 +338,11 @@ GENERATORS = {"v1": {"arith": arith_episode, "recall": recall_episode, "text": t
 def version(task: str) -> str:
     """The generator version of a probe dataset name (``probe/arith`` -> v1, ``probe-v2/arith`` -> v2)."""
     return VERSIONS[task.split("/")[0]]
+
+
+def level_count(task: str) -> int:
+    """How many levels (0..N-1) a probe dataset's labels use: the default of ``--callbacks.probe_levels``."""
+    return BOUNCE_WIDE_LEVELS + 1 if version(task) == "v6" else MAX_DEPTH + 1
 
 
 @functools.lru_cache(maxsize=1)

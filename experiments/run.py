@@ -235,6 +235,7 @@ def validate_up_front(cfg: Namespace, argv: Sequence[str] = ()) -> None:
     callbacks_config(cfg).validate(model_config(cfg).resolve().block_size)
     if cfg.data.labels:  # its levels against --callbacks.probe_levels; its length once the token cache exists
         check_label_file(cfg.data.labels, callbacks_config(cfg).probe_levels)
+    check_probe_levels(cfg.data.name, callbacks_config(cfg).probe_levels)
     given = [head.removeprefix("--model.") for head in (item.partition("=")[0] for item in argv)
              if head.startswith("--model.")]
     check_groups_read(cfg.model.variant, _as_dict(cfg.model), given)
@@ -496,8 +497,9 @@ def parse_with_presets(parser: ArgumentParser, argv: Sequence[str], prefix: str 
     from architectures.registry import preset_defaults
 
     probe = [a for a in argv if not a.startswith("--print_config")]
-    variant = parser.parse_args(probe, defaults=True)[prefix].variant
-    preset = preset_defaults(variant, prefix)
+    first = parser.parse_args(probe, defaults=True)
+    preset = preset_defaults(first[prefix].variant, prefix)
+    preset.update(data_defaults(first.get("data.name")))  # finetune's parser has no data group: None
     # the parser's own defaults come back afterwards: a parser that parses several runs' options (the repro
     # programmes') must not carry one variant's preset into the next one's fields
     before = {key: parser.get_default(key) for key in preset}
@@ -506,6 +508,22 @@ def parse_with_presets(parser: ArgumentParser, argv: Sequence[str], prefix: str 
         return parser.parse_args(list(argv))
     finally:
         parser.set_defaults(before)
+
+
+def check_probe_levels(name: str, levels: int) -> None:
+    """A probe dataset's labels against --callbacks.probe_levels, from its name: before the data are built."""
+    from datamodules.probe import TASKS, level_count
+
+    if name in TASKS and levels < level_count(name):
+        raise ConfigError(f"callbacks.probe_levels: {name}'s labels use levels 0..{level_count(name) - 1}, more than "
+                          f"the {levels} given; raise it to {level_count(name)} or drop it (the default)")
+
+
+def data_defaults(name: str) -> Dict[str, Any]:
+    """Defaults a dataset sets for other groups, beaten by any explicit value: a probe's number of levels."""
+    from datamodules.probe import TASKS, level_count
+
+    return {"callbacks.probe_levels": level_count(name)} if name in TASKS else {}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Optional[pathlib.Path]:

@@ -189,6 +189,8 @@ CASES = [
      r"model\.moe\.num_experts: the cea_moe variant does not use this option"),
     ("probe-with-path", "run", lambda d: ["--data", "probe/arith", "--data.path", str(d / "good.txt")],
      r"data\.path: dataset 'probe/arith' does not read this option; it applies to openwebtext, slimpajama, text"),
+    ("probe-levels-below-the-datas", "run", lambda d: ["--data", "probe-v6/bounce", "--callbacks.probe_levels", "5"],
+     r"callbacks\.probe_levels: probe-v6/bounce's labels use levels 0\.\.7, more than the 5 given; raise it to 8"),
     ("probe-v2-with-path", "run", lambda d: ["--data", "probe-v2/recall", "--data.path", str(d / "good.txt")],
      r"data\.path: dataset 'probe-v2/recall' does not read this option; it applies to openwebtext, slimpajama, text"),
     ("text-with-max_tokens", "run", _good("--data.max_tokens", "1000"), r"data\.max_tokens: dataset 'text' does not read"),
@@ -385,7 +387,8 @@ BEFORE_THE_DATA = ["init_from-missing", "init_from-truncated", "init_from-not-a-
                    "init_from-hf-folder-without-weights", "ckpt-missing", "ckpt-truncated", "ckpt-not-a-checkpoint",
                    "ckpt-last-nothing", "ckpt-other-block_size", "ckpt-other-variant", "ckpt-other-size",
                    "unused-group-option", "unused-group-option-in-yaml", "overridden-field-cea_moe", "probe-with-path",
-                   "text-with-max_tokens", "version-is-a-file", "probe-v2-with-a-tokenizer-folder"]
+                   "text-with-max_tokens", "version-is-a-file", "probe-v2-with-a-tokenizer-folder",
+                   "probe-levels-below-the-datas"]
 
 
 @pytest.mark.parametrize("name,command,build,pattern", [c for c in CASES if c[0] in BEFORE_THE_DATA],

@@ -188,6 +188,25 @@ def test_every_version_keeps_its_bytes_labels_and_cache_name(task):
     assert set(PINNED) == set(probe.TASKS)  # a new probe name gets its pin here
 
 
+@pytest.mark.parametrize("task", sorted(probe.TASKS))
+def test_every_probe_declares_the_levels_its_labels_use(task):
+    """``level_count`` (the default of --callbacks.probe_levels) holds every label of 200 episodes (fewer would
+    refuse the data) and is the shared 0..MAX_DEPTH layout or the top label + 1 (no empty levels beyond it)."""
+    top = max(max(probe.episode(task, i)[1][1]) for i in range(200))
+    assert top < probe.level_count(task) == max(top + 1, probe.MAX_DEPTH + 1)
+
+
+def test_an_explicit_probe_levels_beats_the_datasets_default():
+    from experiments.run import build_parser, expand_aliases, parse_with_presets
+
+    def levels(*argv):
+        return parse_with_presets(build_parser(), expand_aliases(list(argv))).callbacks.probe_levels
+
+    assert levels("--data", "probe-v6/bounce") == 8 and levels("--data", "probe-v5/bounce") == 5
+    assert levels("--data", "probe-v6/bounce", "--callbacks.probe_levels", "12") == 12
+    assert levels("--data", "embedded") == levels() == 5  # not a probe: the dataclass default
+
+
 def test_v3_is_its_own_family_index_and_v1_v2_indices_stay():
     assert probe.FAMILIES[:3] == ("arith", "recall", "text") and probe.FAMILIES.index("hops") == 3
     assert probe.TASKS[TASK] == ("hops",) and not any(t.startswith("probe/hops") for t in probe.TASKS)
