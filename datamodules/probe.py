@@ -93,8 +93,9 @@ MAX_HOPS = 3
 DATA_SEED = 20240615  # the probe content is fixed; --seed changes the training order only
 DEFAULT_EPISODES = 16384  # 2.1M tokens; data.max_tokens sets another size
 NO_LABEL = -1
-FAMILIES = ("arith", "recall", "text", "hops", "cups", "bounce")  # families.npy holds the index: append only
-VERSIONS = {"probe": "v1", "probe-v2": "v2", "probe-v3": "v3", "probe-v4": "v4", "probe-v5": "v5", "probe-v6": "v6"}  # name prefix -> generator version
+FAMILIES = ("arith", "recall", "text", "hops", "cups", "bounce", "shift")  # families.npy holds the index: append only
+VERSIONS = {"probe": "v1", "probe-v2": "v2", "probe-v3": "v3", "probe-v4": "v4", "probe-v5": "v5", "probe-v6": "v6",
+            "probe-v7": "v7"}  # name prefix -> generator version
 _V1_FAMILIES = ("arith", "recall", "text")
 TASKS: Dict[str, Tuple[str, ...]] = {
     **{name: families for prefix in ("probe", "probe-v2")
@@ -103,6 +104,7 @@ TASKS: Dict[str, Tuple[str, ...]] = {
     "probe-v4/cups": ("cups",),
     "probe-v5/bounce": ("bounce",),
     "probe-v6/bounce": ("bounce",),
+    "probe-v7/shift": ("shift",),
 }
 BLANK = "_"  # an empty operand slot of a v2 arithmetic segment
 
@@ -123,6 +125,12 @@ CUPS_SEGMENT = 1 + CUPS_LEVELS + 2  # start, operand slots, '=', answer
 BOUNCE_LIMIT = 14
 # v6 the same step over wider segments: levels 0..BOUNCE_WIDE_LEVELS, past what one layer's MLP can tabulate
 BOUNCE_WIDE_LEVELS = 7
+
+# v7 copies: one at fixed positions (level 0), one at a fixed distance from a source that moves (level 1)
+SHIFT_PREFIX = 8  # the fixed-position part: PREFIX capitals, ':', the same capitals
+SHIFT_LETTERS = 20  # the moving part: distinct lowercase letters, '|', the same letters
+SHIFT_SEP = "|"
+SHIFT_MAX_BEFORE = EPISODE_LEN - 1 - (2 * SHIFT_PREFIX + 2) - (2 * SHIFT_LETTERS + 1)  # dots before the letters: 0..68
 
 MEMO, MEMO_END, COPY, COPY_END, COUNT = "\x02", "\x03", "\x05", "\x06", "\x07"
 _MARKERS = {ord(c) for c in (MEMO, MEMO_END, COPY, COPY_END, COUNT)}
@@ -310,6 +318,24 @@ def bounce_episode_wide(rng: np.random.Generator, length: int = EPISODE_LEN - 1)
     return bounce_episode(rng, length, top_level=BOUNCE_WIDE_LEVELS)
 
 
+def shift_episode(rng: np.random.Generator, length: int = EPISODE_LEN - 1) -> Episode:
+    """v7: ``C:C|`` (C = SHIFT_PREFIX random capitals and their copy, at fixed positions: level 0), ``r`` dots
+    (r drawn per episode), ``A|A`` (A = SHIFT_LETTERS distinct lowercase letters, then their copy: level 1),
+    dots. The copy of A lies at a fixed distance from A (SHIFT_LETTERS + 1) but at no fixed position: reading it
+    by absolute position fails; it is a read relative to the reader's own position."""
+    capitals = "".join(_CAPS[i] for i in rng.integers(0, len(_CAPS), SHIFT_PREFIX))
+    letters = "".join(_KEYS[i] for i in rng.permutation(len(_KEYS))[:SHIFT_LETTERS])
+    before = int(rng.integers(0, SHIFT_MAX_BEFORE + 1))
+    head = f"{capitals}:{capitals}{SHIFT_SEP}" + "." * before + letters + SHIFT_SEP
+    text = head + letters
+    levels = [NO_LABEL] * (SHIFT_PREFIX + 1) + [0] * SHIFT_PREFIX + [NO_LABEL] * (len(head) - 2 * SHIFT_PREFIX - 1)
+    levels += [1] * SHIFT_LETTERS
+    if len(text) > length:
+        raise ValueError(f"shift episodes need up to {len(text)} bytes, got length {length}")
+    pad = length - len(text)
+    return (text + "." * pad).encode("ascii"), levels + [NO_LABEL] * pad
+
+
 def bounce(state: int, x: int) -> int:
     """One step: add x, unless the sum would pass BOUNCE_LIMIT; then the distance |state - x|. The order of
     the steps matters (7, 6, 5: 13, then 13 + 5 > 14 reflects to 8; 5, 6, 7: 11, then |11 - 7| = 4), so no
@@ -332,7 +358,8 @@ GENERATORS = {"v1": {"arith": arith_episode, "recall": recall_episode, "text": t
               "v3": {"hops": hops_episode},
               "v4": {"cups": cups_episode},
               "v5": {"bounce": bounce_episode},
-              "v6": {"bounce": bounce_episode_wide}}
+              "v6": {"bounce": bounce_episode_wide},
+              "v7": {"shift": shift_episode}}
 
 
 def version(task: str) -> str:
@@ -341,8 +368,9 @@ def version(task: str) -> str:
 
 
 def level_count(task: str) -> int:
-    """How many levels (0..N-1) a probe dataset's labels use: the default of ``--callbacks.probe_levels``."""
-    return BOUNCE_WIDE_LEVELS + 1 if version(task) == "v6" else MAX_DEPTH + 1
+    """How many levels (0..N-1) a probe dataset's labels use: the default of ``--callbacks.probe_levels``. v1-v5
+    share the layout 0..MAX_DEPTH (recall's and hops' top levels stay empty or sparse in it)."""
+    return {"v6": BOUNCE_WIDE_LEVELS + 1, "v7": 2}.get(version(task), MAX_DEPTH + 1)
 
 
 @functools.lru_cache(maxsize=1)
@@ -377,6 +405,8 @@ def solve_episode(family: str, data: bytes, generator: str = "v1") -> Dict[int, 
         return _solve_cups(text)
     if family == "bounce":
         return _solve_bounce(text, slots=BOUNCE_WIDE_LEVELS + 1 if generator == "v6" else MAX_DEPTH + 1)
+    if family == "shift":
+        return _solve_shift(text)
     return _solve_text(text)
 
 
@@ -498,6 +528,22 @@ def _solve_bounce(text: str, slots: int) -> Dict[int, Tuple[int, int]]:
     return out
 
 
+def _solve_shift(text: str) -> Dict[int, Tuple[int, int]]:
+    """Level 0: the capitals' copy, at its fixed positions. Level 1: after the second ``|``, the letters of the
+    run of distinct lowercase letters that ends at it, in order (found by searching for the run)."""
+    k = SHIFT_PREFIX
+    capitals, colon, copy, sep = text[:k], text[k], text[k + 1 : 2 * k + 1], text[2 * k + 1]
+    if colon != ":" or sep != SHIFT_SEP or not all(c in _CAPS for c in capitals + copy):
+        raise ValueError("shift: the episode does not open with 'C:C|' (capitals, ':', capitals, '|')")
+    out = {k + 1 + i: (ord(capitals[i]), 0) for i in range(k)}
+    second = text.index(SHIFT_SEP, 2 * k + 2)
+    letters = text[2 * k + 2 : second].lstrip(".")
+    if len(set(letters)) != len(letters) or not all(c in _KEYS for c in letters):
+        raise ValueError(f"shift: the letters before the second '|' are not distinct lowercase: {letters!r}")
+    out.update({second + 1 + i: (ord(c), 1) for i, c in enumerate(letters)})
+    return out
+
+
 def _solve_text(text: str) -> Dict[int, Tuple[int, int]]:
     out = {}
     memo = text[text.index(MEMO) + 1 : text.index(MEMO_END)]
@@ -563,6 +609,8 @@ class ProbeCorpus(Corpus):
             parts += f"-B{BOUNCE_LIMIT}"
         if version(self.task) == "v6":
             parts += f"-W{BOUNCE_WIDE_LEVELS + 1}"
+        if "shift" in TASKS[self.task]:
+            parts += f"-P{SHIFT_PREFIX}-A{SHIFT_LETTERS}"
         if "text" in TASKS[self.task]:
             parts += "-" + hashlib.sha256(embedded_bytes()).hexdigest()[:12]
         return f"probe-{self.task.replace('/', '-')}-{hashlib.sha256(parts.encode()).hexdigest()[:16]}"

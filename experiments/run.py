@@ -520,10 +520,14 @@ def check_probe_levels(name: str, levels: int) -> None:
 
 
 def data_defaults(name: str) -> Dict[str, Any]:
-    """Defaults a dataset sets for other groups, beaten by any explicit value: a probe's number of levels."""
+    """Defaults a dataset sets for other groups, beaten by any explicit value: a probe's number of levels, and
+    its hard levels where the usual threshold lies past them (probe-v7/shift's two levels: the top one)."""
     from datamodules.probe import TASKS, level_count
 
-    return {"callbacks.probe_levels": level_count(name)} if name in TASKS else {}
+    if name not in TASKS:
+        return {}
+    levels = level_count(name)
+    return {"callbacks.probe_levels": levels, "callbacks.probe_hard_from": min(CallbacksConfig.probe_hard_from, levels - 1)}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Optional[pathlib.Path]:
