@@ -16,7 +16,7 @@ block holds whole episodes; otherwise the evaluation drops labels whose episode 
 (``label_usable``).
 
 The difficulty level of a token is the number of sequential operations on earlier tokens the
-generator applied to produce it (0..MAX_DEPTH; 0..BOUNCE_WIDE_LEVELS in v6). Six versions exist; ``v1`` stays reproducible under its
+generator applied to produce it (0..MAX_DEPTH; 0..BOUNCE_WIDE_LEVELS in v6; 0..1 in v7). Seven versions exist; ``v1`` stays reproducible under its
 names (``probe``, ``probe/<family>``), ``v2`` has its own (``probe-v2``, ``probe-v2/<family>``) and
 changes only the arithmetic family:
 
@@ -71,6 +71,13 @@ width (a ``v2`` sum of d operands is one parallel read for attention):
   0..7: levels 5-7 need more steps than a one-layer model's table of input combinations can hold (10^6 and
   more), so shallow readings stop at their ceilings (tests/test_probe_bounce_wide.py) while a layer per step,
   or per two, stays small. ``--callbacks.probe_levels`` defaults to 8 here (``level_count``).
+
+``v7`` (``probe-v7/shift``, family ``shift``) tells a read at a fixed position from a read at a fixed distance:
+
+* ``shift``: ``C:C|`` (SHIFT_PREFIX random capitals and their copy, at fixed positions: level 0), 0..SHIFT_MAX_BEFORE
+  dots, ``A|A`` (SHIFT_LETTERS distinct lowercase letters and their copy: level 1). The copy of A is SHIFT_LETTERS + 1
+  bytes after its source wherever the source lies, and lies at no fixed position: learned position embeddings
+  read a fixed position in one layer, a fixed distance at a moving position only through the reader's position.
 
 ``solve_episode`` re-derives every label from the tokens alone by brute force (for ``hops``: the fewest
 lookups, breadth-first, that reach a digit); the tests check the generator against it.

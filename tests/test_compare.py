@@ -629,3 +629,23 @@ def test_the_wide_probes_necessity_table_rebuilds_from_its_run_records():
     assert compare.to_markdown(answers_only) == (masked / "leaderboard.md").read_text()
     deep = {r["model.n_layer"]: r for r in answers_only["rows"]}[8]["probe_levels"]
     assert all(deep[f"probe_acc_L{k}"]["vs_baseline"]["p_holm"] < 0.05 for k in (2, 3))  # 1 layer ahead
+
+
+def test_the_shift_probes_necessity_tables_rebuild_from_their_run_records():
+    """docs/results/probe_shift_necessity (8,000 steps) and probe_shift_long (16,000), probe-v7/shift, 1/2/4 layers x 5
+    seeds: the records give the committed tables to the character, and probes.md's verdict: level 0 solved everywhere;
+    at 16,000 steps level 1 is solved by 5/5 four-layer, 4/5 two-layer and 2/5 one-layer seeds, and neither deeper
+    row passes Holm's correction against one layer at either budget (not met)."""
+    solved = {}
+    for name, steps in (("probe_shift_necessity", 8000), ("probe_shift_long", 16000)):
+        folder = REPO / "docs" / "results" / name
+        board = compare.compare([str(folder / "runs")], ["model.n_layer"], baseline="vanilla n_layer=1")
+        assert compare.to_markdown(board) == (folder / "leaderboard.md").read_text()
+        rows = {r["model.n_layer"]: r for r in board["rows"]}
+        assert sorted(rows) == [1, 2, 4] and all(r["n"] == 5 and r["steps"]["mean"] == steps for r in rows.values())
+        assert [h for h in board["headers"] if h.startswith("acc L")] == ["acc L0", "acc L1"]
+        assert all(r["probe_acc_L0"]["mean"] == 1.0 for r in rows.values())
+        assert all(rows[d]["probe_levels"]["probe_acc_L1"]["vs_baseline"]["p_holm"] > 0.05 for d in (2, 4))
+        level = {d: r["probe_levels"]["probe_acc_L1"] for d, r in rows.items()}
+        solved[steps] = {d: round(v["solved"] * v["solved_n"]) for d, v in level.items()}  # share x seeds
+    assert solved == {8000: {1: 0, 2: 1, 4: 2}, 16000: {1: 2, 2: 4, 4: 5}}
