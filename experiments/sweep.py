@@ -177,23 +177,13 @@ def drop_ignored_options(configurations: Sequence[Sequence[str]]) -> List[List[s
 
 def validate(configurations: Sequence[Sequence[str]]) -> List[Any]:
     """Parse and check every configuration as ``experiments.run`` would; all before any job starts."""
-    from architectures.registry import preset_defaults
-    from experiments.run import build_parser, expand_aliases, validate_up_front
+    from experiments.run import build_parser, expand_aliases, parse_with_presets, validate_up_front
 
     parser = build_parser()
     parsed = []
     for argv in configurations:
-        try:
-            options = expand_aliases(list(argv))
-            # the variant's registry preset as defaults, as experiments.run parses it (parse_with_presets),
-            # then the parser's own defaults back for the next configuration
-            preset = preset_defaults(parser.parse_args(options, defaults=True).model.variant)
-            before = {key: parser.get_default(key) for key in preset}
-            parser.set_defaults(preset)
-            try:
-                cfg = parser.parse_args(options)
-            finally:
-                parser.set_defaults(before)
+        try:  # the variant's and the dataset's presets as defaults, restored for the next configuration
+            cfg = parse_with_presets(parser, expand_aliases(list(argv)))
         except (SystemExit, argparse.ArgumentError) as exit_:  # run's parser raises, not exits (issue 14)
             raise ConfigError(f"invalid run options: {shlex.join(argv)}") from exit_
         validate_up_front(cfg)

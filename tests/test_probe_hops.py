@@ -211,6 +211,17 @@ def test_an_explicit_probe_levels_beats_the_datasets_default():
     assert (hard.probe_levels, hard.probe_hard_from) == (2, 1)  # two levels: the usual 3 would be refused
 
 
+def test_a_sweep_takes_each_configurations_own_dataset_defaults():
+    """experiments.sweep validates a grid with run's parse: a v6 job gets its 8 levels, and no job's dataset
+    default leaks into the next one's."""
+    from experiments import sweep
+
+    parsed = sweep.validate([["--data", "probe-v6/bounce"], ["--data", "probe-v5/bounce"], ["--data", "probe-v7/shift"],
+                             ["--data", "probe-v6/bounce", "--callbacks.probe_levels", "9"], []])
+    assert [(c.callbacks.probe_levels, c.callbacks.probe_hard_from) for c in parsed] == [(8, 3), (5, 3), (2, 1), (9, 3),
+                                                                                         (5, 3)]
+
+
 def test_v3_is_its_own_family_index_and_v1_v2_indices_stay():
     assert probe.FAMILIES[:3] == ("arith", "recall", "text") and probe.FAMILIES.index("hops") == 3
     assert probe.TASKS[TASK] == ("hops",) and not any(t.startswith("probe/hops") for t in probe.TASKS)
