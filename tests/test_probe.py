@@ -436,6 +436,15 @@ def test_the_published_bounce_tables_rebuild_from_their_stored_rows(tmp_path):
     assert results["dense_grid"] == "not bracketed: only one shape tried (over the widths at n_layer=1)"
     assert ("Dense grid: the best dense model is dense:1x64, not bracketed"
             in (tmp_path / "rebuilt" / "results.md").read_text())
+    # the hard and answer levels the text names are the runs' own (unchanged here; probe-v7/shift's: "level 1")
+    assert ("share of tokens on levels 3-4; 'answers only': the correlation over the tokens of levels 1-4;"
+            in (tmp_path / "rebuilt" / "results.md").read_text())
+
+
+def test_the_report_names_the_levels_its_runs_have():
+    from experiments.repro.probe import level_span
+
+    assert (level_span(3, 4), level_span(1, 7), level_span(1, 1)) == ("levels 3-4", "levels 1-7", "level 1")
 
 
 def test_the_dense_grid_verdict_reads_the_reference_shape_from_the_stored_options(tmp_path):

@@ -49,6 +49,7 @@ from architectures.config import ConfigError
 from architectures.registry import tagged
 from analysis import stats
 from analysis.tables import ci_cell as _ci, test_cell as _test_cell
+from callbacks import CallbacksConfig
 from experiments.repro.common import (Context, Entry, budget_spent, budget_step_cap, dense_entries, dense_grid,
                                      dense_grid_line, entry_cost, figure, fmt, markdown_table, narrower_width,
                                      option_path, origin_lines, parse_entry, parse_shape,
@@ -368,6 +369,7 @@ def aggregate(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
         out["levels"][key].update(level_accuracy(rows, key))
     for key in ("spearman", "hard_compute_share", "hard_token_share", "hard_compute_ratio"):
         out[key] = _mean_std([r["probe"][key] for r in rows])
+    out["hard_from"] = rows[0]["probe"].get("hard_from", CallbacksConfig.probe_hard_from)  # older rows: the default
     for which in ("spearman", "spearman_answers"):
         out[f"{which}_seeds"] = [r["probe"].get(which) for r in rows]
         out[f"{which}_p_seeds"] = [r["probe"].get(f"{which}_p") for r in rows]
@@ -570,8 +572,14 @@ def goal_lines(goals) -> List[str]:
     return lines
 
 
+def level_span(first: int, last: int) -> str:
+    return f"level {first}" if first == last else f"levels {first}-{last}"
+
+
 def report_sections(ctx: Context, budget: float, tokens: int, per_variant, tests, goals) -> List[str]:
     shares = per_variant["vanilla"]["levels"]
+    top = int(table_levels(per_variant)[-1])
+    hard = level_span(per_variant["vanilla"].get("hard_from", CallbacksConfig.probe_hard_from), top)
     dense = [v for v, a in per_variant.items() if a.get("dense")]
     intro = (f"Budget {budget:.3e} training FLOPs per run ({ctx.steps} steps of the reference vanilla, {tokens} tokens "
              "each); every entry trains until its measured training FLOPs (routing-aware, every step counted) reach "
@@ -590,8 +598,8 @@ def report_sections(ctx: Context, budget: float, tokens: int, per_variant, tests
             dense_table(per_variant, tests, goals), "",
             "Compute per difficulty level: forward FLOPs per token of the level / the entry's mean over labelled "
             "tokens (1.0 everywhere = no preference), Spearman rho per seed with the one-sided t-test over seeds "
-            "(Holm over the routed entries), share of compute vs share of tokens on levels 3-4; 'answers only': the "
-            "correlation over the tokens of levels 1-4; last column: the same correlation when the variant routes as "
+            f"(Holm over the routed entries), share of compute vs share of tokens on {hard}; 'answers only': the "
+            f"correlation over the tokens of {level_span(1, top)}; last column: the same correlation when the variant routes as "
             "in training (top-k over the whole sequence, which sees the future), where it has a separate causal "
             "routing:", compute_table(per_variant), "",
             "Budget, loss and wall clock (steps per seed, and the analytic plan's; measured training FLOPs spent and "
