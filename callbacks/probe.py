@@ -53,10 +53,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from architectures.config import ConfigError
 from architectures.contract import RoutingSite
 from callbacks.common import all_reduce_sum, eager_measurement, reported_depth, require_positive
-from datamodules.probe_labels import evaluation_blocks
+from datamodules.probe_labels import evaluation_blocks, too_few_levels
 
 HARD_FROM = 3  # default: the hardest levels: arith depth 3-4, recall 3 hops
 LEVELS = 5  # default: 0..MAX_DEPTH of datamodules/probe.py
@@ -166,8 +165,7 @@ def probe_batches(model, tokens: np.ndarray, levels: np.ndarray, families: np.nd
 def check_levels(token_levels: np.ndarray, levels: int) -> None:
     """Refuses labels above the metrics' levels 0..levels-1, naming the option to raise."""
     if token_levels.size and int(token_levels.max()) >= levels:
-        raise ConfigError(f"callbacks.probe_levels: the data hold level {int(token_levels.max())}, outside the "
-                          f"{levels} levels 0..{levels - 1}; raise --callbacks.probe_levels")
+        raise too_few_levels("the data's labels", int(token_levels.max()), levels)
 
 
 def stats_tensor(tokens: Dict[str, np.ndarray], n_families: int, levels: int = LEVELS) -> torch.Tensor:

@@ -137,6 +137,7 @@ BOUNCE_WIDE_LEVELS = 7
 SHIFT_PREFIX = 8  # the fixed-position part: PREFIX capitals, ':', the same capitals
 SHIFT_LETTERS = 20  # the moving part: distinct lowercase letters, '|', the same letters
 SHIFT_SEP = "|"
+SHIFT_LEVELS = 2  # level 0: the copy at fixed positions; level 1: the copy at a fixed distance
 SHIFT_MAX_BEFORE = EPISODE_LEN - 1 - (2 * SHIFT_PREFIX + 2) - (2 * SHIFT_LETTERS + 1)  # dots before the letters: 0..68
 
 MEMO, MEMO_END, COPY, COPY_END, COUNT = "\x02", "\x03", "\x05", "\x06", "\x07"
@@ -336,7 +337,7 @@ def shift_episode(rng: np.random.Generator, length: int = EPISODE_LEN - 1) -> Ep
     head = f"{capitals}:{capitals}{SHIFT_SEP}" + "." * before + letters + SHIFT_SEP
     text = head + letters
     levels = [NO_LABEL] * (SHIFT_PREFIX + 1) + [0] * SHIFT_PREFIX + [NO_LABEL] * (len(head) - 2 * SHIFT_PREFIX - 1)
-    levels += [1] * SHIFT_LETTERS
+    levels += [SHIFT_LEVELS - 1] * SHIFT_LETTERS
     if len(text) > length:
         raise ValueError(f"shift episodes need up to {len(text)} bytes, got length {length}")
     pad = length - len(text)
@@ -377,7 +378,7 @@ def version(task: str) -> str:
 def level_count(task: str) -> int:
     """How many levels (0..N-1) a probe dataset's labels use: the default of ``--callbacks.probe_levels``. v1-v5
     share the layout 0..MAX_DEPTH (recall's and hops' top levels stay empty or sparse in it)."""
-    return {"v6": BOUNCE_WIDE_LEVELS + 1, "v7": 2}.get(version(task), MAX_DEPTH + 1)
+    return {"v6": BOUNCE_WIDE_LEVELS + 1, "v7": SHIFT_LEVELS}.get(version(task), MAX_DEPTH + 1)
 
 
 @functools.lru_cache(maxsize=1)

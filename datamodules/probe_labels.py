@@ -19,12 +19,14 @@ A token takes the highest level among the spans its characters overlap (a byte-l
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import pathlib
 from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from architectures.config import ConfigError
 from datamodules.corpora import DataError, jsonl_rows
 from datamodules.files import atomic_npy
 
@@ -113,10 +115,37 @@ def check_label_file(path: str, levels: Optional[int] = None) -> None:
     if not file.is_file():
         raise DataError(f"data.labels: {path} does not exist or is not a file")
     if file.suffix == ".npy":
-        check_levels(load_npy(file), levels)
+        check_levels(load_npy(file), levels, where=f"{path}: ")
     else:
         for _ in read_span_file(file, levels):
             pass
+
+
+def too_few_levels(labels: str, top: int, levels: int) -> ConfigError:
+    """The refusal of a ``--callbacks.probe_levels`` below the levels ``labels`` use (0..top), one message at every
+    stage that checks it: from a probe dataset's name, from a label file, and from the data at fit start."""
+    return ConfigError(f"callbacks.probe_levels: {labels} use levels 0..{top}, more than the {levels} given; raise it "
+                       f"to {top + 1} or drop it (the default is the labels' own count)")
+
+
+def label_file_levels(path: str) -> Optional[int]:
+    """The number of levels a label file uses (its top level + 1; None if it labels no token): the default of
+    ``--callbacks.probe_levels`` with ``--data.labels``. Cached per file version: a label file may be as large as
+    the token stream, and the up-front checks read it too."""
+    file = pathlib.Path(path)
+    stat = file.stat()
+    return _file_levels(str(file.resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _file_levels(path: str, mtime_ns: int, size: int) -> Optional[int]:
+    file = pathlib.Path(path)
+    if file.suffix == ".npy":
+        array = load_npy(file)
+        top = int(array.max()) if len(array) else NO_LABEL
+    else:
+        top = max((level for _, spans in read_span_file(file) for _, _, level in spans), default=NO_LABEL)
+    return top + 1 if top > NO_LABEL else None
 
 
 def load_npy(path: pathlib.Path) -> np.ndarray:

@@ -51,7 +51,7 @@ from lightning_modules.storage import StorageError, atomic_checkpoint_io, check_
 from lightning_modules.storage import is_storage_error, release_unstarted, remove_killed_checkpoint_writes  # noqa: E402
 from lightning_modules.storage import storage_message  # noqa: E402
 from lightning_modules.run_clock import mark_run_start  # noqa: E402
-from datamodules.probe_labels import check_label_file  # noqa: E402
+from datamodules.probe_labels import check_label_file, label_file_levels, too_few_levels  # noqa: E402
 from lightning_modules.flops_budget import require_counted_flops, validate_budget  # noqa: E402
 
 ALIASES = {
@@ -499,7 +499,7 @@ def parse_with_presets(parser: ArgumentParser, argv: Sequence[str], prefix: str 
     probe = [a for a in argv if not a.startswith("--print_config")]
     first = parser.parse_args(probe, defaults=True)
     preset = preset_defaults(first[prefix].variant, prefix)
-    preset.update(data_defaults(first.get("data.name")))  # finetune's parser has no data group: None
+    preset.update(data_defaults(first.get("data.name"), first.get("data.labels")))  # finetune's: no data group
     # the parser's own defaults come back afterwards: a parser that parses several runs' options (the repro
     # programmes') must not carry one variant's preset into the next one's fields
     before = {key: parser.get_default(key) for key in preset}
@@ -515,19 +515,31 @@ def check_probe_levels(name: str, levels: int) -> None:
     from datamodules.probe import TASKS, level_count
 
     if name in TASKS and levels < level_count(name):
-        raise ConfigError(f"callbacks.probe_levels: {name}'s labels use levels 0..{level_count(name) - 1}, more than "
-                          f"the {levels} given; raise it to {level_count(name)} or drop it (the default)")
+        raise too_few_levels(f"{name}'s labels", level_count(name) - 1, levels)
 
 
-def data_defaults(name: str) -> Dict[str, Any]:
-    """Defaults a dataset sets for other groups, beaten by any explicit value: a probe's number of levels, and
-    its hard levels where the usual threshold lies past them (probe-v7/shift's two levels: the top one)."""
+def data_defaults(name: Optional[str], labels: Optional[str] = None) -> Dict[str, Any]:
+    """Defaults the data set for other groups, beaten by any explicit value: the number of levels of a probe
+    dataset or of a label file, and the hard levels where the usual threshold lies past them (probe-v7/shift's
+    two levels: the top one)."""
     from datamodules.probe import TASKS, level_count
 
-    if name not in TASKS:
+    levels = level_count(name) if name in TASKS else _label_file_levels_or_none(labels)
+    if levels is None:
         return {}
-    levels = level_count(name)
     return {"callbacks.probe_levels": levels, "callbacks.probe_hard_from": min(CallbacksConfig.probe_hard_from, levels - 1)}
+
+
+def _label_file_levels_or_none(labels: Optional[str]) -> Optional[int]:
+    """A label file's level count, or None where it has no labelled token, one level only (the metrics need two),
+    or cannot be read: the up-front checks then report what is wrong with it, in their order."""
+    if not labels:
+        return None
+    try:
+        levels = label_file_levels(labels)
+    except (DataError, OSError):
+        return None
+    return levels if levels is not None and levels >= 2 else None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Optional[pathlib.Path]:

@@ -218,7 +218,8 @@ def test_v6_with_fewer_than_eight_levels_is_refused_before_the_first_step(tmp_pa
     monkeypatch.setattr(torch.optim.AdamW, "step", no_step)
     monkeypatch.setattr(run, "check_probe_levels", lambda name, levels: None)
     main = run.main
-    with pytest.raises(Exception, match="raise --callbacks.probe_levels"):
+    with pytest.raises(Exception, match=r"callbacks\.probe_levels: the data's labels use levels 0\.\.7, more than the 5 "
+                                        r"given; raise it to 8 or drop it"):
         main(["--data", TASK, "--data.max_tokens", str(64 * probe.EPISODE_LEN), "--data.cache_dir",
               str(tmp_path / "c"), "--max_steps", "3", "--val_every", "3", "--log_dir", str(tmp_path),
               *TINY_RUN, "--model.block_size", "128", "--callbacks.probe_blocks", "16",

@@ -119,7 +119,7 @@ def test_bad_label_files_are_refused_naming_the_field_and_what_is_allowed(tmp_pa
         probe_labels.check_label_file(str(_bad_npy(tmp_path, "f.npy", np.zeros(9, np.float32))), 5)
     with pytest.raises(DataError, match=r"data\.labels: .*shape \(3, 3\)"):
         probe_labels.check_label_file(str(_bad_npy(tmp_path, "m.npy", np.zeros((3, 3), np.int8))), 5)
-    with pytest.raises(DataError, match=r"data\.labels: levels run from -2 to 1; allowed are -1 .* and 0\.\.4"):
+    with pytest.raises(DataError, match=r"data\.labels: .*low\.npy: levels run from -2 to 1; allowed are -1 .* and 0\.\.4"):
         probe_labels.check_label_file(str(_bad_npy(tmp_path, "low.npy", np.array([-2, 1]))), 5)
     with pytest.raises(DataError, match=r"from -1 to 5; allowed are -1 \(unlabelled\) and 0\.\.4 .*probe_levels"):
         probe_labels.check_label_file(str(_bad_npy(tmp_path, "high.npy", np.array([-1, 5]))), 5)
@@ -171,6 +171,45 @@ def test_option_combinations_are_checked(tmp_path):
         CallbacksConfig(probe_levels=3, probe_hard_from=3).validate()
     with pytest.raises(ConfigError, match=r"callbacks\.probe_levels: must be an integer in 2\.\.127"):
         CallbacksConfig(probe_levels=1, probe_hard_from=1).validate()
+
+
+def test_a_label_files_level_count_is_the_default_and_explicit_values_beat_it(tmp_path):
+    """--callbacks.probe_levels defaults to the file's top level + 1 (and probe_hard_from to its top level where
+    the usual 3 lies past it); no labelled token, or an unreadable file, leaves the dataclass default and the
+    up-front checks report the file."""
+    from experiments.run import build_parser, expand_aliases, parse_with_presets
+
+    def levels(labels, *argv):
+        cfg = parse_with_presets(build_parser(), expand_aliases(["--data", "text", "--data.labels", str(labels), *argv]))
+        return cfg.callbacks.probe_levels, cfg.callbacks.probe_hard_from
+
+    assert levels(_bad_npy(tmp_path, "seven.npy", np.array([-1, 0, 6, 2], np.int16))) == (7, 3)
+    (tmp_path / "two.jsonl").write_text('{"spans": [[0, 2, 1]]}\n{"spans": []}\n')
+    assert levels(tmp_path / "two.jsonl") == (2, 1)
+    assert levels(tmp_path / "seven.npy", "--callbacks.probe_levels", "12") == (12, 3)
+    assert levels(_bad_npy(tmp_path, "none.npy", np.full(4, -1, np.int8))) == (5, 3)
+    assert levels(_bad_npy(tmp_path, "one.npy", np.zeros(4, np.int8))) == (5, 3)  # one level: no metric to default
+    assert levels(tmp_path / "missing.npy") == levels(_bad_npy(tmp_path, "f.npy", np.zeros(3, np.float32))) == (5, 3)
+    with pytest.raises(DataError, match=r"data\.labels: .*seven\.npy: levels run from -1 to 6; allowed are .* 0\.\.3"):
+        probe_labels.check_label_file(str(tmp_path / "seven.npy"), 4)
+
+
+def test_every_stage_refuses_too_few_levels_with_one_message():
+    """The dataset-name check and the fit-start check build the same message (the label file's up-front
+    check names its file and line instead)."""
+    from callbacks.probe import check_levels
+    from experiments.run import check_probe_levels
+
+    from architectures.config import ConfigError
+
+    with pytest.raises(ConfigError) as by_name:
+        check_probe_levels("probe-v6/bounce", 5)
+    with pytest.raises(ConfigError) as at_fit:
+        check_levels(np.array([-1, 3, 7]), 5)
+    tail = "use levels 0..7, more than the 5 given; raise it to 8 or drop it (the default is the labels' own count)"
+    assert str(by_name.value) == f"callbacks.probe_levels: probe-v6/bounce's labels {tail}"
+    assert str(at_fit.value) == f"callbacks.probe_levels: the data's labels {tail}"
+    check_levels(np.array([-1, 4]), 5)  # within the levels: no error
 
 
 @pytest.mark.parametrize("case", ["level-outside", "wrong-length"])
