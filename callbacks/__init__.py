@@ -14,6 +14,8 @@ from typing import Any, List, Optional
 
 from architectures.config import ConfigError
 
+MAX_PROBE_LEVELS = 127  # levels are stored as int8 beside the token cache (-1 = unlabelled)
+
 
 @dataclass
 class CallbacksConfig:
@@ -66,8 +68,9 @@ class CallbacksConfig:
                 raise ConfigError(f"callbacks.{name}: must be a positive integer, got {value!r}")
         if not isinstance(self.throughput_window, int) or self.throughput_window < 2:
             raise ConfigError(f"callbacks.throughput_window: must be an integer >= 2, got {self.throughput_window!r}")
-        if not isinstance(self.probe_levels, int) or not 2 <= self.probe_levels <= 127:
-            raise ConfigError(f"callbacks.probe_levels: must be an integer in 2..127, got {self.probe_levels!r}")
+        if not isinstance(self.probe_levels, int) or not 2 <= self.probe_levels <= MAX_PROBE_LEVELS:
+            raise ConfigError(f"callbacks.probe_levels: must be an integer in 2..{MAX_PROBE_LEVELS}, got "
+                              f"{self.probe_levels!r}")
         hard = self.probe_hard_from
         if not isinstance(hard, int) or not 1 <= hard < self.probe_levels:
             raise ConfigError(f"callbacks.probe_hard_from: must be an integer in 1..{self.probe_levels - 1} "

@@ -82,7 +82,7 @@ def _checked_span(span, path: pathlib.Path, line_no: int, levels: Optional[int])
     top = f"{levels - 1}" if levels else "the number of levels - 1"
     if span[2] < 0 or (levels is not None and span[2] >= levels):
         raise DataError(f"data.labels: {path}:{line_no}: span level {span[2]} is outside 0..{top} "
-                        "(--callbacks.probe_levels sets the number of levels)")
+                        "(--callbacks.probe_levels sets the number of levels; by default the file's own)")
     return int(span[0]), int(span[1]), int(span[2])
 
 
@@ -122,8 +122,9 @@ def check_label_file(path: str, levels: Optional[int] = None) -> None:
 
 
 def too_few_levels(labels: str, top: int, levels: int) -> ConfigError:
-    """The refusal of a ``--callbacks.probe_levels`` below the levels ``labels`` use (0..top), one message at every
-    stage that checks it: from a probe dataset's name, from a label file, and from the data at fit start."""
+    """The refusal of a ``--callbacks.probe_levels`` below the levels ``labels`` use (0..top), in the same words at
+    both stages that check it: from a probe dataset's name, and from the data at fit start. (A label file's
+    up-front check names its file and line instead: ``check_levels``, ``_checked_span``.)"""
     return ConfigError(f"callbacks.probe_levels: {labels} use levels 0..{top}, more than the {levels} given; raise it "
                        f"to {top + 1} or drop it (the default is the labels' own count)")
 
@@ -131,7 +132,7 @@ def too_few_levels(labels: str, top: int, levels: int) -> ConfigError:
 def label_file_levels(path: str) -> Optional[int]:
     """The number of levels a label file uses (its top level + 1; None if it labels no token): the default of
     ``--callbacks.probe_levels`` with ``--data.labels``. Cached per file version: a label file may be as large as
-    the token stream, and the up-front checks read it too."""
+    the token stream, and programmes that parse many runs' options (sweep, repro) would read it once per run."""
     file = pathlib.Path(path)
     stat = file.stat()
     return _file_levels(str(file.resolve()), stat.st_mtime_ns, stat.st_size)
@@ -167,7 +168,7 @@ def check_levels(array: np.ndarray, levels: Optional[int] = None, where: str = "
     if low < NO_LABEL or (levels is not None and high >= levels):
         top = levels - 1 if levels is not None else "levels - 1"
         raise DataError(f"data.labels: {where}levels run from {low} to {high}; allowed are -1 (unlabelled) and "
-                        f"0..{top} (--callbacks.probe_levels sets the number of levels)")
+                        f"0..{top} (--callbacks.probe_levels sets the number of levels; by default the file's own)")
 
 
 def open_token_labels(path: pathlib.Path, num_tokens: int) -> np.ndarray:

@@ -44,7 +44,7 @@ from architectures import ModelConfig, variant_names  # noqa: E402
 from architectures.checkpointing import parse_policy, set_activation_checkpointing  # noqa: E402
 from architectures.config import ConfigError, SIZES, SharedModelConfig, config_groups, flatten  # noqa: E402
 from architectures.registry import check_groups_read, check_options_used  # noqa: E402
-from callbacks import CallbacksConfig, config_from as callbacks_config  # noqa: E402
+from callbacks import MAX_PROBE_LEVELS, CallbacksConfig, config_from as callbacks_config  # noqa: E402
 from datamodules.catalog import REQUIRED_TOKENIZER, corpus_names, ignored_data_options  # noqa: E402
 from datamodules.corpora import DataError  # noqa: E402
 from lightning_modules.storage import StorageError, atomic_checkpoint_io, check_writable, claim_next_version  # noqa: E402
@@ -499,7 +499,8 @@ def parse_with_presets(parser: ArgumentParser, argv: Sequence[str], prefix: str 
     probe = [a for a in argv if not a.startswith("--print_config")]
     first = parser.parse_args(probe, defaults=True)
     preset = preset_defaults(first[prefix].variant, prefix)
-    preset.update(data_defaults(first.get("data.name"), first.get("data.labels")))  # finetune's: no data group
+    # finetune's data group has neither field: None, no defaults
+    preset.update(data_defaults(first.get("data.name"), first.get("data.labels")))
     # the parser's own defaults come back afterwards: a parser that parses several runs' options (the repro
     # programmes') must not carry one variant's preset into the next one's fields
     before = {key: parser.get_default(key) for key in preset}
@@ -520,8 +521,9 @@ def check_probe_levels(name: str, levels: int) -> None:
 
 def data_defaults(name: Optional[str], labels: Optional[str] = None) -> Dict[str, Any]:
     """Defaults the data set for other groups, beaten by any explicit value: the number of levels of a probe
-    dataset or of a label file, and the hard levels where the usual threshold lies past them (probe-v7/shift's
-    two levels: the top one)."""
+    dataset or of a label file, and the hard levels where the usual threshold lies past the data's top level
+    (probe-v7/shift's two levels: the top one). The hard threshold follows the data, not an explicit
+    --callbacks.probe_levels: levels the data never use would leave the hard metrics empty."""
     from datamodules.probe import TASKS, level_count
 
     levels = level_count(name) if name in TASKS else _label_file_levels_or_none(labels)
@@ -531,15 +533,16 @@ def data_defaults(name: Optional[str], labels: Optional[str] = None) -> Dict[str
 
 
 def _label_file_levels_or_none(labels: Optional[str]) -> Optional[int]:
-    """A label file's level count, or None where it has no labelled token, one level only (the metrics need two),
-    or cannot be read: the up-front checks then report what is wrong with it, in their order."""
+    """A label file's level count, or None where it cannot be a default (no labelled token, one level only, more
+    levels than the metrics keep) or the file cannot be read: the up-front label-file checks then report the
+    file itself, in their usual order, instead of blaming an option the user never gave."""
     if not labels:
         return None
     try:
         levels = label_file_levels(labels)
     except (DataError, OSError):
         return None
-    return levels if levels is not None and levels >= 2 else None
+    return levels if levels is not None and 2 <= levels <= MAX_PROBE_LEVELS else None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Optional[pathlib.Path]:

@@ -108,7 +108,7 @@ def test_the_loss_mask_uses_the_probe_datas_own_labels(tmp_path):
 
 
 # ---------------------------------------------------------------------------- validation
-def _bad_npy(tmp_path, name, array):
+def _npy(tmp_path, name, array):
     path = tmp_path / name
     np.save(path, array)
     return path
@@ -116,13 +116,13 @@ def _bad_npy(tmp_path, name, array):
 
 def test_bad_label_files_are_refused_naming_the_field_and_what_is_allowed(tmp_path):
     with pytest.raises(DataError, match=r"data\.labels: .*float32 array .*1-D integer array"):
-        probe_labels.check_label_file(str(_bad_npy(tmp_path, "f.npy", np.zeros(9, np.float32))), 5)
+        probe_labels.check_label_file(str(_npy(tmp_path, "f.npy", np.zeros(9, np.float32))), 5)
     with pytest.raises(DataError, match=r"data\.labels: .*shape \(3, 3\)"):
-        probe_labels.check_label_file(str(_bad_npy(tmp_path, "m.npy", np.zeros((3, 3), np.int8))), 5)
+        probe_labels.check_label_file(str(_npy(tmp_path, "m.npy", np.zeros((3, 3), np.int8))), 5)
     with pytest.raises(DataError, match=r"data\.labels: .*low\.npy: levels run from -2 to 1; allowed are -1 .* and 0\.\.4"):
-        probe_labels.check_label_file(str(_bad_npy(tmp_path, "low.npy", np.array([-2, 1]))), 5)
+        probe_labels.check_label_file(str(_npy(tmp_path, "low.npy", np.array([-2, 1]))), 5)
     with pytest.raises(DataError, match=r"from -1 to 5; allowed are -1 \(unlabelled\) and 0\.\.4 .*probe_levels"):
-        probe_labels.check_label_file(str(_bad_npy(tmp_path, "high.npy", np.array([-1, 5]))), 5)
+        probe_labels.check_label_file(str(_npy(tmp_path, "high.npy", np.array([-1, 5]))), 5)
     with pytest.raises(DataError, match=r"data\.labels: .*\.csv must be a \.npy .* or a \.jsonl"):
         probe_labels.check_label_file(str(tmp_path / "x.csv"))
     with pytest.raises(DataError, match=r"data\.labels: .*nope\.npy does not exist"):
@@ -137,7 +137,7 @@ def test_bad_label_files_are_refused_naming_the_field_and_what_is_allowed(tmp_pa
 
 def test_a_label_file_of_the_wrong_length_or_another_corpus_is_refused_once_the_cache_exists(tmp_path):
     corpus = labelled_corpus(tmp_path)
-    short = _bad_npy(tmp_path, "short.npy", np.zeros(10, np.int8))
+    short = _npy(tmp_path, "short.npy", np.zeros(10, np.int8))
     with pytest.raises(DataError, match=r"data\.labels: .*short\.npy has 10 levels for the \d+ tokens"):
         _datamodule(tmp_path, corpus, short)
     (tmp_path / "other").mkdir()
@@ -161,7 +161,7 @@ def test_option_combinations_are_checked(tmp_path):
         DataConfig(loss_mask="labelled", unlabelled_weight=2.0).validate()
     with pytest.raises(DataError, match=r"data\.loss_mask: needs labels"):
         LMDataModule(DataConfig(loss_mask="labelled", cache_dir=str(tmp_path)), block_size=BLOCK)
-    npy = _bad_npy(tmp_path, "ok.npy", np.zeros(4, np.int8))
+    npy = _npy(tmp_path, "ok.npy", np.zeros(4, np.int8))
     with pytest.raises(DataError, match=r"data\.labels: the probe data 'probe/arith' carry their own labels"):
         LMDataModule(DataConfig(name="probe/arith", labels=str(npy), cache_dir=str(tmp_path)), block_size=BLOCK)
     from architectures.config import ConfigError
@@ -174,8 +174,9 @@ def test_option_combinations_are_checked(tmp_path):
 
 
 def test_a_label_files_level_count_is_the_default_and_explicit_values_beat_it(tmp_path):
-    """--callbacks.probe_levels defaults to the file's top level + 1 (and probe_hard_from to its top level where
-    the usual 3 lies past it); no labelled token, or an unreadable file, leaves the dataclass default and the
+    """--callbacks.probe_levels defaults to the file's top level + 1 and probe_hard_from to its top level where the
+    usual 3 lies past it (also beside an explicit probe_levels: the data hold no level above). No labelled token,
+    one level, more levels than the metrics keep, or an unreadable file leave the dataclass defaults, and the
     up-front checks report the file."""
     from experiments.run import build_parser, expand_aliases, parse_with_presets
 
@@ -183,15 +184,21 @@ def test_a_label_files_level_count_is_the_default_and_explicit_values_beat_it(tm
         cfg = parse_with_presets(build_parser(), expand_aliases(["--data", "text", "--data.labels", str(labels), *argv]))
         return cfg.callbacks.probe_levels, cfg.callbacks.probe_hard_from
 
-    assert levels(_bad_npy(tmp_path, "seven.npy", np.array([-1, 0, 6, 2], np.int16))) == (7, 3)
+    assert levels(_npy(tmp_path, "seven.npy", np.array([-1, 0, 6, 2], np.int16))) == (7, 3)
     (tmp_path / "two.jsonl").write_text('{"spans": [[0, 2, 1]]}\n{"spans": []}\n')
     assert levels(tmp_path / "two.jsonl") == (2, 1)
     assert levels(tmp_path / "seven.npy", "--callbacks.probe_levels", "12") == (12, 3)
-    assert levels(_bad_npy(tmp_path, "none.npy", np.full(4, -1, np.int8))) == (5, 3)
-    assert levels(_bad_npy(tmp_path, "one.npy", np.zeros(4, np.int8))) == (5, 3)  # one level: no metric to default
-    assert levels(tmp_path / "missing.npy") == levels(_bad_npy(tmp_path, "f.npy", np.zeros(3, np.float32))) == (5, 3)
+    assert levels(tmp_path / "two.jsonl", "--callbacks.probe_levels", "5") == (5, 1)
+    (tmp_path / "explicit.yaml").write_text("callbacks:\n  probe_levels: 9\n  probe_hard_from: 4\n")
+    assert levels(tmp_path / "seven.npy", "--config", str(tmp_path / "explicit.yaml")) == (9, 4)
+    assert levels(_npy(tmp_path, "none.npy", np.full(4, -1, np.int8))) == (5, 3)
+    assert levels(_npy(tmp_path, "one.npy", np.zeros(4, np.int8))) == (5, 3)  # one level: no metric to default
+    assert levels(_npy(tmp_path, "huge.npy", np.array([0, 300], np.int16))) == (5, 3)  # past 127: the file's fault
+    assert levels(tmp_path / "missing.npy") == levels(_npy(tmp_path, "f.npy", np.zeros(3, np.float32))) == (5, 3)
     with pytest.raises(DataError, match=r"data\.labels: .*seven\.npy: levels run from -1 to 6; allowed are .* 0\.\.3"):
         probe_labels.check_label_file(str(tmp_path / "seven.npy"), 4)
+    _npy(tmp_path, "seven.npy", np.array([-1, 0, 3], np.int16))  # the same path rewritten: not the cached count
+    assert levels(tmp_path / "seven.npy") == (4, 3)
 
 
 def test_every_stage_refuses_too_few_levels_with_one_message():
@@ -221,7 +228,7 @@ def test_cli_refuses_bad_labels_in_one_line_with_exit_2(case, tmp_path, capsys):
         labels, extra, pattern = corpus, ["--callbacks.probe_levels", "2", "--callbacks.probe_hard_from", "1"], \
             r"data\.labels: .*span level 2 is outside 0\.\.1"
     else:  # found once the token cache exists, before any training step
-        labels, extra, pattern = _bad_npy(tmp_path, "short.npy", np.zeros(10, np.int8)), [], \
+        labels, extra, pattern = _npy(tmp_path, "short.npy", np.zeros(10, np.int8)), [], \
             r"data\.labels: .*short\.npy has 10 levels for the \d+ tokens"
     with pytest.raises(SystemExit) as exit_info:
         run.cli(run.main, ["--data", "text", "--data.path", str(corpus), "--data.labels", str(labels),
