@@ -162,7 +162,7 @@ def probe_batches(model, tokens: np.ndarray, levels: np.ndarray, families: np.nd
     return {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in out.items()}
 
 
-def check_levels(token_levels: np.ndarray, levels: int) -> None:
+def check_metric_levels(token_levels: np.ndarray, levels: int) -> None:
     """Refuses labels above the metrics' levels 0..levels-1, naming the option to raise."""
     if token_levels.size and int(token_levels.max()) >= levels:
         raise too_few_levels("the data's labels", int(token_levels.max()), levels)
@@ -170,7 +170,7 @@ def check_levels(token_levels: np.ndarray, levels: int) -> None:
 
 def stats_tensor(tokens: Dict[str, np.ndarray], n_families: int, levels: int = LEVELS) -> torch.Tensor:
     """Sums per (all | family, level): tokens, loss, correct, flops (reduced across ranks by summing)."""
-    check_levels(tokens["level"], levels)
+    check_metric_levels(tokens["level"], levels)
     stats = _empty_stats(n_families, levels)
     for row, mask in [(0, np.ones_like(tokens["level"], dtype=bool))] + [
             (f + 1, tokens["family"] == f) for f in range(n_families)]:
@@ -279,7 +279,7 @@ class ProbeMetrics(L.Callback):
         """The labels are checked against ``levels`` before the first step, not at the first validation. Every rank
         checks all the blocks (not its share), so under DDP all ranks stop together instead of some waiting."""
         _, token_levels, _, _ = evaluation_blocks(trainer.datamodule, self.blocks, 0, 1)
-        check_levels(token_levels, self.levels)
+        check_metric_levels(token_levels, self.levels)
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking:

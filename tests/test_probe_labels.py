@@ -204,7 +204,7 @@ def test_a_label_files_level_count_is_the_default_and_explicit_values_beat_it(tm
 def test_every_stage_refuses_too_few_levels_with_one_message():
     """The dataset-name check and the fit-start check build the same message (the label file's up-front
     check names its file and line instead)."""
-    from callbacks.probe import check_levels
+    from callbacks.probe import check_metric_levels
     from experiments.run import check_probe_levels
 
     from architectures.config import ConfigError
@@ -212,11 +212,11 @@ def test_every_stage_refuses_too_few_levels_with_one_message():
     with pytest.raises(ConfigError) as by_name:
         check_probe_levels("probe-v6/bounce", 5)
     with pytest.raises(ConfigError) as at_fit:
-        check_levels(np.array([-1, 3, 7]), 5)
+        check_metric_levels(np.array([-1, 3, 7]), 5)
     tail = "use levels 0..7, more than the 5 given; raise it to 8 or drop it (the default is the labels' own count)"
     assert str(by_name.value) == f"callbacks.probe_levels: probe-v6/bounce's labels {tail}"
     assert str(at_fit.value) == f"callbacks.probe_levels: the data's labels {tail}"
-    check_levels(np.array([-1, 4]), 5)  # within the levels: no error
+    check_metric_levels(np.array([-1, 4]), 5)  # within the levels: no error
 
 
 @pytest.mark.parametrize("case", ["level-outside", "wrong-length"])
