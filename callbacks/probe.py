@@ -53,6 +53,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from architectures.config import ConfigError
 from architectures.contract import RoutingSite
 from callbacks.common import all_reduce_sum, eager_measurement, reported_depth, require_positive
 from datamodules.probe_labels import evaluation_blocks, too_few_levels
@@ -274,6 +275,22 @@ class ProbeMetrics(L.Callback):
         self.blocks, self.batch_size = blocks, batch_size
         self.levels, self.hard_from = levels, hard_from
         self.latest: Dict[str, Any] = {}
+
+    def state_dict(self) -> Dict[str, int]:
+        """What the logged per-level metrics mean: saved in each checkpoint, so that a resume cannot change it."""
+        return {"probe_levels": self.levels, "probe_hard_from": self.hard_from, "probe_blocks": self.blocks}
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        """A resume that would measure other levels, another hard threshold or other blocks is refused (before
+        ``config.yaml`` is rewritten: Lightning restores callbacks before ``on_fit_start``); a run's curves keep
+        one meaning from its first step to its last. Checkpoints from before this state have nothing to check."""
+        now = self.state_dict()
+        changed = [f"callbacks.{k} ({state[k]} in the checkpoint, {now[k]} now)" for k in now
+                   if k in state and state[k] != now[k]]
+        if changed:
+            given = " ".join(f"--callbacks.{k} {state[k]}" for k in now if k in state)
+            raise ConfigError(f"ckpt_path: the run measured its probe metrics with other settings: {'; '.join(changed)}; "
+                              f"resume with {given}, or start a new run")
 
     def on_fit_start(self, trainer, pl_module) -> None:
         """The labels are checked against ``levels`` before the first step, not at the first validation. Every rank

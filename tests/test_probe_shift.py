@@ -106,3 +106,26 @@ def test_cli_trains_on_v7_with_its_two_levels_by_default(tmp_path, one_thread):
     report = json.loads((run_dir / "probe.json").read_text())
     assert (report["n_levels"], report["hard_from"]) == (2, 1)
     assert {int(k) for k in report["families"]["shift"]} == {0, 1}
+
+
+def test_a_resume_that_would_measure_the_probe_otherwise_is_refused(tmp_path, one_thread):
+    """The probe callback's levels, hard threshold and blocks travel in the checkpoint: a resume under others
+    (here an explicit 3 levels) is refused before config.yaml is rewritten, naming the options to give; the
+    same settings resume."""
+    from architectures.config import ConfigError
+    from experiments.run import main
+    from tests.conftest import TINY_RUN
+
+    common = ["--data", TASK, "--data.max_tokens", str(64 * probe.EPISODE_LEN), "--data.cache_dir", str(tmp_path / "c"),
+              "--val_every", "2", "--log_dir", str(tmp_path), "--version", "r", *TINY_RUN, "--model.block_size", "128",
+              "--callbacks.probe_blocks", "16"]
+    run_dir = main([*common, "--max_steps", "2"])
+    config, ckpt = (run_dir / "config.yaml").read_text(), str(run_dir / "checkpoints" / "last.ckpt")
+    with pytest.raises(ConfigError, match=r"^ckpt_path: the run measured its probe metrics with other settings: "
+                                          r"callbacks\.probe_levels \(2 in the checkpoint, 3 now\); resume with "
+                                          r"--callbacks\.probe_levels 2 --callbacks\.probe_hard_from 1 "
+                                          r"--callbacks\.probe_blocks 16, or start a new run$"):
+        main([*common, "--max_steps", "4", "--callbacks.probe_levels", "3", "--ckpt_path", ckpt])
+    assert (run_dir / "config.yaml").read_text() == config
+    resumed = main([*common, "--max_steps", "4", "--ckpt_path", ckpt])
+    assert json.loads((resumed / "probe.json").read_text())["step"] == 4
