@@ -79,6 +79,15 @@ width (a ``v2`` sum of d operands is one parallel read for attention):
   bytes after its source wherever the source lies, and lies at no fixed position: learned position embeddings
   read a fixed position in one layer, a fixed distance at a moving position only through the reader's position.
 
+``v8`` (``probe-v8/induct``, family ``induct``) moves the copy away from its source by a drawn gap:
+
+* ``induct``: v7's ``C:C|`` (level 0), 0..INDUCT_MAX_BEFORE dots, SHIFT_LETTERS distinct lowercase letters, ``|``,
+  1..INDUCT_MAX_GAP dots, the same letters (level 1 from the copy's second letter on: the first follows the drawn
+  dots). Neither the position nor the distance of the answer is fixed; what gives it is the content: the letter
+  that followed the copy's previous letter in the source. Finding that earlier occurrence and reading the letter
+  after it is an induction head's two steps (a head that marks each token's predecessor, then one that matches
+  on it), which one attention layer cannot compose.
+
 ``solve_episode`` re-derives every label from the tokens alone by brute force (for ``hops``: the fewest
 lookups, breadth-first, that reach a digit); the tests check the generator against it.
 """
@@ -100,9 +109,9 @@ MAX_HOPS = 3
 DATA_SEED = 20240615  # the probe content is fixed; --seed changes the training order only
 DEFAULT_EPISODES = 16384  # 2.1M tokens; data.max_tokens sets another size
 NO_LABEL = -1
-FAMILIES = ("arith", "recall", "text", "hops", "cups", "bounce", "shift")  # families.npy holds the index: append only
+FAMILIES = ("arith", "recall", "text", "hops", "cups", "bounce", "shift", "induct")  # families.npy holds the index: append only
 VERSIONS = {"probe": "v1", "probe-v2": "v2", "probe-v3": "v3", "probe-v4": "v4", "probe-v5": "v5", "probe-v6": "v6",
-            "probe-v7": "v7"}  # name prefix -> generator version
+            "probe-v7": "v7", "probe-v8": "v8"}  # name prefix -> generator version
 _V1_FAMILIES = ("arith", "recall", "text")
 TASKS: Dict[str, Tuple[str, ...]] = {
     **{name: families for prefix in ("probe", "probe-v2")
@@ -112,6 +121,7 @@ TASKS: Dict[str, Tuple[str, ...]] = {
     "probe-v5/bounce": ("bounce",),
     "probe-v6/bounce": ("bounce",),
     "probe-v7/shift": ("shift",),
+    "probe-v8/induct": ("induct",),
 }
 BLANK = "_"  # an empty operand slot of a v2 arithmetic segment
 
@@ -138,6 +148,11 @@ SHIFT_PREFIX = 8  # the fixed-position part: PREFIX capitals, ':', the same capi
 SHIFT_LETTERS = 20  # the moving part: distinct lowercase letters, '|', the same letters
 SHIFT_SEP = "|"
 SHIFT_LEVELS = 2  # level 0: the copy at fixed positions; level 1: the copy at a fixed distance
+
+# v8 v7's layout with a drawn gap between the letters' '|' and their copy: the copy is read by content (induction)
+INDUCT_MAX_GAP = 34  # dots between '|' and the copy: 1..34
+INDUCT_MAX_BEFORE = EPISODE_LEN - 1 - (2 * SHIFT_PREFIX + 2) - (2 * SHIFT_LETTERS + 1) - INDUCT_MAX_GAP  # 0..34
+INDUCT_LEVELS = 2  # level 0: the copy at fixed positions; level 1: the copy found by content
 SHIFT_MAX_BEFORE = EPISODE_LEN - 1 - (2 * SHIFT_PREFIX + 2) - (2 * SHIFT_LETTERS + 1)  # dots before the letters: 0..68
 
 MEMO, MEMO_END, COPY, COPY_END, COUNT = "\x02", "\x03", "\x05", "\x06", "\x07"
@@ -344,6 +359,25 @@ def shift_episode(rng: np.random.Generator, length: int = EPISODE_LEN - 1) -> Ep
     return (text + "." * pad).encode("ascii"), levels + [NO_LABEL] * pad
 
 
+def induct_episode(rng: np.random.Generator, length: int = EPISODE_LEN - 1) -> Episode:
+    """v8: ``C:C|`` (level 0, as in v7), ``r`` dots, A (SHIFT_LETTERS distinct lowercase letters), ``|``, ``g`` dots
+    (1 <= g <= INDUCT_MAX_GAP), A again: level 1 on the copy's letters after its first (which follows the dots, so
+    no reading predicts it). r and g are drawn per episode: the copy has neither a fixed position nor a fixed
+    distance from its source."""
+    capitals = "".join(_CAPS[i] for i in rng.integers(0, len(_CAPS), SHIFT_PREFIX))
+    letters = "".join(_KEYS[i] for i in rng.permutation(len(_KEYS))[:SHIFT_LETTERS])
+    before = int(rng.integers(0, INDUCT_MAX_BEFORE + 1))
+    gap = int(rng.integers(1, INDUCT_MAX_GAP + 1))
+    head = f"{capitals}:{capitals}{SHIFT_SEP}" + "." * before + letters + SHIFT_SEP + "." * gap
+    text = head + letters
+    levels = [NO_LABEL] * (SHIFT_PREFIX + 1) + [0] * SHIFT_PREFIX + [NO_LABEL] * (len(head) - 2 * SHIFT_PREFIX - 1)
+    levels += [NO_LABEL] + [INDUCT_LEVELS - 1] * (SHIFT_LETTERS - 1)
+    if len(text) > length:
+        raise ValueError(f"induct episodes need up to {len(text)} bytes, got length {length}")
+    pad = length - len(text)
+    return (text + "." * pad).encode("ascii"), levels + [NO_LABEL] * pad
+
+
 def bounce(state: int, x: int) -> int:
     """One step: add x, unless the sum would pass BOUNCE_LIMIT; then the distance |state - x|. The order of
     the steps matters (7, 6, 5: 13, then 13 + 5 > 14 reflects to 8; 5, 6, 7: 11, then |11 - 7| = 4), so no
@@ -367,7 +401,7 @@ GENERATORS = {"v1": {"arith": arith_episode, "recall": recall_episode, "text": t
               "v4": {"cups": cups_episode},
               "v5": {"bounce": bounce_episode},
               "v6": {"bounce": bounce_episode_wide},
-              "v7": {"shift": shift_episode}}
+              "v7": {"shift": shift_episode}, "v8": {"induct": induct_episode}}
 
 
 def version(task: str) -> str:
@@ -378,7 +412,7 @@ def version(task: str) -> str:
 def level_count(task: str) -> int:
     """How many levels (0..N-1) a probe dataset's labels use: the default of ``--callbacks.probe_levels``. v1-v5
     share the layout 0..MAX_DEPTH (recall's and hops' top levels stay empty or sparse in it)."""
-    return {"v6": BOUNCE_WIDE_LEVELS + 1, "v7": SHIFT_LEVELS}.get(version(task), MAX_DEPTH + 1)
+    return {"v6": BOUNCE_WIDE_LEVELS + 1, "v7": SHIFT_LEVELS, "v8": INDUCT_LEVELS}.get(version(task), MAX_DEPTH + 1)
 
 
 @functools.lru_cache(maxsize=1)
@@ -415,6 +449,8 @@ def solve_episode(family: str, data: bytes, generator: str = "v1") -> Dict[int, 
         return _solve_bounce(text, slots=BOUNCE_WIDE_LEVELS + 1 if generator == "v6" else MAX_DEPTH + 1)
     if family == "shift":
         return _solve_shift(text)
+    if family == "induct":
+        return _solve_induct(text)
     return _solve_text(text)
 
 
@@ -539,17 +575,35 @@ def _solve_bounce(text: str, slots: int) -> Dict[int, Tuple[int, int]]:
 def _solve_shift(text: str) -> Dict[int, Tuple[int, int]]:
     """Level 0: the capitals' copy, at its fixed positions. Level 1: after the second ``|``, the letters of the
     run of distinct lowercase letters that ends at it, in order (found by searching for the run)."""
+    out, second, letters = _copy_layout(text, "shift")
+    out.update({second + 1 + i: (ord(c), 1) for i, c in enumerate(letters)})
+    return out
+
+
+def _solve_induct(text: str) -> Dict[int, Tuple[int, int]]:
+    """Level 0 as in v7. Level 1: past the dots after the second ``|``, each letter of the copy after its first is
+    the letter that follows, in the source, the copy's previous letter (searched for in the source: induction)."""
+    out, second, source = _copy_layout(text, "induct")
+    start = second + 1 + len(text[second + 1:]) - len(text[second + 1:].lstrip("."))
+    for i in range(start + 1, start + len(source)):
+        previous = source.find(text[i - 1])
+        if not 0 <= previous < len(source) - 1:
+            raise ValueError(f"induct: the copy's letter {text[i - 1]!r} at {i - 1} has no successor in the source")
+        out[i] = (ord(source[previous + 1]), 1)
+    return out
+
+
+def _copy_layout(text: str, family: str) -> Tuple[Dict[int, Tuple[int, int]], int, str]:
+    """v7/v8's shared layout: (level-0 answers, position of the second ``|``, the source letters before it)."""
     k = SHIFT_PREFIX
     capitals, colon, copy, sep = text[:k], text[k], text[k + 1 : 2 * k + 1], text[2 * k + 1]
     if colon != ":" or sep != SHIFT_SEP or not all(c in _CAPS for c in capitals + copy):
-        raise ValueError("shift: the episode does not open with 'C:C|' (capitals, ':', capitals, '|')")
-    out = {k + 1 + i: (ord(capitals[i]), 0) for i in range(k)}
+        raise ValueError(f"{family}: the episode does not open with 'C:C|' (capitals, ':', capitals, '|')")
     second = text.index(SHIFT_SEP, 2 * k + 2)
     letters = text[2 * k + 2 : second].lstrip(".")
     if len(set(letters)) != len(letters) or not all(c in _KEYS for c in letters):
-        raise ValueError(f"shift: the letters before the second '|' are not distinct lowercase: {letters!r}")
-    out.update({second + 1 + i: (ord(c), 1) for i, c in enumerate(letters)})
-    return out
+        raise ValueError(f"{family}: the letters before the second '|' are not distinct lowercase: {letters!r}")
+    return {k + 1 + i: (ord(capitals[i]), 0) for i in range(k)}, second, letters
 
 
 def _solve_text(text: str) -> Dict[int, Tuple[int, int]]:
@@ -619,6 +673,8 @@ class ProbeCorpus(Corpus):
             parts += f"-W{BOUNCE_WIDE_LEVELS + 1}"
         if "shift" in TASKS[self.task]:
             parts += f"-P{SHIFT_PREFIX}-A{SHIFT_LETTERS}"
+        if "induct" in TASKS[self.task]:
+            parts += f"-P{SHIFT_PREFIX}-A{SHIFT_LETTERS}-G{INDUCT_MAX_GAP}"
         if "text" in TASKS[self.task]:
             parts += "-" + hashlib.sha256(embedded_bytes()).hexdigest()[:12]
         return f"probe-{self.task.replace('/', '-')}-{hashlib.sha256(parts.encode()).hexdigest()[:16]}"

@@ -175,6 +175,8 @@ PINNED = {
                         "probe-probe-v6-bounce-7cf496c51577c1df"),
     "probe-v7/shift": ("dfd8ee4e0f909729d478ca64fc2198e439510046fb3128b9a05730d5848f36fb",
                        "probe-probe-v7-shift-abb0b925c4a6d351"),
+    "probe-v8/induct": ("d58d05aeb2a51e68ec607989aabf8ea5685a5094e657664e941d3d267c8123d3",
+                        "probe-probe-v8-induct-069059bd0d1d8bd3"),
 }
 
 
