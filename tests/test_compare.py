@@ -649,3 +649,21 @@ def test_the_shift_probes_necessity_tables_rebuild_from_their_run_records():
         level = {d: r["probe_levels"]["probe_acc_L1"] for d, r in rows.items()}
         solved[steps] = {d: round(v["solved"] * v["solved_n"]) for d, v in level.items()}  # share x seeds
     assert solved == {8000: {1: 0, 2: 1, 4: 2}, 16000: {1: 2, 2: 4, 4: 5}}
+
+
+def test_the_preregistered_shift_replication_rebuilds_and_meets_its_verdict():
+    """docs/results/probe_shift_replication (docs/results/preregistered/probe_shift_replication.md: 10 new seeds,
+    1/2/4 layers, 16,000 steps): the records give the committed table to the character, and the verdict fixed
+    before the runs: 4 layers above 1 on level 1 after Holm (met; 2 layers too); seeds solving 2/10, 8/10, 8/10."""
+    folder = REPO / "docs" / "results" / "probe_shift_replication"
+    board = compare.compare([str(folder / "runs")], ["model.n_layer"], baseline="vanilla n_layer=1")
+    assert compare.to_markdown(board) == (folder / "leaderboard.md").read_text()
+    rows = {r["model.n_layer"]: r for r in board["rows"]}
+    assert sorted(rows) == [1, 2, 4] and all(r["n"] == 10 and r["steps"]["mean"] == 16000 for r in rows.values())
+    level = {d: r["probe_levels"]["probe_acc_L1"] for d, r in rows.items()}
+    for depth in (2, 4):
+        test = level[depth]["vs_baseline"]
+        assert test["difference"] > 0 and test["p_holm"] < 0.05
+    assert {d: round(v["solved"] * v["solved_n"]) for d, v in level.items()} == {1: 2, 2: 8, 4: 8}
+    commits = {json.loads(p.read_text())[0]["commit"][:7] for p in (folder / "runs").glob("*/*/provenance.json")}
+    assert commits == {"4eb1c64"}  # the commit the pre-registration names
