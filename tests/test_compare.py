@@ -667,3 +667,17 @@ def test_the_preregistered_shift_replication_rebuilds_and_meets_its_verdict():
     assert {d: round(v["solved"] * v["solved_n"]) for d, v in level.items()} == {1: 2, 2: 8, 4: 8}
     commits = {json.loads(p.read_text())[0]["commit"][:7] for p in (folder / "runs").glob("*/*/provenance.json")}
     assert commits == {"4eb1c64"}  # the commit the pre-registration names
+
+
+def test_the_preregistered_induct_check_rebuilds_and_no_depth_solves_level_1():
+    """docs/results/probe_induct_necessity (docs/results/preregistered/probe_induct_necessity.md: 1/2/4 layers, batch
+    32, 4,000 steps; the fifth 4-layer run stopped at the plan's cut-off): the records give the committed table, the
+    letter of the rule passes (2 vs 1 layer after Holm) while no run solves level 1 (counted as not met)."""
+    folder = REPO / "docs" / "results" / "probe_induct_necessity"
+    board = compare.compare([str(folder / "runs")], ["model.n_layer"], baseline="vanilla n_layer=1")
+    assert compare.to_markdown(board) == (folder / "leaderboard.md").read_text()
+    rows = {r["model.n_layer"]: r for r in board["rows"]}
+    assert {d: r["n"] for d, r in rows.items()} == {1: 5, 2: 5, 4: 4}
+    level = {d: r["probe_levels"]["probe_acc_L1"] for d, r in rows.items()}
+    assert level[2]["vs_baseline"]["difference"] > 0 and level[2]["vs_baseline"]["p_holm"] < 0.05
+    assert all(v["solved"] == 0 for v in level.values()) and all(r["probe_acc_L0"]["mean"] == 1.0 for r in rows.values())
