@@ -146,6 +146,28 @@ def bounce_segments(task: str, slots: int, episodes: int):
             yield levels[start + slots + 2], operands, int(segment[slots + 1 : slots + 3])
 
 
+def probe_texts(task: str, count: int):
+    """(text, levels) of a probe task's first ``count`` episodes."""
+    from datamodules import probe
+
+    for index in range(count):
+        _, (data, levels) = probe.episode(task, index)
+        yield data.decode("ascii"), levels
+
+
+def brief_probe_run(task: str, tmp_path, *extra: str) -> dict:
+    """A 3-step run of the CLI on a probe task with its default level options: the run's ``probe.json``."""
+    import json
+
+    from datamodules import probe
+    from experiments.run import main
+
+    run_dir = main(["--data", task, "--data.max_tokens", str(64 * probe.EPISODE_LEN), "--data.cache_dir",
+                    str(tmp_path / "c"), "--max_steps", "3", "--val_every", "3", "--log_dir", str(tmp_path),
+                    *TINY_RUN, "--model.block_size", "128", "--callbacks.probe_blocks", "16", *extra])
+    return json.loads((run_dir / "probe.json").read_text())
+
+
 def solved_level_counts(task: str, episodes: int):
     """Every label of the first ``episodes`` episodes of a probe task re-derived from the bytes alone by its
     brute-force solver (asserted equal to the generator's); the count of labels per level."""

@@ -15,7 +15,7 @@ from fractions import Fraction
 import pytest
 
 from datamodules import probe
-from tests.conftest import solved_level_counts
+from tests.conftest import brief_probe_run, probe_texts, solved_level_counts
 
 TASK = "probe-v8/induct"
 EPISODES = 400
@@ -23,9 +23,7 @@ LETTERS = probe.SHIFT_LETTERS
 
 
 def _episodes(count=EPISODES):
-    for index in range(count):
-        _, (data, levels) = probe.episode(TASK, index)
-        yield data.decode("ascii"), levels
+    return probe_texts(TASK, count)
 
 
 def _layout(text, levels):
@@ -109,12 +107,6 @@ def test_v8_is_its_own_family_version_and_cache_name():
 
 
 def test_cli_trains_on_v8_with_its_two_levels_by_default(tmp_path, one_thread):
-    from experiments.run import main
-    from tests.conftest import TINY_RUN
-
-    run_dir = main(["--data", TASK, "--data.max_tokens", str(64 * probe.EPISODE_LEN), "--data.cache_dir",
-                    str(tmp_path / "c"), "--max_steps", "3", "--val_every", "3", "--log_dir", str(tmp_path),
-                    *TINY_RUN, "--model.block_size", "128", "--callbacks.probe_blocks", "16"])
-    report = json.loads((run_dir / "probe.json").read_text())
+    report = brief_probe_run(TASK, tmp_path)
     assert (report["n_levels"], report["hard_from"]) == (2, 1)
     assert {int(k) for k in report["families"]["induct"]} == {0, 1}
