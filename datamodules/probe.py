@@ -147,12 +147,11 @@ BOUNCE_WIDE_LEVELS = 7
 SHIFT_PREFIX = 8  # the fixed-position part: PREFIX capitals, ':', the same capitals
 SHIFT_LETTERS = 20  # the moving part: distinct lowercase letters, '|', the same letters
 SHIFT_SEP = "|"
-SHIFT_LEVELS = 2  # level 0: the copy at fixed positions; level 1: the copy at a fixed distance
+COPY_LEVELS = 2  # v7 and v8: level 0, the copy at fixed positions; level 1, the moved copy
 
 # v8 v7's layout with a drawn gap between the letters' '|' and their copy: the copy is read by content (induction)
 INDUCT_MAX_GAP = 34  # dots between '|' and the copy: 1..34
 INDUCT_MAX_BEFORE = EPISODE_LEN - 1 - (2 * SHIFT_PREFIX + 2) - (2 * SHIFT_LETTERS + 1) - INDUCT_MAX_GAP  # 0..34
-INDUCT_LEVELS = 2  # level 0: the copy at fixed positions; level 1: the copy found by content
 SHIFT_MAX_BEFORE = EPISODE_LEN - 1 - (2 * SHIFT_PREFIX + 2) - (2 * SHIFT_LETTERS + 1)  # dots before the letters: 0..68
 
 MEMO, MEMO_END, COPY, COPY_END, COUNT = "\x02", "\x03", "\x05", "\x06", "\x07"
@@ -346,17 +345,7 @@ def shift_episode(rng: np.random.Generator, length: int = EPISODE_LEN - 1) -> Ep
     (r drawn per episode), ``A|A`` (A = SHIFT_LETTERS distinct lowercase letters, then their copy: level 1),
     dots. The copy of A lies at a fixed distance from A (SHIFT_LETTERS + 1) but at no fixed position: reading it
     by absolute position fails; it is a read relative to the reader's own position."""
-    capitals = "".join(_CAPS[i] for i in rng.integers(0, len(_CAPS), SHIFT_PREFIX))
-    letters = "".join(_KEYS[i] for i in rng.permutation(len(_KEYS))[:SHIFT_LETTERS])
-    before = int(rng.integers(0, SHIFT_MAX_BEFORE + 1))
-    head = f"{capitals}:{capitals}{SHIFT_SEP}" + "." * before + letters + SHIFT_SEP
-    text = head + letters
-    levels = [NO_LABEL] * (SHIFT_PREFIX + 1) + [0] * SHIFT_PREFIX + [NO_LABEL] * (len(head) - 2 * SHIFT_PREFIX - 1)
-    levels += [SHIFT_LEVELS - 1] * SHIFT_LETTERS
-    if len(text) > length:
-        raise ValueError(f"shift episodes need up to {len(text)} bytes, got length {length}")
-    pad = length - len(text)
-    return (text + "." * pad).encode("ascii"), levels + [NO_LABEL] * pad
+    return _copy_episode(rng, length, "shift", SHIFT_MAX_BEFORE, max_gap=0)
 
 
 def induct_episode(rng: np.random.Generator, length: int = EPISODE_LEN - 1) -> Episode:
@@ -364,16 +353,22 @@ def induct_episode(rng: np.random.Generator, length: int = EPISODE_LEN - 1) -> E
     (1 <= g <= INDUCT_MAX_GAP), A again: level 1 on the copy's letters after its first (which follows the dots, so
     no reading predicts it). r and g are drawn per episode: the copy has neither a fixed position nor a fixed
     distance from its source."""
+    return _copy_episode(rng, length, "induct", INDUCT_MAX_BEFORE, max_gap=INDUCT_MAX_GAP)
+
+
+def _copy_episode(rng: np.random.Generator, length: int, family: str, max_before: int, max_gap: int) -> Episode:
+    """v7/v8's layout; ``max_gap`` 0 draws no gap (v7: the same draws, hence the same bytes, as before v8)."""
     capitals = "".join(_CAPS[i] for i in rng.integers(0, len(_CAPS), SHIFT_PREFIX))
     letters = "".join(_KEYS[i] for i in rng.permutation(len(_KEYS))[:SHIFT_LETTERS])
-    before = int(rng.integers(0, INDUCT_MAX_BEFORE + 1))
-    gap = int(rng.integers(1, INDUCT_MAX_GAP + 1))
+    before = int(rng.integers(0, max_before + 1))
+    gap = int(rng.integers(1, max_gap + 1)) if max_gap else 0
     head = f"{capitals}:{capitals}{SHIFT_SEP}" + "." * before + letters + SHIFT_SEP + "." * gap
     text = head + letters
     levels = [NO_LABEL] * (SHIFT_PREFIX + 1) + [0] * SHIFT_PREFIX + [NO_LABEL] * (len(head) - 2 * SHIFT_PREFIX - 1)
-    levels += [NO_LABEL] + [INDUCT_LEVELS - 1] * (SHIFT_LETTERS - 1)
+    copy = [COPY_LEVELS - 1] * SHIFT_LETTERS
+    levels += [NO_LABEL] + copy[1:] if gap else copy  # after a drawn gap nothing predicts the copy's first letter
     if len(text) > length:
-        raise ValueError(f"induct episodes need up to {len(text)} bytes, got length {length}")
+        raise ValueError(f"{family} episodes need up to {len(text)} bytes, got length {length}")
     pad = length - len(text)
     return (text + "." * pad).encode("ascii"), levels + [NO_LABEL] * pad
 
@@ -412,7 +407,7 @@ def version(task: str) -> str:
 def level_count(task: str) -> int:
     """How many levels (0..N-1) a probe dataset's labels use: the default of ``--callbacks.probe_levels``. v1-v5
     share the layout 0..MAX_DEPTH (recall's and hops' top levels stay empty or sparse in it)."""
-    return {"v6": BOUNCE_WIDE_LEVELS + 1, "v7": SHIFT_LEVELS, "v8": INDUCT_LEVELS}.get(version(task), MAX_DEPTH + 1)
+    return {"v6": BOUNCE_WIDE_LEVELS + 1, "v7": COPY_LEVELS, "v8": COPY_LEVELS}.get(version(task), MAX_DEPTH + 1)
 
 
 @functools.lru_cache(maxsize=1)
