@@ -115,7 +115,9 @@ def check_label_file(path: str, levels: Optional[int] = None) -> None:
     if not file.is_file():
         raise DataError(f"data.labels: {path} does not exist or is not a file")
     if file.suffix == ".npy":
-        check_levels(load_npy(file), levels, where=f"{path}: ")
+        bounds = npy_range(file)
+        if bounds is not None:
+            _check_range(*bounds, levels, where=f"{path}: ")
     else:
         for _ in read_span_file(file, levels):
             pass
@@ -134,19 +136,34 @@ def label_file_levels(path: str) -> Optional[int]:
     ``--callbacks.probe_levels`` with ``--data.labels``. Cached per file version: a label file may be as large as
     the token stream, and programmes that parse many runs' options (sweep, repro) would read it once per run."""
     file = pathlib.Path(path)
-    stat = file.stat()
-    return _file_levels(str(file.resolve()), stat.st_mtime_ns, stat.st_size)
+    if file.suffix == ".npy":
+        bounds = npy_range(file)
+        top = bounds[1] if bounds is not None else NO_LABEL
+    else:
+        top = _span_file_top(*_file_version(file))
+    return top + 1 if top > NO_LABEL else None
+
+
+def npy_range(path: pathlib.Path) -> Optional[Tuple[int, int]]:
+    """(lowest, highest) level of a ``.npy`` label file, None when it is empty: one pass over the file, shared by
+    the default of ``--callbacks.probe_levels`` and the up-front check (cached per file version)."""
+    return _npy_range(*_file_version(path))
+
+
+def _file_version(path: pathlib.Path) -> Tuple[str, int, int]:
+    stat = path.stat()
+    return str(path.resolve()), stat.st_mtime_ns, stat.st_size
 
 
 @functools.lru_cache(maxsize=4)
-def _file_levels(path: str, mtime_ns: int, size: int) -> Optional[int]:
-    file = pathlib.Path(path)
-    if file.suffix == ".npy":
-        array = load_npy(file)
-        top = int(array.max()) if len(array) else NO_LABEL
-    else:
-        top = max((level for _, spans in read_span_file(file) for _, _, level in spans), default=NO_LABEL)
-    return top + 1 if top > NO_LABEL else None
+def _npy_range(path: str, mtime_ns: int, size: int) -> Optional[Tuple[int, int]]:
+    array = load_npy(pathlib.Path(path))
+    return (int(array.min()), int(array.max())) if len(array) else None
+
+
+@functools.lru_cache(maxsize=4)
+def _span_file_top(path: str, mtime_ns: int, size: int) -> int:
+    return max((level for _, spans in read_span_file(pathlib.Path(path)) for _, _, level in spans), default=NO_LABEL)
 
 
 def load_npy(path: pathlib.Path) -> np.ndarray:
@@ -162,9 +179,11 @@ def load_npy(path: pathlib.Path) -> np.ndarray:
 
 def check_levels(array: np.ndarray, levels: Optional[int] = None, where: str = "") -> None:
     """Values in -1..levels-1 (``levels`` None: only the lower bound)."""
-    if len(array) == 0:
-        return
-    low, high = int(array.min()), int(array.max())
+    if len(array):
+        _check_range(int(array.min()), int(array.max()), levels, where)
+
+
+def _check_range(low: int, high: int, levels: Optional[int], where: str) -> None:
     if low < NO_LABEL or (levels is not None and high >= levels):
         top = levels - 1 if levels is not None else "levels - 1"
         raise DataError(f"data.labels: {where}levels run from {low} to {high}; allowed are -1 (unlabelled) and "

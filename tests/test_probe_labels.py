@@ -201,6 +201,20 @@ def test_a_label_files_level_count_is_the_default_and_explicit_values_beat_it(tm
     assert levels(tmp_path / "seven.npy") == (4, 3)
 
 
+def test_a_label_file_is_read_once_for_its_default_and_its_up_front_check(tmp_path, monkeypatch):
+    """The default of --callbacks.probe_levels and the up-front range check share one pass over a .npy (a label
+    file may be as large as the token stream)."""
+    from experiments.run import build_parser, expand_aliases, parse_with_presets
+
+    reads = []
+    load = probe_labels.load_npy
+    monkeypatch.setattr(probe_labels, "load_npy", lambda path: reads.append(path) or load(path))
+    labels = _npy(tmp_path, "once.npy", np.array([-1, 0, 2], np.int8))
+    cfg = parse_with_presets(build_parser(), expand_aliases(["--data", "text", "--data.labels", str(labels)]))
+    probe_labels.check_label_file(str(labels), cfg.callbacks.probe_levels)
+    assert cfg.callbacks.probe_levels == 3 and len(reads) == 1
+
+
 def test_every_stage_refuses_too_few_levels_with_one_message():
     """The dataset-name check and the fit-start check build the same message (the label file's up-front
     check names its file and line instead)."""
