@@ -5,7 +5,6 @@ programming over the running value (15 states), not by enumerating 10^8 inputs."
 from __future__ import annotations
 
 import itertools
-import json
 from collections import Counter, defaultdict
 
 import numpy as np
@@ -192,14 +191,9 @@ def test_v6_is_v5s_family_with_its_own_version_and_cache_name():
 
 def test_cli_trains_on_v6_and_reports_its_eight_levels(tmp_path, one_thread):
     """Eight levels by default on this dataset (no --callbacks.probe_levels given)."""
-    from experiments.run import main
-    from tests.conftest import TINY_RUN
+    from tests.conftest import brief_probe_run
 
-    run_dir = main(["--data", TASK, "--data.max_tokens", str(64 * probe.EPISODE_LEN), "--data.cache_dir",
-                    str(tmp_path / "c"), "--max_steps", "3", "--val_every", "3", "--log_dir", str(tmp_path),
-                    *TINY_RUN, "--model.block_size", "128", "--callbacks.probe_blocks", "16",
-                    "--callbacks.probe_hard_from", "5"])
-    report = json.loads((run_dir / "probe.json").read_text())
+    report = brief_probe_run(TASK, tmp_path, "--callbacks.probe_hard_from", "5")
     levels = {int(k) for k in report["families"]["bounce"]}  # the few validation blocks of a tiny corpus
     assert (report["n_levels"], report["hard_from"]) == (8, 5) and levels <= set(range(8)) and max(levels) > 4
 
