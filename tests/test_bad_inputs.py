@@ -95,11 +95,19 @@ def inputs(tmp_path_factory) -> pathlib.Path:
     ckpt = ckpt_run / "checkpoints" / "last.ckpt"
     (root / "last.ckpt").write_bytes(ckpt.read_bytes())
     (root / "truncated.ckpt").write_bytes(ckpt.read_bytes()[: ckpt.stat().st_size // 2])
+    # and one probe run's (probe-v7/shift: 2 levels, 16 probe blocks) to resume with other probe settings
+    probe_run = run.main([*TINY_RUN, *PROBE_RUN, "--max_steps", "1", "--val_every", "1", "--log_dir",
+                          str(root / "probe_runs"), "--data.cache_dir", str(root / "probe_cache")])
+    (root / "probe_last.ckpt").write_bytes((probe_run / "checkpoints" / "last.ckpt").read_bytes())
     return root
 
 
 def _text(name: str):
     return lambda d: ["--data", "text", "--data.path", str(d / name), "--tokenizer", "bytes"]
+
+
+PROBE_RUN = ["--data", "probe-v7/shift", "--data.max_tokens", "8192", "--model.block_size", "128",
+             "--callbacks.probe_blocks", "16"]
 
 
 def _good(*extra):
@@ -165,6 +173,11 @@ CASES = [
     ("ckpt-other-size", "run", _good("--ckpt_path", "{d}/last.ckpt", "--size", "small"), r"model\.size \('tiny'"),
     ("ckpt-other-data", "run", lambda d: [*_text("latin1.jsonl")(d)[:-4], "--data.path", str(d / "nokey.jsonl"),
                                           "--tokenizer", "bytes", "--ckpt_path", str(d / "last.ckpt")], r"different data \(text:text-"),
+    ("ckpt-other-probe-levels", "run", lambda d: [*PROBE_RUN, "--callbacks.probe_levels", "3", "--ckpt_path",
+                                                   str(d / "probe_last.ckpt")],
+     r"ckpt_path: the run measured its probe metrics with other settings: callbacks\.probe_levels \(2 in the "
+     r"checkpoint, 3 now\); resume with --callbacks\.probe_levels 2 --callbacks\.probe_hard_from 1 "
+     r"--callbacks\.probe_blocks 16, or start a new run"),
     ("init_from-missing", "run", _good("--init_from", "{d}/none.ckpt"), r"init_from: .*none\.ckpt does not exist"),
     ("init_from-truncated", "run", _good("--init_from", "{d}/truncated.ckpt"), r"init_from: .*truncated\.ckpt is not a readable"),
     ("init_from-not-a-checkpoint", "run", _good("--init_from", "{d}/notes.ckpt"), r"init_from: .*notes\.ckpt is not a readable"),
@@ -304,7 +317,8 @@ CASES = [
 ]
 SUBPROCESS_CASES = {"text-not-utf8", "ckpt-truncated", "ft-max_train_examples-0", "bench-set-unknown-field",
                     "analyze-stats-without-sites", "compare-no-runs"}
-LEAVES_A_VALID_TOKEN_CACHE = {"text-too-small"}  # the corpus was tokenised correctly; it is only too short
+LEAVES_A_VALID_TOKEN_CACHE = {"text-too-small",  # the corpus was tokenised correctly; it is only too short
+                              "ckpt-other-probe-levels"}  # the probe settings are checked once the checkpoint loads
 ENTRIES = {"run": run.main, "finetune": finetune.main, "sweep": sweep.main, "bench": bench.main, "analyze": analyze.main,
            "compare": compare.main, "repro": repro.main, "publish": publish.main}
 # options that keep a bench row quick should today's code run it instead of refusing it
