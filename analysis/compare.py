@@ -65,6 +65,24 @@ class Run:
                 HEADLINE: causal if causal is not None else loss,
                 **{f"probe_acc_L{int(m.group(1))}": v for k, v in val.items() if (m := _PROBE_ACC.fullmatch(k))}}
 
+    def first_solved_steps(self) -> Optional[Dict[str, Optional[int]]]:
+        """Per probe level (``probe_acc_L<k>``): the optimiser steps done at the first validation whose accuracy on
+        that level reached ``analysis.stats.SOLVED`` (None: no validation did); None for a run whose summary has no
+        ``val_history`` (written before the recorder kept one, and not published since)."""
+        from analysis.stats import SOLVED
+
+        history = self.summary.get("val_history")
+        if not history:
+            return None
+        first: Dict[str, Optional[int]] = {}
+        for step, metrics in history:
+            for tag, value in metrics.items():
+                if (m := _PROBE_ACC.fullmatch(tag)) is not None:
+                    key = f"probe_acc_L{int(m.group(1))}"
+                    if first.get(key) is None:
+                        first[key] = int(step) if value is not None and value >= SOLVED else None
+        return first
+
 
 def probe_columns(runs: Sequence[Run]) -> List[Tuple[str, str]]:
     """(key, header) of the probe accuracy of every level some run logged, in level order (L10 after L9)."""
@@ -361,6 +379,8 @@ def aggregate(group: Sequence[Run], options: Sequence[str], probe_keys: Sequence
     row["headline_values"] = [m[HEADLINE] for m in per_run]  # per seed: the units of the intervals and tests
     row["probe_acc_values"] = {k: [m.get(k) for m in per_run] for k in probe_keys
                                if any(m.get(k) is not None for m in per_run)}  # per seed, per level
+    firsts = [f for f in (r.first_solved_steps() for r in group) if f is not None]
+    row["probe_first_solved"] = {k: [f.get(k) for f in firsts] for k in row["probe_acc_values"]} if firsts else {}
     return row
 
 
@@ -449,6 +469,8 @@ def add_statistics(rows: Sequence[Dict[str, Any]], options: Sequence[str], basel
         row["headline_ci"] = stats.bootstrap_ci(row["headline_values"])
         row["probe_levels"] = {k: {"ci": stats.bootstrap_ci(v), "solved": stats.solved_share(v),
                                    "solved_n": int(len(stats.finite(v)))} for k, v in row["probe_acc_values"].items()}
+        for k, steps in row["probe_first_solved"].items():
+            row["probe_levels"][k]["first_solved"] = first_solved_summary(steps)
     if baseline is None:
         return None
     base = find_baseline(rows, options, baseline)
@@ -462,6 +484,15 @@ def add_statistics(rows: Sequence[Dict[str, Any]], options: Sequence[str], basel
         for i, test in stats.with_holm(level_tests).items():
             rows[i]["probe_levels"][key]["vs_baseline"] = test
     return row_label(base, options)
+
+
+def first_solved_summary(steps: Sequence[Optional[int]]) -> Dict[str, Optional[float]]:
+    """The seeds' first solving steps (None: never solved): median, least and most over the seeds that solved, how
+    many did, and of how many runs with a validation history."""
+    solved = sorted(s for s in steps if s is not None)
+    middle = statistics.median(solved) if solved else None
+    return {"median": middle, "min": solved[0] if solved else None, "max": solved[-1] if solved else None,
+            "solving": len(solved), "n": len(steps)}
 
 
 def leaderboard(runs: Sequence[Run], group_by: Optional[Sequence[str]] = None,
@@ -565,11 +596,16 @@ def probe_levels_markdown(board: Dict[str, Any]) -> str:
     headers = ["row", "n", *[f"acc {k[len('probe_acc_'):]} [95% CI] (seeds >= {SOLVED})" for k in levels]]
     if board.get("baseline"):
         headers += [f"Δ {k[len('probe_acc_'):]} vs baseline [95% CI], p (Holm)" for k in levels]
+    timed = any(r.get("probe_first_solved") for r in board["rows"])
+    if timed:
+        headers += [f"first step {k[len('probe_acc_'):]} >= {SOLVED}: median [min, max] (seeds)" for k in levels]
     rows = []
     for r in board["rows"]:
         cells = [row_label(r, board["options"]), r["n"], *[_level_cell(r, k) for k in levels]]
         if board.get("baseline"):
             cells += [_level_test_cell(r.get("probe_levels", {}).get(k), r is _baseline_row(board)) for k in levels]
+        if timed:
+            cells += [_first_solved_cell(r.get("probe_levels", {}).get(k, {}).get("first_solved")) for k in levels]
         rows.append(cells)
     note = ("Accuracy per difficulty level: the seed mean of each run's last-validation accuracy on the tokens of that "
             "level, its 95% percentile bootstrap interval over the row's seeds (the runs are the units, never tokens), "
@@ -578,6 +614,11 @@ def probe_levels_markdown(board: Dict[str, Any]) -> str:
         note += (f" Against the baseline {board['baseline']}: difference in mean accuracy (positive: more accurate) "
                  "with its bootstrap interval, Welch's two-sided t-test over seeds, Holm's correction over the other "
                  "rows, each level its own family.")
+    if timed:
+        note += (f" First step >= {SOLVED}: the optimiser steps done at each run's first validation (every val_every "
+                 "steps, so at that resolution) reaching it on the level, from summary.json's val_history: the median, "
+                 "least and most over the seeds that reach it, and how many do of the runs with a history ('never': "
+                 "none; '-': no run of the row has a history).")
     return "\n" + markdown_table(headers, rows) + "\n\n" + note + "\n"
 
 
@@ -594,6 +635,18 @@ def _level_cell(row: Dict[str, Any], key: str) -> str:
     text = fmt(row[key]["mean"], 3) + (f" {_interval(level['ci'], 3)}" if level["ci"][0] is not None else "")
     solved = round(level["solved"] * level["solved_n"]) if level["solved"] is not None else 0
     return f"{text} ({solved}/{level['solved_n']})"
+
+
+def _first_solved_cell(first: Optional[Dict[str, Optional[float]]]) -> str:
+    from analysis.tables import fmt
+
+    if not first or not first["n"]:
+        return "-"
+    count = f"({first['solving']}/{first['n']})"
+    if first["median"] is None:
+        return f"never {count}"
+    step = lambda v: fmt(int(v)) if float(v).is_integer() else f"{v:,.1f}"  # noqa: E731  (a median of two: x.5)
+    return f"{step(first['median'])} [{step(first['min'])}, {step(first['max'])}] {count}"
 
 
 def _level_test_cell(level: Optional[Dict[str, Any]], is_baseline: bool) -> str:

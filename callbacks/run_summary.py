@@ -2,13 +2,16 @@
 
 ``StepRecorder`` keeps no host synchronisation on the training path: step boundaries are CUDA events
 on a GPU (``perf_counter`` on CPU), read back in batches on logging steps; the per-step LM losses stay
-on the device and are averaged over DDP ranks (one all-reduce) on logging steps. Its record is part
-of the checkpoint (callback state), so after a resume ``summary.json`` holds the whole run.
+on the device and are averaged over DDP ranks (one all-reduce) on logging steps. It also keeps each validation's
+headline figures (``VAL_HISTORY``: losses and per-level probe accuracy) at the optimiser step it ran after, so a
+table can say when a level was learnt, not only whether. Its record is part of the checkpoint (callback state), so
+after a resume ``summary.json`` holds the whole run.
 """
 from __future__ import annotations
 
 import json
 import pathlib
+import re
 import statistics
 import time
 from typing import Any, Dict, List, Optional, Tuple
@@ -18,6 +21,42 @@ import torch
 
 from lightning_modules.run_clock import run_age_s
 from lightning_modules.steps import completes_step, is_logging_step
+
+# the validation figures kept per validation in ``summary.json``'s ``val_history``: a few numbers each, so a
+# published record keeps them whole
+VAL_HISTORY = re.compile(r"val/loss(_causal)?|probe/level\d+/acc")
+
+
+def add_validation(history: List[List[Any]], step: int, metrics: Dict[str, float]) -> None:
+    """Append ``[step, metrics]`` to a validation history in step order; a validation at a step already there (the
+    final ``validate`` after the last in-training one) replaces it."""
+    while history and history[-1][0] >= step:
+        history.pop()
+    history.append([int(step), dict(sorted(metrics.items()))])
+
+
+def val_history_from_events(run_dir: pathlib.Path) -> List[List[Any]]:
+    """``val_history`` rebuilt from a run folder's TensorBoard events, for runs written before the recorder kept it.
+
+    Lightning logs a validation at its count of stepped batches before the step that ran it is counted, so the
+    optimiser steps done are the event's step + 1 (``tests/test_measurement.py`` checks this against the recorder).
+    The event files are read in the order they were written; after a resume the resumed process's values win.
+    Values are TensorBoard's float32."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.util import tensor_util
+
+    by_step: Dict[int, Dict[str, float]] = {}
+    for path in sorted(pathlib.Path(run_dir).glob("events.out.tfevents.*"), key=lambda p: (p.stat().st_mtime, p.name)):
+        for event in EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                if VAL_HISTORY.fullmatch(value.tag):
+                    number = (value.simple_value if value.HasField("simple_value")
+                              else float(tensor_util.make_ndarray(value.tensor)))
+                    by_step.setdefault(event.step + 1, {})[value.tag] = float(number)
+    history: List[List[Any]] = []
+    for step in sorted(by_step):
+        add_validation(history, step, by_step[step])
+    return history
 
 
 class StepRecorder(L.Callback):
@@ -45,6 +84,7 @@ class StepRecorder(L.Callback):
         self._step_starts = True  # the next batch is the first micro-batch of an optimisation step
         self.starts: List[int] = []  # global step at which each process (first run, each resume) began training
         self.seconds_to_first_step: Optional[float] = None  # this run (lightning_modules.run_clock): to its first step
+        self.val_history: List[List[Any]] = []  # [optimiser steps done, {VAL_HISTORY metric: value}] per validation
 
     # ------------------------------------------------------------------ timing
     @staticmethod
@@ -93,6 +133,15 @@ class StepRecorder(L.Callback):
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         self._interrupted = True
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        # the epoch's logged values are reduced into callback_metrics before this hook, and ModelCheckpoint (always
+        # ordered last) saves after it: the checkpoint of this validation holds its entry
+        if trainer.sanity_checking:
+            return
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if VAL_HISTORY.fullmatch(k)}
+        if metrics:
+            add_validation(self.val_history, trainer.global_step, metrics)
 
     # ------------------------------------------------------------------ losses
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -150,7 +199,8 @@ class StepRecorder(L.Callback):
             self._flush(self._trainer)
         self._resolve()
         return {"steps": self.loss_steps, "losses": self.losses, "step_times": list(self.step_times),
-                "timed_steps": list(self.timed_steps), "warm": list(self.warm), "starts": list(self.starts)}
+                "timed_steps": list(self.timed_steps), "warm": list(self.warm), "starts": list(self.starts),
+                "val_history": [list(entry) for entry in self.val_history]}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.steps, self._global_losses = list(state.get("steps", [])), list(state.get("losses", []))
@@ -158,6 +208,7 @@ class StepRecorder(L.Callback):
         self.step_times, self.timed_steps = list(state.get("step_times", [])), list(state.get("timed_steps", []))
         self.warm = list(state.get("warm", [True] * len(self.step_times)))
         self.starts = list(state.get("starts", []))
+        self.val_history = [list(entry) for entry in state.get("val_history", [])]  # [] from older checkpoints
 
 
 def routing_summary(trace) -> Dict[str, Dict[str, float]]:
@@ -206,6 +257,7 @@ def measured_summary(trainer, module, recorder: StepRecorder) -> Dict[str, Any]:
         "routing_scope": "global batch, last step" if routing is not None else "rank 0, last batch",
         "flops_per_token": flops if flops is not None else flops_of_last_batch(module),
         "train_loss_curve": list(zip(recorder.loss_steps, losses)),
+        "val_history": recorder.val_history,  # [steps done, {val loss, probe accuracy per level}] per validation
         "train_started_at_steps": list(recorder.starts),  # [0] for one run; [0, s] after a resume from step s
         # this process (the last one after a resume): from its start to the start of its first training step
         "seconds_to_first_step": recorder.seconds_to_first_step,

@@ -334,6 +334,29 @@ def test_probe_levels_get_seed_intervals_solved_seeds_and_holm_corrected_tests_p
     assert "0.905 [" in markdown and "(1/2)" in markdown and "| baseline | baseline |" in markdown
 
 
+def test_the_first_step_each_seed_solves_a_level_comes_from_its_validation_history(runs, tmp_path):
+    """Per row and level: the median, least and most first solving step over the seeds that solve it, of the runs
+    with a validation history; a seed that solves and falls back still solved first at that step."""
+    folders = copy_runs(runs, tmp_path)
+    acc = lambda *values: [[step, {"probe/level1/acc": v}] for step, v in zip((2, 4, 6), values)]  # noqa: E731
+    histories = {("vanilla", 1): acc(0.5, 0.95, 0.85), ("vanilla", 2): acc(0.9, 0.2, 0.99),
+                 ("mod", 1): acc(0.1, 0.3, 0.92), ("mod", 2): None}  # None: written before the recorder kept one
+    for key, history in histories.items():
+        edit_summary(folders[key], val_metrics={"val/loss": 1.0, "probe/level1/acc": 0.5}, val_history=history)
+    board = compare.compare([str(tmp_path / "runs")])
+    vanilla, mod = (row_of(board, v)["probe_levels"]["probe_acc_L1"]["first_solved"] for v in ("vanilla", "mod"))
+    assert vanilla == {"median": 3, "min": 2, "max": 4, "solving": 2, "n": 2}
+    assert mod == {"median": 6, "min": 6, "max": 6, "solving": 1, "n": 1}
+    markdown = compare.to_markdown(board)
+    assert "first step L1 >= 0.9: median [min, max] (seeds)" in markdown
+    assert "| 3 [2, 4] (2/2) |" in markdown and "| 6 [6, 6] (1/1) |" in markdown
+    assert compare._first_solved_cell({"median": None, "min": None, "max": None, "solving": 0, "n": 3}) == "never (0/3)"
+    assert compare._first_solved_cell(None) == "-"
+    for key in histories:
+        edit_summary(folders[key], val_history=None)
+    assert "first step" not in compare.to_markdown(compare.compare([str(tmp_path / "runs")]))
+
+
 def test_baseline_rows_get_intervals_effect_sizes_and_holm_corrected_p(runs, tmp_path, capsys):
     """Three configurations (vanilla, a second vanilla learning rate, MoD) with known per-seed losses, tested
     against MoD: the numbers are those of analysis.stats, recomputed here from the seeds by hand."""
@@ -594,6 +617,26 @@ def test_published_run_records_rebuild_the_same_table_and_an_unfinished_run_is_r
     (tmp_path / "report" / "results.json").write_text("{}")  # a programme's published report: its runs/ is its own
     with pytest.raises(ConfigError, match=r"publish --runs: .*report holds a programme's published report"):
         publish.main([str(tmp_path / "docs" / "runs"), str(tmp_path / "report"), "--runs"])
+
+
+def test_publish_rebuilds_a_missing_validation_history_from_the_runs_tensorboard_events(runs, tmp_path):
+    """A run written before summary.json kept val_history gets it in its record from its events (float32, steps
+    shifted by Lightning's one), and the record says so; a run with its own keeps it as it is."""
+    from experiments.repro import publish
+
+    folders = copy_runs(runs, tmp_path, [("mod", 1), ("mod", 2)])
+    own = json.loads((folders[("mod", 1)] / "summary.json").read_text())["val_history"]
+    assert [step for step, _ in own] == [STEPS] and "val/loss" in own[0][1]
+    summary = json.loads((folders[("mod", 2)] / "summary.json").read_text())
+    original = summary.pop("val_history")
+    (folders[("mod", 2)] / "summary.json").write_text(json.dumps(summary))
+    publish.main([str(tmp_path / "runs"), str(tmp_path / "docs"), "--runs"])
+    records = {n: json.loads((tmp_path / "docs" / "runs" / f"mod-seed{n}" / "summary.json").read_text()) for n in (1, 2)}
+    assert records[1]["val_history"] == own and "val_history" not in records[1]["published"]
+    rebuilt = records[2]["val_history"]
+    assert [step for step, _ in rebuilt] == [step for step, _ in original]
+    assert rebuilt[0][1] == pytest.approx(original[0][1], rel=1e-6)
+    assert "TensorBoard events" in records[2]["published"]["val_history"]
 
 
 def test_the_published_necessity_table_rebuilds_from_its_run_records():

@@ -7,7 +7,9 @@ Copied: the programme's own files at the top of ``OUT`` (``results.md``, ``leade
 (code, libraries, CPU, kernels of every process that trained it), ``probe.json`` where there is one, and
 ``summary.json`` without its per-step lists: ``step_times_s`` is dropped (``median_step_time_s`` and ``run_seconds``
 stay) and ``train_loss_curve`` is thinned to at most ``CURVE_POINTS`` points, the last step always kept; what was
-thinned is said in the copy's ``published``. Not copied: checkpoints, TensorBoard events, ``leaderboard.json`` and
+thinned is said in the copy's ``published``. A run written before ``summary.json`` kept ``val_history`` (each
+validation's losses and probe accuracy per level) gets it from its TensorBoard events, and ``published`` says so.
+Not copied: checkpoints, TensorBoard events, ``leaderboard.json`` and
 the ``runs.json`` reuse index (both name the trained folders).
 Each row's ``run_dir`` in the copied ``results.json`` becomes the record's path relative to ``DEST`` (the trained
 folder stays as ``run_dir_trained``); the records themselves keep what the run wrote (its own paths included).
@@ -48,10 +50,18 @@ def thinned(curve: Sequence[Any], points: int = CURVE_POINTS) -> List[Any]:
     return kept
 
 
-def slim_summary(summary: Dict[str, Any]) -> Dict[str, Any]:
-    """``summary.json`` without its per-step lists (the size of a run record is its curves: ~200 KB each)."""
+def slim_summary(summary: Dict[str, Any], run_dir: Optional[pathlib.Path] = None) -> Dict[str, Any]:
+    """``summary.json`` without its per-step lists (the size of a run record is its curves: ~200 KB each); with
+    ``run_dir``, a missing ``val_history`` rebuilt from the run's TensorBoard events."""
+    from callbacks.run_summary import val_history_from_events
+
     out = {k: v for k, v in summary.items() if k != "step_times_s"}
     published = {}
+    history = val_history_from_events(run_dir) if "val_history" not in summary and run_dir is not None else None
+    if history:
+        out["val_history"] = history
+        published["val_history"] = ("rebuilt from the run's TensorBoard events (float32; steps: the event's + 1); the run "
+                                    "predates the recorder's own")
     if "step_times_s" in summary:
         published["step_times_s"] = f"dropped ({len(summary['step_times_s'] or [])} steps; median_step_time_s kept)"
     if "train_loss_curve" in summary:
@@ -202,7 +212,7 @@ def copy_record(run_dir: pathlib.Path, summary: Dict[str, Any], target: pathlib.
     for file in RUN_FILES:
         if (run_dir / file).is_file():
             shutil.copy2(run_dir / file, target / file)
-    (target / "summary.json").write_text(json.dumps(slim_summary(summary), indent=1) + "\n")
+    (target / "summary.json").write_text(json.dumps(slim_summary(summary, run_dir), indent=1) + "\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
