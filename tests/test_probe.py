@@ -674,6 +674,24 @@ def test_goals_are_met_only_when_the_corrected_test_against_the_best_dense_model
     assert goals["hardest_solvable_level"] == 3 and goals["beats_best_dense"] == ["mod"]
 
 
+def test_learnable_is_judged_on_the_levels_the_task_has():
+    """A two-level task (probe-v7/shift, probe-v8/induct): L1's floor alone decides, not a missing L2 (which read as
+    'not met' whatever the accuracy); a task without L1 or L2 is not called learnable."""
+    from experiments.repro.probe import dense_tests, goal_figures
+
+    two_levels = {"vanilla": _aggregate([1.0, 0.97], loss=(1.0, 1.1, 1.05), dense=True, variant="vanilla"),
+                  "dense:1x64": _aggregate([1.0, 0.1], loss=(2.0, 2.1, 2.05), dense=True, variant="vanilla"),
+                  "mod": _aggregate([1.0, 0.5], loss=(1.5, 1.6, 1.55), variant="mod")}
+    goals = goal_figures(two_levels, dense_tests(two_levels))
+    assert goals["learnable"] == {"1": (0.97, 0.9)} and goals["learnable_met"]
+    two_levels["vanilla"]["levels"]["1"]["acc"] = (0.5, 0.0)
+    assert not goal_figures(two_levels, dense_tests(two_levels))["learnable_met"]
+    one_level = {"vanilla": _aggregate([1.0], dense=True, variant="vanilla"),
+                 "mod": _aggregate([1.0], loss=(1.5, 1.6, 1.55), variant="mod")}
+    goals = goal_figures(one_level, dense_tests(one_level))
+    assert goals["learnable"] == {} and not goals["learnable_met"]
+
+
 def test_entries_name_variants_with_their_own_model_options_and_dense_shapes():
     from architectures.config import ConfigError, ModelConfig
     from experiments.repro.probe import default_dense_shapes, parse_entry, programme_entries

@@ -453,9 +453,12 @@ def goal_figures(per_variant: Dict[str, Dict[str, Any]], tests: Dict[str, Any]) 
     vanilla's accuracy on levels 1 and 2), at least two routed families grade compute by difficulty, a routed
     entry beats the best dense model on the hardest level that model solves, and on validation loss."""
     vanilla = per_variant["vanilla"]["levels"]
-    goals: Dict[str, Any] = {"learnable": {str(k): (vanilla.get(str(k), {}).get("acc", (None, None))[0], floor)
-                                           for k, floor in LEARNABLE.items()}, "best_dense": tests["best_dense"]}
-    goals["learnable_met"] = all(acc is not None and acc >= floor for acc, floor in goals["learnable"].values())
+    # the floors of the levels the task has (probe-v7/v8 have levels 0 and 1 only: L1's floor alone)
+    goals: Dict[str, Any] = {"learnable": {str(k): (vanilla[str(k)].get("acc", (None, None))[0], floor)
+                                           for k, floor in LEARNABLE.items() if str(k) in vanilla},
+                             "best_dense": tests["best_dense"]}
+    goals["learnable_met"] = bool(goals["learnable"]) and all(acc is not None and acc >= floor
+                                                              for acc, floor in goals["learnable"].values())
     routed = [v for v, a in per_variant.items() if not a.get("dense")]
     for which, key, families in (("spearman", "spearman_positive_significant", "families_positive"),
                                  ("spearman_answers", "answers_positive_significant", "families_grading_answers")):
@@ -546,7 +549,8 @@ def goal_lines(goals) -> List[str]:
     def met(ok: bool) -> str:
         return f"**{'met' if ok else 'not met'}**"
 
-    learnable = ", ".join(f"L{k} {fmt(acc, 3)} (>= {floor})" for k, (acc, floor) in goals["learnable"].items())
+    learnable = (", ".join(f"L{k} {fmt(acc, 3)} (>= {floor})" for k, (acc, floor) in goals["learnable"].items())
+                 or "the task has neither L1 nor L2")
     positive = [v for v, ok in goals["spearman_positive_significant"].items() if ok]
     grading = [v for v, ok in goals["answers_positive_significant"].items() if ok]
     lines = ["Goal figures (computed from the numbers above; a goal is met only when its corrected test passes):", "",
