@@ -692,6 +692,16 @@ def test_learnable_is_judged_on_the_levels_the_task_has():
     assert goals["learnable"] == {} and not goals["learnable_met"]
 
 
+def test_the_chance_line_is_drawn_for_digit_answers_only(tmp_path):
+    from experiments.repro.common import Context
+    from experiments.repro.probe import answer_chance
+
+    assert answer_chance(Context(out=tmp_path)) == 0.1  # the programme's default task, probe-v2/arith
+    assert answer_chance(Context(out=tmp_path, run_options=["--data", "probe-v8/induct"])) is None
+    assert answer_chance(Context(out=tmp_path, run_options=["--data", "probe-v6/bounce", "--data", "probe-v2/arith"])) == 0.1
+    assert answer_chance(Context(out=tmp_path, run_options=["--data", "probe-v2/arith", "--data=probe-v7/shift"])) is None
+
+
 def test_entries_name_variants_with_their_own_model_options_and_dense_shapes():
     from architectures.config import ConfigError, ModelConfig
     from experiments.repro.probe import default_dense_shapes, parse_entry, programme_entries

@@ -57,7 +57,7 @@ from experiments.repro.common import (Context, Entry, budget_spent, budget_step_
                                      wall_time_lines)  # noqa: F401  (option_path, parse_shape: probe's API)
 
 VARIANTS = tuple(tagged("probe"))  # the registry entries tagged "probe" (vanilla first)
-CHANCE = 0.1  # a digit answer among ten
+CHANCE = {"probe-v2/arith": 0.1}  # the answers' chance accuracy where it is one number (a digit among ten)
 SOLVED = 0.6  # the best dense model "solves" a level when its seed-mean accuracy reaches this
 LEARNABLE = {1: 0.9, 2: 0.6}  # the learnable setting: vanilla's seed-mean accuracy on these levels at least this
 ALPHA = 0.05  # the corrected tests' level
@@ -580,6 +580,15 @@ def level_span(first: int, last: int) -> str:
     return f"level {first}" if first == last else f"levels {first}-{last}"
 
 
+def answer_chance(ctx: Context) -> Optional[float]:
+    """The answers' chance accuracy of the runs' task (the last ``--data`` of their options, the programme's default
+    task without one), where ``CHANCE`` knows it: None for the others (v7/v8 letters, mixed families)."""
+    options = [*DEFAULTS, *ctx.run_options]
+    tasks = [o[len("--data="):] if o.startswith("--data=") else options[i + 1] for i, o in enumerate(options)
+             if (o == "--data" and i + 1 < len(options)) or o.startswith("--data=")]
+    return CHANCE.get(tasks[-1])
+
+
 def report_sections(ctx: Context, budget: float, tokens: int, per_variant, tests, goals) -> List[str]:
     shares = per_variant["vanilla"]["levels"]
     top = int(table_levels(per_variant)[-1])
@@ -593,8 +602,9 @@ def report_sections(ctx: Context, budget: float, tokens: int, per_variant, tests
              ", ".join(f"L{k} {100 * shares[k]['token_share'][0]:.1f}%" for k in shares) + ".")
     return [intro, "",
             "Accuracy per difficulty level: seed mean [95% CI: hierarchical bootstrap, seeds then validation blocks "
-            f"within each seed] and the seeds that solve the level (accuracy >= {stats.SOLVED}) of all; chance for "
-            "digit answers 0.1:", accuracy_table(per_variant), "",
+            f"within each seed] and the seeds that solve the level (accuracy >= {stats.SOLVED}) of all" +
+            (f"; chance for digit answers {chance}:" if (chance := answer_chance(ctx)) is not None else ":"),
+            accuracy_table(per_variant), "",
             "Against the best dense model at the same measured training FLOPs (and the reference vanilla): difference "
             "in seed means [95% bootstrap CI, each entry's seeds resampled on their own], Hedges' g over seeds, "
             "one-sided Welch t-test over seeds (loss: lower; accuracy: higher) after Holm's correction over the routed "
@@ -675,7 +685,8 @@ def plot_accuracy(ctx: Context, per_variant) -> None:
     ax = axes[0, 0]
     for v, x, mean, std, style in _series(per_variant, "acc"):
         ax.errorbar(x, mean, yerr=std, capsize=3, label=v, **style)
-    ax.axhline(CHANCE, color="grey", linewidth=0.8, linestyle=":", label="chance (digit answers)")
+    if (chance := answer_chance(ctx)) is not None:
+        ax.axhline(chance, color="grey", linewidth=0.8, linestyle=":", label="chance (digit answers)")
     ax.set_xlabel("difficulty level (sequential operations)")
     ax.set_ylabel("next-token accuracy (mean ± std over seeds)")
     ax.set_xticks([int(k) for k in table_levels(per_variant)])
