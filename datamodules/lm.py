@@ -385,6 +385,8 @@ class LMDataModule(L.LightningDataModule):
                 "data": f"{self.corpus.name}:{self.corpus.fingerprint()}",
                 "tokenizer": f"{self.tokenizer.name}:{self.tokenizer.fingerprint}",
                 "val_fraction": str(self.config.val_fraction),
+                # the blocks each validation evaluates (None: all): a resume keeps the validation set of the curve
+                "val_blocks": str(self.val_blocks_count),
                 "data_source": " ".join([self.config.name, *self.config.paths]),  # for messages only
                 "labels": self._labels_fingerprint(),
             }

@@ -469,7 +469,9 @@ def checkpoint_differences(path: str, expected: Dict[str, Any]) -> List[str]:
         print(f"warning: {path} records no data/tokenizer fingerprints; only the model settings were checked",
               file=sys.stderr)
         return out
-    for key in ("data", "tokenizer", "val_fraction", "labels"):
+    for key in ("data", "tokenizer", "val_fraction", "val_blocks", "labels"):
+        if key == "val_blocks" and key not in saved:  # checkpoints from before it was saved: unknown, not checked
+            continue
         was = saved.get(key, "none" if key == "labels" else None)  # checkpoints from before labels: none
         if key in expected and was != expected[key]:
             label = {"val_fraction": "data.val_fraction", "labels": "data.labels / data.loss_mask"}.get(key, key)

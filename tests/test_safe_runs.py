@@ -69,6 +69,22 @@ def test_explicit_ckpt_path_of_another_model_says_which_fields_differ(tmp_path, 
         main(_text_run(tmp_path, a, "--max_steps", "4", *change, "--ckpt_path", str(run / "checkpoints" / "last.ckpt")))
 
 
+def test_a_resume_that_would_validate_on_other_blocks_is_refused(tmp_path, two_corpora):
+    """val_history and the final figures would mix two validation sets; a checkpoint from before val_blocks was
+    saved is resumed unchecked."""
+    a, _ = two_corpora
+    run = main(_text_run(tmp_path, a, "--max_steps", "2", "--val_every", "2"))
+    ckpt = run / "checkpoints" / "last.ckpt"
+    config = (run / "config.yaml").read_bytes()
+    with pytest.raises(ConfigError, match=r"val_blocks \(8 in the checkpoint, 4 now\)"):
+        main(_text_run(tmp_path, a, "--max_steps", "4", "--val_blocks", "4", "--ckpt_path", str(ckpt)))
+    assert (run / "config.yaml").read_bytes() == config
+    blob = torch.load(ckpt, weights_only=False)
+    del blob["LMDataModule"]["fingerprints"]["val_blocks"]
+    torch.save(blob, ckpt)
+    assert main(_text_run(tmp_path, a, "--max_steps", "4", "--val_blocks", "4", "--ckpt_path", str(ckpt))) == run
+
+
 def test_an_explicit_version_never_writes_into_another_runs_folder(tmp_path, two_corpora):
     a, _ = two_corpora
     run = main(_text_run(tmp_path, a, "--max_steps", "2", "--val_every", "2"))
