@@ -380,7 +380,9 @@ def aggregate(group: Sequence[Run], options: Sequence[str], probe_keys: Sequence
     row["probe_acc_values"] = {k: [m.get(k) for m in per_run] for k in probe_keys
                                if any(m.get(k) is not None for m in per_run)}  # per seed, per level
     firsts = [f for f in (r.first_solved_steps() for r in group) if f is not None]
-    row["probe_first_solved"] = {k: [f.get(k) for f in firsts] for k in row["probe_acc_values"]} if firsts else {}
+    # per level, the runs whose history has it: one that never validated the level is no "never"
+    row["probe_first_solved"] = ({k: [f[k] for f in firsts if k in f] for k in row["probe_acc_values"]}
+                                 if firsts else {})
     return row
 
 

@@ -17,7 +17,8 @@ What Lightning (2.6) already does, read in ``lightning/pytorch/trainer/connector
 has not taken that signal, the run stops at the end of the current step and writes
 ``<run folder>/checkpoints/last.ckpt`` (the file ``ModelCheckpoint(save_last=True)`` keeps), so
 ``python -m experiments.run ... --ckpt_path last`` (or the SLURM template's requeued job) continues
-from the interrupted step with the same data order. On SLURM the requeue terminates the job with
+from the interrupted step with the same data order. A validation under way when the stop comes is finished
+first (the resumed run would not redo it). On SLURM the requeue terminates the job with
 SIGTERM after SIGUSR1, so both ``hpc_ckpt_<n>.ckpt`` and a newer ``last.ckpt`` exist;
 ``experiments/slurm/train.sbatch`` resumes from the newer.
 The process then exits through Lightning's ``SIGTERMException`` with status ``128 + signal``
@@ -75,6 +76,7 @@ class PreemptionCheckpoint(L.Callback):
         self.signum = signum
         self.requested: Optional[int] = None
         self._previous = None
+        self._held = False  # a stop waiting for the validation under way to end
 
     def on_train_start(self, trainer, pl_module) -> None:
         # Lightning registers its handlers just before training starts: take SIGUSR1 only if it left it free.
@@ -104,6 +106,21 @@ class PreemptionCheckpoint(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         align_log_step_after_resume(trainer)
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        """Finish a validation under way before stopping. Lightning's evaluation loop stops after the batch when
+        the flag is up, its checkpoint is then saved at a step whose validation never ran, and the resumed run
+        does not redo it: that point was missing from TensorBoard and ``val_history`` for good. The flag is held
+        down until the validation ends (the stop waits for one validation: ``--val_blocks`` blocks)."""
+        connector = getattr(trainer, "_signal_connector", None)
+        if trainer.state.fn == "fit" and getattr(connector, "received_sigterm", False):
+            connector.received_sigterm = False
+            self._held = True
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self._held:  # the training loop stops right after this validation
+            self._held = False
+            trainer._signal_connector.received_sigterm = True
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         signum = self.requested or signal.SIGTERM  # None: Lightning's own SIGTERM handler stopped the run

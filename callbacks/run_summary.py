@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import re
 import statistics
 import time
 from typing import Any, Dict, List, Optional, Tuple
@@ -19,45 +18,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import lightning as L
 import torch
 
+from analysis.val_history import VAL_HISTORY, add_validation
 from lightning_modules.run_clock import run_age_s
 from lightning_modules.steps import completes_step, is_logging_step
-
-# the validation figures kept per validation in ``summary.json``'s ``val_history``: a few numbers each, so a
-# published record keeps them whole
-VAL_HISTORY = re.compile(r"val/loss(_causal)?|probe/level\d+/acc")
-
-
-def add_validation(history: List[List[Any]], step: int, metrics: Dict[str, float]) -> None:
-    """Append ``[step, metrics]`` to a validation history in step order; a validation at a step already there (the
-    final ``validate`` after the last in-training one) replaces it."""
-    while history and history[-1][0] >= step:
-        history.pop()
-    history.append([int(step), dict(sorted(metrics.items()))])
-
-
-def val_history_from_events(run_dir: pathlib.Path) -> List[List[Any]]:
-    """``val_history`` rebuilt from a run folder's TensorBoard events, for runs written before the recorder kept it.
-
-    Lightning logs a validation at its count of stepped batches before the step that ran it is counted, so the
-    optimiser steps done are the event's step + 1 (``tests/test_measurement.py`` checks this against the recorder).
-    The event files are read in the order they were written; after a resume the resumed process's values win.
-    Values are TensorBoard's float32."""
-    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
-    from tensorboard.util import tensor_util
-
-    by_step: Dict[int, Dict[str, float]] = {}
-    for path in sorted(pathlib.Path(run_dir).glob("events.out.tfevents.*"), key=lambda p: (p.stat().st_mtime, p.name)):
-        for event in EventFileLoader(str(path)).Load():
-            for value in event.summary.value:
-                if VAL_HISTORY.fullmatch(value.tag):
-                    number = (value.simple_value if value.HasField("simple_value")
-                              else float(tensor_util.make_ndarray(value.tensor)))
-                    by_step.setdefault(event.step + 1, {})[value.tag] = float(number)
-    history: List[List[Any]] = []
-    for step in sorted(by_step):
-        add_validation(history, step, by_step[step])
-    return history
-
 
 class StepRecorder(L.Callback):
     """Wall time of every optimisation step and the global LM loss it produced.

@@ -474,7 +474,8 @@ def checkpoint_differences(path: str, expected: Dict[str, Any]) -> List[str]:
             continue
         was = saved.get(key, "none" if key == "labels" else None)  # checkpoints from before labels: none
         if key in expected and was != expected[key]:
-            label = {"val_fraction": "data.val_fraction", "labels": "data.labels / data.loss_mask"}.get(key, key)
+            label = {"val_fraction": "data.val_fraction", "labels": "data.labels / data.loss_mask",
+                     "val_blocks": "--val_blocks"}.get(key, key)
             now = expected[key]
             if key == "data" and saved.get("data_source"):  # name the files as well as their fingerprints
                 was, now = f"{was} = {saved['data_source']}", f"{now} = {expected.get('data_source')}"
@@ -616,10 +617,11 @@ def fit_and_summarise(cfg: Namespace, parser: ArgumentParser, module, data, mcfg
 
     try:
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
-        if trainer.global_step % cfg.val_every:
-            # ModelCheckpoint saves every val_every steps; make last.ckpt hold the final step too
-            trainer.save_checkpoint(root / version / "checkpoints" / "last.ckpt")
         final = trainer.validate(module, datamodule=data, verbose=False)
+        if trainer.global_step % cfg.val_every:
+            # ModelCheckpoint saves every val_every steps; make last.ckpt hold the final step too, after its
+            # validation (a run extended from it keeps that validation in val_history, as TensorBoard does)
+            trainer.save_checkpoint(root / version / "checkpoints" / "last.ckpt")
     finally:
         if inherited == version:  # the DDP ranks have started; later runs in this process pick anew
             os.environ.pop("DYNCOMP_RUN_VERSION", None)
@@ -738,7 +740,9 @@ def make_trainer(cfg: Namespace, root: pathlib.Path, version: str, extra_callbac
         logger=logger,
         callbacks=callbacks,
         default_root_dir=str(root / version),  # Lightning's SLURM requeue checkpoint (hpc_ckpt_N) goes here
-        val_check_interval=cfg.val_every,
+        # Lightning counts val_check_interval in training batches, and a preset that accumulates (small: 4 batches
+        # per step) validated every val_every / 4 optimisation steps
+        val_check_interval=cfg.val_every * (kwargs.get("accumulate_grad_batches") or 1),
         check_val_every_n_epoch=None,
         limit_val_batches=None,  # the datamodule takes val_blocks (global) and splits them across the ranks
         # checkpoints: temp file in the checkpoint folder, fsync, rename (never a truncated file under the final name)

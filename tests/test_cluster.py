@@ -245,10 +245,12 @@ def _train_losses(run_dir: pathlib.Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted_losses(tmp_path_factory):
+def uninterrupted(tmp_path_factory):
+    """(train/loss per TensorBoard step, val_history) of the run without a preemption."""
     import experiments.run as run
 
-    return _train_losses(run.main([*TB_ARGV, "--log_dir", str(tmp_path_factory.mktemp("straight"))]))
+    run_dir = run.main([*TB_ARGV, "--log_dir", str(tmp_path_factory.mktemp("straight"))])
+    return _train_losses(run_dir), json.loads((run_dir / "summary.json").read_text())["val_history"]
 
 
 class SignalDuringSave:
@@ -266,10 +268,13 @@ class SignalDuringSave:
 
 @pytest.mark.parametrize("how", ["sigterm-during-a-checkpoint-write", "sigusr1-after-a-step"])
 def test_tensorboard_after_preemption_and_resume_holds_the_uninterrupted_runs_losses(how, tmp_path, monkeypatch,
-                                                                                    uninterrupted_losses):
+                                                                                    uninterrupted):
     """Issue 30: after SIGTERM during a checkpoint write and a resume, train/loss sat one step late (Lightning's
     resume guess added one to its logging step); after SIGUSR1 the stopping step's scalars never reached
-    TensorBoard (the callback raised before Lightning logged them). Every step once, at its own x, same value."""
+    TensorBoard (the callback raised before Lightning logged them). Every step once, at its own x, same value.
+    The stop at step 4 falls on a validation step: that validation ran (the SIGUSR1 stop used to cut it after its
+    first batch, and the resumed run never redid it), so val_history is the uninterrupted run's."""
+    uninterrupted_losses, uninterrupted_history = uninterrupted
     import experiments.run as run
     from lightning_modules import storage
 
@@ -292,6 +297,8 @@ def test_tensorboard_after_preemption_and_resume_holds_the_uninterrupted_runs_lo
         monkeypatch.delenv(key, raising=False)
     run.main([*argv, "--ckpt_path", "last"])
     assert _train_losses(run_dir) == uninterrupted_losses and sorted(uninterrupted_losses) == list(range(8))
+    history = json.loads((run_dir / "summary.json").read_text())["val_history"]
+    assert [step for step, _ in history] == [4, 8] and history == uninterrupted_history
 
 
 @pytest.mark.slow

@@ -352,6 +352,10 @@ def test_the_first_step_each_seed_solves_a_level_comes_from_its_validation_histo
     assert "| 3 [2, 4] (2/2) |" in markdown and "| 6 [6, 6] (1/1) |" in markdown
     assert compare._first_solved_cell({"median": None, "min": None, "max": None, "solving": 0, "n": 3}) == "never (0/3)"
     assert compare._first_solved_cell(None) == "-"
+    assert compare._first_solved_cell({"median": 2500.5, "min": 2000, "max": 3001, "solving": 2, "n": 2}) == \
+        "2,500.5 [2,000, 3,001] (2/2)"
+    assert compare.first_solved_summary([3000, None, 1000, 2000]) == \
+        {"median": 2000, "min": 1000, "max": 3000, "solving": 3, "n": 4}
     for key in histories:
         edit_summary(folders[key], val_history=None)
     assert "first step" not in compare.to_markdown(compare.compare([str(tmp_path / "runs")]))

@@ -76,7 +76,7 @@ def test_a_resume_that_would_validate_on_other_blocks_is_refused(tmp_path, two_c
     run = main(_text_run(tmp_path, a, "--max_steps", "2", "--val_every", "2"))
     ckpt = run / "checkpoints" / "last.ckpt"
     config = (run / "config.yaml").read_bytes()
-    with pytest.raises(ConfigError, match=r"val_blocks \(8 in the checkpoint, 4 now\)"):
+    with pytest.raises(ConfigError, match=r"different --val_blocks \(8 in the checkpoint, 4 now\); resume with the "):
         main(_text_run(tmp_path, a, "--max_steps", "4", "--val_blocks", "4", "--ckpt_path", str(ckpt)))
     assert (run / "config.yaml").read_bytes() == config
     blob = torch.load(ckpt, weights_only=False)

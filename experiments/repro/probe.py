@@ -57,7 +57,7 @@ from experiments.repro.common import (Context, Entry, budget_spent, budget_step_
                                      wall_time_lines)  # noqa: F401  (option_path, parse_shape: probe's API)
 
 VARIANTS = tuple(tagged("probe"))  # the registry entries tagged "probe" (vanilla first)
-CHANCE = {"probe-v2/arith": 0.1}  # the answers' chance accuracy where it is one number (a digit among ten)
+CHANCE = {"probe": 0.1, "probe-v2/arith": 0.1}  # the answers' chance where it is one number: a digit among ten
 SOLVED = 0.6  # the best dense model "solves" a level when its seed-mean accuracy reaches this
 LEARNABLE = {1: 0.9, 2: 0.6}  # the learnable setting: vanilla's seed-mean accuracy on these levels at least this
 ALPHA = 0.05  # the corrected tests' level
@@ -450,7 +450,7 @@ def positive_significant(a: Dict[str, Any], which: str = "spearman") -> bool:
 
 def goal_figures(per_variant: Dict[str, Dict[str, Any]], tests: Dict[str, Any]) -> Dict[str, Any]:
     """The issue's goals from the numbers and the corrected tests: the setting is learnable (the reference
-    vanilla's accuracy on levels 1 and 2), at least two routed families grade compute by difficulty, a routed
+    vanilla's accuracy on levels 1 and 2, those of them the task has), at least two routed families grade compute by difficulty, a routed
     entry beats the best dense model on the hardest level that model solves, and on validation loss."""
     vanilla = per_variant["vanilla"]["levels"]
     # the floors of the levels the task has (probe-v7/v8 have levels 0 and 1 only: L1's floor alone)
@@ -582,7 +582,7 @@ def level_span(first: int, last: int) -> str:
 
 def answer_chance(ctx: Context) -> Optional[float]:
     """The answers' chance accuracy of the runs' task (the last ``--data`` of their options, the programme's default
-    task without one), where ``CHANCE`` knows it: None for the others (v7/v8 letters, mixed families)."""
+    task without one), where ``CHANCE`` knows it: None for the others (v7/v8 letters, for instance)."""
     options = [*DEFAULTS, *ctx.run_options]
     tasks = [o[len("--data="):] if o.startswith("--data=") else options[i + 1] for i, o in enumerate(options)
              if (o == "--data" and i + 1 < len(options)) or o.startswith("--data=")]

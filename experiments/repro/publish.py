@@ -8,7 +8,8 @@ Copied: the programme's own files at the top of ``OUT`` (``results.md``, ``leade
 ``summary.json`` without its per-step lists: ``step_times_s`` is dropped (``median_step_time_s`` and ``run_seconds``
 stay) and ``train_loss_curve`` is thinned to at most ``CURVE_POINTS`` points, the last step always kept; what was
 thinned is said in the copy's ``published``. A run written before ``summary.json`` kept ``val_history`` (each
-validation's losses and probe accuracy per level) gets it from its TensorBoard events, and ``published`` says so.
+validation's losses and probe accuracy per level) gets it from its TensorBoard events where their steps can be
+trusted, and ``published`` says which.
 Not copied: checkpoints, TensorBoard events, ``leaderboard.json`` and
 the ``runs.json`` reuse index (both name the trained folders).
 Each row's ``run_dir`` in the copied ``results.json`` becomes the record's path relative to ``DEST`` (the trained
@@ -52,16 +53,13 @@ def thinned(curve: Sequence[Any], points: int = CURVE_POINTS) -> List[Any]:
 
 def slim_summary(summary: Dict[str, Any], run_dir: Optional[pathlib.Path] = None) -> Dict[str, Any]:
     """``summary.json`` without its per-step lists (the size of a run record is its curves: ~200 KB each); with
-    ``run_dir``, a missing ``val_history`` rebuilt from the run's TensorBoard events."""
-    from callbacks.run_summary import val_history_from_events
-
+    ``run_dir``, a missing ``val_history`` rebuilt from the run's TensorBoard events (``rebuilt_history``)."""
     out = {k: v for k, v in summary.items() if k != "step_times_s"}
     published = {}
-    history = val_history_from_events(run_dir) if "val_history" not in summary and run_dir is not None else None
-    if history:
-        out["val_history"] = history
-        published["val_history"] = ("rebuilt from the run's TensorBoard events (float32; steps: the event's + 1); the run "
-                                    "predates the recorder's own")
+    if "val_history" not in summary and run_dir is not None:
+        history, published["val_history"] = rebuilt_history(summary, run_dir)
+        if history is not None:
+            out["val_history"] = history
     if "step_times_s" in summary:
         published["step_times_s"] = f"dropped ({len(summary['step_times_s'] or [])} steps; median_step_time_s kept)"
     if "train_loss_curve" in summary:
@@ -69,6 +67,28 @@ def slim_summary(summary: Dict[str, Any], run_dir: Optional[pathlib.Path] = None
         out["train_loss_curve"] = thinned(curve)
         published["train_loss_curve"] = f"{len(out['train_loss_curve'])} of {len(curve)} points, the last kept"
     return {**out, "published": published}
+
+
+def rebuilt_history(summary: Dict[str, Any], run_dir: pathlib.Path) -> Tuple[Optional[List[Any]], str]:
+    """(``val_history`` from the run's TensorBoard events or None, what the record's ``published`` says about it).
+    Not rebuilt where the events' steps cannot be trusted to be the steps done (``analysis.val_history.off_grid``)."""
+    import yaml
+
+    from analysis.val_history import history_from_events, off_grid
+
+    history = history_from_events(run_dir)
+    if not history:
+        return None, "not rebuilt: the run folder has no TensorBoard validation events"
+    try:
+        val_every = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("val_every")
+    except (OSError, yaml.YAMLError):
+        val_every = None
+    late = off_grid(history, val_every, summary.get("steps"))
+    if late:
+        return None, (f"not rebuilt: validations at steps {late} lie off the --val_every {val_every} grid, where an "
+                      "event's step + 1 need not be the steps done")
+    return history, ("rebuilt from the run's TensorBoard events (float32; steps: the event's + 1); the run predates "
+                     "the recorder's own")
 
 
 def record_name(run_dir: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
