@@ -728,3 +728,29 @@ def test_the_preregistered_induct_check_rebuilds_and_no_depth_solves_level_1():
     level = {d: r["probe_levels"]["probe_acc_L1"] for d, r in rows.items()}
     assert level[2]["vs_baseline"]["difference"] > 0 and level[2]["vs_baseline"]["p_holm"] < 0.05
     assert all(v["solved"] == 0 for v in level.values()) and all(r["probe_acc_L0"]["mean"] == 1.0 for r in rows.values())
+
+
+def test_the_preregistered_8k_induct_check_rebuilds_and_is_not_met():
+    """docs/results/probe_induct_necessity_8k (docs/results/preregistered/probe_induct_necessity_8k.md: 1/2/4 layers,
+    seeds 1342-1346, 8,000 steps): the records give the committed table, and the plan's verdict is 'not met': one
+    layer solves level 1 in no seed, but neither deeper row passes Holm nor solves it in 4 of 5 seeds. The records
+    predate the recorder's val_history: publish rebuilt it from the events, at every 1,000 steps."""
+    folder = REPO / "docs" / "results" / "probe_induct_necessity_8k"
+    board = compare.compare([str(folder / "runs")], ["model.n_layer"], baseline="vanilla n_layer=1")
+    assert compare.to_markdown(board) == (folder / "leaderboard.md").read_text()
+    assert board["code"] == {"6e7a2f2984": 15}
+    rows = {r["model.n_layer"]: r for r in board["rows"]}
+    assert {d: r["n"] for d, r in rows.items()} == {1: 5, 2: 5, 4: 5}
+    level = {d: r["probe_levels"]["probe_acc_L1"] for d, r in rows.items()}
+    solved = {d: round(v["solved"] * v["solved_n"]) for d, v in level.items()}
+    assert solved == {1: 0, 2: 1, 4: 2}
+    deeper_pass = {d: level[d]["vs_baseline"]["difference"] > 0 and level[d]["vs_baseline"]["p_holm"] < 0.05
+                   for d in (2, 4)}
+    assert deeper_pass == {2: False, 4: False}
+    met = solved[1] <= 1 and all(deeper_pass.values()) and all(solved[d] >= 4 for d in (2, 4))
+    partly = solved[1] <= 1 and deeper_pass[2] and solved[2] >= 4
+    assert not met and not partly
+    assert level[1]["first_solved"]["solving"] == 0 and level[4]["first_solved"]["min"] == 4000
+    for run in (folder / "runs").rglob("summary.json"):
+        steps = [step for step, _ in json.loads(run.read_text())["val_history"]]
+        assert steps == list(range(1000, 8001, 1000))
