@@ -212,6 +212,17 @@ class SignalAtStep(L.Callback):
             os.kill(os.getpid(), self.signum)
 
 
+class SignalDuringValidation(L.Callback):
+    """Sends ``signum`` to this process as the first batch of the validation after step ``step`` starts."""
+
+    def __init__(self, step: int, signum: int):
+        self.step, self.signum = step, signum
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if trainer.state.fn == "fit" and trainer.global_step == self.step and batch_idx == 0:
+            os.kill(os.getpid(), self.signum)
+
+
 def test_sigusr1_outside_slurm_saves_last_checkpoint_and_resume_reaches_max_steps(tmp_path, monkeypatch):
     import experiments.run as run
 
@@ -266,7 +277,8 @@ class SignalDuringSave:
         return self.real_save(obj, path, *args, **kwargs)
 
 
-@pytest.mark.parametrize("how", ["sigterm-during-a-checkpoint-write", "sigusr1-after-a-step"])
+@pytest.mark.parametrize("how", ["sigterm-during-a-checkpoint-write", "sigusr1-after-a-step",
+                                 "sigterm-during-a-validation"])
 def test_tensorboard_after_preemption_and_resume_holds_the_uninterrupted_runs_losses(how, tmp_path, monkeypatch,
                                                                                     uninterrupted):
     """Issue 30: after SIGTERM during a checkpoint write and a resume, train/loss sat one step late (Lightning's
@@ -280,8 +292,10 @@ def test_tensorboard_after_preemption_and_resume_holds_the_uninterrupted_runs_lo
 
     for key in SLURM_ENV:
         monkeypatch.delenv(key, raising=False)
-    if how.startswith("sigterm"):
+    if how == "sigterm-during-a-checkpoint-write":
         monkeypatch.setattr(storage, "atomic_torch_save", SignalDuringSave(storage.atomic_torch_save, 4, signal.SIGTERM))
+    elif how == "sigterm-during-a-validation":
+        monkeypatch.setattr(run, "extra_run_callbacks", lambda cfg: [SignalDuringValidation(4, signal.SIGTERM)])
     else:
         monkeypatch.setattr(run, "extra_run_callbacks", lambda cfg: [SignalAtStep(3, signal.SIGUSR1)])
     argv = [*TB_ARGV, "--log_dir", str(tmp_path)]
