@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import lightning as L
 import torch
 
-from analysis.val_history import VAL_HISTORY, add_validation
+from callbacks.val_history import VAL_HISTORY, add_validation
 from lightning_modules.run_clock import run_age_s
 from lightning_modules.steps import completes_step, is_logging_step
 

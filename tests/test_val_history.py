@@ -7,7 +7,7 @@ import json
 import os
 import shutil
 
-from analysis.val_history import VAL_HISTORY, add_validation, event_files, history_from_events, off_grid
+from callbacks.val_history import VAL_HISTORY, add_validation, event_files, history_from_events, off_grid
 from datamodules import probe
 from tests.conftest import TINY_RUN
 

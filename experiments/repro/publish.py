@@ -71,10 +71,10 @@ def slim_summary(summary: Dict[str, Any], run_dir: Optional[pathlib.Path] = None
 
 def rebuilt_history(summary: Dict[str, Any], run_dir: pathlib.Path) -> Tuple[Optional[List[Any]], str]:
     """(``val_history`` from the run's TensorBoard events or None, what the record's ``published`` says about it).
-    Not rebuilt where the events' steps cannot be trusted to be the steps done (``analysis.val_history.off_grid``)."""
+    Not rebuilt where the events' steps cannot be trusted to be the steps done (``callbacks.val_history.off_grid``)."""
     import yaml
 
-    from analysis.val_history import history_from_events, off_grid
+    from callbacks.val_history import history_from_events, off_grid
 
     history = history_from_events(run_dir)
     if not history:
