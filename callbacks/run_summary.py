@@ -22,6 +22,7 @@ from callbacks.val_history import VAL_HISTORY, add_validation
 from lightning_modules.run_clock import run_age_s
 from lightning_modules.steps import completes_step, is_logging_step
 
+
 class StepRecorder(L.Callback):
     """Wall time of every optimisation step and the global LM loss it produced.
 

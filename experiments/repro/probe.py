@@ -450,8 +450,9 @@ def positive_significant(a: Dict[str, Any], which: str = "spearman") -> bool:
 
 def goal_figures(per_variant: Dict[str, Dict[str, Any]], tests: Dict[str, Any]) -> Dict[str, Any]:
     """The issue's goals from the numbers and the corrected tests: the setting is learnable (the reference
-    vanilla's accuracy on levels 1 and 2, those of them the task has), at least two routed families grade compute by difficulty, a routed
-    entry beats the best dense model on the hardest level that model solves, and on validation loss."""
+    vanilla's accuracy on levels 1 and 2, those of them the task has), at least two routed families grade compute
+    by difficulty, a routed entry beats the best dense model on the hardest level that model solves, and on
+    validation loss."""
     vanilla = per_variant["vanilla"]["levels"]
     # the floors of the levels the task has (probe-v7/v8 have levels 0 and 1 only: L1's floor alone)
     goals: Dict[str, Any] = {"learnable": {str(k): (vanilla[str(k)].get("acc", (None, None))[0], floor)
