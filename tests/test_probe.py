@@ -700,6 +700,7 @@ def test_the_chance_line_is_drawn_for_digit_answers_only(tmp_path):
     assert answer_chance(Context(out=tmp_path, run_options=["--data", "probe-v8/induct"])) is None
     assert answer_chance(Context(out=tmp_path, run_options=["--data", "probe-v6/bounce", "--data", "probe-v2/arith"])) == 0.1
     assert answer_chance(Context(out=tmp_path, run_options=["--data", "probe-v2/arith", "--data=probe-v7/shift"])) is None
+    assert answer_chance(Context(out=tmp_path, run_options=["--data.name", "probe-v8/induct"])) is None  # --data's name
 
 
 def test_entries_name_variants_with_their_own_model_options_and_dense_shapes():

@@ -582,11 +582,15 @@ def level_span(first: int, last: int) -> str:
 
 
 def answer_chance(ctx: Context) -> Optional[float]:
-    """The answers' chance accuracy of the runs' task (the last ``--data`` of their options, the programme's default
-    task without one), where ``CHANCE`` knows it: None for the others (v7/v8 letters, for instance)."""
-    options = [*DEFAULTS, *ctx.run_options]
-    tasks = [o[len("--data="):] if o.startswith("--data=") else options[i + 1] for i, o in enumerate(options)
-             if (o == "--data" and i + 1 < len(options)) or o.startswith("--data=")]
+    """The answers' chance accuracy of the runs' task (the last ``--data.name`` of their options, ``--data`` being
+    its alias; the programme's default task without one), where ``CHANCE`` knows it: None for the others (v7/v8
+    letters, for instance)."""
+    from experiments.run import expand_aliases
+
+    options = expand_aliases([*DEFAULTS, *ctx.run_options])
+    name = "--data.name"
+    tasks = [o.partition("=")[2] if o.startswith(f"{name}=") else options[i + 1] for i, o in enumerate(options)
+             if (o == name and i + 1 < len(options)) or o.startswith(f"{name}=")]
     return CHANCE.get(tasks[-1])
 
 
