@@ -173,6 +173,10 @@ CASES = [
     ("ckpt-other-size", "run", _good("--ckpt_path", "{d}/last.ckpt", "--size", "small"), r"model\.size \('tiny'"),
     ("ckpt-other-data", "run", lambda d: [*_text("latin1.jsonl")(d)[:-4], "--data.path", str(d / "nokey.jsonl"),
                                           "--tokenizer", "bytes", "--ckpt_path", str(d / "last.ckpt")], r"different data \(text:text-"),
+    # a resume under another --val_blocks would mix two validation sets in one run's curves and val_history
+    ("ckpt-other-val_blocks", "run", _good("--ckpt_path", "{d}/last.ckpt", "--val_blocks", "4"),
+     r"ckpt_path: .*last\.ckpt was trained with a different --val_blocks \(8 in the checkpoint, 4 now\); resume with "
+     r"the command that trained it, or start a new run without --ckpt_path"),
     ("ckpt-other-probe-levels", "run", lambda d: [*PROBE_RUN, "--callbacks.probe_levels", "3", "--ckpt_path",
                                                    str(d / "probe_last.ckpt")],
      r"ckpt_path: the run measured its probe metrics with other settings: callbacks\.probe_levels \(2 in the "
