@@ -31,7 +31,7 @@ import errno
 import os
 import pathlib
 import sys
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 # Keep stdout clean and start-up fast before the heavy imports. Lightning (~5 s: it imports torch._dynamo,
 # torchmetrics, and through them transformers and scipy) is imported by the functions that need it, so that
@@ -548,7 +548,10 @@ def _label_file_levels_or_none(labels: Optional[str]) -> Optional[int]:
     return levels if levels is not None and 2 <= levels <= MAX_PROBE_LEVELS else None
 
 
-def main(argv: Optional[Sequence[str]] = None) -> Optional[pathlib.Path]:
+def main(argv: Optional[Sequence[str]] = None,
+         on_run_folder: Optional[Callable[[pathlib.Path], None]] = None) -> Optional[pathlib.Path]:
+    """Train one run; its folder (None for ``--print_config``). ``on_run_folder(folder)`` is called once the run
+    has its folder, before it trains (``experiments.repro`` records it there to resume the run after a kill)."""
     mark_run_start()
     parser = build_parser()
     argv = join_option_values(expand_aliases(list(sys.argv[1:] if argv is None else argv)))
@@ -559,10 +562,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Optional[pathlib.Path]:
         print_resolved_config(parser, cfg)
         return None
     check_sources_up_front(cfg)
-    return train(cfg, parser)
+    return train(cfg, parser, on_run_folder)
 
 
-def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
+def train(cfg: Namespace, parser: ArgumentParser,
+          on_run_folder: Optional[Callable[[pathlib.Path], None]] = None) -> pathlib.Path:
     import lightning as L
 
     from datamodules.lm import DataConfig, LMDataModule
@@ -592,6 +596,8 @@ def train(cfg: Namespace, parser: ArgumentParser) -> pathlib.Path:
     version = run_version(cfg, root, ckpt_path)
     try:
         refuse_foreign_run_folder(root / version, ckpt_path)
+        if on_run_folder is not None:
+            on_run_folder(root / version)
         return fit_and_summarise(cfg, parser, module, data, mcfg, root, version, ckpt_path)
     except BaseException:
         if claimed and module.global_step == 0:

@@ -770,10 +770,13 @@ def test_answers_only_correlation_separates_grading_from_telling_answers_from_fo
     assert spearman(level, inverse)["rho"] > 0 and spearman_answers(level, inverse)["rho"] == pytest.approx(-1.0)
 
 
-def test_a_runs_wall_time_is_its_process_time_or_for_older_runs_a_marked_lower_bound():
+def test_a_runs_wall_time_is_its_process_time_or_for_resumed_and_older_runs_a_marked_lower_bound():
     from experiments.repro.common import run_wall_seconds, wall_time_lines
 
     assert run_wall_seconds({"run_seconds": 12.5, "step_times_s": [[1, 1.0]]}) == (12.5, True)
+    assert run_wall_seconds({"run_seconds": 12.5, "train_started_at_steps": [0]}) == (12.5, True)
+    # resumed: run_seconds is its last process's, the time before the stop is not in it
+    assert run_wall_seconds({"run_seconds": 12.5, "train_started_at_steps": [0, 4000]}) == (12.5, False)
     assert run_wall_seconds({"seconds_to_first_step": 3.0, "step_times_s": [[1, 0.5], [2, 1.5]]}) == (2.0, False)
     assert run_wall_seconds({"seconds_to_first_step": 3.0}) == (None, False)
     rows = [{"variant": "a", "wall_s": 10.0, "wall_measured": True}, {"variant": "a", "wall_s": 30.0, "wall_measured": True},

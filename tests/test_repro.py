@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+import lightning as L
 import pytest
 import torch
 import yaml
@@ -139,6 +140,51 @@ def test_mom_kh_sweep_end_to_end_and_reuse(tmp_path):
     assert "| K \\ H | 1 | 2 |" in table
     again = repro(["mom_kh", "--out", str(out), "--ks", "1", "--hs", "1,2", *STEPS, "--", *TINY_RUN])
     assert [r["run_dir"] for r in again["runs"]] == [r["run_dir"] for r in first["runs"]]  # reused, not retrained
+
+
+class CrashAtStep(L.Callback):
+    """Raises at the end of step ``step``: the run dies as under SIGKILL, with no checkpoint but the one its
+    last validation wrote."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            raise RuntimeError("killed")
+
+
+def test_a_programme_killed_mid_run_resumes_that_run_from_its_last_validation(tmp_path, monkeypatch):
+    """The programme dies at step 6 (of 8, validation every 4): the rerun of the same command resumes the run in
+    its folder from step 4's last.ckpt, through the worker processes too, and ends where the run that was
+    never stopped ends; a third invocation reuses it."""
+    import experiments.run as run
+    from experiments.repro.common import Context
+
+    for key in ("SLURM_JOB_ID", "SLURM_NTASKS", "DYNCOMP_RUN_VERSION"):
+        monkeypatch.delenv(key, raising=False)
+    options = ["--val_every", "4", *TINY_RUN]  # the pass-through options' --val_every wins over the programme's
+    straight = Context(tmp_path / "straight", steps=8, run_options=options).run([])
+    monkeypatch.setattr(run, "extra_run_callbacks", lambda cfg: [CrashAtStep(6)])
+    killed = Context(tmp_path / "killed", steps=8, run_options=options)
+    with pytest.raises(RuntimeError, match="killed"):
+        killed.run([])
+    monkeypatch.setattr(run, "extra_run_callbacks", lambda cfg: [])
+    [started] = (tmp_path / "killed" / "runs.started").glob("*.json")
+    folder = pathlib.Path(json.loads(started.read_text())["run_dir"])
+    assert (folder / "checkpoints" / "last.ckpt").is_file() and not (folder / "summary.json").exists()
+    assert not (tmp_path / "killed" / "runs.json").exists()  # not finished: not in the index
+
+    again = Context(tmp_path / "killed", steps=8, run_options=options, workers=2)
+    [resumed] = again.run_many([([], None, None)])  # a spawned worker process resumes it
+    assert resumed["run_dir"] == str(folder) and resumed["steps"] == 8
+    assert resumed["train_started_at_steps"] == [0, 4]
+    assert resumed["train_loss_curve"] == straight["train_loss_curve"]
+    assert resumed["val_history"] == straight["val_history"] and resumed["val_metrics"] == straight["val_metrics"]
+    third = Context(tmp_path / "killed", steps=8, run_options=options).run([])
+    assert third["run_dir"] == str(folder)  # finished and indexed: reused, not trained again
+    fresh = Context(tmp_path / "killed", steps=8, run_options=options, reuse=False).run([])
+    assert fresh["run_dir"] != str(folder) and fresh["train_started_at_steps"] == [0]  # --no_reuse: trained anew
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,8 @@ Everything after ``--`` is passed to every training run of the experiment (any
 Each experiment trains its grid through ``experiments.run.main`` (every run logs to TensorBoard under
 ``DIR/runs``), then writes ``DIR/results.md`` (markdown tables), ``DIR/results.json`` and PNG plots,
 which it also logs as images under ``DIR/tensorboard``. Finished runs are reused when the same command
-runs again (``DIR/runs.json``; ``--no_reuse`` retrains). The same command runs at paper sizes on a
+runs again (``DIR/runs.json``; ``--no_reuse`` retrains), and one that a kill cut off resumes from its last
+validation's checkpoint (``common.train_resumably``). The same command runs at paper sizes on a
 cluster with ``--size small|medium|large`` and real data after ``--``.
 
 | name | paper finding |

@@ -101,11 +101,11 @@ class Context:
 
     # ------------------------------------------------------------------ running
     def run(self, options: Sequence[str], steps: Optional[int] = None, budget: Optional[float] = None) -> Dict[str, Any]:
-        """Train one configuration (or reuse the finished run with identical options); its summary + run_dir."""
-        from experiments import run as run_cli
-
+        """Train one configuration (or reuse the finished run with identical options, or resume the one a kill
+        stopped: ``train_resumably``); its summary + run_dir."""
         argv = self.argv(options, steps, budget)
-        return load_summary(self.cached("experiments.run", argv, lambda: run_cli.main(argv)))
+        started = self.started_file("experiments.run", argv)
+        return load_summary(self.cached("experiments.run", argv, lambda: train_resumably(argv, started)))
 
     def run_many(self, jobs: Sequence[Tuple[Sequence[str], Optional[int], Optional[float]]]) -> List[Dict[str, Any]]:
         """``run`` for each (options, steps, budget), in order; with ``workers`` > 1 the runs that are not
@@ -129,7 +129,8 @@ class Context:
             done[todo[k]] = pathlib.Path(run_dir)
             self.remember("experiments.run", argvs[todo[k]], done[todo[k]])
 
-        run_in_workers(_train_in_worker, [(argvs[i], self.threads or 1) for i in todo], self.workers, record)
+        run_in_workers(_train_in_worker, [(argvs[i], self.threads or 1, self.started_file("experiments.run", argvs[i]))
+                                          for i in todo], self.workers, record)
         for i, argv in enumerate(argvs):  # duplicates of a configuration share its run
             if i not in done:
                 done[i] = done[next(j for j in todo if argvs[j] == argv)]
@@ -151,6 +152,17 @@ class Context:
         if self.reuse and previous and (pathlib.Path(previous) / "summary.json").is_file():
             return pathlib.Path(previous)
         return None
+
+    def started_file(self, command: str, argv: Sequence[str]) -> Optional[pathlib.Path]:
+        """Where ``train_resumably`` records the folder of the command's run as it starts (one file per command,
+        so that workers never write the same file); None under ``--no_reuse`` (nothing is resumed)."""
+        import hashlib
+
+        if not self.reuse:
+            return None
+
+        key = hashlib.sha256(json.dumps([command, *argv]).encode()).hexdigest()[:20]
+        return self.out / "runs.started" / f"{key}.json"
 
     def remember(self, command: str, argv: Sequence[str], run_dir: pathlib.Path) -> None:
         """Record in ``runs.json`` which folder the command's run went to."""
@@ -364,14 +376,55 @@ def _stop_workers(pool, in_main_thread: bool) -> None:
                 signal.signal(signum, handler)
 
 
-def _train_in_worker(argv: Sequence[str], threads: int) -> str:
-    """One ``experiments.run`` in a worker process of ``Context.run_many``; its run folder."""
+def _train_in_worker(argv: Sequence[str], threads: int, started: Optional[pathlib.Path]) -> str:
+    """One ``experiments.run`` in a worker process of ``Context.run_many`` (``train_resumably``); its run folder."""
     import torch
 
+    torch.set_num_threads(threads)
+    return str(train_resumably(argv, started))
+
+
+def train_resumably(argv: Sequence[str], started: Optional[pathlib.Path]) -> pathlib.Path:
+    """``experiments.run`` of ``argv`` so that a programme killed mid-run (a session's end, SLURM's time limit)
+    loses at most one validation interval of it: the run's folder goes into ``started`` (the argv and the
+    folder) before it trains, and the same command later resumes that folder's ``checkpoints/last.ckpt``
+    (written at each validation, and by a SIGTERM/SIGUSR1 stop) instead of training from step 0. A run whose
+    folder holds no checkpoint yet starts again in a new folder; one that finished but never reached
+    ``runs.json`` (killed in between) is returned as it is. Explicit ``--version`` / ``--ckpt_path`` options
+    are the user's: the run then goes as they say; so does ``started`` None (``--no_reuse``)."""
     from experiments import run as run_cli
 
-    torch.set_num_threads(threads)
-    return str(run_cli.main(list(argv)))
+    argv = list(argv)
+    if started is None or any(a.split("=", 1)[0] in ("--version", "--ckpt_path") for a in argv):
+        return run_cli.main(argv)
+    folder = started_folder(started, argv)
+    if folder is not None and (folder / "summary.json").is_file():
+        return folder
+    last = folder / "checkpoints" / "last.ckpt" if folder is not None else None
+    if last is not None and last.is_file():
+        print(f"[repro] resuming {folder} from {last.name} (the programme was stopped during this run)",
+              file=sys.stderr, flush=True)
+        return run_cli.main([*argv, "--ckpt_path", str(last)])
+
+    def record(run_folder: pathlib.Path) -> None:
+        started.parent.mkdir(parents=True, exist_ok=True)
+        tmp = started.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"argv": argv, "run_dir": str(run_folder)}) + "\n")
+        tmp.replace(started)
+
+    return run_cli.main(argv, on_run_folder=record)
+
+
+def started_folder(started: pathlib.Path, argv: Sequence[str]) -> Optional[pathlib.Path]:
+    """The run folder ``train_resumably`` recorded for ``argv`` (None: none, or unreadable, or another argv's)."""
+    try:
+        record = json.loads(started.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("argv") != list(argv) or not record.get("run_dir"):
+        return None
+    folder = pathlib.Path(record["run_dir"])
+    return folder if folder.is_dir() else None
 
 
 def budget_step_cap(budget: float, tokens_per_step: int, planned_flops_per_token: float) -> int:
@@ -802,10 +855,11 @@ def verification_table(figures: Sequence[Tuple[str, Sequence[Optional[float]], S
 # ---------------------------------------------------------------------------- wall time per part
 def run_wall_seconds(summary: Dict[str, Any]) -> Tuple[Optional[float], bool]:
     """A run's wall time (``run_seconds``: start-up when its process was started for it, training,
-    validations) and whether it was measured, or, for run folders written before that field, a lower bound:
-    its timed steps summed (their ``seconds_to_first_step`` counted every earlier run of a reused process)."""
+    validations) and whether it was measured, or a lower bound: a resumed run's ``run_seconds`` (its last
+    process only), or, for run folders written before that field, its timed steps summed (their
+    ``seconds_to_first_step`` counted every earlier run of a reused process)."""
     if summary.get("run_seconds") is not None:
-        return float(summary["run_seconds"]), True
+        return float(summary["run_seconds"]), len(summary.get("train_started_at_steps") or [0]) <= 1
     steps = summary.get("step_times_s") or []
     if not steps:
         return None, False
@@ -864,7 +918,7 @@ def wall_time_lines(rows: Sequence[Dict[str, Any]], part_of, workers: int) -> Li
         total += sum(walls)
         mark = ">= " if low else ""
         lines.append(f"| {part} | {len(members)} | {mark}{sum(walls):,.0f} | {mark}{sum(walls) / max(1, len(walls)):,.0f} |")
-    note = (" (>=: run folders from before `run_seconds` was recorded: their timed steps, start-up and validation "
-            "left out)") if estimated else ""
+    note = (" (>=: a lower bound, for resumed runs (their last process only) and run folders from before "
+            "`run_seconds` was recorded (their timed steps only))") if estimated else ""
     return [f"Wall time per part: every run's process, start to its summary{note}; {len(rows)} runs, "
             f"{total:,.0f} s summed, about {total / max(1, workers):,.0f} s at {max(1, workers)} at once.", "", *lines, ""]
