@@ -327,8 +327,8 @@ def test_preemption_under_two_process_ddp_leaves_one_last_ckpt_and_resumes_bit_e
     straight = subprocess.run([*base, "--log_dir", str(tmp_path / "a")], cwd=REPO, env=env, capture_output=True,
                               text=True, timeout=600)
     assert straight.returncode == 0, straight.stderr[-3000:]
-    expected = dict(json.loads((tmp_path / "a" / "vanilla-tiny" / "version_0" / "summary.json").read_text())
-                    ["train_loss_curve"])
+    straight_summary = json.loads((tmp_path / "a" / "vanilla-tiny" / "version_0" / "summary.json").read_text())
+    expected = dict(straight_summary["train_loss_curve"])
     command = [*base, "--log_dir", str(tmp_path / "b")]
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     checkpoints = tmp_path / "b" / "vanilla-tiny" / "version_0" / "checkpoints"
@@ -355,6 +355,13 @@ def test_preemption_under_two_process_ddp_leaves_one_last_ckpt_and_resumes_bit_e
     assert summary["train_started_at_steps"] == [0, step]
     for s in curve:
         assert curve[s] == expected[s], (s, curve[s], expected[s])  # bit-exact, before and after the resume
+    # every validation of the whole run (rank 0 writes them; the metrics are synced over the ranks) is in
+    # val_history once, equal to the uninterrupted run's and to what TensorBoard holds
+    from callbacks.val_history import history_from_events
+
+    history = summary["val_history"]
+    assert [s for s, _ in history] == list(range(2, 31, 2))
+    assert history == straight_summary["val_history"] and history_from_events(checkpoints.parent) == history
 
 
 # ---------------------------------------------------------------------------- sweep
