@@ -22,6 +22,7 @@ from architectures.config import ConfigError
 from architectures.contract import ModelOutput, first_nonfinite_site
 from architectures.experts import legacy_order, legacy_parameter_names
 from lightning_modules.flops_budget import FlopsBudget, require_counted_flops
+from lightning_modules.rng_state import rank_rng_states, restore_rank_rng_states
 from lightning_modules.steps import batch_step, completes_step, is_logging_step, log_step, may_be_last_step  # noqa: F401
 
 
@@ -234,6 +235,7 @@ class LanguageModelModule(L.LightningModule):
         self.last_batch_shape: Optional[Tuple[int, int]] = None  # (B, T) trained on this rank
         self.nonfinite = NonFiniteGuard(self.optim.nonfinite_check_every)
         self._step_sums: Optional[Tuple[torch.Tensor, int]] = None  # training scalars summed over micro-batches
+        self.resumed_rng_states: Optional[List[Dict[str, torch.Tensor]]] = None  # a resumed checkpoint's generators
 
     # ------------------------------------------------------------------ core
     def forward(self, idx: torch.Tensor, **kwargs) -> ModelOutput:
@@ -462,11 +464,13 @@ class LanguageModelModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
         checkpoint["tokens_seen"] = self.tokens_seen
+        checkpoint["rng_states"] = rank_rng_states(self.trainer)
         if self.flops_budget is not None:
             checkpoint["flops_budget"] = self.flops_budget.state_dict()
 
     def on_load_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
         self.tokens_seen = checkpoint.get("tokens_seen", 0)
+        self.resumed_rng_states = checkpoint.get("rng_states")  # set when training starts (on_train_start)
         if any(re.search(r"\.experts\.\d+\.c_fc\.weight$", k) for k in checkpoint.get("state_dict", {})):
             # saved before the MoE experts were stacked: the weights stack on load (a pre-hook of the experts
             # module), the AdamW state is re-indexed here, before Lightning restores it
@@ -480,6 +484,10 @@ class LanguageModelModule(L.LightningModule):
     def on_train_start(self) -> None:
         if self.flops_budget is not None and self.flops_budget.exhausted:  # a finished run resumed: nothing to train
             self.trainer.should_stop = True
+        # after the sanity validation and model set-up, before the first step: a resumed run draws from here on what
+        # the run it continues drew (experiments.run seeds afresh, which replayed the stream from step 0)
+        restore_rank_rng_states(self.resumed_rng_states, self.trainer)
+        self.resumed_rng_states = None
 
     # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self):
