@@ -121,7 +121,8 @@ def release_if_empty(folder: pathlib.Path) -> None:
 
 # what a run writes into its folder before its first optimiser step: the resolved config and provenance,
 # Lightning's hparams.yaml and TensorBoard's (scalar-free) events file
-START_FILES = ("config.yaml", "provenance.json", "hparams.yaml", "events.out.tfevents.*")
+# what a run's start writes (``repro_started``: experiments.repro's mark of the command that owns the folder)
+START_FILES = ("config.yaml", "provenance.json", "hparams.yaml", "events.out.tfevents.*", "repro_started")
 
 
 def release_unstarted(folder: pathlib.Path) -> None:

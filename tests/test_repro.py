@@ -362,3 +362,112 @@ def test_contribution_reports_slimpajama_subset_losses(tmp_path):
         summary = json.loads((pathlib.Path(r["run_dir"]) / "summary.json").read_text())
         assert r["ood"]["RedPajamaArXiv"] == summary["val_metrics"]["val/RedPajamaArXiv/loss"] > 0
     assert "OOD loss RedPajamaGithub" in (tmp_path / "out" / "results.md").read_text()
+
+
+class FakeRun:
+    """``experiments.run.main`` without training: claims ``root/version_N`` (reporting it to ``on_run_folder``),
+    writes a summary, and records how it was called; ``fail`` makes it raise instead (after releasing the folder
+    when ``release``), ``refuse_resume`` raises the run's refusal of a checkpoint."""
+
+    def __init__(self, root, fail=False, release=False, refuse_resume=False):
+        self.root, self.fail, self.release, self.refuse_resume, self.calls = root, fail, release, refuse_resume, []
+
+    def __call__(self, argv, on_run_folder=None):
+        from lightning_modules.storage import claim_next_version
+
+        self.calls.append(list(argv))
+        if "--ckpt_path" in argv:
+            if self.refuse_resume:
+                raise ConfigError("ckpt_path: was trained with a different model.n_layer")
+            folder = pathlib.Path(argv[argv.index("--ckpt_path") + 1]).parent.parent
+        else:
+            self.root.mkdir(parents=True, exist_ok=True)
+            folder = self.root / claim_next_version(self.root)
+            if on_run_folder is not None:
+                on_run_folder(folder)
+        if self.fail:
+            if self.release:
+                import shutil
+
+                shutil.rmtree(folder)
+            raise RuntimeError("failed before its first step")
+        (folder / "summary.json").write_text("{}")
+        return folder
+
+
+def _started(tmp_path, monkeypatch, **fake):
+    import experiments.run as run
+
+    fake_run = FakeRun(tmp_path / "runs" / "vanilla-tiny", **fake)
+    monkeypatch.setattr(run, "main", fake_run)
+    return fake_run, tmp_path / "runs.started" / "abc.json"
+
+
+def test_a_record_whose_folder_was_released_and_claimed_again_is_not_followed(tmp_path, monkeypatch):
+    """A start that failed released its folder; another command claimed the same version_N. The rerun must not
+    take that run for its own (it carries another record's mark, or none)."""
+    from experiments.repro.common import STARTED_MARK, started_folder, train_resumably
+
+    fake, started = _started(tmp_path, monkeypatch, fail=True, release=True)
+    with pytest.raises(RuntimeError):
+        train_resumably(["--seed", "1"], started)
+    assert not started.exists()  # the failed start leaves no record
+    other = tmp_path / "runs" / "vanilla-tiny" / "version_0"  # the next command's run, in the released folder
+    (other / "checkpoints").mkdir(parents=True)
+    (other / "checkpoints" / "last.ckpt").write_text("")
+    started.parent.mkdir(exist_ok=True)
+    started.write_text(json.dumps({"argv": ["--seed", "1"], "run_dir": str(other)}))  # a stale record, however left
+    assert started_folder(started, ["--seed", "1"]) is None  # no mark
+    (other / STARTED_MARK).write_text("another.json\n")
+    assert started_folder(started, ["--seed", "1"]) is None  # another record's mark
+    (other / STARTED_MARK).write_text("abc.json\n")
+    assert started_folder(started, ["--seed", "2"]) is None  # another command's record
+    assert started_folder(started, ["--seed", "1"]) == other
+
+
+def test_a_run_cut_off_before_its_first_checkpoint_starts_again_in_a_clean_folder(tmp_path, monkeypatch):
+    from experiments.repro.common import started_folder, train_resumably
+
+    fake, started = _started(tmp_path, monkeypatch)
+    first = train_resumably(["--seed", "1"], started)
+    (first / "summary.json").unlink()  # as if killed before its first checkpoint, after some steps
+    (first / "events.out.tfevents.1").write_text("the killed attempt's steps")
+    again = train_resumably(["--seed", "1"], started)
+    assert not (again / "events.out.tfevents.1").exists()  # its folder went; the new claim is clean
+    assert (again / "summary.json").is_file() and started_folder(started, ["--seed", "1"]) == again
+    assert all("--ckpt_path" not in call for call in fake.calls)
+    assert train_resumably(["--seed", "1"], started) == again and len(fake.calls) == 2  # finished: returned as it is
+
+
+def test_a_checkpoint_the_run_refuses_is_left_and_the_run_starts_again(tmp_path, monkeypatch, capsys):
+    from experiments.repro.common import started_folder, train_resumably
+
+    fake, started = _started(tmp_path, monkeypatch, refuse_resume=True)
+    first = train_resumably(["--seed", "1"], started)
+    (first / "summary.json").unlink()
+    (first / "checkpoints").mkdir()
+    (first / "checkpoints" / "last.ckpt").write_text("")
+    again = train_resumably(["--seed", "1"], started)
+    assert again != first and (first / "checkpoints" / "last.ckpt").is_file()  # left where it is
+    assert started_folder(started, ["--seed", "1"]) == again
+    assert "cannot resume" in capsys.readouterr().err
+
+
+def test_a_second_programme_running_the_same_command_at_once_is_refused(tmp_path, monkeypatch):
+    from experiments.repro.common import started_lock, train_resumably
+
+    fake, started = _started(tmp_path, monkeypatch)
+    with started_lock(started):  # the first programme, training the run
+        with pytest.raises(ConfigError, match="another programme is training this run"):
+            train_resumably(["--seed", "1"], started)
+    assert fake.calls == []
+    assert (train_resumably(["--seed", "1"], started) / "summary.json").is_file()  # the lock went with its holder
+
+
+def test_explicit_version_or_checkpoint_and_no_reuse_bypass_the_record(tmp_path, monkeypatch):
+    from experiments.repro.common import train_resumably
+
+    fake, started = _started(tmp_path, monkeypatch)
+    train_resumably(["--seed", "1", "--ckpt_path=last"], started)
+    train_resumably(["--seed", "1"], None)
+    assert not started.exists() and fake.calls == [["--seed", "1", "--ckpt_path=last"], ["--seed", "1"]]

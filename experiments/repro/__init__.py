@@ -9,7 +9,7 @@ Each experiment trains its grid through ``experiments.run.main`` (every run logs
 ``DIR/runs``), then writes ``DIR/results.md`` (markdown tables), ``DIR/results.json`` and PNG plots,
 which it also logs as images under ``DIR/tensorboard``. Finished runs are reused when the same command
 runs again (``DIR/runs.json``; ``--no_reuse`` retrains), and one that a kill cut off resumes from its last
-validation's checkpoint (``common.train_resumably``). The same command runs at paper sizes on a
+checkpoint (``common.train_resumably``). The same command runs at paper sizes on a
 cluster with ``--size small|medium|large`` and real data after ``--``.
 
 | name | paper finding |
@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--steps", type=int, default=300, help="training steps per run")
         sub.add_argument("--seed", type=int, default=1337)
         sub.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-        sub.add_argument("--no_reuse", action="store_true", help="retrain runs that already finished")
+        sub.add_argument("--no_reuse", action="store_true", help="retrain runs that already finished (and resume none)")
         sub.add_argument("--jobs", type=int, default=1,
                          help="runs trained at once, each in its own process (probe, mod_isoflop, head_to_head, mom_kh; "
                               "the other experiments train one after another; default 1)")

@@ -376,6 +376,9 @@ def _stop_workers(pool, in_main_thread: bool) -> None:
                 signal.signal(signum, handler)
 
 
+STARTED_MARK = "repro_started"  # in a run folder: the name of the runs.started/ record that owns it
+
+
 def _train_in_worker(argv: Sequence[str], threads: int, started: Optional[pathlib.Path]) -> str:
     """One ``experiments.run`` in a worker process of ``Context.run_many`` (``train_resumably``); its run folder."""
     import torch
@@ -386,12 +389,16 @@ def _train_in_worker(argv: Sequence[str], threads: int, started: Optional[pathli
 
 def train_resumably(argv: Sequence[str], started: Optional[pathlib.Path]) -> pathlib.Path:
     """``experiments.run`` of ``argv`` so that a programme killed mid-run (a session's end, SLURM's time limit)
-    loses at most one validation interval of it: the run's folder goes into ``started`` (the argv and the
-    folder) before it trains, and the same command later resumes that folder's ``checkpoints/last.ckpt``
-    (written at each validation, and by a SIGTERM/SIGUSR1 stop) instead of training from step 0. A run whose
-    folder holds no checkpoint yet starts again in a new folder; one that finished but never reached
-    ``runs.json`` (killed in between) is returned as it is. Explicit ``--version`` / ``--ckpt_path`` options
-    are the user's: the run then goes as they say; so does ``started`` None (``--no_reuse``)."""
+    loses at most what its run did since its last checkpoint: the run's folder goes into ``started`` (and a
+    ``STARTED_MARK`` naming it into the folder) before it trains, and the same command later resumes that
+    folder's ``checkpoints/last.ckpt`` (written at each validation, and by a SIGTERM/SIGUSR1 stop) instead of
+    training from step 0. A folder that holds no checkpoint yet is removed and the run starts again; one that
+    finished but never reached ``runs.json`` (killed in between) is returned as it is; a checkpoint the run
+    refuses (the code or data changed since) is left where it is and the run starts again in a new folder.
+    Explicit ``--version`` / ``--ckpt_path`` options are the user's: the run then goes as they say; so does
+    ``started`` None (``--no_reuse``)."""
+    from lightning.fabric.utilities.rank_zero import _get_rank
+
     from experiments import run as run_cli
 
     argv = list(argv)
@@ -400,31 +407,78 @@ def train_resumably(argv: Sequence[str], started: Optional[pathlib.Path]) -> pat
     folder = started_folder(started, argv)
     if folder is not None and (folder / "summary.json").is_file():
         return folder
-    last = folder / "checkpoints" / "last.ckpt" if folder is not None else None
-    if last is not None and last.is_file():
+    if (_get_rank() or 0) != 0:  # a DDP rank that Lightning relaunched: follow rank 0, which decided already
+        last = folder / "checkpoints" / "last.ckpt" if folder is not None else None
+        return run_cli.main([*argv, "--ckpt_path", str(last)] if last is not None and last.is_file() else argv)
+    with started_lock(started):
+        return _train_or_resume(argv, started, started_folder(started, argv))
+
+
+@contextlib.contextmanager
+def started_lock(started: pathlib.Path):
+    """Hold ``started``'s lock while its run trains: a second programme running the same command at the same
+    time (a session's leftover, a second shell) is refused instead of resuming, or removing, the folder the
+    first one is writing. The lock goes with the process that holds it, however that process ends."""
+    import fcntl
+
+    started.parent.mkdir(parents=True, exist_ok=True)
+    with open(started.with_suffix(".lock"), "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(f"another programme is training this run now ({started.with_suffix('.lock')} is "
+                              "locked); wait for it to end, or stop it, and run the command again") from None
+        yield
+
+
+def _train_or_resume(argv: List[str], started: pathlib.Path, folder: Optional[pathlib.Path]) -> pathlib.Path:
+    """``train_resumably`` on rank 0, holding the run's lock."""
+    import shutil
+
+    from experiments import run as run_cli
+
+    if folder is not None and (folder / "summary.json").is_file():  # again, under the lock
+        return folder
+    if folder is not None and (folder / "checkpoints" / "last.ckpt").is_file():
+        last = folder / "checkpoints" / "last.ckpt"
         print(f"[repro] resuming {folder} from {last.name} (the programme was stopped during this run)",
               file=sys.stderr, flush=True)
-        return run_cli.main([*argv, "--ckpt_path", str(last)])
+        try:
+            return run_cli.main([*argv, "--ckpt_path", str(last)])
+        except ConfigError as err:
+            print(f"[repro] cannot resume {folder} ({err}); training the run again in a new folder",
+                  file=sys.stderr, flush=True)
+    elif folder is not None:  # cut off before its first checkpoint: nothing to resume, and it is this command's
+        shutil.rmtree(folder)
+    started.unlink(missing_ok=True)
+    try:
+        return run_cli.main(argv, on_run_folder=lambda run_folder: record_started(started, argv, run_folder))
+    except BaseException:
+        if started_folder(started, argv) is None:  # failed before its first step: the run released its folder
+            started.unlink(missing_ok=True)
+        raise
 
-    def record(run_folder: pathlib.Path) -> None:
-        started.parent.mkdir(parents=True, exist_ok=True)
-        tmp = started.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"argv": argv, "run_dir": str(run_folder)}) + "\n")
-        tmp.replace(started)
 
-    return run_cli.main(argv, on_run_folder=record)
+def record_started(started: pathlib.Path, argv: Sequence[str], folder: pathlib.Path) -> None:
+    """``train_resumably``'s record of a run's folder, and the mark in the folder that makes it this command's
+    (a folder released by a failed start can be claimed again by another command)."""
+    from lightning_modules.storage import write_text_atomic
+
+    started.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(folder / STARTED_MARK, started.name + "\n")
+    write_text_atomic(started, json.dumps({"argv": list(argv), "run_dir": str(folder)}) + "\n")
 
 
 def started_folder(started: pathlib.Path, argv: Sequence[str]) -> Optional[pathlib.Path]:
-    """The run folder ``train_resumably`` recorded for ``argv`` (None: none, or unreadable, or another argv's)."""
+    """The run folder ``train_resumably`` recorded for ``argv``; None when there is none, the record is
+    unreadable or another argv's, or the folder is gone or no longer carries this record's mark."""
     try:
         record = json.loads(started.read_text())
-    except (OSError, ValueError):
+        folder = pathlib.Path(record["run_dir"])
+        mark = (folder / STARTED_MARK).read_text().strip()
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    if not isinstance(record, dict) or record.get("argv") != list(argv) or not record.get("run_dir"):
-        return None
-    folder = pathlib.Path(record["run_dir"])
-    return folder if folder.is_dir() else None
+    return folder if record.get("argv") == list(argv) and mark == started.name else None
 
 
 def budget_step_cap(budget: float, tokens_per_step: int, planned_flops_per_token: float) -> int:
