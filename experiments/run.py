@@ -414,6 +414,10 @@ def resolve_ckpt(cfg: Namespace, root: pathlib.Path, expected: Optional[Dict[str
     return path
 
 
+class CheckpointMismatch(ConfigError):
+    """``--ckpt_path`` names a checkpoint trained with other model, data or tokenizer settings than the command's."""
+
+
 def _matching_ckpt(cfg: Namespace, root: pathlib.Path, expected: Optional[Dict[str, Any]], notes: bool) -> Optional[str]:
     if cfg.ckpt_path is None:
         return None
@@ -421,8 +425,9 @@ def _matching_ckpt(cfg: Namespace, root: pathlib.Path, expected: Optional[Dict[s
         if expected is not None:
             differences = checkpoint_differences(cfg.ckpt_path, expected)
             if differences:
-                raise ConfigError(f"ckpt_path: {cfg.ckpt_path} was trained with a different {'; '.join(differences)}; "
-                                  "resume with the command that trained it, or start a new run without --ckpt_path")
+                raise CheckpointMismatch(f"ckpt_path: {cfg.ckpt_path} was trained with a different "
+                                         f"{'; '.join(differences)}; resume with the command that trained it, or "
+                                         "start a new run without --ckpt_path")
         return cfg.ckpt_path
     candidates = sorted(root.glob("*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True)
     if not candidates:

@@ -4,9 +4,13 @@ resumes (``early_exit``'s layer dropout, ``mot``'s random activation, ``model.dr
 Lightning's checkpoints hold no generator state, and ``experiments.run`` seeds every start afresh (the initial
 weights must not depend on a resume), so a resumed run replayed the stream from step 0. Only the torch generators
 are kept: the models draw from nothing else, and the data order is the sampler's own (``ResumableShardSampler``).
-They are set when training starts (``on_train_start``), after Lightning has restored the loop and started the
-loaders' iterators (each draws its base seed from the global generator), so those draws do not shift the stream.
-``tests/test_resume_exact.py`` checks every variant that draws, bit for bit.
+They are set when training starts (``on_train_start``), after Lightning has restored the loop, run the sanity
+validation and started the train loader's iterator (each iterator draws its base seed from the global generator),
+so those draws do not shift the stream. That is exact because the train loader is one endless epoch (the sampler
+never ends): no iterator starts between a checkpoint and the next step in the uninterrupted run. A finite loader
+would start one at an epoch boundary, which a resume from a checkpoint at that boundary would miss.
+``tests/test_resume_exact.py`` checks every variant that draws, bit for bit, and ``tests/test_cluster.py`` each
+rank's generator under DDP.
 """
 from __future__ import annotations
 

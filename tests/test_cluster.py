@@ -319,8 +319,10 @@ def test_tensorboard_after_preemption_and_resume_holds_the_uninterrupted_runs_lo
 def test_preemption_under_two_process_ddp_leaves_one_last_ckpt_and_resumes_bit_exact(tmp_path):
     """gloo DDP with 2 processes (Lightning starts rank 1 as a fresh process, no fork): SIGUSR1 to rank 0
     stops both ranks after the same step, exits 138, writes one consistent last.ckpt, and the resumed
-    run's losses equal an uninterrupted run's bit for bit."""
+    run's losses equal an uninterrupted run's bit for bit. Dropout makes every rank draw random numbers: each
+    rank's generator is in the checkpoint and set again on its own rank."""
     base = [sys.executable, "-m", "experiments.run", "--max_steps", "30", "--val_every", "2", *TINY_RUN,
+            "--model.dropout", "0.1",
             "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp"]
     env = clean_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("DYNCOMP_RUN_VERSION", None)

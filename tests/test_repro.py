@@ -377,8 +377,12 @@ class FakeRun:
 
         self.calls.append(list(argv))
         if "--ckpt_path" in argv:
+            if self.refuse_resume == "mismatch":
+                from experiments.run import CheckpointMismatch
+
+                raise CheckpointMismatch("ckpt_path: was trained with a different model.n_layer")
             if self.refuse_resume:
-                raise ConfigError("ckpt_path: was trained with a different model.n_layer")
+                raise ConfigError("ckpt_path: cannot read it (Input/output error)")
             folder = pathlib.Path(argv[argv.index("--ckpt_path") + 1]).parent.parent
         else:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -433,16 +437,16 @@ def test_a_run_cut_off_before_its_first_checkpoint_starts_again_in_a_clean_folde
     (first / "summary.json").unlink()  # as if killed before its first checkpoint, after some steps
     (first / "events.out.tfevents.1").write_text("the killed attempt's steps")
     again = train_resumably(["--seed", "1"], started)
-    assert not (again / "events.out.tfevents.1").exists()  # its folder went; the new claim is clean
+    assert again == first and not (again / "events.out.tfevents.1").exists()  # released, claimed anew, clean
     assert (again / "summary.json").is_file() and started_folder(started, ["--seed", "1"]) == again
     assert all("--ckpt_path" not in call for call in fake.calls)
     assert train_resumably(["--seed", "1"], started) == again and len(fake.calls) == 2  # finished: returned as it is
 
 
-def test_a_checkpoint_the_run_refuses_is_left_and_the_run_starts_again(tmp_path, monkeypatch, capsys):
+def test_a_checkpoint_trained_with_other_settings_is_left_and_the_run_starts_again(tmp_path, monkeypatch, capsys):
     from experiments.repro.common import started_folder, train_resumably
 
-    fake, started = _started(tmp_path, monkeypatch, refuse_resume=True)
+    fake, started = _started(tmp_path, monkeypatch, refuse_resume="mismatch")
     first = train_resumably(["--seed", "1"], started)
     (first / "summary.json").unlink()
     (first / "checkpoints").mkdir()
@@ -451,6 +455,60 @@ def test_a_checkpoint_the_run_refuses_is_left_and_the_run_starts_again(tmp_path,
     assert again != first and (first / "checkpoints" / "last.ckpt").is_file()  # left where it is
     assert started_folder(started, ["--seed", "1"]) == again
     assert "cannot resume" in capsys.readouterr().err
+
+
+def test_any_other_refusal_of_the_checkpoint_stops_and_keeps_the_record(tmp_path, monkeypatch):
+    """An unreadable checkpoint (a transient I/O error) is not a reason to train from step 0: the error stops the
+    programme, and the next invocation resumes the same folder."""
+    from experiments.repro.common import started_folder, train_resumably
+
+    fake, started = _started(tmp_path, monkeypatch, refuse_resume=True)
+    first = train_resumably(["--seed", "1"], started)
+    (first / "summary.json").unlink()
+    (first / "checkpoints").mkdir()
+    (first / "checkpoints" / "last.ckpt").write_text("")
+    with pytest.raises(ConfigError, match="Input/output error"):
+        train_resumably(["--seed", "1"], started)
+    assert started_folder(started, ["--seed", "1"]) == first and len(fake.calls) == 2
+    fake.refuse_resume = False
+    assert train_resumably(["--seed", "1"], started) == first  # resumed in place
+    assert fake.calls[-1] == ["--seed", "1", "--ckpt_path", str(first / "checkpoints" / "last.ckpt")]
+
+
+def test_a_relaunched_ddp_rank_follows_the_record_and_touches_nothing(tmp_path, monkeypatch):
+    from experiments.repro.common import started_folder, train_resumably
+
+    fake, started = _started(tmp_path, monkeypatch)
+    first = train_resumably(["--seed", "1"], started)
+    (first / "summary.json").unlink()  # rank 0 is training it, no checkpoint yet
+    (first / "events.out.tfevents.1").write_text("rank 0's")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    fake.fail = True  # stop in main: what matters is how it was called and what was left
+    with pytest.raises(RuntimeError):
+        train_resumably(["--seed", "1"], started)
+    assert fake.calls[-1] == ["--seed", "1"] and (first / "events.out.tfevents.1").is_file()
+    assert started_folder(started, ["--seed", "1"]) == first
+    (first / "checkpoints").mkdir()
+    (first / "checkpoints" / "last.ckpt").write_text("")
+    with pytest.raises(RuntimeError):
+        train_resumably(["--seed", "1"], started)
+    assert fake.calls[-1] == ["--seed", "1", "--ckpt_path", str(first / "checkpoints" / "last.ckpt")]
+
+
+def test_a_file_system_without_locks_runs_unlocked_with_a_note(tmp_path, monkeypatch, capsys):
+    import errno
+    import fcntl
+
+    from experiments.repro.common import train_resumably
+
+    fake, started = _started(tmp_path, monkeypatch)
+
+    def no_locks(*args):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    assert (train_resumably(["--seed", "1"], started) / "summary.json").is_file()
+    assert "cannot be locked (No locks available)" in capsys.readouterr().err
 
 
 def test_a_second_programme_running_the_same_command_at_once_is_refused(tmp_path, monkeypatch):

@@ -391,12 +391,13 @@ def train_resumably(argv: Sequence[str], started: Optional[pathlib.Path]) -> pat
     """``experiments.run`` of ``argv`` so that a programme killed mid-run (a session's end, SLURM's time limit)
     loses at most what its run did since its last checkpoint: the run's folder goes into ``started`` (and a
     ``STARTED_MARK`` naming it into the folder) before it trains, and the same command later resumes that
-    folder's ``checkpoints/last.ckpt`` (written at each validation, and by a SIGTERM/SIGUSR1 stop) instead of
-    training from step 0. A folder that holds no checkpoint yet is removed and the run starts again; one that
-    finished but never reached ``runs.json`` (killed in between) is returned as it is; a checkpoint the run
-    refuses (the code or data changed since) is left where it is and the run starts again in a new folder.
-    Explicit ``--version`` / ``--ckpt_path`` options are the user's: the run then goes as they say; so does
-    ``started`` None (``--no_reuse``)."""
+    folder's newest checkpoint (``last.ckpt``, written at each validation and by a SIGTERM/SIGUSR1 stop)
+    instead of training from step 0. A folder with no checkpoint starts again (what a killed start leaves in it
+    is removed: ``release_unstarted``); one that finished but never reached ``runs.json`` (killed in between)
+    is returned as it is; a checkpoint the run refuses as trained with other settings (the code or data changed
+    since) is left where it is and the run starts again in a new folder. Explicit ``--version`` /
+    ``--ckpt_path`` options are the user's: the run then goes as they say; so does ``started`` None
+    (``--no_reuse``)."""
     from lightning.fabric.utilities.rank_zero import _get_rank
 
     from experiments import run as run_cli
@@ -407,18 +408,29 @@ def train_resumably(argv: Sequence[str], started: Optional[pathlib.Path]) -> pat
     folder = started_folder(started, argv)
     if folder is not None and (folder / "summary.json").is_file():
         return folder
-    if (_get_rank() or 0) != 0:  # a DDP rank that Lightning relaunched: follow rank 0, which decided already
-        last = folder / "checkpoints" / "last.ckpt" if folder is not None else None
-        return run_cli.main([*argv, "--ckpt_path", str(last)] if last is not None and last.is_file() else argv)
+    if (_get_rank() or 0) != 0:  # a DDP rank: follow the record (Lightning's launcher starts this rank after
+        # rank 0 has written it), never remove or write anything
+        checkpoint = newest_checkpoint(folder) if folder is not None else None
+        return run_cli.main([*argv, "--ckpt_path", str(checkpoint)] if checkpoint is not None else argv)
     with started_lock(started):
         return _train_or_resume(argv, started, started_folder(started, argv))
+
+
+def newest_checkpoint(folder: pathlib.Path) -> Optional[pathlib.Path]:
+    """The run folder's newest ``checkpoints/*.ckpt``: ``last.ckpt``, or a ``best-*`` that a kill left newer (it is
+    saved just before ``last.ckpt``); None when there is none. (Lightning's SLURM ``hpc_ckpt_*`` are the requeued
+    job's own to resume.)"""
+    found = list(folder.glob("checkpoints/*.ckpt"))
+    return max(found, key=lambda p: (p.stat().st_mtime, p.name == "last.ckpt")) if found else None
 
 
 @contextlib.contextmanager
 def started_lock(started: pathlib.Path):
     """Hold ``started``'s lock while its run trains: a second programme running the same command at the same
     time (a session's leftover, a second shell) is refused instead of resuming, or removing, the folder the
-    first one is writing. The lock goes with the process that holds it, however that process ends."""
+    first one is writing. The lock goes with the process that holds it, however that process ends. On a file
+    system without locks (Lustre without ``flock``, some FUSE mounts) the run goes on unlocked, with a note."""
+    import errno
     import fcntl
 
     started.parent.mkdir(parents=True, exist_ok=True)
@@ -428,29 +440,32 @@ def started_lock(started: pathlib.Path):
         except BlockingIOError:
             raise ConfigError(f"another programme is training this run now ({started.with_suffix('.lock')} is "
                               "locked); wait for it to end, or stop it, and run the command again") from None
+        except OSError as err:
+            if err.errno not in (errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOLCK):
+                raise
+            print(f"[repro] note: {started.parent} cannot be locked ({err.strerror}); nothing stops a second "
+                  "programme from running this command at the same time", file=sys.stderr, flush=True)
         yield
 
 
 def _train_or_resume(argv: List[str], started: pathlib.Path, folder: Optional[pathlib.Path]) -> pathlib.Path:
     """``train_resumably`` on rank 0, holding the run's lock."""
-    import shutil
-
     from experiments import run as run_cli
+    from lightning_modules.storage import release_unstarted
 
     if folder is not None and (folder / "summary.json").is_file():  # again, under the lock
         return folder
-    if folder is not None and (folder / "checkpoints" / "last.ckpt").is_file():
-        last = folder / "checkpoints" / "last.ckpt"
-        print(f"[repro] resuming {folder} from {last.name} (the programme was stopped during this run)",
+    checkpoint = newest_checkpoint(folder) if folder is not None else None
+    if checkpoint is not None:
+        print(f"[repro] resuming {folder} from {checkpoint.name} (the programme was stopped during this run)",
               file=sys.stderr, flush=True)
         try:
-            return run_cli.main([*argv, "--ckpt_path", str(last)])
-        except ConfigError as err:
+            return run_cli.main([*argv, "--ckpt_path", str(checkpoint)])
+        except run_cli.CheckpointMismatch as err:
             print(f"[repro] cannot resume {folder} ({err}); training the run again in a new folder",
                   file=sys.stderr, flush=True)
     elif folder is not None:  # cut off before its first checkpoint: nothing to resume, and it is this command's
-        shutil.rmtree(folder)
-    started.unlink(missing_ok=True)
+        release_unstarted(folder)  # what a start writes; anything else (a non-finite dump) keeps the folder
     try:
         return run_cli.main(argv, on_run_folder=lambda run_folder: record_started(started, argv, run_folder))
     except BaseException:
