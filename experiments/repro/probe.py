@@ -255,6 +255,8 @@ def tables_from(ctx: Context, paths: Sequence[pathlib.Path]) -> Dict[str, Any]:
         raise ConfigError(f"--tables_from: every entry needs the programme's {wanted} seeds, the same ones; got "
                           + ", ".join(f"{k} {v}" for k, v in seed_sets.items()) + "; merge files of complete entries")
     ctx.steps = first["settings"]["steps"]
+    # the runs' own options (their task decides the report's chance line): the stored ones, not this command's
+    ctx.run_options = list(first["settings"].get("run_options") or [])
     jobs = {stored_jobs(data) for data in files}
     # the wall-time line's "N at once" of the runs' invocations (several: the smallest, a bound on the wall time)
     ctx.workers = min(jobs)
