@@ -67,10 +67,15 @@ def test_each_result_comes_back_to_its_call():
     assert results == {0: 8, 1: 9, 2: 5}
 
 
-def test_calls_that_finished_when_another_failed_still_report_their_results():
-    """A run that finished while another's failure was being raised is recorded (a rerun does not retrain it)."""
+def test_calls_that_finished_when_another_failed_still_report_their_results(tmp_path):
+    """A run that finished while another's failure was being raised is recorded (a rerun does not retrain it).
+    The failing call waits for the other to finish (its file), not for a fixed time: spawned workers start seconds
+    apart on a loaded machine."""
     results = {}
-    calls = [("7",), ("__import__('time').sleep(1.5) or 1 / 0",), ("__import__('time').sleep(1.0) or 8",)]
+    done, deadline = str(tmp_path / "done"), time.time() + 120
+    wait = (f"list(iter(lambda: __import__('os').path.exists({done!r}) or __import__('time').time() > {deadline}"
+            " or __import__('time').sleep(0.05), True))")
+    calls = [("7",), (f"({wait}, __import__('time').sleep(1.0), 1 / 0)",), (f"(open({done!r}, 'w').close(), 8)[1]",)]
     with pytest.raises(ZeroDivisionError):
         run_in_workers(eval, calls, 3, results.__setitem__)
     assert results == {0: 7, 2: 8}
