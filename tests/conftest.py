@@ -7,6 +7,19 @@ import pathlib
 import pytest
 
 
+def crash_at_step(step: int):
+    """A Lightning callback that raises at the end of optimiser step ``step``: the run dies as under SIGKILL, with no
+    checkpoint but the one its last validation wrote (``experiments.run.extra_run_callbacks`` takes it)."""
+    import lightning as L
+
+    class CrashAtStep(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == step:
+                raise RuntimeError("killed")
+
+    return CrashAtStep()
+
+
 class DiskFillsAfter:
     """A binary handle on a disk that fills after ``room`` bytes: then every write raises ENOSPC, as write(2) does."""
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import pathlib
 
-import lightning as L
 import pytest
 import torch
 import yaml
@@ -17,7 +16,7 @@ from experiments.repro import main as repro
 from experiments.repro.head_to_head import bench_options
 from experiments.repro.isoflop import isoflop_configs, model_cost
 from experiments.repro.mom import pareto_front, removed_modules, transition_shares
-from tests.conftest import TINY_RUN, assert_rows_name_their_origin
+from tests.conftest import TINY_RUN, assert_rows_name_their_origin, crash_at_step
 
 STEPS = ["--steps", "3"]
 
@@ -142,18 +141,6 @@ def test_mom_kh_sweep_end_to_end_and_reuse(tmp_path):
     assert [r["run_dir"] for r in again["runs"]] == [r["run_dir"] for r in first["runs"]]  # reused, not retrained
 
 
-class CrashAtStep(L.Callback):
-    """Raises at the end of step ``step``: the run dies as under SIGKILL, with no checkpoint but the one its
-    last validation wrote."""
-
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == self.step:
-            raise RuntimeError("killed")
-
-
 def test_a_programme_killed_mid_run_resumes_that_run_from_its_last_validation(tmp_path, monkeypatch):
     """The programme dies at step 6 (of 8, validation every 4): the rerun of the same command resumes the run in
     its folder from step 4's last.ckpt, through the worker processes too, and ends where the run that was
@@ -165,7 +152,7 @@ def test_a_programme_killed_mid_run_resumes_that_run_from_its_last_validation(tm
         monkeypatch.delenv(key, raising=False)
     options = ["--val_every", "4", *TINY_RUN]  # the pass-through options' --val_every wins over the programme's
     straight = Context(tmp_path / "straight", steps=8, run_options=options).run([])
-    monkeypatch.setattr(run, "extra_run_callbacks", lambda cfg: [CrashAtStep(6)])
+    monkeypatch.setattr(run, "extra_run_callbacks", lambda cfg: [crash_at_step(6)])
     killed = Context(tmp_path / "killed", steps=8, run_options=options)
     with pytest.raises(RuntimeError, match="killed"):
         killed.run([])

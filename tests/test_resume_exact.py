@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import json
 
-import lightning as L
 import pytest
 import torch
 
 from architectures import build_model
 from architectures.registry import VARIANTS, variant_names
-from tests.conftest import TINY_RUN, tiny_layers
+from tests.conftest import TINY_RUN, crash_at_step, tiny_layers
 
 # settings under which a variant that draws nothing by default does draw
 RANDOM_SETTINGS = {"vanilla": ["--model.dropout", "0.1"], "mot": ["--model.mot.random_activation", "0.5"]}
-OPTIONS = {"dropout": {"dropout": 0.1}, "mot.random_activation": {"mot": {"random_activation": 0.5}}}
 
 
 def draws_random_numbers(name: str, **options) -> bool:
@@ -28,8 +26,7 @@ def draws_random_numbers(name: str, **options) -> bool:
     model.train()
     before = torch.get_rng_state()
     out = model(idx)
-    (out.logits.float().mean() + sum(out.aux_loss.values()) if isinstance(out.aux_loss, dict) else
-     out.logits.float().mean()).backward()
+    (out.logits.float().mean() + out.aux_loss).backward()
     return not torch.equal(before, torch.get_rng_state())
 
 
@@ -49,15 +46,6 @@ def test_the_cases_hold_every_variant_that_draws_and_the_settings_that_make_othe
     assert not draws_random_numbers("vanilla")
 
 
-class CrashAtStep(L.Callback):
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == self.step:
-            raise RuntimeError("killed")
-
-
 @pytest.mark.parametrize("name,extra", CASES, ids=[n + ("+" + e[0].split(".")[-1] if e else "") for n, e in CASES])
 def test_a_run_resumed_after_a_crash_trains_what_the_uninterrupted_run_trained(name, extra, tmp_path, monkeypatch,
                                                                                one_thread):
@@ -67,7 +55,7 @@ def test_a_run_resumed_after_a_crash_trains_what_the_uninterrupted_run_trained(n
     argv = ["--variant", name, "--model.n_layer", str(tiny_layers(name, 2)), "--max_steps", "8", "--val_every", "4",
             *TINY_RUN, *extra]
     straight = json.loads((run.main([*argv, "--log_dir", str(tmp_path / "a")]) / "summary.json").read_text())
-    monkeypatch.setattr(run, "extra_run_callbacks", lambda cfg: [CrashAtStep(6)])
+    monkeypatch.setattr(run, "extra_run_callbacks", lambda cfg: [crash_at_step(6)])
     with pytest.raises(RuntimeError, match="killed"):
         run.main([*argv, "--log_dir", str(tmp_path / "b")])
     monkeypatch.setattr(run, "extra_run_callbacks", lambda cfg: [])

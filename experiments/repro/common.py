@@ -160,7 +160,6 @@ class Context:
 
         if not self.reuse:
             return None
-
         key = hashlib.sha256(json.dumps([command, *argv]).encode()).hexdigest()[:20]
         return self.out / "runs.started" / f"{key}.json"
 
@@ -410,17 +409,17 @@ def train_resumably(argv: Sequence[str], started: Optional[pathlib.Path]) -> pat
         return folder
     if (_get_rank() or 0) != 0:  # a DDP rank: follow the record (Lightning's launcher starts this rank after
         # rank 0 has written it), never remove or write anything
-        checkpoint = newest_checkpoint(folder) if folder is not None else None
+        checkpoint = newest_checkpoint(folder)
         return run_cli.main([*argv, "--ckpt_path", str(checkpoint)] if checkpoint is not None else argv)
     with started_lock(started):
         return _train_or_resume(argv, started, started_folder(started, argv))
 
 
-def newest_checkpoint(folder: pathlib.Path) -> Optional[pathlib.Path]:
+def newest_checkpoint(folder: Optional[pathlib.Path]) -> Optional[pathlib.Path]:
     """The run folder's newest ``checkpoints/*.ckpt``: ``last.ckpt``, or a ``best-*`` that a kill left newer (it is
-    saved just before ``last.ckpt``); None when there is none. (Lightning's SLURM ``hpc_ckpt_*`` are the requeued
-    job's own to resume.)"""
-    found = list(folder.glob("checkpoints/*.ckpt"))
+    saved just before ``last.ckpt``); None when there is none, or no folder. (Lightning's SLURM ``hpc_ckpt_*`` are
+    the requeued job's own to resume.)"""
+    found = list(folder.glob("checkpoints/*.ckpt")) if folder is not None else []
     return max(found, key=lambda p: (p.stat().st_mtime, p.name == "last.ckpt")) if found else None
 
 
@@ -455,7 +454,7 @@ def _train_or_resume(argv: List[str], started: pathlib.Path, folder: Optional[pa
 
     if folder is not None and (folder / "summary.json").is_file():  # again, under the lock
         return folder
-    checkpoint = newest_checkpoint(folder) if folder is not None else None
+    checkpoint = newest_checkpoint(folder)
     if checkpoint is not None:
         print(f"[repro] resuming {folder} from {checkpoint.name} (the programme was stopped during this run)",
               file=sys.stderr, flush=True)
