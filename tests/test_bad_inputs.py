@@ -463,3 +463,43 @@ def _children_cpu_seconds() -> float:
 
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
+
+
+# ---------------------------------------------------------------------------- a second programme on one command
+def _files(root: pathlib.Path):
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
+
+
+def test_a_second_programme_on_a_run_that_is_training_is_one_line_exit_2_and_touches_nothing(tmp_path, capsys,
+                                                                                               monkeypatch):
+    """The ``runs.started`` lock end to end: a first ``repro`` programme is frozen (SIGSTOP) while it trains its
+    first run, holding that run's lock; the same command from a second programme ends with one line, status 2,
+    and changes no file of the first one (its record, its run folder, the index)."""
+    import glob
+    import signal
+
+    out = tmp_path / "repro_out"
+    argv = ["probe", "--out", str(out), "--quick", "--jobs", "1", "--seeds", "1", "--variants", "vanilla"]
+    env = dict(os.environ, DYNCOMP_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    first = subprocess.Popen([sys.executable, "-m", "experiments.repro", *argv], cwd=REPO, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 180
+        while not glob.glob(str(out / "runs.started" / "*.json")):  # written once the run holds its lock
+            assert first.poll() is None, f"the first programme ended early: {first.stderr.read()[-2000:]}"
+            assert time.time() < deadline, "the first programme never started its first run"
+            time.sleep(0.2)
+        os.kill(first.pid, signal.SIGSTOP)
+        before = _files(out)
+        monkeypatch.setenv("DYNCOMP_CACHE", str(tmp_path / "cache"))
+        start = time.time()
+        with pytest.raises(SystemExit) as exit_info:
+            run.cli(repro.main, argv)
+        assert time.time() - start < SECONDS
+        assert exit_info.value.code == 2
+        _assert_one_line(capsys.readouterr().err, r"another programme is training this run now \(.*runs\.started/"
+                                                  r"\w+\.lock is locked\); wait for it to end, or stop it")
+        assert _files(out) == before
+    finally:
+        first.kill()
+        first.wait(timeout=60)
