@@ -16,7 +16,8 @@ block holds whole episodes; otherwise the evaluation drops labels whose episode 
 (``label_usable``).
 
 The difficulty level of a token is the number of sequential operations on earlier tokens the
-generator applied to produce it (0..MAX_DEPTH; 0..BOUNCE_WIDE_LEVELS in v6; 0..1 in v7). Seven versions exist; ``v1`` stays reproducible under its
+generator applied to produce it (0..MAX_DEPTH; 0..BOUNCE_WIDE_LEVELS in v6; 0..1 in v7 and v8: what a level counts
+per family is ``LEVEL_MEANINGS``). Eight versions exist; ``v1`` stays reproducible under its
 names (``probe``, ``probe/<family>``), ``v2`` has its own (``probe-v2``, ``probe-v2/<family>``) and
 changes only the arithmetic family:
 
@@ -408,6 +409,20 @@ def level_count(task: str) -> int:
     """How many levels (0..N-1) a probe dataset's labels use: the default of ``--callbacks.probe_levels``. v1-v5
     share the layout 0..MAX_DEPTH (recall's and hops' top levels stay empty or sparse in it)."""
     return {"v6": BOUNCE_WIDE_LEVELS + 1, "v7": COPY_LEVELS, "v8": COPY_LEVELS}.get(version(task), MAX_DEPTH + 1)
+
+
+LEVEL_MEANINGS = {"arith": "additions: level d sums d + 1 operands", "recall": "hops through the table, 0 = counting run", "text": "0 = counting run, 1 = copy",
+                  "hops": "dependent lookups", "cups": "swaps applied in order", "bounce": "steps applied in order",
+                  "shift": "0 = copy at a fixed position, 1 = copy at a moving one",
+                  "induct": "0 = copy at a fixed position, 1 = induction copy"}
+
+
+def level_meaning(task: Optional[str]) -> str:
+    """What a level of the task counts, for figure axes: ``probe-v8/induct`` -> its family's meaning; a mixed
+    probe (``probe``, ``probe-v2``: one meaning per family) or any other corpus (a label file's levels are the
+    researcher's) -> the plain word."""
+    family = (task or "").partition("/")[2]
+    return f"difficulty level ({LEVEL_MEANINGS[family]})" if family in LEVEL_MEANINGS else "difficulty level"
 
 
 @functools.lru_cache(maxsize=1)

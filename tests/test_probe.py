@@ -729,6 +729,28 @@ def test_the_chance_line_is_drawn_for_digit_answers_only(tmp_path):
     assert answer_chance(Context(out=tmp_path, run_options=["--data.name", "probe-v8/induct"])) is None  # --data's name
 
 
+
+def test_the_figures_level_axis_says_what_the_runs_task_counts(tmp_path):
+    """Every probe family names what its levels count (a new family cannot be added without it); a mixed probe or
+    another corpus (a label file's levels) gets the plain word; the figures' axis follows the runs' own task."""
+    import matplotlib.pyplot as plt
+
+    from datamodules.probe import FAMILIES, LEVEL_MEANINGS, level_meaning
+    from experiments.repro.common import Context
+    from experiments.repro.probe import plot_accuracy
+
+    assert set(LEVEL_MEANINGS) == set(FAMILIES)
+    assert level_meaning("probe-v8/induct") == "difficulty level (0 = copy at a fixed position, 1 = induction copy)"
+    assert level_meaning("probe-v3/hops") == "difficulty level (dependent lookups)"
+    assert level_meaning("probe-v2") == level_meaning("text") == level_meaning(None) == "difficulty level"
+    ctx = Context(out=tmp_path, run_options=["--data", "probe-v8/induct"])
+    levels = {"0": {"acc": (1.0, 0.0)}, "1": {"acc": (0.5, 0.1)}}
+    figures = []
+    ctx.save_figure = lambda fig, name: figures.append(fig)
+    plot_accuracy(ctx, {"vanilla": {"levels": levels}})
+    assert figures[0].axes[0].get_xlabel() == level_meaning("probe-v8/induct")
+    plt.close(figures[0])
+
 def test_entries_name_variants_with_their_own_model_options_and_dense_shapes():
     from architectures.config import ConfigError, ModelConfig
     from experiments.repro.probe import default_dense_shapes, parse_entry, programme_entries

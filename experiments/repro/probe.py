@@ -50,6 +50,7 @@ from architectures.registry import tagged
 from analysis import stats
 from analysis.tables import ci_cell as _ci, test_cell as _test_cell
 from callbacks import CallbacksConfig
+from datamodules.probe import level_meaning
 from experiments.repro.common import (Context, Entry, budget_spent, budget_step_cap, dense_entries, dense_grid,
                                      dense_grid_line, entry_cost, figure, fmt, markdown_table, narrower_width,
                                      option_path, origin_lines, parse_entry, parse_shape,
@@ -583,17 +584,22 @@ def level_span(first: int, last: int) -> str:
     return f"level {first}" if first == last else f"levels {first}-{last}"
 
 
-def answer_chance(ctx: Context) -> Optional[float]:
-    """The answers' chance accuracy of the runs' task (the last ``--data.name`` of their options, ``--data`` being
-    its alias; the programme's default task without one), where ``CHANCE`` knows it: None for the others (v7/v8
-    letters, for instance)."""
+def run_task(ctx: Context) -> Optional[str]:
+    """The runs' task: the last ``--data.name`` of their options (``--data`` being its alias), the programme's
+    default task without one."""
     from experiments.run import expand_aliases
 
     options = expand_aliases([*DEFAULTS, *ctx.run_options])
     name = "--data.name"
     tasks = [o.partition("=")[2] if o.startswith(f"{name}=") else options[i + 1] for i, o in enumerate(options)
              if (o == name and i + 1 < len(options)) or o.startswith(f"{name}=")]
-    return CHANCE.get(tasks[-1])
+    return tasks[-1] if tasks else None
+
+
+def answer_chance(ctx: Context) -> Optional[float]:
+    """The answers' chance accuracy of the runs' task where ``CHANCE`` knows it: None for the others (v7/v8
+    letters, for instance)."""
+    return CHANCE.get(run_task(ctx))
 
 
 def report_sections(ctx: Context, budget: float, tokens: int, per_variant, tests, goals) -> List[str]:
@@ -694,7 +700,7 @@ def plot_accuracy(ctx: Context, per_variant) -> None:
         ax.errorbar(x, mean, yerr=std, capsize=3, label=v, **style)
     if (chance := answer_chance(ctx)) is not None:
         ax.axhline(chance, color="grey", linewidth=0.8, linestyle=":", label="chance (digit answers)")
-    ax.set_xlabel("difficulty level (sequential operations)")
+    ax.set_xlabel(level_meaning(run_task(ctx)))
     ax.set_ylabel("next-token accuracy (mean ± std over seeds)")
     ax.set_xticks([int(k) for k in table_levels(per_variant)])
     ax.set_ylim(0, 1.02)
@@ -716,7 +722,7 @@ def plot_compute(ctx: Context, per_variant) -> None:
     axes[0, 1].set_ylabel("forward MFLOPs per token")
     axes[0, 1].set_title("Absolute compute vs difficulty")
     for ax in axes[0]:
-        ax.set_xlabel("difficulty level (sequential operations)")
+        ax.set_xlabel(level_meaning(run_task(ctx)))
         ax.set_xticks([int(k) for k in table_levels(per_variant)])
         ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
