@@ -6,21 +6,24 @@ What Lightning (2.6) already does, read in ``lightning/pytorch/trainer/connector
   the current batch (or validation batch), raise ``SIGTERMException`` (a ``SystemExit``), call the
   callbacks' ``on_exception`` and exit. No checkpoint is written. Under DDP rank 0's flag is broadcast
   to every rank at the start of each step.
-* On SLURM (``SLURMEnvironment`` is detected and built with ``auto_requeue=True``, the Trainer's
-  default): the requeue signal (SIGUSR1; ``#SBATCH --signal=SIGUSR1@90`` has SLURM send it 90 s
-  before the time limit) saves ``hpc_ckpt_<n>.ckpt`` in ``trainer.default_root_dir`` (the run
-  folder, as ``experiments.run`` sets it) and calls ``scontrol requeue $SLURM_JOB_ID``. A restarted
-  ``fit`` without ``ckpt_path`` on SLURM resumes from the newest ``hpc_ckpt_*.ckpt`` there.
+* On SLURM with ``SLURMEnvironment(auto_requeue=True)`` (the Trainer's default): the requeue signal (SIGUSR1)
+  saves ``hpc_ckpt_<n>.ckpt`` *inside the signal handler*, wherever the step is, and calls ``scontrol requeue``.
+  That save makes collectives (Lightning's barrier, the RNG states' all-gather of ``rng_state.py``) on each
+  rank at whatever point the signal found it: one rank in its handler's barrier while another is in the
+  step's gradient all-reduce is a mismatch that can hang the job until its time limit, and the checkpoint is
+  of a half-done step. ``experiments.run`` therefore builds the environment with ``auto_requeue=False``
+  (``slurm_requeue_job``), and this callback does the requeue instead, below.
 * Outside SLURM nothing handles SIGUSR1: its default action kills the process without a checkpoint.
 
 ``PreemptionCheckpoint`` adds what is missing: on SIGTERM (anywhere), and on SIGUSR1 where Lightning
-has not taken that signal, the run stops at the end of the current step and writes
+has not taken that signal, the run stops at the end of the current step (under DDP: the first logging step,
+every ``--trainer.log_every_n_steps``, after any rank got it, the same step on every rank) and writes
 ``<run folder>/checkpoints/last.ckpt`` (the file ``ModelCheckpoint(save_last=True)`` keeps), so
 ``python -m experiments.run ... --ckpt_path last`` (or the SLURM template's requeued job) continues
 from the interrupted step with the same data order. A validation under way when the stop comes is finished
-first (the resumed run would not redo it). On SLURM the requeue terminates the job with
-SIGTERM after SIGUSR1, so both ``hpc_ckpt_<n>.ckpt`` and a newer ``last.ckpt`` exist;
-``experiments/slurm/train.sbatch`` resumes from the newer.
+first (the resumed run would not redo it). With ``requeue_job`` (a SLURM job, from ``slurm_requeue_job``) a
+SIGUSR1 stop then has rank 0 run ``scontrol requeue <job>`` after the checkpoint is written: SLURM's
+``--signal=SIGUSR1@90`` warning before the time limit gives a consistent checkpoint and a requeued job.
 The process then exits through Lightning's ``SIGTERMException`` with status ``128 + signal``
 (``PREEMPTED_STATUS``: 143 after SIGTERM, 138 after SIGUSR1, the shell's convention for "ended by that
 signal"), never 0, so ``train && evaluate`` stops after a preempted run; SLURM's requeue does not look
@@ -29,15 +32,18 @@ after the same step and ``last.ckpt`` is written once (by rank 0, after all rank
 """
 from __future__ import annotations
 
+import os
 import pathlib
+import shutil
 import signal
+import subprocess
 import threading
 from typing import Optional
 
 import lightning as L
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 
 def preempted_status(signum: int) -> int:
@@ -70,10 +76,39 @@ def align_log_step_after_resume(trainer) -> None:
         loop._batches_that_stepped = trainer.global_step
 
 
+def slurm_requeue_job() -> Optional[str]:
+    """The SLURM job that a SIGUSR1 stop requeues (``<array job>_<task>`` for an array task, as Lightning names
+    it); None outside a SLURM-launched job (Lightning's ``SLURMEnvironment.detect``: an interactive job named
+    ``bash`` / ``interactive`` is not one)."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    if not SLURMEnvironment.detect():
+        return None
+    array = os.environ.get("SLURM_ARRAY_JOB_ID")
+    return f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array is not None else os.environ["SLURM_JOB_ID"]
+
+
+def requeue(job: str) -> bool:
+    """``scontrol requeue JOB``; a failure is a warning (the checkpoint is written; the user can resubmit)."""
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        rank_zero_warn(f"preemption: scontrol is not on PATH; job {job} was not requeued (resubmit it to resume)")
+        return False
+    result = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True)
+    if result.returncode != 0:
+        rank_zero_warn(f"preemption: scontrol requeue {job} failed ({result.stderr.strip() or result.returncode}); "
+                       "resubmit the job to resume")
+        return False
+    rank_zero_info(f"preemption: requeued SLURM job {job}")
+    return True
+
+
 class PreemptionCheckpoint(L.Callback):
-    def __init__(self, dirpath, filename: str = "last.ckpt", signum: int = signal.SIGUSR1):
+    def __init__(self, dirpath, filename: str = "last.ckpt", signum: int = signal.SIGUSR1,
+                 requeue_job: Optional[str] = None):
         self.path = pathlib.Path(dirpath) / filename
         self.signum = signum
+        self.requeue_job = requeue_job  # requeued after a SIGUSR1 stop's checkpoint (SLURM's time-limit warning)
         self.requested: Optional[int] = None
         self._previous = None
         self._held = False  # a stop waiting for the validation under way to end
@@ -131,6 +166,8 @@ class PreemptionCheckpoint(L.Callback):
         exception.code = preempted_status(signum)  # a non-zero exit: the run did not finish
         rank_zero_info(f"preemption: saved {self.path} at step {trainer.global_step}; resume with --ckpt_path last "
                        f"(exit status {exception.code})")
+        if self.requeue_job is not None and signum == signal.SIGUSR1 and trainer.is_global_zero:
+            requeue(self.requeue_job)  # after the checkpoint: the requeue's SIGTERM may come at once
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._restore()

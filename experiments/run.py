@@ -733,10 +733,11 @@ def make_trainer(cfg: Namespace, root: pathlib.Path, version: str, extra_callbac
         every_n_epochs=1,
         save_on_train_epoch_end=False,
     )
-    from callbacks.preemption import PreemptionCheckpoint  # SIGTERM/SIGUSR1 -> checkpoints/last.ckpt
+    from callbacks.preemption import PreemptionCheckpoint, slurm_requeue_job  # SIGTERM/SIGUSR1 -> last.ckpt
 
-    callbacks = [checkpoints, PreemptionCheckpoint(checkpoints.dirpath), LearningRateMonitor(logging_interval="step"),
-                 *extra_callbacks]
+    slurm_job = slurm_requeue_job()
+    callbacks = [checkpoints, PreemptionCheckpoint(checkpoints.dirpath, requeue_job=slurm_job),
+                 LearningRateMonitor(logging_interval="step"), *extra_callbacks]
     callbacks.extend(extra_run_callbacks(cfg))
     kwargs = _as_dict(cfg.trainer)
     if kwargs.get("enable_progress_bar") is not False:  # None: Lightning's default, a bar
@@ -757,11 +758,20 @@ def make_trainer(cfg: Namespace, root: pathlib.Path, version: str, extra_callbac
         check_val_every_n_epoch=None,
         limit_val_batches=None,  # the datamodule takes val_blocks (global) and splits them across the ranks
         # checkpoints: temp file in the checkpoint folder, fsync, rename (never a truncated file under the final name)
-        plugins=[atomic_checkpoint_io()],
+        plugins=[atomic_checkpoint_io(), *slurm_environment(slurm_job)],
     )
     trainer = L.Trainer(**kwargs)
     recorder = next(c for c in callbacks if c.__class__.__name__ == "StepRecorder")
     return trainer, recorder
+
+
+def slurm_environment(slurm_job) -> list:
+    """Under SLURM, Lightning's environment (ranks from the tasks) without its auto-requeue, whose SIGUSR1 handler
+    saves a checkpoint mid-step with collectives that can hang DDP; ``PreemptionCheckpoint`` stops every rank
+    after the same step, saves ``last.ckpt`` and requeues instead (callbacks/preemption.py)."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    return [SLURMEnvironment(auto_requeue=False)] if slurm_job is not None else []
 
 
 def progress_bar():

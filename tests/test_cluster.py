@@ -144,11 +144,12 @@ def test_lightning_selects_slurm_environment_with_the_tasks_ranks(tmp_path, monk
     assert version == "slurm-4242"  # every task, and the requeued job, use the same run folder
     trainer, _ = make_trainer(cfg, root, version, extra_callbacks=[StepRecorder()])
     environment = trainer.strategy.cluster_environment
-    assert isinstance(environment, SLURMEnvironment) and environment.auto_requeue
+    # ranks from SLURM; the requeue is PreemptionCheckpoint's (after a consistent checkpoint), not Lightning's
+    assert isinstance(environment, SLURMEnvironment) and not environment.auto_requeue
     assert (trainer.global_rank, trainer.local_rank, trainer.node_rank, trainer.world_size) == (6, 2, 1, 8)
     assert trainer.num_nodes == 2 and trainer.num_devices == 4
     assert pathlib.Path(trainer.default_root_dir) == root / version  # hpc_ckpt_N lands in the run folder
-    assert any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks)
+    assert [c.requeue_job for c in trainer.callbacks if isinstance(c, PreemptionCheckpoint)] == ["4242"]
 
 
 # ---------------------------------------------------------------------------- preemption
@@ -243,6 +244,48 @@ def test_sigusr1_outside_slurm_saves_last_checkpoint_and_resume_reaches_max_step
     assert summary["steps"] == 8 and summary["train_started_at_steps"] == [0, stopped_at]
     assert summary["run_dir"] == str(last.parent.parent)  # resumed in the same run folder
 
+
+
+SLURM_ONE_TASK = {"SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+                  "SLURM_NODEID": "0", "SLURM_JOB_ID": "4242", "SLURM_NODELIST": "node01", "SLURM_JOB_NAME": "dyncomp"}
+
+
+def test_sigusr1_under_slurm_stops_after_the_step_saves_last_ckpt_then_requeues(tmp_path, monkeypatch):
+    """SLURM's time-limit warning (SIGUSR1) under SLURM: not Lightning's handler (a checkpoint saved inside the
+    signal handler, mid-step, with collectives that can hang DDP, and training going on until SLURM's SIGTERM)
+    but ours: the run stops after the step, writes last.ckpt, and only then requeues the job; no hpc_ckpt."""
+    import experiments.run as run
+
+    for key in SLURM_ENV:
+        monkeypatch.delenv(key, raising=False)
+    for key, value in SLURM_ONE_TASK.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("PATH", f"{fake_command(tmp_path, 'scontrol')}:{os.environ['PATH']}")
+    monkeypatch.setattr(run, "extra_run_callbacks", lambda cfg: [SignalAtStep(3, signal.SIGUSR1)])
+    argv = ["--max_steps", "8", "--val_every", "100", "--log_dir", str(tmp_path / "runs"), *TINY_RUN]
+    before = signal.getsignal(signal.SIGUSR1)
+    with pytest.raises(SystemExit) as stopped:
+        run.main(argv)
+    assert stopped.value.code == 128 + signal.SIGUSR1
+    assert signal.getsignal(signal.SIGUSR1) == before
+    run_dir = tmp_path / "runs" / "vanilla-tiny" / "version_0"
+    assert _ckpt_step(run_dir / "checkpoints" / "last.ckpt") in (3, 4)  # a whole step's checkpoint
+    assert not list(run_dir.rglob("hpc_ckpt_*"))
+    assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "4242"]
+
+
+@pytest.mark.parametrize("env,job", [({}, None), (SLURM_ONE_TASK, "4242"),
+                                     ({**SLURM_ONE_TASK, "SLURM_ARRAY_JOB_ID": "77", "SLURM_ARRAY_TASK_ID": "3"}, "77_3"),
+                                     ({**SLURM_ONE_TASK, "SLURM_JOB_NAME": "interactive"}, None)],
+                         ids=["no-slurm", "job", "array-task", "interactive"])
+def test_the_job_a_sigusr1_stop_requeues(env, job, monkeypatch):
+    from callbacks.preemption import slurm_requeue_job
+
+    for key in [*SLURM_ENV, "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"]:
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert slurm_requeue_job() == job
 
 TB_ARGV = ["--max_steps", "8", "--val_every", "4", "--trainer.log_every_n_steps", "1", *TINY_RUN]
 
@@ -365,6 +408,56 @@ def test_preemption_under_two_process_ddp_leaves_one_last_ckpt_and_resumes_bit_e
     assert [s for s, _ in history] == list(range(2, 31, 2))
     assert history == straight_summary["val_history"] and history_from_events(checkpoints.parent) == history
 
+
+
+@pytest.mark.slow
+def test_sigusr1_to_every_srun_task_stops_both_ranks_after_one_step_and_requeues_once(tmp_path):
+    """Two tasks as srun starts them (SLURM_PROCID 0/1, gloo DDP, no launcher), and SIGUSR1 to both at once, as
+    ``--signal=SIGUSR1@90`` sends it. Lightning's auto-requeue saved a checkpoint inside each task's handler,
+    wherever its step was (a barrier against the other rank's gradient all-reduce can hang); now both ranks stop
+    after the same whole step, exit 138, leave one last.ckpt and no hpc_ckpt, rank 0 requeues the job once, and
+    the requeued job's tasks resume it to the end."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    job = "31337"
+    argv = [sys.executable, "-m", "experiments.run", "--max_steps", "40", "--val_every", "2", *TINY_RUN,
+            "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp",
+            "--log_dir", str(tmp_path / "runs")]
+    env = clean_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MASTER_PORT=port, SLURM_JOB_ID=job,
+                    SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_NODEID="0", SLURM_NODELIST="localhost",
+                    SLURM_JOB_NAME="dyncomp", PATH=f"{fake_command(tmp_path, 'scontrol')}:{os.environ['PATH']}")
+    env.pop("DYNCOMP_RUN_VERSION", None)
+
+    def srun(*extra):
+        return [subprocess.Popen([*argv, *extra], cwd=REPO, env=dict(env, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)),
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+
+    run_dir = tmp_path / "runs" / "vanilla-tiny" / f"slurm-{job}"
+    tasks = srun()
+    try:
+        deadline = time.time() + 300
+        while not (run_dir / "checkpoints" / "last.ckpt").is_file():  # the first periodic checkpoint
+            assert all(t.poll() is None for t in tasks) and time.time() < deadline, tasks[0].communicate()
+            time.sleep(0.1)
+        for t in tasks:
+            t.send_signal(signal.SIGUSR1)
+        outputs = [t.communicate(timeout=180) for t in tasks]
+    finally:
+        for t in tasks:
+            t.kill()
+    assert [t.returncode for t in tasks] == [128 + signal.SIGUSR1] * 2, outputs[0][1][-3000:]
+    step = _ckpt_step(run_dir / "checkpoints" / "last.ckpt")
+    assert 2 <= step < 40
+    assert not list(run_dir.rglob("hpc_ckpt_*"))
+    assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", job]  # rank 0 only, once
+    requeued = srun("--version", f"slurm-{job}", "--ckpt_path", "last")
+    outputs = [t.communicate(timeout=300) for t in requeued]
+    assert [t.returncode for t in requeued] == [0, 0], outputs[0][1][-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 40 and summary["train_started_at_steps"] == [0, step] and summary["world_size"] == 2
 
 # ---------------------------------------------------------------------------- sweep
 def _no_jobs(monkeypatch):
