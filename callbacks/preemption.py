@@ -38,7 +38,7 @@ import shutil
 import signal
 import subprocess
 import threading
-from typing import Optional
+from typing import Dict, Optional
 
 import lightning as L
 import torch
@@ -110,7 +110,7 @@ class PreemptionCheckpoint(L.Callback):
         self.signum = signum
         self.requeue_job = requeue_job  # requeued after a SIGUSR1 stop's checkpoint (SLURM's time-limit warning)
         self.requested: Optional[int] = None
-        self._previous = None
+        self._previous: Dict[int, object] = {}  # the handlers this callback replaced, put back at the end
         self._held = False  # a stop waiting for the validation under way to end
 
     def on_train_start(self, trainer, pl_module) -> None:
@@ -118,10 +118,24 @@ class PreemptionCheckpoint(L.Callback):
         if threading.current_thread() is not threading.main_thread():
             return
         if signal.getsignal(self.signum) in (signal.SIG_DFL, None):
-            self._previous = signal.signal(self.signum, self._request)
+            self._previous[self.signum] = signal.signal(self.signum, self._request)
+        if trainer.world_size > 1:
+            # Lightning's SIGTERM handler broadcasts rank 0's flag *inside the handler*, wherever the step is: with
+            # SIGTERM on every rank (SLURM, torchrun) a rank's broadcast met another's gradient all-reduce and the
+            # job hung (tests/test_cluster.py, 2 of 7 tries). Here the handler only sets the flag; every rank
+            # agrees on it at a step's end (on_train_batch_end). What ran before Lightning's handler still runs.
+            original = getattr(getattr(trainer, "_signal_connector", None), "_original_handlers", {}).get(signal.SIGTERM)
+            self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._chained(original))
 
     def _request(self, signum, frame) -> None:
         self.requested = signum
+
+    def _chained(self, original):
+        def request_then_original(signum, frame):
+            self._request(signum, frame)
+            if callable(original):
+                original(signum, frame)
+        return request_then_original
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         from lightning_modules.steps import completes_step, is_logging_step
@@ -173,7 +187,9 @@ class PreemptionCheckpoint(L.Callback):
         self._restore()
 
     def _restore(self) -> None:
-        if self._previous is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(self.signum, self._previous)
-        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            for signum, handler in self._previous.items():
+                if handler is not None:  # None: installed outside Python, left as it was
+                    signal.signal(signum, handler)
+        self._previous = {}
         self.requested = None

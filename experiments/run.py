@@ -612,6 +612,8 @@ def train(cfg: Namespace, parser: ArgumentParser,
 
 def fit_and_summarise(cfg: Namespace, parser: ArgumentParser, module, data, mcfg: ModelConfig, root: pathlib.Path,
                       version: str, ckpt_path: Optional[str]) -> pathlib.Path:
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
     from callbacks.run_summary import StepRecorder, measured_summary, write_summary
     from lightning_modules.run_clock import run_age_s
     from analysis.provenance import summary_provenance
@@ -627,7 +629,11 @@ def fit_and_summarise(cfg: Namespace, parser: ArgumentParser, module, data, mcfg
             print(f"note: removed {tmp}, left by a checkpoint write that was killed", file=sys.stderr)
 
     try:
-        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+        try:
+            trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+        except SIGTERMException:  # preempted: every rank stopped after the same step and saved (callbacks/preemption)
+            close_process_group()
+            raise
         final = trainer.validate(module, datamodule=data, verbose=False)
         if trainer.global_step % cfg.val_every:
             # ModelCheckpoint saves every val_every steps; make last.ckpt hold the final step too, after its
@@ -658,7 +664,20 @@ def fit_and_summarise(cfg: Namespace, parser: ArgumentParser, module, data, mcfg
         }
         write_summary(run_dir / "summary.json", summary)
         print(run_dir)
+    close_process_group()
     return run_dir
+
+
+def close_process_group() -> None:
+    """End DDP together: every rank waits for the others, then the process group is destroyed. A rank that left
+    the interpreter with the group alive while another was still writing (rank 0's summary) died at exit now and
+    then ("terminate called without an active exception", SIGABRT with gloo), and srun's --kill-on-bad-exit
+    counted the finished job as failed. No-op without a process group."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def budget_summary(module) -> Dict[str, Any]:

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import lightning as L
 import pytest
@@ -190,12 +191,13 @@ def test_sigterm_saves_last_checkpoint_and_the_same_command_resumes_to_max_steps
 def test_preemption_callback_leaves_sigusr1_to_lightning_when_it_handles_it():
     lightning_handler = lambda signum, frame: None  # noqa: E731  (what SLURM auto-requeue installs)
     previous = signal.signal(signal.SIGUSR1, lightning_handler)
+    one_process = types.SimpleNamespace(world_size=1)
     try:
         callback = PreemptionCheckpoint("unused")
-        callback.on_train_start(None, None)
+        callback.on_train_start(one_process, None)
         assert signal.getsignal(signal.SIGUSR1) is lightning_handler
         signal.signal(signal.SIGUSR1, signal.SIG_DFL)  # outside SLURM nobody handles it: the callback does
-        callback.on_train_start(None, None)
+        callback.on_train_start(one_process, None)
         os.kill(os.getpid(), signal.SIGUSR1)
         assert callback.requested == signal.SIGUSR1
         callback.teardown(None, None, "fit")
@@ -203,6 +205,29 @@ def test_preemption_callback_leaves_sigusr1_to_lightning_when_it_handles_it():
     finally:
         signal.signal(signal.SIGUSR1, previous)
 
+
+
+def test_under_ddp_sigterm_only_raises_the_flag_and_still_calls_what_ran_before_lightning():
+    """Lightning's SIGTERM handler makes a collective inside the handler (a hang under DDP); with several ranks the
+    callback's handler takes its place for the run: it raises the flag, then calls the handler that was there
+    before Lightning's (a repro worker's, say), and Lightning's is back after the run. One process keeps Lightning's."""
+    calls = []
+    original = lambda signum, frame: calls.append("original")  # noqa: E731
+    lightning = lambda signum, frame: calls.append("lightning")  # noqa: E731
+    before = signal.signal(signal.SIGTERM, lightning)
+    try:
+        connector = types.SimpleNamespace(_original_handlers={signal.SIGTERM: original})
+        callback = PreemptionCheckpoint("unused")
+        callback.on_train_start(types.SimpleNamespace(world_size=1, _signal_connector=connector), None)
+        assert signal.getsignal(signal.SIGTERM) is lightning
+        callback.teardown(None, None, "fit")
+        callback.on_train_start(types.SimpleNamespace(world_size=2, _signal_connector=connector), None)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert callback.requested == signal.SIGTERM and calls == ["original"]
+        callback.teardown(None, None, "fit")
+        assert signal.getsignal(signal.SIGTERM) is lightning
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 class SignalAtStep(L.Callback):
     def __init__(self, step: int, signum: int):
@@ -411,12 +436,14 @@ def test_preemption_under_two_process_ddp_leaves_one_last_ckpt_and_resumes_bit_e
 
 
 @pytest.mark.slow
-def test_sigusr1_to_every_srun_task_stops_both_ranks_after_one_step_and_requeues_once(tmp_path):
-    """Two tasks as srun starts them (SLURM_PROCID 0/1, gloo DDP, no launcher), and SIGUSR1 to both at once, as
-    ``--signal=SIGUSR1@90`` sends it. Lightning's auto-requeue saved a checkpoint inside each task's handler,
-    wherever its step was (a barrier against the other rank's gradient all-reduce can hang); now both ranks stop
-    after the same whole step, exit 138, leave one last.ckpt and no hpc_ckpt, rank 0 requeues the job once, and
-    the requeued job's tasks resume it to the end."""
+@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM], ids=["sigusr1", "sigterm"])
+def test_a_signal_to_every_srun_task_stops_both_ranks_after_one_step(signum, tmp_path):
+    """Two tasks as srun starts them (SLURM_PROCID 0/1, gloo DDP, no launcher), and a signal to both at once, as
+    ``--signal=SIGUSR1@90`` (time limit) or a preemption / ``scancel`` (SIGTERM) sends it. Lightning's handlers made
+    collectives inside the handler, wherever each rank's step was: SIGUSR1's auto-requeue saved a checkpoint there,
+    SIGTERM's broadcast rank 0's flag there (this test hung in 2 of 7 tries). Now both ranks stop after the same
+    whole step, exit 128 + the signal, leave one last.ckpt and no hpc_ckpt, rank 0 requeues the job once (SIGUSR1
+    only), and the requeued job's tasks resume it to the end."""
     import socket
 
     with socket.socket() as sock:
@@ -443,19 +470,20 @@ def test_sigusr1_to_every_srun_task_stops_both_ranks_after_one_step_and_requeues
             assert all(t.poll() is None for t in tasks) and time.time() < deadline, tasks[0].communicate()
             time.sleep(0.1)
         for t in tasks:
-            t.send_signal(signal.SIGUSR1)
+            t.send_signal(signum)
         outputs = [t.communicate(timeout=180) for t in tasks]
     finally:
         for t in tasks:
             t.kill()
-    assert [t.returncode for t in tasks] == [128 + signal.SIGUSR1] * 2, outputs[0][1][-3000:]
+    assert [t.returncode for t in tasks] == [128 + signum] * 2, [err[-3000:] for _, err in outputs]
     step = _ckpt_step(run_dir / "checkpoints" / "last.ckpt")
     assert 2 <= step < 40
     assert not list(run_dir.rglob("hpc_ckpt_*"))
-    assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", job]  # rank 0 only, once
+    requeued = (tmp_path / "scontrol.args").read_text().split() if (tmp_path / "scontrol.args").exists() else []
+    assert requeued == (["requeue", job] if signum == signal.SIGUSR1 else [])  # rank 0 only, once
     requeued = srun("--version", f"slurm-{job}", "--ckpt_path", "last")
     outputs = [t.communicate(timeout=300) for t in requeued]
-    assert [t.returncode for t in requeued] == [0, 0], outputs[0][1][-3000:]
+    assert [t.returncode for t in requeued] == [0, 0], [err[-3000:] for _, err in outputs]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 40 and summary["train_started_at_steps"] == [0, step] and summary["world_size"] == 2
 
