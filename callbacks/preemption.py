@@ -2,28 +2,35 @@
 
 What Lightning (2.6) already does, read in ``lightning/pytorch/trainer/connectors/signal_connector.py``:
 
-* SIGTERM, in every environment: its handler only sets ``trainer.received_sigterm``; the loops finish
-  the current batch (or validation batch), raise ``SIGTERMException`` (a ``SystemExit``), call the
-  callbacks' ``on_exception`` and exit. No checkpoint is written. Under DDP rank 0's flag is broadcast
-  to every rank at the start of each step.
+* SIGTERM, in every environment: its handler sets ``trainer.received_sigterm``, forwards the signal to the
+  processes its own launcher started, and under DDP broadcasts rank 0's flag *inside the handler*; the loops
+  finish the current batch (or validation batch), raise ``SIGTERMException`` (a ``SystemExit``), call the
+  callbacks' ``on_exception`` and exit. No checkpoint is written. Under DDP rank 0's flag is also broadcast
+  to every rank at the start of each step (a host sync at every step).
 * On SLURM with ``SLURMEnvironment(auto_requeue=True)`` (the Trainer's default): the requeue signal (SIGUSR1)
   saves ``hpc_ckpt_<n>.ckpt`` *inside the signal handler*, wherever the step is, and calls ``scontrol requeue``.
-  That save makes collectives (Lightning's barrier, the RNG states' all-gather of ``rng_state.py``) on each
-  rank at whatever point the signal found it: one rank in its handler's barrier while another is in the
-  step's gradient all-reduce is a mismatch that can hang the job until its time limit, and the checkpoint is
-  of a half-done step. ``experiments.run`` therefore builds the environment with ``auto_requeue=False``
-  (``slurm_requeue_job``), and this callback does the requeue instead, below.
 * Outside SLURM nothing handles SIGUSR1: its default action kills the process without a checkpoint.
 
+A collective inside a signal handler runs at whatever point the signal found each rank: one rank in its
+handler's barrier or broadcast while another is in the step's gradient all-reduce is a mismatch that can hang
+the job (two srun-style tasks both sent SIGTERM hung in 2 of 7 tries: tests/test_cluster.py), and a checkpoint
+saved there is of a half-done step. So ``experiments.run`` builds the SLURM environment with
+``auto_requeue=False`` (``slurm_requeue_job``), and under DDP this callback's handler takes SIGTERM from
+Lightning's for the run (from the sanity check on; the final validation too): it only raises a flag and calls
+the handler that was there before Lightning's (Lightning's forwarding to its launcher's processes is not
+needed: the ranks agree on the flag below).
+
 ``PreemptionCheckpoint`` adds what is missing: on SIGTERM (anywhere), and on SIGUSR1 where Lightning
-has not taken that signal, the run stops at the end of the current step (under DDP: the first logging step,
-every ``--trainer.log_every_n_steps``, after any rank got it, the same step on every rank) and writes
+has not taken that signal, the run stops at the end of the current step (under DDP the ranks all-reduce their
+flags at every completed step, so every rank stops after the same one) and writes
 ``<run folder>/checkpoints/last.ckpt`` (the file ``ModelCheckpoint(save_last=True)`` keeps), so
 ``python -m experiments.run ... --ckpt_path last`` (or the SLURM template's requeued job) continues
 from the interrupted step with the same data order. A validation under way when the stop comes is finished
 first (the resumed run would not redo it). With ``requeue_job`` (a SLURM job, from ``slurm_requeue_job``) a
-SIGUSR1 stop then has rank 0 run ``scontrol requeue <job>`` after the checkpoint is written: SLURM's
-``--signal=SIGUSR1@90`` warning before the time limit gives a consistent checkpoint and a requeued job.
+stop after a SIGUSR1 (on any rank, even if a SIGTERM followed) then has rank 0 run ``scontrol requeue <job>``
+after the checkpoint is written: SLURM's ``--signal=SIGUSR1@90`` warning before the time limit gives a
+consistent checkpoint and a requeued job. A signal during the final validation (``trainer.validate``) is noted
+and the run finishes.
 The process then exits through Lightning's ``SIGTERMException`` with status ``128 + signal``
 (``PREEMPTED_STATUS``: 143 after SIGTERM, 138 after SIGUSR1, the shell's convention for "ended by that
 signal"), never 0, so ``train && evaluate`` stops after a preempted run; SLURM's requeue does not look
@@ -38,7 +45,7 @@ import shutil
 import signal
 import subprocess
 import threading
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import lightning as L
 import torch
@@ -78,11 +85,12 @@ def align_log_step_after_resume(trainer) -> None:
 
 def slurm_requeue_job() -> Optional[str]:
     """The SLURM job that a SIGUSR1 stop requeues (``<array job>_<task>`` for an array task, as Lightning names
-    it); None outside a SLURM-launched job (Lightning's ``SLURMEnvironment.detect``: an interactive job named
-    ``bash`` / ``interactive`` is not one)."""
-    from lightning.fabric.plugins.environments import SLURMEnvironment
+    it); None outside a job whose tasks are the ranks (Lightning's ``SLURMEnvironment.detect``: an interactive job
+    named ``bash`` / ``interactive`` is not one), and under torchrun inside a SLURM job (``torchrun.sh``: torchrun's
+    workers are the ranks, and Lightning picks ``TorchElasticEnvironment`` before SLURM's)."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 
-    if not SLURMEnvironment.detect():
+    if not SLURMEnvironment.detect() or TorchElasticEnvironment.detect():
         return None
     array = os.environ.get("SLURM_ARRAY_JOB_ID")
     return f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array is not None else os.environ["SLURM_JOB_ID"]
@@ -94,7 +102,11 @@ def requeue(job: str) -> bool:
     if scontrol is None:
         rank_zero_warn(f"preemption: scontrol is not on PATH; job {job} was not requeued (resubmit it to resume)")
         return False
-    result = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True)
+    try:
+        result = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        rank_zero_warn(f"preemption: scontrol requeue {job} failed ({err}); resubmit the job to resume")
+        return False
     if result.returncode != 0:
         rank_zero_warn(f"preemption: scontrol requeue {job} failed ({result.stderr.strip() or result.returncode}); "
                        "resubmit the job to resume")
@@ -109,26 +121,48 @@ class PreemptionCheckpoint(L.Callback):
         self.path = pathlib.Path(dirpath) / filename
         self.signum = signum
         self.requeue_job = requeue_job  # requeued after a SIGUSR1 stop's checkpoint (SLURM's time-limit warning)
-        self.requested: Optional[int] = None
-        self._previous: Dict[int, object] = {}  # the handlers this callback replaced, put back at the end
+        self.requested: Optional[int] = None  # the stopping signal: SIGTERM wins over SIGUSR1 for the exit status
+        self.usr1 = False  # SIGUSR1 came (sticky: a SIGTERM after it still requeues the job)
+        self._installed: Dict[int, Tuple[object, object]] = {}  # signal -> (our handler, the one it replaced)
         self._held = False  # a stop waiting for the validation under way to end
 
+    def on_sanity_check_start(self, trainer, pl_module) -> None:
+        self._install(trainer)
+
     def on_train_start(self, trainer, pl_module) -> None:
-        # Lightning registers its handlers just before training starts: take SIGUSR1 only if it left it free.
+        self._install(trainer)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if trainer.state.fn == "validate":  # the run's final validation: a signal then is noted, the run finishes
+            self._install(trainer)
+
+    def _install(self, trainer) -> None:
+        """Take the signals for this stage (Lightning registers its own when a stage starts; idempotent): SIGUSR1
+        where Lightning left it free, and under DDP SIGTERM too. Lightning's SIGTERM handler broadcasts rank 0's flag
+        *inside the handler*, wherever the step is: with SIGTERM on every rank (SLURM, torchrun) one rank's broadcast
+        met another's gradient all-reduce and the job hung (tests/test_cluster.py, 2 of 7 tries). Ours only raises
+        the flag (and calls what ran before Lightning's handler); the ranks agree on it at a step's end."""
         if threading.current_thread() is not threading.main_thread():
             return
         if signal.getsignal(self.signum) in (signal.SIG_DFL, None):
-            self._previous[self.signum] = signal.signal(self.signum, self._request)
-        if trainer.world_size > 1:
-            # Lightning's SIGTERM handler broadcasts rank 0's flag *inside the handler*, wherever the step is: with
-            # SIGTERM on every rank (SLURM, torchrun) a rank's broadcast met another's gradient all-reduce and the
-            # job hung (tests/test_cluster.py, 2 of 7 tries). Here the handler only sets the flag; every rank
-            # agrees on it at a step's end (on_train_batch_end). What ran before Lightning's handler still runs.
-            original = getattr(getattr(trainer, "_signal_connector", None), "_original_handlers", {}).get(signal.SIGTERM)
-            self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._chained(original))
+            self._take(self.signum, self._request)
+        if trainer.world_size > 1 and not self._is_ours(signal.SIGTERM):
+            connector = getattr(trainer, "_signal_connector", None)
+            original = getattr(connector, "_original_handlers", {}).get(signal.SIGTERM)
+            self._take(signal.SIGTERM, self._chained(original))
+            if getattr(connector, "received_sigterm", False):  # came through Lightning's handler before this
+                connector.received_sigterm = False  # on some ranks only: the all-reduce decides, for all of them
+                self._request(signal.SIGTERM, None)
+
+    def _take(self, signum: int, handler) -> None:
+        self._installed[signum] = (handler, signal.signal(signum, handler))
+
+    def _is_ours(self, signum: int) -> bool:
+        return signum in self._installed and signal.getsignal(signum) is self._installed[signum][0]
 
     def _request(self, signum, frame) -> None:
-        self.requested = signum
+        self.usr1 = self.usr1 or signum == signal.SIGUSR1
+        self.requested = max(self.requested or 0, int(signum))
 
     def _chained(self, original):
         def request_then_original(signum, frame):
@@ -138,18 +172,19 @@ class PreemptionCheckpoint(L.Callback):
         return request_then_original
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        from lightning_modules.steps import completes_step, is_logging_step
+        from lightning_modules.steps import completes_step
 
         if not completes_step(trainer):
             return  # never stop inside a gradient-accumulation step
-        requested = float(self.requested or 0)
-        if trainer.world_size > 1:  # every rank stops at the same step, or the others hang in the next all-reduce
-            if not is_logging_step(trainer, trainer.global_step):  # the flag's all-reduce is a host sync: logging steps only
-                return
-            flag = torch.tensor(requested, device=pl_module.device)
-            requested = float(trainer.strategy.reduce(flag, reduce_op="max"))
+        requested, usr1 = float(self.requested or 0), float(self.usr1)
+        if trainer.world_size > 1:
+            # every rank stops at the same step, or the others hang in the next all-reduce. At every step: Lightning
+            # 2.6 syncs the host at every step under DDP anyway (its own SIGTERM broadcast), and a stop at the next
+            # logging step could miss SLURM's grace period (KillWait, 30 s by default)
+            flags = torch.tensor([requested, usr1], device=pl_module.device)
+            requested, usr1 = (float(v) for v in trainer.strategy.reduce(flags, reduce_op="max"))
         if requested:
-            self.requested = int(requested)  # ranks that did not get the signal exit with the same status
+            self.requested, self.usr1 = int(requested), bool(usr1)  # every rank exits, and requeues, alike
             rank_zero_info(f"preemption: signal {self.requested} received, stopping after step {trainer.global_step}")
             stop_after_this_step(trainer)
 
@@ -173,23 +208,28 @@ class PreemptionCheckpoint(L.Callback):
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         signum = self.requested or signal.SIGTERM  # None: Lightning's own SIGTERM handler stopped the run
-        self._restore()  # Lightning skips the callbacks' teardown after an exception
-        if not isinstance(exception, SIGTERMException):
-            return
-        trainer.save_checkpoint(str(self.path))
-        exception.code = preempted_status(signum)  # a non-zero exit: the run did not finish
-        rank_zero_info(f"preemption: saved {self.path} at step {trainer.global_step}; resume with --ckpt_path last "
-                       f"(exit status {exception.code})")
-        if self.requeue_job is not None and signum == signal.SIGUSR1 and trainer.is_global_zero:
-            requeue(self.requeue_job)  # after the checkpoint: the requeue's SIGTERM may come at once
+        try:
+            if not isinstance(exception, SIGTERMException):
+                return
+            trainer.save_checkpoint(str(self.path))  # our handlers stay in place through the save and the requeue
+            exception.code = preempted_status(signum)  # a non-zero exit: the run did not finish
+            rank_zero_info(f"preemption: saved {self.path} at step {trainer.global_step}; resume with --ckpt_path "
+                           f"last (exit status {exception.code})")
+            if self.requeue_job is not None and self.usr1 and trainer.is_global_zero:
+                requeue(self.requeue_job)  # after the checkpoint: the requeue's SIGTERM may come at once
+        finally:
+            self._restore()  # Lightning skips the callbacks' teardown after an exception
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._restore()
 
     def _restore(self) -> None:
+        """Put back what each of our handlers replaced, where ours is still in place: after a normal end Lightning's
+        teardown has already set its own originals back (and those stay)."""
         if threading.current_thread() is threading.main_thread():
-            for signum, handler in self._previous.items():
-                if handler is not None:  # None: installed outside Python, left as it was
-                    signal.signal(signum, handler)
-        self._previous = {}
-        self.requested = None
+            for signum in list(self._installed):
+                previous = self._installed[signum][1]
+                if self._is_ours(signum) and previous is not None:  # None: installed outside Python, left as it was
+                    signal.signal(signum, previous)
+        self._installed = {}
+        self.requested, self.usr1 = None, False

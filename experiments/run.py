@@ -614,9 +614,7 @@ def fit_and_summarise(cfg: Namespace, parser: ArgumentParser, module, data, mcfg
                       version: str, ckpt_path: Optional[str]) -> pathlib.Path:
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from callbacks.run_summary import StepRecorder, measured_summary, write_summary
-    from lightning_modules.run_clock import run_age_s
-    from analysis.provenance import summary_provenance
+    from callbacks.run_summary import StepRecorder
 
     inherited = os.environ.get("DYNCOMP_RUN_VERSION")
     writer = config_writer(lambda path: parser.save(resolved_namespace(cfg, mcfg), path, overwrite=True,
@@ -642,6 +640,19 @@ def fit_and_summarise(cfg: Namespace, parser: ArgumentParser, module, data, mcfg
     finally:
         if inherited == version:  # the DDP ranks have started; later runs in this process pick anew
             os.environ.pop("DYNCOMP_RUN_VERSION", None)
+    try:
+        write_run_summary(trainer, module, data, mcfg, recorder, final, run_dir)
+    finally:  # every rank reaches it, whatever rank 0's summary did
+        close_process_group()
+    return run_dir
+
+
+def write_run_summary(trainer, module, data, mcfg: ModelConfig, recorder, final, run_dir: pathlib.Path) -> None:
+    """Rank 0 writes the run's ``summary.json`` and prints the run folder."""
+    from callbacks.run_summary import measured_summary, write_summary
+    from lightning_modules.run_clock import run_age_s
+    from analysis.provenance import summary_provenance
+
     metrics = {k: float(v) for k, v in (final[0] if final else {}).items()}
     if trainer.is_global_zero:
         summary = {
@@ -664,8 +675,6 @@ def fit_and_summarise(cfg: Namespace, parser: ArgumentParser, module, data, mcfg
         }
         write_summary(run_dir / "summary.json", summary)
         print(run_dir)
-    close_process_group()
-    return run_dir
 
 
 def close_process_group() -> None:
@@ -770,7 +779,7 @@ def make_trainer(cfg: Namespace, root: pathlib.Path, version: str, extra_callbac
     kwargs.update(
         logger=logger,
         callbacks=callbacks,
-        default_root_dir=str(root / version),  # Lightning's SLURM requeue checkpoint (hpc_ckpt_N) goes here
+        default_root_dir=str(root / version),  # where Lightning looks for a SLURM hpc_ckpt_N to resume (old runs')
         # Lightning counts val_check_interval in training batches, and a preset that accumulates (small: 4 batches
         # per step) validated every val_every / 4 optimisation steps
         val_check_interval=cfg.val_every * (kwargs.get("accumulate_grad_batches") or 1),

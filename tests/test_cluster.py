@@ -153,6 +153,31 @@ def test_lightning_selects_slurm_environment_with_the_tasks_ranks(tmp_path, monk
     assert [c.requeue_job for c in trainer.callbacks if isinstance(c, PreemptionCheckpoint)] == ["4242"]
 
 
+
+def test_torchrun_inside_a_slurm_job_keeps_torchruns_ranks(tmp_path, monkeypatch):
+    """``srun --ntasks-per-node=1 torchrun.sh``: SLURM's variables (one task) and torchrun's (its workers are the
+    ranks). Lightning picks TorchElasticEnvironment first; no SLURM environment may be forced on it (every worker
+    would be rank 0 of 1), and no requeue is set up."""
+    from lightning.fabric.plugins.environments import TorchElasticEnvironment
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    monkeypatch.setattr(rank_zero_only, "rank", getattr(rank_zero_only, "rank", 0))
+    from callbacks.run_summary import StepRecorder
+    from experiments.run import build_parser, expand_aliases, make_trainer
+
+    for key, value in {"SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1", "SLURM_PROCID": "0", "SLURM_JOB_ID": "99",
+                       "SLURM_NODELIST": "node01", "SLURM_JOB_NAME": "dyncomp", "TORCHELASTIC_RUN_ID": "r1",
+                       "RANK": "1", "LOCAL_RANK": "1", "GROUP_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}.items():
+        monkeypatch.setenv(key, value)
+    argv = ["--log_dir", str(tmp_path), *TINY_RUN, "--trainer.accelerator", "cpu", "--trainer.devices", "2",
+            "--trainer.strategy", "ddp"]
+    cfg = build_parser().parse_args(expand_aliases(argv))
+    trainer, _ = make_trainer(cfg, tmp_path / "vanilla-tiny", "r1", extra_callbacks=[StepRecorder()])
+    assert isinstance(trainer.strategy.cluster_environment, TorchElasticEnvironment)
+    assert (trainer.global_rank, trainer.world_size) == (1, 2)
+    assert [c.requeue_job for c in trainer.callbacks if isinstance(c, PreemptionCheckpoint)] == [None]
+
 # ---------------------------------------------------------------------------- preemption
 def _ckpt_step(path: pathlib.Path) -> int:
     return int(torch.load(path, map_location="cpu", weights_only=False)["global_step"])
@@ -207,27 +232,75 @@ def test_preemption_callback_leaves_sigusr1_to_lightning_when_it_handles_it():
 
 
 
-def test_under_ddp_sigterm_only_raises_the_flag_and_still_calls_what_ran_before_lightning():
+def _lightning_signals(world_size: int):
+    """A trainer stand-in with Lightning's real signal connector (what ``fit`` / ``validate`` register)."""
+    from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+
+    trainer = types.SimpleNamespace(world_size=world_size, _accelerator_connector=types.SimpleNamespace(
+        cluster_environment=None), strategy=types.SimpleNamespace(launcher=None, root_device=torch.device("cpu")))
+    trainer._signal_connector = _SignalConnector(trainer)
+    return trainer
+
+
+@pytest.mark.parametrize("ending", ["normal", "exception"])
+def test_under_ddp_sigterm_only_raises_the_flag_and_every_handler_is_back_after_the_run(ending):
     """Lightning's SIGTERM handler makes a collective inside the handler (a hang under DDP); with several ranks the
-    callback's handler takes its place for the run: it raises the flag, then calls the handler that was there
-    before Lightning's (a repro worker's, say), and Lightning's is back after the run. One process keeps Lightning's."""
+    callback's handler takes its place for the run (from the sanity check on): it raises the flag, calls what ran
+    before Lightning's, and not Lightning's. Afterwards the handler from before the run is back, in Lightning's
+    order of teardowns on either ending (a normal end: Lightning's first; an exception: the callback's first)."""
     calls = []
-    original = lambda signum, frame: calls.append("original")  # noqa: E731
-    lightning = lambda signum, frame: calls.append("lightning")  # noqa: E731
-    before = signal.signal(signal.SIGTERM, lightning)
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append("before"))
+    original = signal.getsignal(signal.SIGTERM)
     try:
-        connector = types.SimpleNamespace(_original_handlers={signal.SIGTERM: original})
+        trainer = _lightning_signals(world_size=2)
+        connector = trainer._signal_connector
+        connector.register_signal_handlers()
+        lightning = signal.getsignal(signal.SIGTERM)
         callback = PreemptionCheckpoint("unused")
-        callback.on_train_start(types.SimpleNamespace(world_size=1, _signal_connector=connector), None)
-        assert signal.getsignal(signal.SIGTERM) is lightning
-        callback.teardown(None, None, "fit")
-        callback.on_train_start(types.SimpleNamespace(world_size=2, _signal_connector=connector), None)
+        callback.on_sanity_check_start(trainer, None)
+        callback.on_train_start(trainer, None)  # again: idempotent
         os.kill(os.getpid(), signal.SIGTERM)
-        assert callback.requested == signal.SIGTERM and calls == ["original"]
-        callback.teardown(None, None, "fit")
-        assert signal.getsignal(signal.SIGTERM) is lightning
+        assert callback.requested == signal.SIGTERM and calls == ["before"] and not connector.received_sigterm
+        if ending == "normal":
+            connector.teardown()
+            callback.teardown(trainer, None, "fit")
+        else:
+            callback.on_exception(trainer, None, ValueError("not a stop"))
+            assert signal.getsignal(signal.SIGTERM) is lightning
+            connector.teardown()
+        assert signal.getsignal(signal.SIGTERM) is original
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_one_process_keeps_lightnings_sigterm_and_a_flag_lightning_raised_first_goes_to_the_vote():
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        single = _lightning_signals(world_size=1)
+        single._signal_connector.register_signal_handlers()
+        lightning = signal.getsignal(signal.SIGTERM)
+        callback = PreemptionCheckpoint("unused")
+        callback.on_train_start(single, None)
+        assert signal.getsignal(signal.SIGTERM) is lightning
+        single._signal_connector.teardown()
+        callback.teardown(single, None, "fit")
+        ddp = _lightning_signals(world_size=2)  # a SIGTERM on this rank before the callback took the signal
+        ddp._signal_connector.register_signal_handlers()
+        ddp._signal_connector.received_sigterm = True
+        callback.on_train_start(ddp, None)
+        assert callback.requested == signal.SIGTERM and not ddp._signal_connector.received_sigterm
+        ddp._signal_connector.teardown()
+        callback.teardown(ddp, None, "fit")
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_sigusr1_is_sticky_so_a_later_sigterm_still_requeues():
+    callback = PreemptionCheckpoint("unused", requeue_job="4242")
+    callback._request(signal.SIGUSR1, None)
+    callback._request(signal.SIGTERM, None)
+    assert callback.requested == signal.SIGTERM and callback.usr1
+
 
 class SignalAtStep(L.Callback):
     def __init__(self, step: int, signum: int):
@@ -301,12 +374,13 @@ def test_sigusr1_under_slurm_stops_after_the_step_saves_last_ckpt_then_requeues(
 
 @pytest.mark.parametrize("env,job", [({}, None), (SLURM_ONE_TASK, "4242"),
                                      ({**SLURM_ONE_TASK, "SLURM_ARRAY_JOB_ID": "77", "SLURM_ARRAY_TASK_ID": "3"}, "77_3"),
-                                     ({**SLURM_ONE_TASK, "SLURM_JOB_NAME": "interactive"}, None)],
-                         ids=["no-slurm", "job", "array-task", "interactive"])
+                                     ({**SLURM_ONE_TASK, "SLURM_JOB_NAME": "interactive"}, None),
+                                     ({**SLURM_ONE_TASK, "TORCHELASTIC_RUN_ID": "r1"}, None)],
+                         ids=["no-slurm", "job", "array-task", "interactive", "torchrun-in-slurm"])
 def test_the_job_a_sigusr1_stop_requeues(env, job, monkeypatch):
     from callbacks.preemption import slurm_requeue_job
 
-    for key in [*SLURM_ENV, "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"]:
+    for key in [*SLURM_ENV, "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "TORCHELASTIC_RUN_ID"]:
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
