@@ -14,7 +14,9 @@ def is_logging_step(trainer, completed_steps: int) -> bool:
 
     ``completed_steps``: optimisation steps done once the current batch is trained (``global_step + 1``
     inside ``training_step``, ``global_step`` in ``on_train_batch_end``). Only these steps may
-    synchronise the host with the device or make collectives: the other steps run without a host sync.
+    synchronise the host with the device or make collectives: the other steps run without a host sync. The one
+    exception is DDP's stop vote (``callbacks/preemption.py``): a two-float all-reduce at every step, beside the
+    broadcast and host sync Lightning 2.6 makes at every DDP step itself.
     """
     every = getattr(trainer, "log_every_n_steps", 0) or 0
     return (every > 0 and completed_steps % every == 0) or may_be_last_step(trainer, completed_steps)
