@@ -735,6 +735,8 @@ def test_the_preregistered_8k_induct_check_rebuilds_and_is_not_met():
     seeds 1342-1346, 8,000 steps): the records give the committed table, and the plan's verdict is 'not met': one
     layer solves level 1 in no seed, but neither deeper row passes Holm nor solves it in 4 of 5 seeds. The records
     predate the recorder's val_history: publish rebuilt it from the events, at every 1,000 steps."""
+    from experiments.repro.necessity import necessity_verdict
+
     folder = REPO / "docs" / "results" / "probe_induct_necessity_8k"
     board = compare.compare([str(folder / "runs")], ["model.n_layer"], baseline="vanilla n_layer=1")
     assert compare.to_markdown(board) == (folder / "leaderboard.md").read_text()
@@ -742,14 +744,11 @@ def test_the_preregistered_8k_induct_check_rebuilds_and_is_not_met():
     rows = {r["model.n_layer"]: r for r in board["rows"]}
     assert {d: r["n"] for d, r in rows.items()} == {1: 5, 2: 5, 4: 5}
     level = {d: r["probe_levels"]["probe_acc_L1"] for d, r in rows.items()}
-    solved = {d: round(v["solved"] * v["solved_n"]) for d, v in level.items()}
-    assert solved == {1: 0, 2: 1, 4: 2}
-    deeper_pass = {d: level[d]["vs_baseline"]["difference"] > 0 and level[d]["vs_baseline"]["p_holm"] < 0.05
-                   for d in (2, 4)}
-    assert deeper_pass == {2: False, 4: False}
-    met = solved[1] <= 1 and all(deeper_pass.values()) and all(solved[d] >= 4 for d in (2, 4))
-    partly = solved[1] <= 1 and deeper_pass[2] and solved[2] >= 4
-    assert not met and not partly
+    verdict = necessity_verdict(board)  # experiments.repro necessity's rule, as the plan fixed it
+    assert verdict["level"] == 1 and verdict["verdict"] == "not met"
+    assert {d: v["solving"] for d, v in verdict["depths"].items()} == {1: 0, 2: 1, 4: 2}
+    assert verdict["shallow_fails"] and verdict["deeper_meeting"] == []
+    assert {d: round(verdict["depths"][d]["p_holm"], 3) for d in (2, 4)} == {2: 0.218, 4: 0.057}
     assert level[1]["first_solved"]["solving"] == 0 and level[4]["first_solved"]["min"] == 4000
     for run in (folder / "runs").rglob("summary.json"):
         steps = [step for step, _ in json.loads(run.read_text())["val_history"]]

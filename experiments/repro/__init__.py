@@ -21,6 +21,7 @@ cluster with ``--size small|medium|large`` and real data after ``--``.
 | ``mod_isoflop`` | MoD: isoFLOP comparison with vanilla at every depth x width (loss vs parameters per FLOP budget), seeds, best dense model, bracket verdict, tests |
 | ``contribution`` | FFN-Wider: MHA/FFN contribution vs FFN width and vs the CAA Outer-FFN ratio r, OOD loss |
 | ``head_to_head`` | every variant at equal measured FLOPs with dense controls and seeds: val loss, tests against the best dense model, FLOPs/token, wall clock, step time, memory |
+| ``necessity`` | does a probe level need depth: dense vanilla at several depths, equal steps, seeds; per-level tables against the shallowest and the pre-registered rule's verdict |
 | ``probe`` | routing probes: accuracy and compute per difficulty level at matched FLOPs, dense controls, tests against the best dense model (``--quick``: a smoke run; ``--verify ROW``: retrain a published row) |
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 EXPERIMENTS = ("mom_kh", "mom_removal", "mom_transitions", "mom_two_phase", "mod_isoflop", "contribution",
-               "head_to_head", "probe")
+               "head_to_head", "necessity", "probe")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,7 +117,16 @@ def add_training_experiments(add: Callable[[str, str], argparse.ArgumentParser])
 
 
 def add_probe_experiment(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
-    """The routing probes at matched training FLOPs, and ``--verify`` of a published row."""
+    """The depth-necessity check, the routing probes at matched training FLOPs, and ``--verify`` of a published row."""
+    p = add("necessity", "does a probe level need depth: vanilla at several depths, equal steps, seeds, the verdict")
+    p.add_argument("--layers", default="1,2,4", help="the depths compared, comma-separated (the shallowest is the "
+                   "baseline)")
+    p.add_argument("--seeds", type=int, default=5, help="seeds per depth, from --seed on (default 5)")
+    p.add_argument("--level", type=int, default=None, help="the level judged (default: the top level of the task)")
+    p.add_argument("--shallow_max", type=int, default=1,
+                   help="the shallowest depth may solve the level in at most this many seeds (default 1)")
+    p.add_argument("--min_solving", type=int, default=4,
+                   help="each deeper depth must solve the level in at least this many seeds (default 4)")
     p = add("probe", "routing probes: compute vs per-token difficulty at matched training FLOPs")
     p.set_defaults(steps=600)  # --steps: vanilla's steps; the budget every variant spends
     p.add_argument("--variants", default=None,
@@ -215,6 +225,11 @@ def dispatch(ctx, args) -> Dict[str, Any]:
             ctx, wide_ratio=args.wide_ratio, ratios=parse_list(args.ratios, float, "ratios"),
             methods=parse_list(args.methods, str, "methods"), sequences=args.sequences,
             ood=parse_ood(args.ood), ood_tokens=args.ood_tokens)
+    if name == "necessity":
+        from experiments.repro.necessity import necessity_experiment
+
+        return necessity_experiment(ctx, parse_list(args.layers, int, "layers"), args.seeds, level=args.level,
+                                    shallow_max=args.shallow_max, min_solving=args.min_solving)
     if name == "probe":
         from experiments.repro.probe import VARIANTS, probe_experiment
 

@@ -41,6 +41,8 @@ class Context:
     threads: Optional[int] = None  # torch threads per run (``--threads``)
     command: Optional[str] = None  # the experiment's command line, quoted in results.md
     wall_time_s: Dict[str, float] = dataclasses.field(default_factory=dict)  # per part of the programme (``part``)
+    table_group_by: Optional[List[str]] = None  # the run table's --group_by and --baseline (``run_table``)
+    table_baseline: Optional[str] = None
     _parser: Any = dataclasses.field(default=None, repr=False)
     _writer: Any = dataclasses.field(default=None, repr=False)
     _run_dirs: List[pathlib.Path] = dataclasses.field(default_factory=list, repr=False)  # this invocation's runs
@@ -229,7 +231,7 @@ class Context:
             return [], {}
         heading = ["", "## Runs (`python -m experiments.compare`)", ""]
         try:
-            board = compare.leaderboard(compare.read_runs(self._run_dirs))
+            board = compare.leaderboard(compare.read_runs(self._run_dirs), self.table_group_by, self.table_baseline)
         except ConfigError as err:  # incomparable runs, an unreadable file: the experiment's own tables still stand
             print(f"warning: [repro] no run table: {err}", file=sys.stderr)
             return heading + [f"No run table: {err}", ""], {}
