@@ -18,6 +18,12 @@ two phases with ``experiments.run`` yourself. ``--phase2_recipe official`` adds 
 phase-2 optimiser settings that differ from ours (``OFFICIAL_PHASE2``: Adam eps 1e-5 instead of 1e-8; the
 betas, weight decay and lr above are our defaults already); explicit ``--phase2.optim.*`` still win. Prints phase 2's run folder last and writes
 ``two_phase.json`` (both run folders and the checkpoint used) into it.
+
+Resumable: ``--version NAME`` names both phases' folders (default: the next ``version_N`` free under both), and
+the same command with the same ``--version`` goes on where a kill stopped it: a phase that finished (its
+``summary.json`` at its steps) is kept, a phase cut off resumes from its newest checkpoint (``last.ckpt``,
+written at each validation and by a SIGTERM/SIGUSR1 stop: give long phases a ``--val_every``), phase 2 from
+phase 1's final checkpoint as before.
 """
 from __future__ import annotations
 
@@ -39,6 +45,9 @@ def parse(argv: Sequence[str]) -> Tuple[argparse.Namespace, List[str], List[str]
     parser.add_argument("--phase1_steps", type=int, default=300)
     parser.add_argument("--phase2_steps", type=int, default=300)
     parser.add_argument("--log_dir", default="runs/two_phase")
+    parser.add_argument("--version", default=None,
+                        help="both phases' run folder (default: the next version_N free under both); the same "
+                             "command with the same --version resumes: finished phases are kept, a cut-off one resumes")
     parser.add_argument("--phase2_recipe", choices=("ours", "official"), default="ours",
                         help="official: the official code's phase-2 optimiser (Adam eps 1e-5)")
     args, rest = parser.parse_known_args(list(argv))
@@ -95,16 +104,35 @@ def vanilla_options(argv: List[str]) -> List[str]:
     return kept
 
 
-def main(argv: Optional[Sequence[str]] = None) -> pathlib.Path:
+def run_or_resume(argv: List[str], folder: pathlib.Path, steps: int) -> pathlib.Path:
+    """One phase: kept when ``folder`` holds its finished run, resumed from the folder's newest checkpoint when a
+    kill cut it off, trained otherwise."""
     from experiments import run
+    from experiments.repro.common import newest_checkpoint
 
+    try:
+        finished = json.loads((folder / "summary.json").read_text()).get("steps") == steps
+    except (OSError, ValueError, AttributeError):
+        finished = False
+    if finished:
+        print(f"note: two_phase: {folder} finished already; kept", file=sys.stderr)
+        return folder
+    checkpoint = newest_checkpoint(folder) if folder.is_dir() else None
+    if checkpoint is None:
+        return run.main(argv)
+    print(f"note: two_phase: resuming {folder} from {checkpoint.name}", file=sys.stderr)
+    return run.main([*argv, "--ckpt_path", str(checkpoint)])
+
+
+def main(argv: Optional[Sequence[str]] = None) -> pathlib.Path:
     args, phase1_extra, phase2_extra = parse(sys.argv[1:] if argv is None else argv)
     check_variant(args.variant)
     log_dir = pathlib.Path(args.log_dir)
-    version = shared_version(log_dir, args.size, args.variant)
+    version = args.version or shared_version(log_dir, args.size, args.variant)
     base = ["--size", args.size, "--log_dir", str(log_dir), "--version", version]
-    phase1 = run.main(vanilla_options(["--variant", "vanilla", *base, "--max_steps", str(args.phase1_steps),
-                                       *phase1_extra]))
+    phase1 = run_or_resume(vanilla_options(["--variant", "vanilla", *base, "--max_steps", str(args.phase1_steps),
+                                            *phase1_extra]), log_dir / f"vanilla-{args.size}" / version,
+                           args.phase1_steps)
     checkpoint = phase1 / "checkpoints" / "last.ckpt"
     if not checkpoint.is_file():
         raise FileNotFoundError(f"phase 1 wrote no {checkpoint}")
@@ -113,8 +141,9 @@ def main(argv: Optional[Sequence[str]] = None) -> pathlib.Path:
         warmup += OFFICIAL_PHASE2  # before phase2_extra: an explicit --phase2.optim.eps wins
     # the MoM mapping uses every vanilla tensor; the routers are new by design (at tiny, GRU routers wider
     # than d_model are most of the parameters), so no share threshold; the tokenizer check stays
-    phase2 = run.main(["--variant", args.variant, *base, "--max_steps", str(args.phase2_steps), *warmup,
-                       "--init_from", str(checkpoint), "--init_min_share", "0", *phase2_extra])
+    phase2 = run_or_resume(["--variant", args.variant, *base, "--max_steps", str(args.phase2_steps), *warmup,
+                            "--init_from", str(checkpoint), "--init_min_share", "0", *phase2_extra],
+                           log_dir / f"{args.variant}-{args.size}" / version, args.phase2_steps)
     record = {"variant": args.variant, "size": args.size, "phase1": str(phase1), "phase1_checkpoint": str(checkpoint),
               "phase2": str(phase2)}
     (phase2 / "two_phase.json").write_text(json.dumps(record, indent=2) + "\n")

@@ -108,3 +108,34 @@ def test_an_option_of_the_routed_variant_given_to_both_phases_is_dropped_from_va
     assert "--model.mom.router_hidden" not in phase1 and phase1[phase1.index("--model.d_model") + 1] == "32"
     assert phase2[phase2.index("--model.mom.router_hidden") + 1] == "64"
     assert "phase 1 (vanilla) does not use --model.mom.router_hidden" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_same_command_resumes_a_two_phase_run_that_a_kill_cut_off(tmp_path, monkeypatch):
+    """Killed at step 5 of phase 2 (validation every 2): the same command with the same --version keeps phase 1 (not
+    trained again), resumes phase 2 from its step-4 checkpoint, and ends where the uninterrupted command ends."""
+    import experiments.run as run
+    from tests.conftest import crash_at_step
+
+    for key in ("SLURM_JOB_ID", "SLURM_NTASKS", "DYNCOMP_RUN_VERSION"):
+        monkeypatch.delenv(key, raising=False)
+    common = ["--variant", "mom_e", "--phase1_steps", "4", "--phase2_steps", "6", *TINY_RUN, "--model.n_layer", "4",
+              "--val_every", "2"]
+    straight = two_phase.main([*common, "--log_dir", str(tmp_path / "straight")])
+    argv = [*common, "--log_dir", str(tmp_path / "killed"), "--version", "job7"]
+    monkeypatch.setattr(run, "extra_run_callbacks", lambda cfg: [crash_at_step(5)])
+    with pytest.raises(RuntimeError, match="killed"):
+        two_phase.main(argv)
+    monkeypatch.setattr(run, "extra_run_callbacks", lambda cfg: [])
+    phase1 = tmp_path / "killed" / "vanilla-tiny" / "job7"
+    phase1_mtime = (phase1 / "summary.json").stat().st_mtime_ns
+    resumed = two_phase.main(argv)
+    assert resumed == tmp_path / "killed" / "mom_e-tiny" / "job7"
+    assert (phase1 / "summary.json").stat().st_mtime_ns == phase1_mtime  # phase 1 kept, not trained again
+    summary = json.loads((resumed / "summary.json").read_text())
+    expected = json.loads((straight / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["train_started_at_steps"] == [0, 4]
+    assert summary["train_loss_curve"] == expected["train_loss_curve"]
+    assert summary["val_history"] == expected["val_history"]
+    again = two_phase.main(argv)  # both phases finished: nothing trains
+    assert again == resumed and json.loads((resumed / "summary.json").read_text()) == summary

@@ -395,7 +395,10 @@ def two_phase(ctx: Context, variant: str = "mom", phase1_steps: Optional[int] = 
     argv = ["--variant", variant, "--size", ctx.size, "--phase1_steps", str(s1), "--phase2_steps", str(s2),
             "--log_dir", str(ctx.log_dir), "--seed", str(ctx.seed), *ctx.run_options, *options,
             "--phase1.val_every", str(s1), "--phase2.val_every", str(s2)]
-    phase2_dir = ctx.cached("experiments.two_phase", argv, lambda: two_phase_cli.main(argv))
+    # a fixed folder name per command, so that a rerun resumes the phases a kill cut off (none under --no_reuse)
+    started = ctx.started_file("experiments.two_phase", argv)
+    version = ["--version", f"two_phase-{started.stem}"] if started is not None else []
+    phase2_dir = ctx.cached("experiments.two_phase", argv, lambda: two_phase_cli.main([*argv, *version]))
     record = json.loads((phase2_dir / "two_phase.json").read_text())
     ctx.record_run(pathlib.Path(record["phase1"]))  # phase 1 in the run table too
     phase1, phase2 = load_summary(pathlib.Path(record["phase1"])), load_summary(phase2_dir)
