@@ -2,7 +2,10 @@
 its verdict rule on known tables, and the programme end to end on a tiny probe."""
 from __future__ import annotations
 
+import pathlib
+
 import pytest
+import yaml
 
 from architectures.config import ConfigError
 from experiments import repro
@@ -16,10 +19,14 @@ TINY_PROBE = ["--data", "probe-v7/shift", "--data.max_tokens", "8192", "--model.
 def _row(layers: int, accuracies, difference=None, p_holm=None):
     solved = sum(a >= 0.9 for a in accuracies)
     level = {"ci": (min(accuracies), max(accuracies)), "solved": solved / len(accuracies), "solved_n": len(accuracies)}
-    if difference is not None:
+    if layers > 1:
         level["vs_baseline"] = {"difference": difference, "p_holm": p_holm}
-    return {"model.n_layer": layers, "probe_acc_L1": {"mean": sum(accuracies) / len(accuracies)},
+    return {"model.n_layer": layers, "n": len(accuracies), "probe_acc_L1": {"mean": sum(accuracies) / len(accuracies)},
             "probe_levels": {"probe_acc_L0": {**level, "solved": 1.0}, "probe_acc_L1": level}}
+
+
+def _board(*rows):
+    return {"baseline": f"vanilla n_layer={min(r['model.n_layer'] for r in rows)}", "rows": list(rows)}
 
 
 SHALLOW = _row(1, [0.1, 0.1, 0.2, 0.1, 0.95])  # solves level 1 in one seed: allowed
@@ -32,22 +39,43 @@ SOLVING = [0.99, 0.98, 0.97, 0.96, 0.5]  # four of five
     ([_row(2, [0.99, 0.98, 0.5, 0.5, 0.5], 0.4, 0.01), _row(4, SOLVING, 0.6, 0.01)], "partly met", [4]),  # 2 of 5
     ([_row(2, SOLVING, 0.6, 0.2), _row(4, SOLVING, 0.6, 0.06)], "not met", []),
     ([_row(2, SOLVING, -0.1, 0.01), _row(4, SOLVING, -0.1, 0.01)], "not met", []),  # significant, the wrong way
-], ids=["met", "partly-holm", "partly-seeds", "not-met", "negative"])
+    ([_row(2, SOLVING, 0.6, 0.05), _row(4, SOLVING, 0.6, 0.049)], "partly met", [4]),  # p 0.05 does not pass
+    ([_row(2, SOLVING, 0.0, 0.01), _row(4, SOLVING, 0.6, 0.01)], "partly met", [4]),  # no difference does not
+    ([_row(2, SOLVING, None, None), _row(4, SOLVING, 0.6, 0.01)], "partly met", [4]),  # no test: not met by it
+], ids=["met", "partly-holm", "partly-seeds", "not-met", "negative", "p-at-alpha", "tie", "no-test"])
 def test_the_rule_on_known_tables(deeper, verdict, meeting):
-    result = necessity_verdict({"rows": [SHALLOW, *deeper]})
+    result = necessity_verdict(_board(SHALLOW, *deeper))
     assert (result["verdict"], result["deeper_meeting"], result["level"]) == (verdict, meeting, 1)
 
 
 def test_a_shallow_model_that_solves_the_level_too_often_is_never_met():
     shallow = _row(1, [0.95, 0.95, 0.1, 0.1, 0.1])  # two seeds: more than --shallow_max 1
-    result = necessity_verdict({"rows": [shallow, _row(2, SOLVING, 0.6, 0.01), _row(4, SOLVING, 0.6, 0.01)]})
+    result = necessity_verdict(_board(shallow, _row(2, SOLVING, 0.6, 0.01), _row(4, SOLVING, 0.6, 0.01)))
     assert result["verdict"] == "not met" and not result["shallow_fails"]
-    assert necessity_verdict({"rows": [shallow, _row(2, SOLVING, 0.6, 0.01)]}, shallow_max=2)["verdict"] == "met"
+    assert necessity_verdict(_board(shallow, _row(2, SOLVING, 0.6, 0.01)), shallow_max=2)["verdict"] == "met"
 
 
-def test_a_level_the_runs_do_not_report_is_refused():
+def test_boards_the_rule_cannot_judge_are_refused():
     with pytest.raises(ConfigError, match=r"--level: the runs report levels 0, 1, not 3"):
-        necessity_verdict({"rows": [SHALLOW, _row(2, SOLVING, 0.6, 0.01)]}, level=3)
+        necessity_verdict(_board(SHALLOW, _row(2, SOLVING, 0.6, 0.01)), level=3)
+    with pytest.raises(ConfigError, match=r"the table's baseline is None, not the shallowest depth"):
+        necessity_verdict({"rows": [SHALLOW, _row(2, SOLVING, 0.6, 0.01)]})
+    one_run = _row(4, [0.99], 0.8, 0.001)  # its test would leave Holm's family: the other row's p uncorrected
+    with pytest.raises(ConfigError, match=r"4 layers: fewer than two runs measured level 1"):
+        necessity_verdict(_board(SHALLOW, _row(2, SOLVING, 0.6, 0.04), one_run))
+    without_level = _row(4, SOLVING, 0.6, 0.01)
+    del without_level["probe_levels"]["probe_acc_L1"]
+    with pytest.raises(ConfigError, match=r"4 layers: fewer than two runs measured level 1"):
+        necessity_verdict(_board(SHALLOW, _row(2, SOLVING, 0.6, 0.01), without_level))
+
+
+def test_the_verdict_line_writes_a_missing_number_as_a_dash():
+    from experiments.repro.necessity import verdict_line
+
+    nan_row = _row(2, SOLVING, None, None)
+    nan_row["probe_acc_L1"]["mean"] = None
+    line = verdict_line(necessity_verdict(_board(SHALLOW, nan_row)))
+    assert "2 layers - (4/5 seeds solve it; - vs 1 layer, Holm p -)" in line
 
 
 @pytest.mark.parametrize("layers,seeds,shallow_max,min_solving,pattern", [
@@ -83,6 +111,21 @@ def test_the_programme_end_to_end_reuses_its_runs_and_publishes(tmp_path, monkey
     monkeypatch.setattr(run, "main", lambda *a, **k: pytest.fail("a finished run was trained again"))
     again = repro.main(argv)
     assert [r["run_dir"] for r in again["runs"]] == trained and again["verdict"] == results["verdict"]
+    for row in results["runs"]:  # the runs trained what the rows say
+        config = yaml.safe_load((pathlib.Path(row["run_dir"]) / "config.yaml").read_text())
+        assert (config["model"]["n_layer"], config["seed"]) == (row["n_layer"], row["seed"])
     published = publish.publish(out, tmp_path / "published")
     assert len(list((tmp_path / "published" / "runs").rglob("summary.json"))) == 4
     assert published["verdict"]["verdict"] == results["verdict"]["verdict"]
+    rebuilt = repro.main(["necessity", "--out", str(tmp_path / "rebuilt"), "--min_solving", "1", "--tables_from",
+                          str(tmp_path / "published" / "runs")])  # from the records alone
+    assert rebuilt["verdict"] == results["verdict"]
+
+
+def test_the_published_8k_check_rebuilds_its_verdict_from_its_records(tmp_path):
+    from tests.conftest import REPO
+
+    results = repro.main(["necessity", "--out", str(tmp_path), "--tables_from",
+                          str(REPO / "docs" / "results" / "probe_induct_necessity_8k" / "runs")])
+    assert results["verdict"]["verdict"] == "not met" and results["settings"]["layers"] == [1, 2, 4]
+    assert "**Verdict: not met.** Level 1: 1 layer 0.071 (0/5 seeds solve it)" in (tmp_path / "results.md").read_text()

@@ -127,6 +127,9 @@ def add_probe_experiment(add: Callable[[str, str], argparse.ArgumentParser]) -> 
                    help="the shallowest depth may solve the level in at most this many seeds (default 1)")
     p.add_argument("--min_solving", type=int, default=4,
                    help="each deeper depth must solve the level in at least this many seeds (default 4)")
+    p.add_argument("--tables_from", default=None, metavar="DIR",
+                   help="the tables and verdict from the finished run folders under DIR (e.g. a published check's "
+                        "runs/), without training")
     p = add("probe", "routing probes: compute vs per-token difficulty at matched training FLOPs")
     p.set_defaults(steps=600)  # --steps: vanilla's steps; the budget every variant spends
     p.add_argument("--variants", default=None,
@@ -226,8 +229,11 @@ def dispatch(ctx, args) -> Dict[str, Any]:
             methods=parse_list(args.methods, str, "methods"), sequences=args.sequences,
             ood=parse_ood(args.ood), ood_tokens=args.ood_tokens)
     if name == "necessity":
-        from experiments.repro.necessity import necessity_experiment
+        from experiments.repro.necessity import necessity_experiment, tables_from
 
+        if args.tables_from is not None:
+            return tables_from(ctx, args.tables_from, level=args.level, shallow_max=args.shallow_max,
+                               min_solving=args.min_solving)
         return necessity_experiment(ctx, parse_list(args.layers, int, "layers"), args.seeds, level=args.level,
                                     shallow_max=args.shallow_max, min_solving=args.min_solving)
     if name == "probe":

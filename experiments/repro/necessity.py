@@ -12,7 +12,8 @@ shallowest as the baseline: accuracy per level with bootstrap intervals over see
 level (accuracy >= 0.9), Welch's test over seeds against the shallowest with Holm's correction over the deeper
 rows, and the first step each run reaches 0.9 (with ``--val_every`` below ``--steps``).
 
-The verdict applies the rule of the pre-registered checks (docs/results/preregistered/probe_induct_necessity_16k.md)
+``--tables_from DIR`` rebuilds the tables and the verdict from finished run folders under DIR (a published check's
+``runs/``) without training. The verdict applies the rule of the pre-registered checks (docs/results/preregistered/probe_induct_necessity_16k.md)
 to the judged level (``--level``; default the top level of the runs' task):
 
 * **met**: the shallowest depth solves the level in at most ``--shallow_max`` of its seeds, and every deeper depth
@@ -65,6 +66,34 @@ def necessity_experiment(ctx: Context, layers: Sequence[int], seeds: int, level:
     return results
 
 
+def tables_from(ctx: Context, folder: str, level: Optional[int] = None, shallow_max: int = 1,
+                min_solving: int = 4) -> Dict[str, Any]:
+    """The tables and the verdict from finished run folders (a published check's ``runs/``, or the log folder of runs
+    trained otherwise), without training: the depths and seeds are the runs' own."""
+    from analysis import compare
+
+    runs = compare.read_runs(compare.find_run_folders([folder]))
+    layers = sorted({int(r.config["model.n_layer"]) for r in runs})
+    seeds = min(sum(int(r.config["model.n_layer"]) == n for r in runs) for n in layers)
+    check_settings(layers, seeds, shallow_max, min_solving)
+    with ctx.part("tables"):
+        board = depth_table(ctx, [str(r.folder) for r in runs], layers)
+        verdict = necessity_verdict(board, level, shallow_max=shallow_max, min_solving=min_solving)
+    for run in runs:
+        ctx.record_run(run.folder)
+    rows = [{"variant": r.config.get("model.variant"), "n_layer": int(r.config["model.n_layer"]), "seed": r.seed,
+             "run_dir": str(r.folder), "steps": r.summary.get("steps")} for r in runs]
+    settings = {"layers": layers, "seeds": sorted({r.seed for r in runs}), "tables_from": folder,
+                "shallow_max": shallow_max, "min_solving": min_solving}
+    intro = (f"Rebuilt from the run folders under `{folder}` (no run retrained): dense vanilla at "
+             f"{', '.join(map(str, layers))} layers, {len(runs)} runs. Accuracies are each run's last validation; "
+             "intervals are percentile bootstraps over seeds.")
+    results = {"settings": settings, "verdict": verdict, "runs": rows, "tables_from": True}
+    ctx.write_report("Depth necessity: vanilla at several depths, equal steps", [intro, "", verdict_line(verdict), ""],
+                     results)
+    return results
+
+
 def depth_table(ctx: Context, run_dirs: Sequence[str], layers: Sequence[int]) -> Dict[str, Any]:
     """``experiments.compare``'s table of the runs grouped by depth, against the shallowest; also the report's run
     table (``Context.run_table`` builds the same one)."""
@@ -80,27 +109,27 @@ def depth_table(ctx: Context, run_dirs: Sequence[str], layers: Sequence[int]) ->
 def necessity_verdict(board: Dict[str, Any], level: Optional[int] = None, shallow_max: int = 1,
                       min_solving: int = 4) -> Dict[str, Any]:
     """The rule's verdict on ``board`` (``experiments.compare``'s table grouped by ``model.n_layer``, the shallowest
-    depth its baseline) for ``level`` (default: the top level the runs report): the figures it rests on per depth."""
+    depth its baseline) for ``level`` (default: the top level the runs report): the figures it rests on per depth.
+    A board the rule cannot judge is refused: another baseline, or a depth with fewer than two runs that measured
+    the level (its test would drop out of Holm's family and leave the others' p uncorrected)."""
     rows = {int(r["model.n_layer"]): r for r in board["rows"]}
     shallow, deeper = min(rows), sorted(rows)[1:]
-    levels = sorted(int(k[len("probe_acc_L"):]) for k in rows[shallow].get("probe_levels", {}))
+    if board.get("baseline") != f"vanilla n_layer={shallow}":
+        raise ConfigError(f"necessity: the table's baseline is {board.get('baseline')!r}, not the shallowest depth "
+                          f"('vanilla n_layer={shallow}'); build it with --group_by model.n_layer and that baseline")
+    levels = sorted({int(k[len("probe_acc_L"):]) for r in rows.values() for k in r.get("probe_levels", {})})
     if not levels:
         raise ConfigError("necessity: the runs report no probe levels; train them on a probe (--data probe-v8/induct) "
                           "or a corpus with a label file")
     level = levels[-1] if level is None else level
     key = f"probe_acc_L{level}"
-    if key not in rows[shallow]["probe_levels"]:
+    if level not in levels:
         raise ConfigError(f"--level: the runs report levels {', '.join(map(str, levels))}, not {level}")
-    depths = {}
-    for n, row in rows.items():
-        figures = row["probe_levels"][key]
-        test = figures.get("vs_baseline") or {}
-        solving = round(figures["solved"] * figures["solved_n"]) if figures["solved"] is not None else 0
-        passes = test.get("difference") is not None and test["difference"] > 0 and test.get("p_holm") is not None \
-            and test["p_holm"] < ALPHA
-        depths[n] = {"accuracy": row[key]["mean"], "ci": figures["ci"], "solving": solving, "n": figures["solved_n"],
-                     "difference": test.get("difference"), "p_holm": test.get("p_holm"),
-                     "meets": None if n == shallow else bool(passes and solving >= min_solving)}
+    short = [n for n, r in rows.items() if r.get("probe_levels", {}).get(key, {}).get("solved_n", 0) < 2]
+    if short:
+        raise ConfigError(f"necessity: {', '.join(f'{n} layers' for n in short)}: fewer than two runs measured level "
+                          f"{level}; the rule needs two or more per depth (train the missing seeds)")
+    depths = {n: depth_figures(row, key, min_solving, is_shallow=n == shallow) for n, row in rows.items()}
     shallow_fails = depths[shallow]["solving"] <= shallow_max
     meeting = [n for n in deeper if depths[n]["meets"]]
     verdict = ("met" if shallow_fails and len(meeting) == len(deeper) else
@@ -109,16 +138,32 @@ def necessity_verdict(board: Dict[str, Any], level: Optional[int] = None, shallo
             "deeper_meeting": meeting, "depths": depths, "shallow_max": shallow_max, "min_solving": min_solving}
 
 
+def depth_figures(row: Dict[str, Any], key: str, min_solving: int, is_shallow: bool) -> Dict[str, Any]:
+    """One depth's figures for the rule: mean accuracy, interval, seeds solving (a run without a number solves
+    nothing), runs, the test against the shallowest and whether it meets the deeper depths' two conditions."""
+    figures = row["probe_levels"][key]
+    test = figures.get("vs_baseline") or {}
+    solving = round(figures["solved"] * figures["solved_n"]) if figures["solved"] is not None else 0
+    difference, p_holm = test.get("difference"), test.get("p_holm")
+    passes = difference is not None and difference > 0 and p_holm is not None and p_holm < ALPHA
+    return {"accuracy": row[key]["mean"], "ci": figures["ci"], "solving": solving, "n": row["n"],
+            "difference": difference, "p_holm": p_holm,
+            "meets": None if is_shallow else bool(passes and solving >= min_solving)}
+
+
 def verdict_line(verdict: Dict[str, Any]) -> str:
     """One sentence: the verdict and the figures it rests on."""
     level, shallow, depths = verdict["level"], verdict["shallow"], verdict["depths"]
 
+    def number(value: Optional[float], form: str) -> str:
+        return "-" if value is None else format(value, form)
+
     def depth(n: int) -> str:
         d = depths[n]
-        text = f"{n} layer{'s' if n > 1 else ''} {d['accuracy']:.3f} ({d['solving']}/{d['n']} seeds solve it"
+        text = f"{n} layer{'s' if n > 1 else ''} {number(d['accuracy'], '.3f')} ({d['solving']}/{d['n']} seeds solve it"
         if n != shallow:
-            p = "-" if d["p_holm"] is None else f"{d['p_holm']:.3g}"
-            text += f"; {d['difference']:+.3f} vs {shallow} layer{'s' if shallow > 1 else ''}, Holm p {p}"
+            text += (f"; {number(d['difference'], '+.3f')} vs {shallow} layer{'s' if shallow > 1 else ''}, Holm p "
+                     f"{number(d['p_holm'], '.3g')}")
         return text + ")"
 
     meeting = ", ".join(str(n) for n in verdict["deeper_meeting"]) or "none"
