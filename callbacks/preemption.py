@@ -15,14 +15,17 @@ A collective inside a signal handler runs at whatever point the signal found eac
 handler's barrier or broadcast while another is in the step's gradient all-reduce is a mismatch that can hang
 the job (two srun-style tasks both sent SIGTERM hung in 2 of 7 tries: tests/test_cluster.py), and a checkpoint
 saved there is of a half-done step. So ``experiments.run`` builds the SLURM environment with
-``auto_requeue=False`` (``slurm_requeue_job``), and under DDP this callback's handler takes SIGTERM from
-Lightning's for the run (from the sanity check on; the final validation too): it only raises a flag and calls
-the handler that was there before Lightning's (Lightning's forwarding to its launcher's processes is not
-needed: the ranks agree on the flag below).
+``auto_requeue=False`` (``slurm_requeue_job``), and this callback's handler takes SIGTERM from Lightning's for
+the run (from the sanity check on; the final validation too): it only raises a flag and calls the handler that
+was there before Lightning's (Lightning's forwarding to its launcher's processes is not needed: the ranks agree
+on the flag below). In one process Lightning's flag also stopped the run after any micro-batch, inside a
+gradient-accumulation step; the flag here is acted on at a step's or a validation's end only.
 
 ``PreemptionCheckpoint`` adds what is missing: on SIGTERM (anywhere), and on SIGUSR1 where Lightning
-has not taken that signal, the run stops at the end of the current step (under DDP the ranks all-reduce their
-flags at every completed step, so every rank stops after the same one) and writes
+has not taken that signal, the run stops at the end of the current step, or of the validation under way (under
+DDP the ranks all-reduce their flags at every completed step and validation, so every rank stops at the same
+point; a signal during a validation's checkpoint write, which Lightning runs after every other callback, is seen
+at the next step's end) and writes
 ``<run folder>/checkpoints/last.ckpt`` (the file ``ModelCheckpoint(save_last=True)`` keeps), so
 ``python -m experiments.run ... --ckpt_path last`` (or the SLURM template's requeued job) continues
 from the interrupted step with the same data order. A validation under way when the stop comes is finished
@@ -138,24 +141,28 @@ class PreemptionCheckpoint(L.Callback):
 
     def _install(self, trainer) -> None:
         """Take the signals for this stage (Lightning registers its own when a stage starts; idempotent): SIGUSR1
-        where Lightning left it free, and under DDP SIGTERM too. Lightning's SIGTERM handler broadcasts rank 0's flag
-        *inside the handler*, wherever the step is: with SIGTERM on every rank (SLURM, torchrun) one rank's broadcast
-        met another's gradient all-reduce and the job hung (tests/test_cluster.py, 2 of 7 tries). Ours only raises
-        the flag (and calls what ran before Lightning's handler); the ranks agree on it at a step's end."""
+        where Lightning left it free, and SIGTERM. Lightning's SIGTERM handler broadcasts rank 0's flag *inside the
+        handler* under DDP, wherever the step is: with SIGTERM on every rank (SLURM, torchrun) one rank's broadcast
+        met another's gradient all-reduce and the job hung (tests/test_cluster.py, 2 of 7 tries); in one process its
+        flag stopped the run after any micro-batch, inside a gradient-accumulation step (the accumulated gradients
+        were lost to the resume). Ours only raises the flag (and calls what ran before Lightning's handler); the
+        ranks agree on it at a step's end or a validation's end. What it replaced goes back at the end, and
+        Lightning's own SIGTERM handler never again (its teardown puts back the handler from before the run)."""
         if threading.current_thread() is not threading.main_thread():
             return
         if signal.getsignal(self.signum) in (signal.SIG_DFL, None):
             self._take(self.signum, self._request)
-        if trainer.world_size > 1 and not self._is_ours(signal.SIGTERM):
+        if not self._is_ours(signal.SIGTERM):
             connector = getattr(trainer, "_signal_connector", None)
             original = getattr(connector, "_original_handlers", {}).get(signal.SIGTERM)
-            self._take(signal.SIGTERM, self._chained(original))
+            self._take(signal.SIGTERM, self._chained(original), restore=original)
             if getattr(connector, "received_sigterm", False):  # came through Lightning's handler before this
-                connector.received_sigterm = False  # on some ranks only: the all-reduce decides, for all of them
+                connector.received_sigterm = False  # (on some ranks only): the vote decides, for all of them
                 self._request(signal.SIGTERM, None)
 
-    def _take(self, signum: int, handler) -> None:
-        self._installed[signum] = (handler, signal.signal(signum, handler))
+    def _take(self, signum: int, handler, restore=None) -> None:
+        previous = signal.signal(signum, handler)
+        self._installed[signum] = (handler, previous if restore is None else restore)
 
     def _is_ours(self, signum: int) -> bool:
         return signum in self._installed and signal.getsignal(signum) is self._installed[signum][0]
@@ -174,18 +181,20 @@ class PreemptionCheckpoint(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         from lightning_modules.steps import completes_step
 
-        if not completes_step(trainer):
-            return  # never stop inside a gradient-accumulation step
+        if completes_step(trainer):  # never stop inside a gradient-accumulation step
+            self._stop_if_requested(trainer, pl_module, f"after step {trainer.global_step}")
+
+    def _stop_if_requested(self, trainer, pl_module, where: str) -> None:
+        """Stop when any rank got a signal. Under DDP the ranks vote at every step (every rank stops at the same
+        one, or the others hang in the next all-reduce): Lightning 2.6 syncs the host at every DDP step anyway (its
+        own SIGTERM broadcast), and waiting for a logging step could pass SLURM's grace period (KillWait, 30 s)."""
         requested, usr1 = float(self.requested or 0), float(self.usr1)
         if trainer.world_size > 1:
-            # every rank stops at the same step, or the others hang in the next all-reduce. At every step: Lightning
-            # 2.6 syncs the host at every step under DDP anyway (its own SIGTERM broadcast), and a stop at the next
-            # logging step could miss SLURM's grace period (KillWait, 30 s by default)
             flags = torch.tensor([requested, usr1], device=pl_module.device)
             requested, usr1 = (float(v) for v in trainer.strategy.reduce(flags, reduce_op="max"))
         if requested:
             self.requested, self.usr1 = int(requested), bool(usr1)  # every rank exits, and requeues, alike
-            rank_zero_info(f"preemption: signal {self.requested} received, stopping after step {trainer.global_step}")
+            rank_zero_info(f"preemption: signal {self.requested} received, stopping {where}")
             stop_after_this_step(trainer)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -205,6 +214,10 @@ class PreemptionCheckpoint(L.Callback):
         if self._held:  # the training loop stops right after this validation
             self._held = False
             trainer._signal_connector.received_sigterm = True
+        elif trainer.state.fn == "fit" and not trainer.sanity_checking:
+            # a signal during the validation or its checkpoint write: stop before the next step (every rank ends
+            # a validation together, so the vote is safe here)
+            self._stop_if_requested(trainer, pl_module, f"after the validation at step {trainer.global_step}")
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         signum = self.requested or signal.SIGTERM  # None: Lightning's own SIGTERM handler stopped the run

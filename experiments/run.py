@@ -26,6 +26,7 @@ preemption signal stopped it after saving ``checkpoints/last.ckpt`` (resume with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import errno
 import os
@@ -632,19 +633,38 @@ def fit_and_summarise(cfg: Namespace, parser: ArgumentParser, module, data, mcfg
         except SIGTERMException:  # preempted: every rank stopped after the same step and saved (callbacks/preemption)
             close_process_group()
             raise
-        final = trainer.validate(module, datamodule=data, verbose=False)
-        if trainer.global_step % cfg.val_every:
-            # ModelCheckpoint saves every val_every steps; make last.ckpt hold the final step too, after its
-            # validation (a run extended from it keeps that validation in val_history, as TensorBoard does)
-            trainer.save_checkpoint(root / version / "checkpoints" / "last.ckpt")
+        with time_limit_warning_ignored():  # training is over: SLURM's SIGUSR1 must not kill the run now
+            final = trainer.validate(module, datamodule=data, verbose=False)
+            if trainer.global_step % cfg.val_every:
+                # ModelCheckpoint saves every val_every steps; make last.ckpt hold the final step too, after its
+                # validation (a run extended from it keeps that validation in val_history, as TensorBoard does)
+                trainer.save_checkpoint(root / version / "checkpoints" / "last.ckpt")
+            try:
+                write_run_summary(trainer, module, data, mcfg, recorder, final, run_dir)
+            finally:  # every rank reaches it, whatever rank 0's summary did
+                close_process_group()
     finally:
         if inherited == version:  # the DDP ranks have started; later runs in this process pick anew
             os.environ.pop("DYNCOMP_RUN_VERSION", None)
-    try:
-        write_run_summary(trainer, module, data, mcfg, recorder, final, run_dir)
-    finally:  # every rank reaches it, whatever rank 0's summary did
-        close_process_group()
     return run_dir
+
+
+@contextlib.contextmanager
+def time_limit_warning_ignored():
+    """SIGUSR1 ignored while nothing handles it (after training: its default action kills the process, and the
+    finished run would lose its final validation and summary; srun would count the task as failed). A handler
+    installed by someone else is left alone."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGUSR1) != signal.SIG_DFL:
+        yield
+        return
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
 
 
 def write_run_summary(trainer, module, data, mcfg: ModelConfig, recorder, final, run_dir: pathlib.Path) -> None:
