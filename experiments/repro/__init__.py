@@ -182,6 +182,27 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         ctx.close()
 
 
+def dispatch_probes(ctx, args) -> Dict[str, Any]:
+    """The probe programmes: the depth-necessity check, and the routed comparison at matched FLOPs."""
+    from experiments.repro.common import parse_list
+
+    if args.experiment == "necessity":
+        from experiments.repro.necessity import necessity_experiment, tables_from
+
+        if args.tables_from is not None:
+            return tables_from(ctx, args.tables_from, level=args.level, shallow_max=args.shallow_max,
+                               min_solving=args.min_solving)
+        return necessity_experiment(ctx, parse_list(args.layers, int, "layers"), args.seeds, level=args.level,
+                                    shallow_max=args.shallow_max, min_solving=args.min_solving)
+    from experiments.repro.probe import VARIANTS, probe_experiment
+
+    variants = parse_list(args.variants, str, "variants") if args.variants else VARIANTS
+    return probe_experiment(ctx, variants, seeds=args.seeds, blocks=args.blocks,
+                            min_steps=args.min_steps or (10 if args.quick else 20),
+                            quick=args.quick, dense_shapes=args.dense_shapes, verify=args.verify,
+                            published=args.published, tables_from_paths=stored_results(args))
+
+
 def stored_results(args) -> List[pathlib.Path]:
     """``--tables_from``'s files; [] when it is not given (an empty value is refused: the list is empty)."""
     from experiments.repro.common import parse_list
@@ -228,22 +249,8 @@ def dispatch(ctx, args) -> Dict[str, Any]:
             ctx, wide_ratio=args.wide_ratio, ratios=parse_list(args.ratios, float, "ratios"),
             methods=parse_list(args.methods, str, "methods"), sequences=args.sequences,
             ood=parse_ood(args.ood), ood_tokens=args.ood_tokens)
-    if name == "necessity":
-        from experiments.repro.necessity import necessity_experiment, tables_from
-
-        if args.tables_from is not None:
-            return tables_from(ctx, args.tables_from, level=args.level, shallow_max=args.shallow_max,
-                               min_solving=args.min_solving)
-        return necessity_experiment(ctx, parse_list(args.layers, int, "layers"), args.seeds, level=args.level,
-                                    shallow_max=args.shallow_max, min_solving=args.min_solving)
-    if name == "probe":
-        from experiments.repro.probe import VARIANTS, probe_experiment
-
-        variants = parse_list(args.variants, str, "variants") if args.variants else VARIANTS
-        return probe_experiment(ctx, variants, seeds=args.seeds, blocks=args.blocks,
-                                min_steps=args.min_steps or (10 if args.quick else 20),
-                                quick=args.quick, dense_shapes=args.dense_shapes, verify=args.verify,
-                                published=args.published, tables_from_paths=stored_results(args))
+    if name in ("necessity", "probe"):
+        return dispatch_probes(ctx, args)
     from experiments.repro.head_to_head import head_to_head
 
     variants = parse_list(args.variants, str, "variants") if args.variants else None
