@@ -128,6 +128,7 @@ class PreemptionCheckpoint(L.Callback):
         self.usr1 = False  # SIGUSR1 came (sticky: a SIGTERM after it still requeues the job)
         self._installed: Dict[int, Tuple[object, object]] = {}  # signal -> (our handler, the one it replaced)
         self._held = False  # a stop waiting for the validation under way to end
+        self._voted: Optional[Tuple[int, bool]] = None  # (signal, SIGUSR1 came) as every rank agreed on them
 
     def on_sanity_check_start(self, trainer, pl_module) -> None:
         self._install(trainer)
@@ -193,7 +194,8 @@ class PreemptionCheckpoint(L.Callback):
             flags = torch.tensor([requested, usr1], device=pl_module.device)
             requested, usr1 = (float(v) for v in trainer.strategy.reduce(flags, reduce_op="max"))
         if requested:
-            self.requested, self.usr1 = int(requested), bool(usr1)  # every rank exits, and requeues, alike
+            self.requested, self.usr1 = int(requested), bool(usr1)
+            self._voted = (self.requested, self.usr1)  # every rank exits, and requeues, alike (later signals aside)
             rank_zero_info(f"preemption: signal {self.requested} received, stopping {where}")
             stop_after_this_step(trainer)
 
@@ -220,18 +222,25 @@ class PreemptionCheckpoint(L.Callback):
             self._stop_if_requested(trainer, pl_module, f"after the validation at step {trainer.global_step}")
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        signum = self.requested or signal.SIGTERM  # None: Lightning's own SIGTERM handler stopped the run
-        try:
-            if not isinstance(exception, SIGTERMException):
-                return
-            trainer.save_checkpoint(str(self.path))  # our handlers stay in place through the save and the requeue
-            exception.code = preempted_status(signum)  # a non-zero exit: the run did not finish
-            rank_zero_info(f"preemption: saved {self.path} at step {trainer.global_step}; resume with --ckpt_path "
-                           f"last (exit status {exception.code})")
-            if self.requeue_job is not None and self.usr1 and trainer.is_global_zero:
-                requeue(self.requeue_job)  # after the checkpoint: the requeue's SIGTERM may come at once
-        finally:
+        """A stop: save ``last.ckpt``, then (after SIGUSR1 in a SLURM job) flush the loggers and requeue. Our signal
+        handlers stay until Lightning's teardown puts back the ones from before the run, after its loggers are
+        finalized: the requeue's SIGTERM then cannot kill the process before the stopping step's scalars are out."""
+        if not isinstance(exception, SIGTERMException):
             self._restore()  # Lightning skips the callbacks' teardown after an exception
+            return
+        signum, usr1 = self._voted or (self.requested or signal.SIGTERM, self.usr1)  # None: Lightning's flag
+        try:
+            trainer.save_checkpoint(str(self.path))
+        except BaseException:
+            self._restore()  # Lightning's teardown will not run
+            raise
+        exception.code = preempted_status(signum)  # a non-zero exit: the run did not finish
+        rank_zero_info(f"preemption: saved {self.path} at step {trainer.global_step}; resume with --ckpt_path "
+                       f"last (exit status {exception.code})")
+        if self.requeue_job is not None and usr1 and trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.save()  # the requeue's SIGTERM may come at once
+            requeue(self.requeue_job)
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._restore()
@@ -245,4 +254,4 @@ class PreemptionCheckpoint(L.Callback):
                 if self._is_ours(signum) and previous is not None:  # None: installed outside Python, left as it was
                     signal.signal(signum, previous)
         self._installed = {}
-        self.requested, self.usr1 = None, False
+        self.requested, self.usr1, self._voted = None, False, None

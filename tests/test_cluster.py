@@ -330,7 +330,7 @@ def test_sigusr1_outside_slurm_saves_last_checkpoint_and_resume_reaches_max_step
     assert signal.getsignal(signal.SIGUSR1) == before  # the handler is restored after the run
     last = tmp_path / "vanilla-tiny" / "version_0" / "checkpoints" / "last.ckpt"
     stopped_at = _ckpt_step(last)
-    assert stopped_at in (3, 4)  # the signal lands during step 3's end; the run stops after that step
+    assert stopped_at == 4  # the signal lands in step 3's end, after the callback's turn: it stops after step 4
     monkeypatch.setattr(run, "extra_run_callbacks", lambda cfg: [])
     summary = json.loads((run.main([*argv, "--ckpt_path", "last"]) / "summary.json").read_text())
     assert summary["steps"] == 8 and summary["train_started_at_steps"] == [0, stopped_at]
@@ -361,7 +361,7 @@ def test_sigusr1_under_slurm_stops_after_the_step_saves_last_ckpt_then_requeues(
     assert stopped.value.code == 128 + signal.SIGUSR1
     assert signal.getsignal(signal.SIGUSR1) == before
     run_dir = tmp_path / "runs" / "vanilla-tiny" / "version_0"
-    assert _ckpt_step(run_dir / "checkpoints" / "last.ckpt") in (3, 4)  # a whole step's checkpoint
+    assert _ckpt_step(run_dir / "checkpoints" / "last.ckpt") == 4  # a whole step's checkpoint
     assert not list(run_dir.rglob("hpc_ckpt_*"))
     assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "4242"]
 
@@ -380,6 +380,39 @@ def test_the_job_a_sigusr1_stop_requeues(env, job, monkeypatch):
         monkeypatch.setenv(key, value)
     assert slurm_requeue_job() == job
 
+
+class SignalAtMicroBatch(L.Callback):
+    def __init__(self, batch_idx: int, signum: int):
+        self.batch_idx, self.signum = batch_idx, signum
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == self.batch_idx:
+            os.kill(os.getpid(), self.signum)
+
+
+def test_sigterm_in_the_middle_of_a_gradient_accumulation_step_stops_after_the_whole_step(tmp_path, monkeypatch):
+    """Two micro-batches per step; SIGTERM after the first micro-batch of step 3. Lightning's own handler stopped the
+    run there, half a step in, and the resume lost that micro-batch's gradients; now the step is finished, the
+    checkpoint holds whole steps only, and the resumed run's losses are the uninterrupted run's."""
+    import experiments.run as run
+
+    for key in SLURM_ENV:
+        monkeypatch.delenv(key, raising=False)
+    argv = ["--max_steps", "6", "--val_every", "100", "--trainer.accumulate_grad_batches", "2", *TINY_RUN]
+    straight = json.loads((run.main([*argv, "--log_dir", str(tmp_path / "a")]) / "summary.json").read_text())
+    monkeypatch.setattr(run, "extra_run_callbacks", lambda cfg: [SignalAtMicroBatch(4, signal.SIGTERM)])
+    with pytest.raises(SystemExit) as stopped:
+        run.main([*argv, "--log_dir", str(tmp_path / "b")])
+    assert stopped.value.code == 128 + signal.SIGTERM
+    last = tmp_path / "b" / "vanilla-tiny" / "version_0" / "checkpoints" / "last.ckpt"
+    blob = torch.load(last, map_location="cpu", weights_only=False)
+    assert blob["global_step"] == 3
+    assert blob["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["completed"] == 6  # whole steps
+    monkeypatch.setattr(run, "extra_run_callbacks", lambda cfg: [])
+    resumed = json.loads((run.main([*argv, "--log_dir", str(tmp_path / "b"), "--ckpt_path", "last"])
+                          / "summary.json").read_text())
+    assert resumed["train_started_at_steps"] == [0, 3]
+    assert resumed["train_loss_curve"] == straight["train_loss_curve"]
 
 def test_after_training_sigusr1_is_ignored_until_the_summary_is_written(tmp_path, monkeypatch):
     """Once training is over nothing handles SIGUSR1 (Lightning put back the default action, which kills): SLURM's
