@@ -615,6 +615,42 @@ def test_a_signal_to_every_srun_task_stops_both_ranks_after_one_step(signum, tmp
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 40 and summary["train_started_at_steps"] == [0, step] and summary["world_size"] == 2
 
+
+SIGTERM_ON_RANK_1_DURING_A_VALIDATION = """
+import os, signal, sys
+sys.path.insert(0, {repo!r})
+import lightning as L
+import experiments.run as run
+
+
+class SigtermDuringValidation(L.Callback):
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if trainer.state.fn == "fit" and trainer.global_rank == 1 and trainer.global_step == 4 and batch_idx == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+run.extra_run_callbacks = lambda cfg: [SigtermDuringValidation()]
+run.cli()
+"""
+
+
+@pytest.mark.slow
+def test_a_sigterm_to_one_rank_during_a_validation_stops_both_after_it_with_uneven_shares(tmp_path):
+    """gloo DDP with 2 processes, 9 validation blocks (5 and 4 per rank: uneven shares), SIGTERM to rank 1 alone
+    during the validation at step 4: the ranks vote when the validation ends, both stop there (exit 143) and
+    last.ckpt holds step 4. (Lightning relaunches the script for rank 1, so both ranks carry the signalling hook.)"""
+    script = tmp_path / "launch.py"
+    script.write_text(SIGTERM_ON_RANK_1_DURING_A_VALIDATION.format(repo=str(REPO)))
+    env = clean_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("DYNCOMP_RUN_VERSION", None)
+    command = [sys.executable, str(script), "--max_steps", "30", "--val_every", "2", *TINY_RUN, "--val_blocks", "9",
+               "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp",
+               "--log_dir", str(tmp_path / "runs")]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr[-3000:]
+    assert "stopping after the validation at step 4" in done.stderr, done.stderr[-3000:]
+    assert _ckpt_step(tmp_path / "runs" / "vanilla-tiny" / "version_0" / "checkpoints" / "last.ckpt") == 4
+
 # ---------------------------------------------------------------------------- sweep
 def _no_jobs(monkeypatch):
     launched = []
