@@ -42,6 +42,7 @@ after the same step and ``last.ckpt`` is written once (by rank 0, after all rank
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import shutil
@@ -116,6 +117,21 @@ def requeue(job: str) -> bool:
         return False
     rank_zero_info(f"preemption: requeued SLURM job {job}")
     return True
+
+
+@contextlib.contextmanager
+def time_limit_warning_ignored():
+    """SIGUSR1 ignored while nothing handles it (after training: its default action kills the process, and the
+    finished run would lose its final validation and summary; srun would count the task as failed). A handler
+    installed by someone else is left alone."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGUSR1) != signal.SIG_DFL:
+        yield
+        return
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
 
 
 class PreemptionCheckpoint(L.Callback):

@@ -26,7 +26,6 @@ preemption signal stopped it after saving ``checkpoints/last.ckpt`` (resume with
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import errno
 import os
@@ -615,6 +614,7 @@ def fit_and_summarise(cfg: Namespace, parser: ArgumentParser, module, data, mcfg
                       version: str, ckpt_path: Optional[str]) -> pathlib.Path:
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+    from callbacks.preemption import time_limit_warning_ignored
     from callbacks.run_summary import StepRecorder
 
     inherited = os.environ.get("DYNCOMP_RUN_VERSION")
@@ -647,24 +647,6 @@ def fit_and_summarise(cfg: Namespace, parser: ArgumentParser, module, data, mcfg
         if inherited == version:  # the DDP ranks have started; later runs in this process pick anew
             os.environ.pop("DYNCOMP_RUN_VERSION", None)
     return run_dir
-
-
-@contextlib.contextmanager
-def time_limit_warning_ignored():
-    """SIGUSR1 ignored while nothing handles it (after training: its default action kills the process, and the
-    finished run would lose its final validation and summary; srun would count the task as failed). A handler
-    installed by someone else is left alone."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGUSR1) != signal.SIG_DFL:
-        yield
-        return
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
 
 
 def write_run_summary(trainer, module, data, mcfg: ModelConfig, recorder, final, run_dir: pathlib.Path) -> None:

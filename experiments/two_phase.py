@@ -117,7 +117,7 @@ def run_or_resume(argv: List[str], folder: pathlib.Path, steps: int) -> pathlib.
     if finished:
         print(f"note: two_phase: {folder} finished already; kept", file=sys.stderr)
         return folder
-    checkpoint = newest_checkpoint(folder) if folder.is_dir() else None
+    checkpoint = newest_checkpoint(folder)
     if checkpoint is None:
         return run.main(argv)
     print(f"note: two_phase: resuming {folder} from {checkpoint.name}", file=sys.stderr)

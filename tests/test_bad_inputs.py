@@ -17,7 +17,7 @@ import pytest
 
 from experiments import analyze, bench, compare, finetune, repro, run, sweep
 from experiments.repro import publish
-from tests.conftest import REPO, TINY_RUN, DiskFillsAfter
+from tests.conftest import REPO, TINY_RUN, DiskFillsAfter, file_states
 
 SECONDS = 30  # generous for a loaded 2-core CI machine; the failures themselves take well under 5 s
 TINY_FINETUNE = ["--model.d_model", "32", "--model.n_layer", "1", "--model.n_head", "2", "--model.block_size", "48",
@@ -471,10 +471,6 @@ def _children_cpu_seconds() -> float:
 
 
 # ---------------------------------------------------------------------------- a second programme on one command
-def _files(root: pathlib.Path):
-    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
-
-
 def test_a_second_programme_on_a_run_that_is_training_is_one_line_exit_2_and_touches_nothing(tmp_path, capsys,
                                                                                                monkeypatch):
     """The ``runs.started`` lock end to end: a first ``repro`` programme is frozen (SIGSTOP) while it trains its
@@ -495,7 +491,7 @@ def test_a_second_programme_on_a_run_that_is_training_is_one_line_exit_2_and_tou
             assert time.time() < deadline, "the first programme never started its first run"
             time.sleep(0.2)
         os.kill(first.pid, signal.SIGSTOP)
-        before = _files(out)
+        before = file_states(out)
         monkeypatch.setenv("DYNCOMP_CACHE", str(tmp_path / "cache"))
         start = time.time()
         with pytest.raises(SystemExit) as exit_info:
@@ -504,7 +500,7 @@ def test_a_second_programme_on_a_run_that_is_training_is_one_line_exit_2_and_tou
         assert exit_info.value.code == 2
         _assert_one_line(capsys.readouterr().err, r"another programme is training this run now \(.*runs\.started/"
                                                   r"\w+\.lock is locked\); wait for it to end, or stop it")
-        assert _files(out) == before
+        assert file_states(out) == before
     finally:
         first.kill()
         first.wait(timeout=60)

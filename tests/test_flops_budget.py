@@ -16,7 +16,7 @@ import torch
 from architectures.config import ConfigError
 from experiments.run import main
 from lightning_modules.lm import cosine_decay
-from tests.conftest import REPO, TINY_RUN
+from tests.conftest import REPO, TINY_RUN, file_states
 
 B, T = 4, 64  # TINY_RUN's batch and context
 FAST = [*TINY_RUN, "--val_blocks", "4", "--callbacks.contribution", "false", "--callbacks.throughput", "false"]
@@ -213,10 +213,6 @@ def test_resume_keeps_the_count_and_stops_at_the_same_step(tmp_path, one_thread)
     assert again["steps"] == 6 and again["train_flops"] == resumed["train_flops"]
 
 
-def _files(folder):
-    return {p.relative_to(folder): (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
-
-
 def test_a_run_without_budget_cannot_be_resumed_with_one_and_the_refusal_changes_nothing(tmp_path, one_thread, capsys,
                                                                                          monkeypatch):
     """Issue 30: the refusal came from on_load_checkpoint, after config.yaml had recorded the new budget and steps
@@ -226,17 +222,17 @@ def test_a_run_without_budget_cannot_be_resumed_with_one_and_the_refusal_changes
 
     plain = main(["--max_steps", "2", "--val_every", "2", "--log_dir", str(tmp_path), *FAST])
     assert _summary(plain)["max_train_flops"] is None and _summary(plain)["train_flops"] is None
-    before = _files(tmp_path)
+    before = file_states(tmp_path)
     monkeypatch.setattr(lm.LMDataModule, "__init__", lambda *a, **k: pytest.fail("the data module was built"))
     with pytest.raises(SystemExit) as exit_info:
         run.cli(main, ["--max_steps", "20", "--val_every", "2", "--log_dir", str(tmp_path), "--max_train_flops", "1e12",
                        *FAST, "--ckpt_path", str(plain / "checkpoints" / "last.ckpt")])
     assert exit_info.value.code == 2
     assert "error: max_train_flops: the checkpoint to resume was trained without" in capsys.readouterr().err
-    assert _files(tmp_path) == before  # config.yaml still records the run as it was trained
+    assert file_states(tmp_path) == before  # config.yaml still records the run as it was trained
     with pytest.raises(ConfigError, match="max_train_flops: the checkpoint to resume was trained without"):
         main(["--max_steps", "4", "--log_dir", str(tmp_path), "--max_train_flops", "1e12", *FAST, "--ckpt_path", "last"])
-    assert _files(tmp_path) == before
+    assert file_states(tmp_path) == before
 
 
 def test_the_budget_sums_every_ranks_count(one_thread):

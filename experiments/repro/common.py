@@ -41,8 +41,6 @@ class Context:
     threads: Optional[int] = None  # torch threads per run (``--threads``)
     command: Optional[str] = None  # the experiment's command line, quoted in results.md
     wall_time_s: Dict[str, float] = dataclasses.field(default_factory=dict)  # per part of the programme (``part``)
-    table_group_by: Optional[List[str]] = None  # the run table's --group_by and --baseline (``run_table``)
-    table_baseline: Optional[str] = None
     _parser: Any = dataclasses.field(default=None, repr=False)
     _writer: Any = dataclasses.field(default=None, repr=False)
     _run_dirs: List[pathlib.Path] = dataclasses.field(default_factory=list, repr=False)  # this invocation's runs
@@ -198,13 +196,15 @@ class Context:
             self.wall_time_s[name] = self.wall_time_s.get(name, 0.0) + time.perf_counter() - start
 
     # ------------------------------------------------------------------ outputs
-    def write_report(self, title: str, sections: Sequence[str], results: Dict[str, Any]) -> pathlib.Path:
-        """``results.md`` (the experiment's sections, then the run table) and ``results.json``."""
+    def write_report(self, title: str, sections: Sequence[str], results: Dict[str, Any],
+                     board: Optional[Dict[str, Any]] = None) -> pathlib.Path:
+        """``results.md`` (the experiment's sections, then the run table: ``board`` where the experiment built its
+        own ``experiments.compare`` table of these runs, grouped or against a baseline) and ``results.json``."""
         self.out.mkdir(parents=True, exist_ok=True)
         header = [f"# {title}", ""]
         if self.command:
             header += [f"Command: `{self.command}`", ""]
-        runs, files = self.run_table()
+        runs, files = self.run_table(board)
         (self.out / "results.md").write_text("\n".join(header + list(sections) + self.wall_time_lines() + runs).rstrip()
                                              + "\n")
         results = {**results, "leaderboard": files} if files else results
@@ -222,16 +222,17 @@ class Context:
         parts = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.wall_time_s.items())
         return [f"Wall time of this invocation per part: {parts} (reused runs cost no training time).", ""]
 
-    def run_table(self) -> Tuple[List[str], Dict[str, str]]:
-        """The runs of this invocation through ``experiments.compare``: written to ``<out>/leaderboard.*``,
-        returned as results.md lines with the files. Runs that cannot be compared leave a note, not a table."""
+    def run_table(self, board: Optional[Dict[str, Any]] = None) -> Tuple[List[str], Dict[str, str]]:
+        """The runs of this invocation through ``experiments.compare`` (or ``board``, their table built already):
+        written to ``<out>/leaderboard.*``, returned as results.md lines with the files. Runs that cannot be
+        compared leave a note, not a table."""
         from analysis import compare
 
         if not self._run_dirs:
             return [], {}
         heading = ["", "## Runs (`python -m experiments.compare`)", ""]
         try:
-            board = compare.leaderboard(compare.read_runs(self._run_dirs), self.table_group_by, self.table_baseline)
+            board = board or compare.leaderboard(compare.read_runs(self._run_dirs))
         except ConfigError as err:  # incomparable runs, an unreadable file: the experiment's own tables still stand
             print(f"warning: [repro] no run table: {err}", file=sys.stderr)
             return heading + [f"No run table: {err}", ""], {}

@@ -24,6 +24,7 @@ to the judged level (``--level``; default the top level of the runs' task):
 """
 from __future__ import annotations
 
+import pathlib
 from typing import Any, Dict, List, Optional, Sequence
 
 from architectures.config import ConfigError
@@ -46,23 +47,25 @@ def check_settings(layers: Sequence[int], seeds: int, shallow_max: int, min_solv
 
 def necessity_experiment(ctx: Context, layers: Sequence[int], seeds: int, level: Optional[int] = None,
                          shallow_max: int = 1, min_solving: int = 4) -> Dict[str, Any]:
+    from analysis import compare
+
     check_settings(layers, seeds, shallow_max, min_solving)
     layers = sorted(layers)
-    grid = [["--variant", "vanilla", "--model.n_layer", str(n), "--seed", str(ctx.seed + k)]
-            for n in layers for k in range(seeds)]
+    points = [(n, ctx.seed + k) for n in layers for k in range(seeds)]  # (depth, seed) of each run
+    grid = [["--variant", "vanilla", "--model.n_layer", str(n), "--seed", str(seed)] for n, seed in points]
     ctx.validate(grid)
     with ctx.part("training the runs"):
         summaries = ctx.run_many([(options, None, None) for options in grid])
     with ctx.part("tables"):
-        board = depth_table(ctx, [s["run_dir"] for s in summaries], layers)
+        board = depth_table(compare.read_runs([pathlib.Path(s["run_dir"]) for s in summaries]), layers)
         verdict = necessity_verdict(board, level, shallow_max=shallow_max, min_solving=min_solving)
-    rows = [{"variant": "vanilla", "n_layer": n, "seed": ctx.seed + k, "run_dir": s["run_dir"], "steps": s["steps"]}
-            for (n, k), s in zip([(n, k) for n in layers for k in range(seeds)], summaries)]
+    rows = [{"variant": "vanilla", "n_layer": n, "seed": seed, "run_dir": s["run_dir"], "steps": s["steps"]}
+            for (n, seed), s in zip(points, summaries)]
     settings = {"layers": layers, "seeds": seeds, "first_seed": ctx.seed, "steps": ctx.steps,
                 "shallow_max": shallow_max, "min_solving": min_solving, "run_options": ctx.run_options}
     results = {"settings": settings, "verdict": verdict, "runs": rows}
     ctx.write_report("Depth necessity: vanilla at several depths, equal steps", report_sections(settings, verdict),
-                     results)
+                     results, board=board)
     return results
 
 
@@ -77,7 +80,7 @@ def tables_from(ctx: Context, folder: str, level: Optional[int] = None, shallow_
     seeds = min(sum(int(r.config["model.n_layer"]) == n for r in runs) for n in layers)
     check_settings(layers, seeds, shallow_max, min_solving)
     with ctx.part("tables"):
-        board = depth_table(ctx, [str(r.folder) for r in runs], layers)
+        board = depth_table(runs, layers)
         verdict = necessity_verdict(board, level, shallow_max=shallow_max, min_solving=min_solving)
     for run in runs:
         ctx.record_run(run.folder)
@@ -90,20 +93,16 @@ def tables_from(ctx: Context, folder: str, level: Optional[int] = None, shallow_
              "intervals are percentile bootstraps over seeds.")
     results = {"settings": settings, "verdict": verdict, "runs": rows, "tables_from": True}
     ctx.write_report("Depth necessity: vanilla at several depths, equal steps", [intro, "", verdict_line(verdict), ""],
-                     results)
+                     results, board=board)
     return results
 
 
-def depth_table(ctx: Context, run_dirs: Sequence[str], layers: Sequence[int]) -> Dict[str, Any]:
-    """``experiments.compare``'s table of the runs grouped by depth, against the shallowest; also the report's run
-    table (``Context.run_table`` builds the same one)."""
-    import pathlib
-
+def depth_table(runs, layers: Sequence[int]) -> Dict[str, Any]:
+    """``experiments.compare``'s table of the runs grouped by depth, against the shallowest (also the report's run
+    table)."""
     from analysis import compare
 
-    ctx.table_group_by, ctx.table_baseline = ["model.n_layer"], f"vanilla n_layer={min(layers)}"
-    return compare.leaderboard(compare.read_runs([pathlib.Path(d) for d in run_dirs]), ctx.table_group_by,
-                               ctx.table_baseline)
+    return compare.leaderboard(runs, ["model.n_layer"], f"vanilla n_layer={min(layers)}")
 
 
 def necessity_verdict(board: Dict[str, Any], level: Optional[int] = None, shallow_max: int = 1,
@@ -168,13 +167,13 @@ def verdict_line(verdict: Dict[str, Any]) -> str:
 
     meeting = ", ".join(str(n) for n in verdict["deeper_meeting"]) or "none"
     return (f"**Verdict: {verdict['verdict']}.** Level {level}: " + "; ".join(depth(n) for n in sorted(depths)) +
-            f". The shallowest depth may solve it in at most {seeds(verdict['shallow_max'])} "
+            f". The shallowest depth may solve it in at most {seed_count(verdict['shallow_max'])} "
             f"({'holds' if verdict['shallow_fails'] else 'fails'}); each deeper depth must beat it after Holm "
-            f"(alpha {ALPHA}) and solve it in at least {seeds(verdict['min_solving'])} (deeper depths meeting both: "
+            f"(alpha {ALPHA}) and solve it in at least {seed_count(verdict['min_solving'])} (deeper depths meeting both: "
             f"{meeting}).")
 
 
-def seeds(k: int) -> str:
+def seed_count(k: int) -> str:
     return f"{k} seed{'' if k == 1 else 's'}"
 
 
