@@ -244,15 +244,44 @@ def test_mod_isoflop_runs_spend_the_budget(tmp_path):
 
 @pytest.mark.slow
 def test_mom_two_phase_end_to_end(tmp_path):
-    result = repro(["mom_two_phase", "--out", str(tmp_path), "--steps", "4", "--", *TINY_RUN])
-    assert result["phase1_steps"] == 2 and result["phase2_steps"] == 2
-    phase1 = json.loads((pathlib.Path(result["phase1"]) / "summary.json").read_text())
-    assert phase1["variant"] == "vanilla" and phase1["steps"] == 2
-    scratch = json.loads((pathlib.Path(result["from_scratch"]) / "summary.json").read_text())
-    assert scratch["variant"] == "mom" and scratch["steps"] == 4
+    """Two seeds: each arm trains at each seed (phase 1 and from scratch at their steps), the loss summaries are
+    the per-seed runs' own, the one test of two-phase against from scratch decides the goal line, and the
+    programme is publishable (one row per run) and resumable (a rerun reuses every run)."""
+    from analysis.stats import passes
+    from experiments.repro.publish import publish
+
+    command = ["mom_two_phase", "--out", str(tmp_path / "out"), "--steps", "4", "--seeds", "2", "--", *TINY_RUN]
+    result = repro(command)
+    assert result["phase1_steps"] == 2 and result["phase2_steps"] == 2 and result["seeds"] == 2
+    rows = {(r["seed"], r["arm"]): r for r in result["runs"]}
+    assert set(rows) == {(s, arm) for s in (1337, 1338) for arm in ("two-phase", "from scratch", "vanilla", "phase 1")}
+    for (seed, arm), row in rows.items():
+        summary = json.loads((pathlib.Path(row["run_dir"]) / "summary.json").read_text())
+        assert run_config(pathlib.Path(row["run_dir"]))["seed"] == seed and summary["final_val_loss"] == row["final_val_loss"]
+        assert (summary["variant"], summary["steps"]) == {"phase 1": ("vanilla", 2), "two-phase": ("mom", 2),
+                                                         "from scratch": ("mom", 4), "vanilla": ("vanilla", 4)}[arm]
+    for arm in ("two-phase", "from scratch", "vanilla", "phase 1"):
+        assert result["val_loss"][arm]["seeds"] == [rows[(s, arm)]["final_val_loss"] for s in (1337, 1338)]
     for arm in ("two-phase", "from scratch"):
-        assert -1.0 <= result["measures"][arm]["ffn"] <= 1.0
-    assert (tmp_path / "mom_two_phase.png").is_file()
+        assert all(-1.0 <= m[arm]["ffn"] <= 1.0 for m in result["measures_per_seed"])
+    test = result["two_phase_vs_from_scratch"]
+    assert test["n"] == 2 and test["difference"] == pytest.approx(
+        result["val_loss"]["two-phase"]["mean"] - result["val_loss"]["from scratch"]["mean"])
+    report = (tmp_path / "out" / "results.md").read_text()
+    assert ("Two-phase **beats**" in report) == passes(test) and "one-sided Welch over 2 seeds" in report
+    assert (tmp_path / "out" / "mom_two_phase.png").is_file()
+    assert len(publish(tmp_path / "out", tmp_path / "published")["runs"]) == 8
+    again = repro(command)
+    assert [r["run_dir"] for r in again["runs"]] == [r["run_dir"] for r in result["runs"]]
+
+
+def test_mom_two_phase_with_one_seed_makes_no_claim():
+    from experiments.repro.mom import two_phase_verdict
+
+    one = {"two_phase_vs_from_scratch": {"difference": -0.02, "ci_low": None, "ci_high": None, "p": None,
+                                         "hedges_g": None, "n": 1, "n_baseline": 1, "p_holm": None}}
+    line = two_phase_verdict(one, 1)
+    assert "no test with 1 seed(s)" in line and "beats" not in line
 
 
 @pytest.mark.slow

@@ -79,6 +79,7 @@ def add_mom_experiments(add: Callable[[str, str], argparse.ArgumentParser]) -> N
     p.add_argument("--variant", default="mom")
     p.add_argument("--phase1_steps", type=int, default=None, help="default: steps / 2")
     p.add_argument("--phase2_steps", type=int, default=None, help="default: steps - phase1_steps")
+    p.add_argument("--seeds", type=int, default=5, help="seeds per arm, from --seed on (default 5)")
 
 
 def add_training_experiments(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
@@ -231,7 +232,7 @@ def dispatch(ctx, args) -> Dict[str, Any]:
     if name == "mom_two_phase":
         from experiments.repro.mom import two_phase
 
-        return two_phase(ctx, args.variant, args.phase1_steps, args.phase2_steps)
+        return two_phase(ctx, args.variant, args.phase1_steps, args.phase2_steps, seeds=args.seeds)
     if name == "mod_isoflop":
         from experiments.repro.isoflop import isoflop_experiment, tables_from
 

@@ -365,35 +365,36 @@ def routing_profile(model, sequences: torch.Tensor) -> Dict[str, Optional[float]
     return {"router_entropy": mean(entropies), "load_cv": mean(cvs), "skip_share": mean(skips)}
 
 
-def plot_two_phase(ctx: Context, variant: str, s1: int, phase1: Dict[str, Any], phase2: Dict[str, Any],
-                   from_scratch: Dict[str, Any], vanilla: Dict[str, Any]) -> None:
-    """The training-loss curves of both phases, the from-scratch arm and vanilla, over the total step."""
+ARMS = ("two-phase", "from scratch", "vanilla", "phase 1")  # the runs of one seed; the first two are MoM
+MEASURES = ("attn", "ffn", "router_entropy", "load_cv", "skip_share")
+
+
+def plot_two_phase(ctx: Context, variant: str, s1: int, per_seed: Sequence[Dict[str, Any]]) -> None:
+    """Every seed's training-loss curves of both phases, the from-scratch arm and vanilla, over the total step."""
     fig, axes = figure(1, 1, width=6.0)
     ax = axes[0, 0]
-    curve = lambda s, offset=0: ([p + offset for p, _ in s["train_loss_curve"]], [l for _, l in s["train_loss_curve"]])  # noqa: E731
-    ax.plot(*curve(phase1), label="phase 1 (vanilla)", color="tab:gray")
-    ax.plot(*curve(phase2, s1), label=f"phase 2 ({variant} from vanilla)", color="tab:blue")
-    ax.plot(*curve(from_scratch), label=f"{variant} from scratch", color="tab:red", alpha=0.7)
-    ax.plot(*curve(vanilla), label="vanilla", color="black", alpha=0.4)
+    styles = {"phase 1": ("phase 1 (vanilla)", "tab:gray", 0), "two-phase": (f"phase 2 ({variant} from vanilla)",
+              "tab:blue", s1), "from scratch": (f"{variant} from scratch", "tab:red", 0), "vanilla": ("vanilla", "black", 0)}
+    for i, seed in enumerate(per_seed):
+        for arm, (label, colour, offset) in styles.items():
+            curve = seed["runs"][arm]["train_loss_curve"]
+            ax.plot([p + offset for p, _ in curve], [l for _, l in curve], color=colour, alpha=0.6, linewidth=1,
+                    label=label if i == 0 else None)
     ax.set_xlabel("total training step")
     ax.set_ylabel("training loss")
     ax.legend(fontsize=7)
-    ax.set_title("two-phase vs from-scratch MoM")
+    ax.set_title(f"two-phase vs from-scratch {variant} ({len(per_seed)} seeds, one line each)")
     ctx.save_figure(fig, "mom_two_phase")
 
 
-def two_phase(ctx: Context, variant: str = "mom", phase1_steps: Optional[int] = None,
-              phase2_steps: Optional[int] = None, options: Sequence[str] = (), sequences: int = 32) -> Dict[str, Any]:
+def two_phase_seed(ctx: Context, variant: str, s1: int, s2: int, options: Sequence[str], seed: int,
+                   sequences: int) -> Dict[str, Any]:
+    """One seed's four runs (phase 1, phase 2 from it, MoM from scratch and vanilla for s1 + s2 steps) and the
+    module measures of the two MoM arms."""
     from experiments import two_phase as two_phase_cli
 
-    s1 = phase1_steps or max(1, ctx.steps // 2)
-    s2 = phase2_steps or max(1, ctx.steps - s1)
-    two_phase_cli.check_variant(variant)
-    scratch = ["--variant", variant, *options]
-    reference = ["--variant", "vanilla", *options]
-    ctx.validate([scratch, reference])
     argv = ["--variant", variant, "--size", ctx.size, "--phase1_steps", str(s1), "--phase2_steps", str(s2),
-            "--log_dir", str(ctx.log_dir), "--seed", str(ctx.seed), *ctx.run_options, *options,
+            "--log_dir", str(ctx.log_dir), *ctx.run_options, *options, "--seed", str(seed),
             "--phase1.val_every", str(s1), "--phase2.val_every", str(s2)]
     # a fixed folder name per command, so that a rerun resumes the phases a kill cut off (none under --no_reuse)
     started = ctx.started_file("experiments.two_phase", argv)
@@ -401,37 +402,90 @@ def two_phase(ctx: Context, variant: str = "mom", phase1_steps: Optional[int] = 
     phase2_dir = ctx.cached("experiments.two_phase", argv, lambda: two_phase_cli.main([*argv, *version]))
     record = json.loads((phase2_dir / "two_phase.json").read_text())
     ctx.record_run(pathlib.Path(record["phase1"]))  # phase 1 in the run table too
-    phase1, phase2 = load_summary(pathlib.Path(record["phase1"])), load_summary(phase2_dir)
-    from_scratch = ctx.run(scratch, steps=s1 + s2)
-    vanilla = ctx.run(reference, steps=s1 + s2)
-    arms = {"two-phase": phase2, "from scratch": from_scratch}
+    runs = {"two-phase": load_summary(phase2_dir),
+            "from scratch": ctx.run(["--variant", variant, *options, "--seed", str(seed)], steps=s1 + s2),
+            "vanilla": ctx.run(["--variant", "vanilla", *options, "--seed", str(seed)], steps=s1 + s2),
+            "phase 1": load_summary(pathlib.Path(record["phase1"]))}
     measures = {}
-    for name, summary in arms.items():
-        model = load_model(pathlib.Path(summary["run_dir"]))
-        data = validation_sequences(pathlib.Path(summary["run_dir"]), model, sequences)
-        measures[name] = {**module_similarity(model, data), **routing_profile(model, data)}
-    rows = [["two-phase (vanilla %d + %s %d)" % (s1, variant, s2), phase2["final_val_loss"], *_measure_row(measures["two-phase"])],
-            [f"from scratch ({variant} {s1 + s2})", from_scratch["final_val_loss"], *_measure_row(measures["from scratch"])],
-            [f"vanilla {s1 + s2} (reference)", vanilla["final_val_loss"], None, None, None, None, None],
-            [f"phase 1 alone (vanilla {s1})", phase1["final_val_loss"], None, None, None, None, None]]
-    headers = ["model", "val loss", "attn module sim.", "FFN module sim.", "router entropy", "load CV", "SKIP share"]
-    better = phase2["final_val_loss"] < from_scratch["final_val_loss"]
+    for arm in ARMS[:2]:
+        model = load_model(pathlib.Path(runs[arm]["run_dir"]))
+        data = validation_sequences(pathlib.Path(runs[arm]["run_dir"]), model, sequences)
+        measures[arm] = {**module_similarity(model, data), **routing_profile(model, data)}
+    return {"seed": seed, "runs": runs, "measures": measures}
+
+
+def two_phase_analysis(per_seed: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """Each arm's validation loss and each MoM arm's measures over seeds (mean, std, bootstrap interval over
+    seeds); two-phase against from scratch (the paper's claim: lower loss; one-sided Welch over seeds, one test)
+    and both MoM arms against vanilla at the same total steps (Holm over the two)."""
+    from analysis.stats import against_baseline, seed_summary
+
+    loss = {arm: [s["runs"][arm]["final_val_loss"] for s in per_seed] for arm in ARMS}
+    return {"val_loss": {arm: seed_summary(values) for arm, values in loss.items()},
+            "measures": {arm: {key: seed_summary([s["measures"][arm][key] for s in per_seed]) for key in MEASURES}
+                         for arm in ARMS[:2]},
+            "two_phase_vs_from_scratch": against_baseline({"two-phase": loss["two-phase"]}, loss["from scratch"])
+            ["two-phase"],
+            "vs_vanilla": against_baseline({arm: loss[arm] for arm in ARMS[:2]}, loss["vanilla"])}
+
+
+def two_phase_verdict(analysis: Dict[str, Any], seeds: int) -> str:
+    """The goal line: two-phase beats from scratch only when its one-sided test passes (no test with one seed)."""
+    from analysis.stats import passes
+    from analysis.tables import test_cell
+
+    test = analysis["two_phase_vs_from_scratch"]
+    if test.get("p_holm") is None:
+        return (f"Two-phase vs from scratch: no test with {seeds} seed(s) (difference "
+                f"{fmt(test.get('difference'), 4)} nats); run --seeds 5 or more for a claim.")
+    verdict = "**beats**" if passes(test) else "**does not beat**"
+    return (f"Two-phase {verdict} from-scratch training at equal total steps: validation loss difference "
+            f"{test_cell(test)} (one-sided Welch over {seeds} seeds, alpha 0.05).")
+
+
+def two_phase_tables(variant: str, s1: int, s2: int, analysis: Dict[str, Any]) -> List[str]:
+    """results.md's tables: per arm the loss and measures (seed mean [95% CI]), then the tests."""
+    from analysis.tables import ci_cell, test_cell
+
+    cell = lambda summary: ci_cell(summary["mean"], summary["ci"], 4)  # noqa: E731
+    names = {"two-phase": f"two-phase (vanilla {s1} + {variant} {s2})", "from scratch": f"from scratch ({variant} "
+             f"{s1 + s2})", "vanilla": f"vanilla {s1 + s2} (reference)", "phase 1": f"phase 1 alone (vanilla {s1})"}
+    rows = [[names[arm], cell(analysis["val_loss"][arm]),
+             *(cell(analysis["measures"][arm][key]) if arm in analysis["measures"] else "-" for key in MEASURES)]
+            for arm in ARMS]
+    headers = ["model", "val loss [95% CI]", "attn module sim.", "FFN module sim.", "router entropy", "load CV",
+               "SKIP share"]
+    tests = [[names["two-phase"], "from scratch", test_cell(analysis["two_phase_vs_from_scratch"])],
+             *([names[arm], "vanilla (Holm over the two MoM arms)", test_cell(t)]
+               for arm, t in analysis["vs_vanilla"].items())]
+    return [markdown_table(headers, rows), "", markdown_table(["arm", "against", "Δ val loss [95% CI], g, p"], tests), ""]
+
+
+def two_phase(ctx: Context, variant: str = "mom", phase1_steps: Optional[int] = None,
+              phase2_steps: Optional[int] = None, options: Sequence[str] = (), sequences: int = 32,
+              seeds: int = 5) -> Dict[str, Any]:
+    from experiments import two_phase as two_phase_cli
+
+    if seeds < 1:
+        raise ConfigError(f"--seeds: must be a positive integer, got {seeds}")
+    s1 = phase1_steps or max(1, ctx.steps // 2)
+    s2 = phase2_steps or max(1, ctx.steps - s1)
+    two_phase_cli.check_variant(variant)
+    ctx.validate([["--variant", variant, *options], ["--variant", "vanilla", *options]])
+    with ctx.part("training and measures"):
+        per_seed = [two_phase_seed(ctx, variant, s1, s2, options, ctx.seed + i, sequences) for i in range(seeds)]
+    analysis = two_phase_analysis(per_seed)
     sections = [
-        f"Equal total steps: {s1} + {s2} (two-phase) vs {s1 + s2} (from scratch). Module similarity = mean pairwise "
-        "cosine similarity of the pool modules' outputs on the same inputs (1 = homogeneous modules).", "",
-        markdown_table(headers, rows), "",
-        f"Two-phase {'beats' if better else 'does not beat'} from-scratch at equal steps "
-        f"({phase2['final_val_loss']:.4f} vs {from_scratch['final_val_loss']:.4f}).", "",
-    ]
-    plot_two_phase(ctx, variant, s1, phase1, phase2, from_scratch, vanilla)
-    results = {"variant": variant, "phase1_steps": s1, "phase2_steps": s2, "phase1": phase1["run_dir"],
-               "two_phase": phase2["run_dir"], "from_scratch": from_scratch["run_dir"], "vanilla": vanilla["run_dir"],
-               "val_loss": {"two_phase": phase2["final_val_loss"], "from_scratch": from_scratch["final_val_loss"],
-                            "vanilla": vanilla["final_val_loss"], "phase1": phase1["final_val_loss"]},
-               "measures": measures}
+        f"Equal total steps: {s1} + {s2} (two-phase) vs {s1 + s2} (from scratch), {seeds} seed(s) from {ctx.seed} on, "
+        "each arm with the same seed. Module similarity = mean pairwise cosine similarity of the pool modules' "
+        "outputs on the same inputs (1 = homogeneous modules). Intervals: 95% percentile bootstrap over seeds; "
+        "Δ: the arm's loss minus the other's (negative = lower loss), one-sided Welch over seeds.", "",
+        *two_phase_tables(variant, s1, s2, analysis), two_phase_verdict(analysis, seeds), ""]
+    plot_two_phase(ctx, variant, s1, per_seed)
+    results = {"variant": variant, "phase1_steps": s1, "phase2_steps": s2, "seeds": seeds, **analysis,
+               "runs": [{"seed": s["seed"], "arm": arm, "run_dir": s["runs"][arm]["run_dir"],
+                         "steps": s["runs"][arm]["steps"], "final_val_loss": s["runs"][arm]["final_val_loss"]}
+                        for s in per_seed for arm in ARMS],  # one row per run: publish copies their records
+               "measures_per_seed": [{"seed": s["seed"], **s["measures"]} for s in per_seed]}
     ctx.write_report("MoM two-phase vs from-scratch training", sections, results)
     return results
-
-
-def _measure_row(m: Dict[str, Optional[float]]) -> List[Optional[float]]:
-    return [m["attn"], m["ffn"], m["router_entropy"], m["load_cv"], m["skip_share"]]
