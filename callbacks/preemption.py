@@ -16,7 +16,8 @@ handler's barrier or broadcast while another is in the step's gradient all-reduc
 the job (two srun-style tasks both sent SIGTERM hung in 2 of 7 tries: tests/test_cluster.py), and a checkpoint
 saved there is of a half-done step. So ``experiments.run`` builds the SLURM environment with
 ``auto_requeue=False`` (``slurm_requeue_job``), and this callback's handler takes SIGTERM from Lightning's for
-the run (from the sanity check on; the final validation too): it only raises a flag and calls the handler that
+the run (from the sanity check on; the final validation too; before those, from Lightning's registration on,
+its handler calls our flag instead of its broadcast): it only raises a flag and calls the handler that
 was there before Lightning's (Lightning's forwarding to its launcher's processes is not needed: the ranks agree
 on the flag below). In one process Lightning's flag also stopped the run after any micro-batch, inside a
 gradient-accumulation step; the flag here is acted on at a step's or a validation's end only.
@@ -145,6 +146,15 @@ class PreemptionCheckpoint(L.Callback):
         self._installed: Dict[int, Tuple[object, object]] = {}  # signal -> (our handler, the one it replaced)
         self._held = False  # a stop waiting for the validation under way to end
         self._voted: Optional[Tuple[int, bool]] = None  # (signal, SIGUSR1 came) as every rank agreed on them
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        """Before Lightning registers its signal handlers for the stage (it does so after every setup hook, then
+        builds the data loaders before the sanity check, the first step or the final validation, where ``_install``
+        takes SIGTERM): its SIGTERM notifier, the part of its handler that broadcasts under DDP, becomes our flag.
+        A SIGTERM in that window then makes no collective inside the handler either; it goes to the first vote."""
+        connector = getattr(trainer, "_signal_connector", None)
+        if connector is not None:
+            connector._sigterm_notifier_fn = self._request  # an instance attribute: Lightning looks it up at registration
 
     def on_sanity_check_start(self, trainer, pl_module) -> None:
         self._install(trainer)

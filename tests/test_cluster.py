@@ -289,6 +289,34 @@ def test_a_flag_lightnings_handler_raised_before_the_callback_took_sigterm_goes_
         signal.signal(signal.SIGTERM, before)
 
 
+@pytest.mark.parametrize("stage", ["fit", "validate"])
+def test_a_sigterm_before_the_run_starts_makes_no_collective_in_the_handler_and_goes_to_the_vote(stage, monkeypatch):
+    """Lightning registers its SIGTERM handler after the setup hooks and before the sanity check, the first step
+    or the final validation's start (its data loaders are built in between); its notifier broadcasts rank 0's
+    flag inside the handler under DDP, a hang where the other ranks are elsewhere. After the callback's setup hook
+    a SIGTERM in that window raises the callback's flag and makes no collective."""
+    import torch.distributed as dist
+
+    collectives = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "broadcast", lambda *args, **kwargs: collectives.append("broadcast"))
+    before = signal.getsignal(signal.SIGTERM)
+    ddp = _lightning_signals(world_size=2)
+    callback = PreemptionCheckpoint("unused")
+    try:
+        callback.setup(ddp, None, stage)
+        ddp._signal_connector.register_signal_handlers()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert collectives == [] and callback.requested == signal.SIGTERM
+        callback.on_train_start(ddp, None) if stage == "fit" else callback.on_validation_start(
+            types.SimpleNamespace(**vars(ddp), state=types.SimpleNamespace(fn="validate")), None)
+        assert callback.requested == signal.SIGTERM  # taking SIGTERM over keeps the flag for the vote
+    finally:
+        ddp._signal_connector.teardown()
+        callback.teardown(ddp, None, stage)
+        signal.signal(signal.SIGTERM, before)
+
+
 def test_sigusr1_is_sticky_so_a_later_sigterm_still_requeues():
     callback = PreemptionCheckpoint("unused", requeue_job="4242")
     callback._request(signal.SIGUSR1, None)

@@ -198,7 +198,44 @@ def unknown_options(text: str, options: Iterable[str]) -> List[str]:
     return sorted(o for o in named_options(text) if not accepted(o, options))
 
 
+def test_functions() -> Dict[str, Set[str]]:
+    """Every test function per tests/ file name (``test_x.py``)."""
+    return {f.name: set(re.findall(r"^(?:async )?def (test_\w+)", f.read_text(encoding="utf-8"), re.M))
+            for f in (ROOT / "tests").glob("test_*.py")}
+
+
+NOT_TESTS = {"test_settings", "test_config"}  # registry fields (architectures/registry.py) the docs name
+
+
+def unknown_tests(text: str, tests: Dict[str, Set[str]]) -> List[str]:
+    """Tests named in code spans (`test_x`, `tests/test_f.py::test_x`, a family `test_x_*`) that no tests/ file
+    defines (in that file, where it is named): a renamed test leaves the docs citing evidence that is gone."""
+    every = set().union(*tests.values())
+    missing = []
+    for span in re.findall(r"`([^`\n]+)`", text):
+        named = re.fullmatch(r"(?:tests/(test_\w+\.py)::)?(test_\w+?)(_?\*)?", span.strip())
+        if named is None or named.group(2) in NOT_TESTS or f"{named.group(2)}.py" in tests:
+            continue
+        file, name, family = named.groups()
+        pool = tests.get(file, set()) if file else every
+        if not (any(t.startswith(name) for t in pool) if family else name in pool):
+            missing.append(span.strip())
+    return sorted(set(missing))
+
+
 # ----------------------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("path", DOC_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_test_the_docs_name_exists(path):
+    assert unknown_tests(path.read_text(encoding="utf-8"), test_functions()) == []
+
+
+def test_the_test_checker_finds_renamed_tests():
+    tests = {"test_a.py": {"test_one", "test_two_ways"}, "test_b.py": {"test_three"}}
+    text = ("`test_one`, `tests/test_a.py::test_two_ways`, `test_two_*`, `test_a.py`, `test_settings`,\n"
+            "`test_gone`, `tests/test_b.py::test_one`, `test_nine_*`, `not a test_one`")
+    assert unknown_tests(text, tests) == ["test_gone", "test_nine_*", "tests/test_b.py::test_one"]
+
+
 @pytest.mark.parametrize("path", DOC_FILES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_relative_link_resolves(path):
     assert broken_links(path) == []
