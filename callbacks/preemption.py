@@ -153,7 +153,7 @@ class PreemptionCheckpoint(L.Callback):
         takes SIGTERM): its SIGTERM notifier, the part of its handler that broadcasts under DDP, becomes our flag.
         A SIGTERM in that window then makes no collective inside the handler either; it goes to the first vote."""
         connector = getattr(trainer, "_signal_connector", None)
-        if connector is not None:
+        if connector is not None and stage in ("fit", "validate"):  # the stages whose signals the callback votes on
             connector._sigterm_notifier_fn = self._request  # an instance attribute: Lightning looks it up at registration
 
     def on_sanity_check_start(self, trainer, pl_module) -> None:

@@ -236,7 +236,7 @@ def _lightning_signals(world_size: int):
     """A trainer stand-in with Lightning's real signal connector (what ``fit`` / ``validate`` register)."""
     from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 
-    trainer = types.SimpleNamespace(world_size=world_size, _accelerator_connector=types.SimpleNamespace(
+    trainer = types.SimpleNamespace(world_size=world_size, local_rank=0, _accelerator_connector=types.SimpleNamespace(
         cluster_environment=None), strategy=types.SimpleNamespace(launcher=None, root_device=torch.device("cpu")))
     trainer._signal_connector = _SignalConnector(trainer)
     return trainer

@@ -198,7 +198,7 @@ def unknown_options(text: str, options: Iterable[str]) -> List[str]:
     return sorted(o for o in named_options(text) if not accepted(o, options))
 
 
-def test_functions() -> Dict[str, Set[str]]:
+def defined_tests() -> Dict[str, Set[str]]:
     """Every test function per tests/ file name (``test_x.py``)."""
     return {f.name: set(re.findall(r"^(?:async )?def (test_\w+)", f.read_text(encoding="utf-8"), re.M))
             for f in (ROOT / "tests").glob("test_*.py")}
@@ -226,7 +226,7 @@ def unknown_tests(text: str, tests: Dict[str, Set[str]]) -> List[str]:
 # ----------------------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("path", DOC_FILES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_test_the_docs_name_exists(path):
-    assert unknown_tests(path.read_text(encoding="utf-8"), test_functions()) == []
+    assert unknown_tests(path.read_text(encoding="utf-8"), defined_tests()) == []
 
 
 def test_the_test_checker_finds_renamed_tests():

@@ -268,7 +268,7 @@ def test_mom_two_phase_end_to_end(tmp_path):
     assert test["n"] == 2 and test["difference"] == pytest.approx(
         result["val_loss"]["two-phase"]["mean"] - result["val_loss"]["from scratch"]["mean"])
     report = (tmp_path / "out" / "results.md").read_text()
-    assert ("Two-phase **beats**" in report) == passes(test) and "one-sided Welch over 2 seeds" in report
+    assert ("Two-phase **beats**" in report) == passes(test) and "one-sided Welch over 2 seeds each" in report
     assert (tmp_path / "out" / "mom_two_phase.png").is_file()
     assert len(publish(tmp_path / "out", tmp_path / "published")["runs"]) == 8
     again = repro(command)
@@ -281,7 +281,11 @@ def test_mom_two_phase_with_one_seed_makes_no_claim():
     one = {"two_phase_vs_from_scratch": {"difference": -0.02, "ci_low": None, "ci_high": None, "p": None,
                                          "hedges_g": None, "n": 1, "n_baseline": 1, "p_holm": None}}
     line = two_phase_verdict(one, 1)
-    assert "no test with 1 seed(s)" in line and "beats" not in line
+    assert "no claim (1 and 1 of 1 seeds" in line and "beat" not in line
+    lost = {"two_phase_vs_from_scratch": {"difference": -0.5, "ci_low": -0.6, "ci_high": -0.4, "p": 0.001,
+                                          "hedges_g": -3.0, "n": 4, "n_baseline": 5, "p_holm": 0.001}}
+    line = two_phase_verdict(lost, 5)  # a seed's loss was not finite: the test over the rest makes no claim
+    assert "no claim (4 and 5 of 5 seeds" in line and "beat" not in line
 
 
 @pytest.mark.slow

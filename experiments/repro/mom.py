@@ -435,12 +435,13 @@ def two_phase_verdict(analysis: Dict[str, Any], seeds: int) -> str:
     from analysis.tables import test_cell
 
     test = analysis["two_phase_vs_from_scratch"]
-    if test.get("p_holm") is None:
-        return (f"Two-phase vs from scratch: no test with {seeds} seed(s) (difference "
-                f"{fmt(test.get('difference'), 4)} nats); run --seeds 5 or more for a claim.")
-    verdict = "**beats**" if passes(test) else "**does not beat**"
+    counts = f"{test.get('n', 0)} and {test.get('n_baseline', 0)} of {seeds} seeds with a finite loss"
+    if test.get("p_holm") is None or min(test.get("n", 0), test.get("n_baseline", 0)) < seeds:
+        return (f"Two-phase vs from scratch: no claim ({counts}; difference {fmt(test.get('difference'), 4)} nats); "
+                "a claim needs every seed of both arms, and --seeds 5 or more.")
+    verdict = "**beats**" if passes(test) else "is **not shown to beat**"
     return (f"Two-phase {verdict} from-scratch training at equal total steps: validation loss difference "
-            f"{test_cell(test)} (one-sided Welch over {seeds} seeds, alpha 0.05).")
+            f"{test_cell(test)} (one-sided Welch over {seeds} seeds each, alpha 0.05).")
 
 
 def two_phase_tables(variant: str, s1: int, s2: int, analysis: Dict[str, Any]) -> List[str]:
