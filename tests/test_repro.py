@@ -549,3 +549,23 @@ def test_explicit_version_or_checkpoint_and_no_reuse_bypass_the_record(tmp_path,
     train_resumably(["--seed", "1", "--ckpt_path=last"], started)
     train_resumably(["--seed", "1"], None)
     assert not started.exists() and fake.calls == [["--seed", "1", "--ckpt_path=last"], ["--seed", "1"]]
+
+
+def test_the_published_two_phase_verdict_follows_from_its_run_records():
+    """docs/results/mom_two_phase_seeds: every row's loss is its record's, and the analysis and goal line rebuilt
+    from the records are the published ones (not met at 5 seeds)."""
+    from experiments.repro.mom import ARMS, two_phase_analysis, two_phase_verdict
+    from tests.conftest import REPO
+
+    folder = REPO / "docs" / "results" / "mom_two_phase_seeds"
+    published = json.loads((folder / "results.json").read_text())
+    per_seed = []
+    for measures in published["measures_per_seed"]:
+        rows = {r["arm"]: r for r in published["runs"] if r["seed"] == measures["seed"]}
+        runs = {arm: json.loads((folder / rows[arm]["run_dir"] / "summary.json").read_text()) for arm in ARMS}
+        assert all(runs[arm]["final_val_loss"] == rows[arm]["final_val_loss"] for arm in ARMS)
+        per_seed.append({"seed": measures["seed"], "runs": runs, "measures": measures})
+    analysis = two_phase_analysis(per_seed)
+    assert analysis["two_phase_vs_from_scratch"] == pytest.approx(published["two_phase_vs_from_scratch"])
+    line = two_phase_verdict(analysis, published["seeds"])
+    assert published["seeds"] == 5 and "is **not shown to beat**" in line and line in (folder / "results.md").read_text()
