@@ -370,20 +370,24 @@ MEASURES = ("attn", "ffn", "router_entropy", "load_cv", "skip_share")
 
 
 def plot_two_phase(ctx: Context, variant: str, s1: int, per_seed: Sequence[Dict[str, Any]]) -> None:
-    """Every seed's training-loss curves of both phases, the from-scratch arm and vanilla, over the total step."""
+    """Each arm's training loss over the total step: the mean over seeds (each seed's curve interpolated onto the
+    first seed's steps), with the band between the lowest and highest seed."""
+    import numpy as np
+
     fig, axes = figure(1, 1, width=6.0)
     ax = axes[0, 0]
     styles = {"phase 1": ("phase 1 (vanilla)", "tab:gray", 0), "two-phase": (f"phase 2 ({variant} from vanilla)",
               "tab:blue", s1), "from scratch": (f"{variant} from scratch", "tab:red", 0), "vanilla": ("vanilla", "black", 0)}
-    for i, seed in enumerate(per_seed):
-        for arm, (label, colour, offset) in styles.items():
-            curve = seed["runs"][arm]["train_loss_curve"]
-            ax.plot([p + offset for p, _ in curve], [l for _, l in curve], color=colour, alpha=0.6, linewidth=1,
-                    label=label if i == 0 else None)
+    for arm, (label, colour, offset) in styles.items():
+        curves = [np.asarray(seed["runs"][arm]["train_loss_curve"], dtype=float) for seed in per_seed]
+        steps = curves[0][:, 0]
+        losses = np.stack([np.interp(steps, c[:, 0], c[:, 1]) for c in curves])
+        ax.plot(steps + offset, losses.mean(0), color=colour, linewidth=1.2, label=label)
+        ax.fill_between(steps + offset, losses.min(0), losses.max(0), color=colour, alpha=0.2, linewidth=0)
     ax.set_xlabel("total training step")
-    ax.set_ylabel("training loss")
+    ax.set_ylabel("training loss (seed mean; band: lowest to highest seed)")
     ax.legend(fontsize=7)
-    ax.set_title(f"two-phase vs from-scratch {variant} ({len(per_seed)} seeds, one line each)")
+    ax.set_title(f"two-phase vs from-scratch {variant}, {len(per_seed)} seed(s)")
     ctx.save_figure(fig, "mom_two_phase")
 
 
