@@ -125,19 +125,32 @@ def test_unknown_variant_or_empty_grid_fails_before_any_run(tmp_path):
 
 
 def test_mom_kh_sweep_end_to_end_and_reuse(tmp_path):
+    """Two seeds per cell: each run trains at its seed, the cell's loss summary is its seeds' losses, the depth test
+    per K compares the deepest H with the shallowest, and a rerun reuses every run."""
+    from analysis.stats import passes
+
     out = tmp_path / "kh"
-    first = repro(["mom_kh", "--out", str(out), "--ks", "1", "--hs", "1,2", *STEPS, "--", *TINY_RUN])
-    assert [(r["K"], r["H"]) for r in first["runs"]] == [(1, 1), (1, 2)]
+    command = ["mom_kh", "--out", str(out), "--ks", "1", "--hs", "1,2", "--seeds", "2", *STEPS, "--", *TINY_RUN]
+    first = repro(command)
+    assert [(r["K"], r["H"], r["seed"]) for r in first["runs"]] == [(1, 1, 1337), (1, 1, 1338), (1, 2, 1337), (1, 2, 1338)]
     for r in first["runs"]:
         summary = json.loads((pathlib.Path(r["run_dir"]) / "summary.json").read_text())
-        assert summary["steps"] == 3 and summary["variant"] == "mom"
+        assert summary["steps"] == 3 and summary["variant"] == "mom" and summary["final_val_loss"] == r["val_loss"]
+        assert run_config(pathlib.Path(r["run_dir"]))["seed"] == r["seed"]
         assert any(p.name.startswith("events.out.tfevents") for p in pathlib.Path(r["run_dir"]).iterdir())
-    # more assembly steps, more FLOPs
-    assert first["runs"][1]["flops_per_token"] > first["runs"][0]["flops_per_token"]
+    cells = {(c["K"], c["H"]): c for c in first["cells"]}
+    for (k, h), cell in cells.items():
+        assert cell["val_loss"]["seeds"] == [r["val_loss"] for r in first["runs"] if (r["K"], r["H"]) == (k, h)]
+    assert cells[(1, 2)]["flops_per_token"] > cells[(1, 1)]["flops_per_token"]  # more assembly steps, more FLOPs
+    test = first["depth_tests"]["K=1"]
+    assert test["n"] == 2 and test["difference"] == pytest.approx(
+        cells[(1, 2)]["val_loss"]["mean"] - cells[(1, 1)]["val_loss"]["mean"])
+    assert len(first["vanilla_val_loss"]["seeds"]) == 2
     assert (out / "mom_kh.png").is_file() and any((out / "tensorboard").iterdir())
     table = (out / "results.md").read_text()
-    assert "| K \\ H | 1 | 2 |" in table
-    again = repro(["mom_kh", "--out", str(out), "--ks", "1", "--hs", "1,2", *STEPS, "--", *TINY_RUN])
+    assert "| K \\ H | 1 | 2 |" in table and "H=2 vs H=1" in table
+    assert ("lower after Holm" in table) == passes(test)
+    again = repro(command)
     assert [r["run_dir"] for r in again["runs"]] == [r["run_dir"] for r in first["runs"]]  # reused, not retrained
 
 

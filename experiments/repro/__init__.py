@@ -67,6 +67,7 @@ def add_mom_experiments(add: Callable[[str, str], argparse.ArgumentParser]) -> N
     p.add_argument("--ks", default="1,2,3", help="K values (modules per step)")
     p.add_argument("--hs", default="1,2,4,6", help="H values (assembly steps)")
     p.add_argument("--variant", default="mom")
+    p.add_argument("--seeds", type=int, default=5, help="seeds per cell and for vanilla, from --seed on (default 5)")
     for name, text in (("mom_removal", "MoM module-removal heatmap"), ("mom_transitions", "MoM transition graph")):
         p = add(name, text)
         p.add_argument("--variant", default="mom", help="the MoM variant trained when --run is not given")
@@ -220,7 +221,8 @@ def dispatch(ctx, args) -> Dict[str, Any]:
     if name == "mom_kh":
         from experiments.repro.mom import kh_sweep
 
-        return kh_sweep(ctx, parse_list(args.ks, int, "ks"), parse_list(args.hs, int, "hs"), args.variant)
+        return kh_sweep(ctx, parse_list(args.ks, int, "ks"), parse_list(args.hs, int, "hs"), args.variant,
+                        seeds=args.seeds)
     if name == "mom_removal":
         from experiments.repro.mom import removal
 

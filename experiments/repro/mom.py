@@ -81,51 +81,122 @@ def removal_order(model, sequences: torch.Tensor, order: str) -> Tuple[List[int]
 
 # ---------------------------------------------------------------------------- K x H sweep
 def kh_sweep(ctx: Context, ks: Sequence[int], hs: Sequence[int], variant: str = "mom",
-             options: Sequence[str] = ()) -> Dict[str, Any]:
+             options: Sequence[str] = (), seeds: int = 5) -> Dict[str, Any]:
+    """Every (K, H) cell and vanilla at ``seeds`` seeds (from ``ctx.seed`` on): the loss table as seed means with
+    bootstrap intervals, and per K whether the deepest H beats the shallowest (Holm over the Ks)."""
+    if seeds < 1:
+        raise ConfigError(f"--seeds: must be a positive integer, got {seeds}")
     grid = {(k, h): ["--variant", variant, *options, "--model.mom.top_k", str(k), "--model.mom.steps", str(h)]
             for k in ks for h in hs}
     reference = ["--variant", "vanilla", *options]
     ctx.validate([*grid.values(), reference])
-    vanilla, *trained = ctx.run_many([(reference, None, None), *((argv, None, None) for argv in grid.values())])
-    runs = dict(zip(grid, trained))
-    rows = []
-    for (k, h), s in runs.items():
-        rows.append({"K": k, "H": h, "val_loss": s["final_val_loss"], "flops_ratio": s["flops_per_token"]["ratio_to_vanilla"],
-                     "flops_per_token": s["flops_per_token"]["forward"], "parameters": s["parameters"],
-                     "step_time_s": s["median_step_time_s"], "skip_share": skip_share(s["routing"]), "run_dir": s["run_dir"]})
-    loss = {(r["K"], r["H"]): r["val_loss"] for r in rows}
-    ratio = {(r["K"], r["H"]): r["flops_ratio"] for r in rows}
-    sections = [
-        f"Variant `{variant}` (K = model.mom.top_k, H = model.mom.steps), {ctx.steps} steps each; vanilla reference "
-        f"val loss {fmt(vanilla['final_val_loss'])}.", "",
+    points = [(cell, seed) for cell in [None, *grid] for seed in range(ctx.seed, ctx.seed + seeds)]
+    summaries = ctx.run_many([([*(reference if cell is None else grid[cell]), "--seed", str(seed)], None, None)
+                              for cell, seed in points])
+    vanilla = [s["final_val_loss"] for (cell, _), s in zip(points, summaries) if cell is None]
+    rows = [kh_row(cell, seed, s) for (cell, seed), s in zip(points, summaries) if cell is not None]
+    cells = kh_cells(rows, grid)
+    tests = kh_depth_tests(rows, ks, hs)
+    sections = kh_sections(ctx, variant, seeds, ks, hs, vanilla, cells, tests, rows)
+    plot_kh(ctx, variant, ks, hs, cells, vanilla)
+    ctx.log_table("mom_kh", sections[4])
+    from analysis.stats import seed_summary
+
+    results = {"variant": variant, "steps": ctx.steps, "seeds": seeds, "vanilla_val_loss": seed_summary(vanilla),
+               "cells": [{"K": k, "H": h, **cell} for (k, h), cell in cells.items()], "depth_tests": tests,
+               "runs": rows}
+    ctx.write_report("MoM K x H sweep", sections, results)
+    return results
+
+
+def kh_row(cell: Tuple[int, int], seed: int, s: Dict[str, Any]) -> Dict[str, Any]:
+    """One run of the sweep (a (K, H) cell at a seed) as the figures its tables use."""
+    return {"K": cell[0], "H": cell[1], "seed": seed, "val_loss": s["final_val_loss"],
+            "flops_ratio": s["flops_per_token"]["ratio_to_vanilla"], "flops_per_token": s["flops_per_token"]["forward"],
+            "parameters": s["parameters"], "step_time_s": s["median_step_time_s"],
+            "skip_share": skip_share(s["routing"]), "run_dir": s["run_dir"]}
+
+
+def kh_cells(rows: Sequence[Dict[str, Any]], grid: Dict[Tuple[int, int], Any]) -> Dict[Tuple[int, int], Dict[str, Any]]:
+    """Per (K, H) cell: the loss over seeds (``seed_summary``) and the seed means of the cost figures."""
+    from analysis.stats import seed_summary
+
+    def mean(values):
+        values = [v for v in values if v is not None]
+        return sum(values) / len(values) if values else None
+
+    cells = {}
+    for cell in grid:
+        runs = [r for r in rows if (r["K"], r["H"]) == cell]
+        cells[cell] = {"val_loss": seed_summary([r["val_loss"] for r in runs]),
+                       **{key: mean([r[key] for r in runs]) for key in ("flops_ratio", "flops_per_token",
+                                                                          "parameters", "step_time_s", "skip_share")}}
+    return cells
+
+
+def kh_depth_tests(rows: Sequence[Dict[str, Any]], ks: Sequence[int], hs: Sequence[int]) -> Dict[str, Any]:
+    """Per K, the deepest H against the shallowest (the paper: more assembly steps, lower loss): one-sided Welch
+    over seeds, Holm over the Ks. None with a single H."""
+    from analysis.stats import compare_groups, with_holm
+
+    if len(hs) < 2:
+        return {}
+    low, high = min(hs), max(hs)
+    losses = lambda k, h: [r["val_loss"] for r in rows if (r["K"], r["H"]) == (k, h)]  # noqa: E731
+    return with_holm({f"K={k}": compare_groups(losses(k, high), losses(k, low), "less") for k in ks})
+
+
+def kh_sections(ctx: Context, variant: str, seeds: int, ks: Sequence[int], hs: Sequence[int], vanilla: List[float],
+                cells: Dict[Tuple[int, int], Dict[str, Any]], tests: Dict[str, Any],
+                rows: Sequence[Dict[str, Any]]) -> List[str]:
+    """results.md's sections: the loss and FLOPs tables over K x H, the depth tests, every run, the observations."""
+    from analysis.stats import seed_summary
+    from analysis.tables import ci_cell, test_cell
+
+    loss = lambda k, h: ci_cell(cells[(k, h)]["val_loss"]["mean"], cells[(k, h)]["val_loss"]["ci"], 4)  # noqa: E731
+    reference = seed_summary(vanilla)
+    test_rows = [[name, f"H={max(hs)} vs H={min(hs)}", test_cell(t)] for name, t in tests.items()]
+    return [
+        f"Variant `{variant}` (K = model.mom.top_k, H = model.mom.steps), {ctx.steps} steps each, {seeds} seed(s) "
+        f"from {ctx.seed} on; vanilla reference val loss {ci_cell(reference['mean'], reference['ci'], 4)}. Cells: "
+        "seed mean [95% bootstrap interval over seeds].", "",
         "Validation loss (rows K, columns H):", "",
-        markdown_table(["K \\ H", *map(str, hs)], [[k, *(loss[(k, h)] for h in hs)] for k in ks]), "",
+        markdown_table(["K \\ H", *map(str, hs)], [[k, *(loss(k, h) for h in hs)] for k in ks]), "",
         "Forward FLOPs per token relative to vanilla (routing-aware, last training batch):", "",
-        markdown_table(["K \\ H", *map(str, hs)], [[k, *(ratio[(k, h)] for h in hs)] for k in ks]), "",
+        markdown_table(["K \\ H", *map(str, hs)], [[k, *(cells[(k, h)]["flops_ratio"] for h in hs)] for k in ks]), "",
+        *(["Deeper assembly against the shallowest, per K (Δ = deepest H's loss minus the shallowest's; one-sided "
+           "Welch over seeds, Holm over the Ks):", "", markdown_table(["K", "comparison", "Δ val loss [95% CI], g, p"],
+                                                                      test_rows), ""] if tests else []),
         "All runs:", "",
-        markdown_table(["K", "H", "val loss", "FLOPs/token", "x vanilla", "params", "step s", "SKIP share"],
-                       [[r["K"], r["H"], r["val_loss"], r["flops_per_token"], r["flops_ratio"], r["parameters"],
-                         r["step_time_s"], r["skip_share"]] for r in rows]), "",
-        "Observations (computed from the numbers above):", "", *kh_observations(rows, ks, hs), "",
+        markdown_table(["K", "H", "seed", "val loss", "FLOPs/token", "x vanilla", "params", "step s", "SKIP share"],
+                       [[r["K"], r["H"], str(r["seed"]), r["val_loss"], r["flops_per_token"], r["flops_ratio"],
+                         r["parameters"], r["step_time_s"], r["skip_share"]] for r in rows]), "",
+        "Observations (computed from the seed means above):", "", *kh_observations(cells, ks, hs, tests), "",
     ]
+
+
+def plot_kh(ctx: Context, variant: str, ks: Sequence[int], hs: Sequence[int],
+            cells: Dict[Tuple[int, int], Dict[str, Any]], vanilla: List[float]) -> None:
+    """Loss over H per K (seed means with their intervals), and loss against FLOPs per token."""
+    from analysis.tables import error_bars
+
     fig, axes = figure(1, 2, width=5.0)
     for k in ks:
-        axes[0, 0].plot(list(hs), [loss[(k, h)] for h in hs], marker="o", label=f"K={k}")
-        axes[0, 1].scatter([ratio[(k, h)] for h in hs], [loss[(k, h)] for h in hs], label=f"K={k}")
-        for h in hs:
-            axes[0, 1].annotate(f"{k},{h}", (ratio[(k, h)], loss[(k, h)]), fontsize=7)
+        summaries = [cells[(k, h)]["val_loss"] for h in hs]
+        means = [s["mean"] for s in summaries]
+        ratios = [cells[(k, h)]["flops_ratio"] for h in hs]
+        axes[0, 0].errorbar(list(hs), means, yerr=error_bars(summaries), marker="o", capsize=3, label=f"K={k}")
+        axes[0, 1].scatter(ratios, means, label=f"K={k}")
+        for h, x, y in zip(hs, ratios, means):
+            axes[0, 1].annotate(f"{k},{h}", (x, y), fontsize=7)
     for ax in axes[0]:
-        ax.axhline(vanilla["final_val_loss"], color="gray", linestyle="--", label="vanilla")
-        ax.set_ylabel("validation loss")
+        ax.axhline(sum(vanilla) / len(vanilla), color="gray", linestyle="--", label="vanilla (seed mean)")
+        ax.set_ylabel("validation loss (seed mean)")
         ax.legend(fontsize=7)
     axes[0, 0].set_xlabel("H (assembly steps)")
     axes[0, 1].set_xlabel("forward FLOPs / token (x vanilla)")
-    fig.suptitle(f"MoM K x H sweep ({variant}, {ctx.size}, {ctx.steps} steps)")
+    fig.suptitle(f"MoM K x H sweep ({variant}, {ctx.size}, {ctx.steps} steps, {len(vanilla)} seed(s))")
     ctx.save_figure(fig, "mom_kh")
-    ctx.log_table("mom_kh", sections[4])
-    results = {"variant": variant, "steps": ctx.steps, "vanilla_val_loss": vanilla["final_val_loss"], "runs": rows}
-    ctx.write_report("MoM K x H sweep", sections, results)
-    return results
 
 
 def skip_share(routing: Dict[str, Dict[str, float]]) -> Optional[float]:
@@ -142,22 +213,29 @@ def pareto_front(points: Dict[Any, Tuple[float, float]]) -> List[Any]:
     return sorted(front, key=lambda k: points[k][0])
 
 
-def kh_observations(rows: List[Dict[str, Any]], ks: Sequence[int], hs: Sequence[int]) -> List[str]:
-    loss = {(r["K"], r["H"]): r["val_loss"] for r in rows}
+def kh_observations(cells: Dict[Tuple[int, int], Dict[str, Any]], ks: Sequence[int], hs: Sequence[int],
+                    tests: Dict[str, Any]) -> List[str]:
+    """The trend over H per K (seed means; a claim only where the depth test passes), the Pareto front and the
+    lowest cell."""
+    from analysis.stats import passes
+
+    loss = {cell: c["val_loss"]["mean"] for cell, c in cells.items()}
     lines = []
-    if len(hs) >= 2:
-        for k in ks:
-            series = [loss[(k, h)] for h in hs]
-            gains = [a - b for a, b in zip(series, series[1:])]
-            trend = "decreases monotonically" if all(g > 0 for g in gains) else "does not decrease monotonically"
-            lines.append(f"- K={k}: loss {trend} with H (successive changes "
-                         + ", ".join(f"{-g:+.4f}" for g in gains) + ").")
-    front = pareto_front({(r["K"], r["H"]): (r["flops_ratio"], r["val_loss"]) for r in rows})
-    lines.append("- Loss-vs-FLOPs Pareto front (K,H): " + ", ".join(f"({k},{h})" for k, h in front) + ".")
+    for k in (ks if len(hs) >= 2 else ()):
+        series = [loss[(k, h)] for h in hs]
+        gains = [a - b for a, b in zip(series, series[1:])]
+        trend = "decreases monotonically" if all(g > 0 for g in gains) else "does not decrease monotonically"
+        test = tests[f"K={k}"]
+        verdict = ("lower after Holm" if passes(test) else "not shown lower" if test.get("p_holm") is not None
+                   else "untested (one seed)")
+        lines.append(f"- K={k}: the seed-mean loss {trend} with H (successive changes "
+                     + ", ".join(f"{-g:+.4f}" for g in gains) + f"); H={max(hs)} vs H={min(hs)}: {verdict}.")
+    front = pareto_front({cell: (c["flops_ratio"], loss[cell]) for cell, c in cells.items()})
+    lines.append("- Loss-vs-FLOPs Pareto front (K,H), seed means: " + ", ".join(f"({k},{h})" for k, h in front) + ".")
     if (3, 2) in loss:
         lines.append(f"- (K=3, H=2) is {'on' if (3, 2) in front else 'not on'} the Pareto front.")
-    best = min(rows, key=lambda r: r["val_loss"])
-    lines.append(f"- Lowest loss: K={best['K']}, H={best['H']} ({best['val_loss']:.4f}).")
+    best = min(loss, key=loss.get)
+    lines.append(f"- Lowest seed-mean loss: K={best[0]}, H={best[1]} ({loss[best]:.4f}).")
     return lines
 
 
