@@ -113,6 +113,23 @@ def welch_p(a: Sequence[Optional[float]], b: Sequence[Optional[float]], alternat
         return float(ttest_ind(x, y, equal_var=False, alternative=alternative).pvalue)
 
 
+def one_sample_p(values: Sequence[Optional[float]], mu: float = 0.0, alternative: str = "two-sided") -> Optional[float]:
+    """p-value of the one-sample t-test of mean(values) against ``mu`` (e.g. per-seed correlations against 0;
+    ``alternative`` as in ``welch_p``); None with fewer than two values. Constant values: 0 or 1 (the direction
+    decides)."""
+    x = finite(values)
+    if len(x) < 2:
+        return None
+    if np.ptp(x) == 0:
+        diff = x[0] - mu
+        if diff == 0:
+            return 1.0
+        return 0.0 if {"two-sided": True, "greater": diff > 0, "less": diff < 0}[alternative] else 1.0
+    from scipy.stats import ttest_1samp
+
+    return float(ttest_1samp(x, mu, alternative=alternative).pvalue)
+
+
 def permutation_p(a: Sequence[Optional[float]], b: Sequence[Optional[float]], alternative: str = "two-sided",
                   resamples: int = 9999, seed: int = SEED) -> Optional[float]:
     """p-value of the permutation test of the difference in means (exact when the relabellings are fewer than

@@ -303,24 +303,37 @@ def test_mom_two_phase_with_one_seed_makes_no_claim():
 
 @pytest.mark.slow
 def test_contribution_end_to_end_with_ood_text(tmp_path):
+    """Two seeds per model: every run at its seed, each model's figures over its seeds, and the three claims'
+    tests computed from the rows (the correlation of r with the MHA ratio and with the OOD loss per seed)."""
+    from analysis.stats import one_sample_p
+    from experiments.repro.contribution import correlation
+
     ood = tmp_path / "ood.txt"
     ood.write_text("The quick brown fox jumps over the lazy dog. " * 200)
-    result = repro(["contribution", "--out", str(tmp_path / "out"), "--wide_ratio", "8", "--ratios", "0.5",
+    result = repro(["contribution", "--out", str(tmp_path / "out"), "--wide_ratio", "8", "--ratios", "0.25,0.5,0.75",
                     "--methods", "logit_lens,mi", "--sequences", "8", "--ood", f"fox={ood}", "--ood_tokens", "600",
-                    *STEPS, "--", *TINY_RUN])
-    names = [r["name"] for r in result["runs"]]
-    assert names == ["vanilla", "ffn_wider", "caa r=0.5"]
+                    "--seeds", "2", *STEPS, "--", *TINY_RUN])
+    names = ["vanilla", "ffn_wider", "caa r=0.25", "caa r=0.5", "caa r=0.75"]
+    assert [(r["name"], r["seed"]) for r in result["runs"]] == [(n, s) for n in names for s in (1337, 1338)]
     for r in result["runs"]:
-        assert 0 < r["ood"]["fox"] < 10
+        assert 0 < r["ood"]["fox"] < 10 and run_config(pathlib.Path(r["run_dir"]))["seed"] == r["seed"]
         if r["mha_mi"] is not None:
             assert r["mha_mi"] + r["ffn_mi"] == pytest.approx(1.0)
-    assert result["runs"][1]["parameters"] > result["runs"][0]["parameters"]  # 8d FFN vs 4d
+    models = result["models"]
+    assert models["ffn_wider"]["parameters"] > models["vanilla"]["parameters"]  # 8d FFN vs 4d
+    for name in names:
+        assert models[name]["val_loss"]["seeds"] == [r["val_loss"] for r in result["runs"] if r["name"] == name]
+    tests = result["tests"]
+    for method, test in tests["wider_raises_ffn"].items():  # a ratio a method leaves undefined is not counted
+        defined = lambda name: sum(r[f"ffn_{method}"] is not None for r in result["runs"] if r["name"] == name)  # noqa: E731
+        assert (test["n"], test["n_baseline"]) == (defined("ffn_wider"), defined("vanilla"))
+    for seed, got in zip((1337, 1338), tests["lower_r_lowers_ood"]["fox"]["correlations"]):
+        caa = [r for r in result["runs"] if r["r"] is not None and r["seed"] == seed]
+        assert got == pytest.approx(correlation([r["r"] for r in caa], [r["ood"]["fox"] for r in caa]))
+    fox = tests["lower_r_lowers_ood"]["fox"]
+    assert fox["p"] == one_sample_p(fox["correlations"], 0.0, "greater") and fox["p_holm"] == fox["p"]  # one OOD set
     report = (tmp_path / "out" / "results.md").read_text()
-    assert "OOD loss fox" in report
-    for r in result["runs"]:  # a bootstrap SE for the logit lens where its ratio is defined; MI has none
-        assert r["se_mi"] is None and "se_logit_lens" in r
-        if r["se_logit_lens"] is not None:
-            assert f"{r['mha_logit_lens']:.3f} ± {r['se_logit_lens']:.3f}" in report
+    assert "OOD loss fox" in report and "per seed, positive:" in report and "seed mean [95% bootstrap" in report
 
 
 def test_contribution_table_shows_each_ratio_with_its_standard_error():
@@ -388,13 +401,16 @@ def test_contribution_reports_slimpajama_subset_losses(tmp_path):
                 text = " ".join(rng.choice(words) for _ in range(200))
                 handle.write(json.dumps({"text": text, "meta": {"redpajama_set_name": sets[i % 4]}}) + "\n")
     result = repro(["contribution", "--out", str(tmp_path / "out"), "--wide_ratio", "8", "--ratios", "0.5",
-                    "--methods", "logit_lens", "--sequences", "4", *STEPS, "--", *TINY_RUN,
+                    "--methods", "logit_lens", "--sequences", "4", "--seeds", "1", *STEPS, "--", *TINY_RUN,
                     "--data", "slimpajama", "--data.path", str(data), "--tokenizer", "bytes"])
+    report = (tmp_path / "out" / "results.md").read_text()
     for r in result["runs"]:
         assert set(r["ood"]) == {"RedPajamaGithub", "RedPajamaArXiv"}
         summary = json.loads((pathlib.Path(r["run_dir"]) / "summary.json").read_text())
         assert r["ood"]["RedPajamaArXiv"] == summary["val_metrics"]["val/RedPajamaArXiv/loss"] > 0
-    assert "OOD loss RedPajamaGithub" in (tmp_path / "out" / "results.md").read_text()
+        if r["se_logit_lens"] is not None:  # one seed: the ratio with its bootstrap SE over the sequences
+            assert f"{r['mha_logit_lens']:.3f} ± {r['se_logit_lens']:.3f}" in report
+    assert "OOD loss RedPajamaGithub" in report and "holds" not in report  # one seed: no claim is tested
 
 
 class FakeRun:

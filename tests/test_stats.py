@@ -36,6 +36,20 @@ def test_welch_p_against_the_hand_computed_statistic():
     assert stats.welch_p([1.0, 1.0], [0.0, 0.0], "greater") == 0.0 and stats.welch_p([1.0, 1.0], [1.0, 1.0]) == 1.0
 
 
+def test_one_sample_p_against_the_hand_computed_statistic():
+    values = [-0.9, -0.5, -0.7, 0.1]  # e.g. per-seed correlations
+    mean, sd = -0.5, math.sqrt(((-0.4) ** 2 + 0 + (-0.2) ** 2 + 0.6 ** 2) / 3)
+    t, df = mean / (sd / 2), 3
+    from scipy.special import betainc
+
+    two_sided = betainc(df / 2, 0.5, df / (df + t * t))
+    assert stats.one_sample_p(values) == pytest.approx(two_sided, rel=1e-9)
+    assert stats.one_sample_p(values, alternative="less") == pytest.approx(two_sided / 2, rel=1e-9)
+    assert stats.one_sample_p([v + 1 for v in values], mu=1.0, alternative="greater") == pytest.approx(1 - two_sided / 2)
+    assert stats.one_sample_p([0.3]) is None and stats.one_sample_p([0.3, None, float("nan")]) is None
+    assert stats.one_sample_p([0.2, 0.2], alternative="greater") == 0.0 and stats.one_sample_p([0.0, 0.0]) == 1.0
+
+
 def test_permutation_p_is_exact_on_a_tiny_case():
     # 3 vs 3 fully separated: only 1 of the C(6,3) = 20 relabellings is as extreme in the "greater" direction
     assert stats.permutation_p([4.0, 5.0, 6.0], [1.0, 2.0, 3.0], "greater") == pytest.approx(1 / 20)
