@@ -139,7 +139,7 @@ def claim_tests(rows: Sequence[Dict[str, Any]], methods: Sequence[str], ood_name
     methods); lower r raises the MHA ratio (per seed the correlation of r with it over the caa models, its mean
     below 0 by a one-sided one-sample t-test, Holm over methods); lower r lowers the OOD loss (the correlation
     above 0, Holm over the OOD sets). A claim with fewer than two seeds, or fewer than three r, has no test."""
-    from analysis.stats import compare_groups, holm, one_sample_p
+    from analysis.stats import compare_groups, finite, holm, one_sample_p
 
     values = lambda name, key: [r[key] for r in rows if r["name"] == name]  # noqa: E731
     wider = {m: compare_groups(values("ffn_wider", f"ffn_{m}"), values("vanilla", f"ffn_{m}"), "greater")
@@ -153,7 +153,8 @@ def claim_tests(rows: Sequence[Dict[str, Any]], methods: Sequence[str], ood_name
     def family(correlations: Dict[str, List[Optional[float]]], alternative: str) -> Dict[str, Dict[str, Any]]:
         p = {k: one_sample_p(v, 0.0, alternative) for k, v in correlations.items()}
         adjusted = holm(p)
-        return {k: {"correlations": v, "p": p[k], "p_holm": adjusted[k]} for k, v in correlations.items()}
+        return {k: {"correlations": v, "n": len(finite(v)), "p": p[k], "p_holm": adjusted[k]}
+                for k, v in correlations.items()}
 
     wider_holm = holm({m: t["p"] for m, t in wider.items()})
     return {"wider_raises_ffn": {m: {**t, "p_holm": wider_holm[m]} for m, t in wider.items()},
@@ -195,7 +196,7 @@ def observations(models: Dict[str, Dict[str, Any]], tests: Dict[str, Any], metho
 
     def verdict(test: Dict[str, Any]) -> str:
         if test.get("p_holm") is None:
-            return "no test (one seed, or fewer than three r)"
+            return "no test (fewer than two seeds with the figure defined, or fewer than three r)"
         return f"{'holds' if passes(test) else 'not shown'} (p {fmt(test['p_holm'], 3)} after Holm)"
 
     vanilla, wider = models["vanilla"], models["ffn_wider"]
@@ -232,13 +233,13 @@ def plot(ctx: Context, models: Dict[str, Dict[str, Any]], methods: Sequence[str]
     width = 0.8 / len(methods)
     for i, m in enumerate(methods):
         summaries = [models[n][f"mha_{m}"] for n in names]
-        defined = [s if s["mean"] is not None else {"mean": 0.0, "ci": (None, None)} for s in summaries]
+        defined = [s if s["mean"] is not None else {"mean": float("nan"), "ci": (None, None)} for s in summaries]
         ax.bar([j + i * width for j in range(len(names))], [s["mean"] for s in defined], width, label=m,
                yerr=error_bars(defined), capsize=2)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names, rotation=45, ha="right", fontsize=7)
     ax.set_ylabel("MHA contribution ratio (seed mean)")
     ax.legend(fontsize=7)
-    ax.set_title("MHA contribution (FFN ratio = 1 - MHA)")
+    ax.set_title("MHA contribution (FFN ratio = 1 - MHA; no bar: undefined)")
     if ood_names:
         ax = axes[0, 1]
         caa = sorted((m for m in models.values() if m["r"] is not None), key=lambda m: m["r"])

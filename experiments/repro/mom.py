@@ -94,6 +94,8 @@ def kh_sweep(ctx: Context, ks: Sequence[int], hs: Sequence[int], variant: str = 
     summaries = ctx.run_many([([*(reference if cell is None else grid[cell]), "--seed", str(seed)], None, None)
                               for cell, seed in points])
     vanilla = [s["final_val_loss"] for (cell, _), s in zip(points, summaries) if cell is None]
+    vanilla_rows = [{"K": None, "H": None, "variant": "vanilla", "seed": seed, "val_loss": s["final_val_loss"],
+                     "run_dir": s["run_dir"]} for (cell, seed), s in zip(points, summaries) if cell is None]
     rows = [kh_row(cell, seed, s) for (cell, seed), s in zip(points, summaries) if cell is not None]
     cells = kh_cells(rows, grid)
     tests = kh_depth_tests(rows, ks, hs)
@@ -104,7 +106,7 @@ def kh_sweep(ctx: Context, ks: Sequence[int], hs: Sequence[int], variant: str = 
 
     results = {"variant": variant, "steps": ctx.steps, "seeds": seeds, "vanilla_val_loss": seed_summary(vanilla),
                "cells": [{"K": k, "H": h, **cell} for (k, h), cell in cells.items()], "depth_tests": tests,
-               "runs": rows}
+               "runs": [*vanilla_rows, *rows]}  # every run, so that publish keeps their records
     ctx.write_report("MoM K x H sweep", sections, results)
     return results
 
@@ -178,19 +180,23 @@ def kh_sections(ctx: Context, variant: str, seeds: int, ks: Sequence[int], hs: S
 def plot_kh(ctx: Context, variant: str, ks: Sequence[int], hs: Sequence[int],
             cells: Dict[Tuple[int, int], Dict[str, Any]], vanilla: List[float]) -> None:
     """Loss over H per K (seed means with their intervals), and loss against FLOPs per token."""
+    from analysis.stats import seed_summary
     from analysis.tables import error_bars
 
+    reference = seed_summary(vanilla)["mean"]
     fig, axes = figure(1, 2, width=5.0)
     for k in ks:
         summaries = [cells[(k, h)]["val_loss"] for h in hs]
-        means = [s["mean"] for s in summaries]
+        summaries = [s if s["mean"] is not None else {"mean": float("nan"), "ci": (None, None)} for s in summaries]
+        means = [s["mean"] for s in summaries]  # NaN (not drawn) where no seed has a finite loss
         ratios = [cells[(k, h)]["flops_ratio"] for h in hs]
         axes[0, 0].errorbar(list(hs), means, yerr=error_bars(summaries), marker="o", capsize=3, label=f"K={k}")
         axes[0, 1].scatter(ratios, means, label=f"K={k}")
         for h, x, y in zip(hs, ratios, means):
             axes[0, 1].annotate(f"{k},{h}", (x, y), fontsize=7)
     for ax in axes[0]:
-        ax.axhline(sum(vanilla) / len(vanilla), color="gray", linestyle="--", label="vanilla (seed mean)")
+        if reference is not None:
+            ax.axhline(reference, color="gray", linestyle="--", label="vanilla (seed mean)")
         ax.set_ylabel("validation loss (seed mean)")
         ax.legend(fontsize=7)
     axes[0, 0].set_xlabel("H (assembly steps)")
@@ -219,18 +225,19 @@ def kh_observations(cells: Dict[Tuple[int, int], Dict[str, Any]], ks: Sequence[i
     lowest cell."""
     from analysis.stats import passes
 
-    loss = {cell: c["val_loss"]["mean"] for cell, c in cells.items()}
-    lines = []
+    loss = {cell: c["val_loss"]["mean"] for cell, c in cells.items() if c["val_loss"]["mean"] is not None}
+    lines = [f"- No finite loss in any seed (diverged): K={k}, H={h}." for (k, h) in cells if (k, h) not in loss]
     for k in (ks if len(hs) >= 2 else ()):
-        series = [loss[(k, h)] for h in hs]
-        gains = [a - b for a, b in zip(series, series[1:])]
-        trend = "decreases monotonically" if all(g > 0 for g in gains) else "does not decrease monotonically"
+        series = [loss.get((k, h)) for h in hs]
+        changes = ", ".join("-" if a is None or b is None else f"{b - a:+.4f}" for a, b in zip(series, series[1:]))
         test = tests[f"K={k}"]
         verdict = ("lower after Holm" if passes(test) else "not shown lower" if test.get("p_holm") is not None
-                   else "untested (one seed)")
-        lines.append(f"- K={k}: the seed-mean loss {trend} with H (successive changes "
-                     + ", ".join(f"{-g:+.4f}" for g in gains) + f"); H={max(hs)} vs H={min(hs)}: {verdict}.")
-    front = pareto_front({cell: (c["flops_ratio"], loss[cell]) for cell, c in cells.items()})
+                   else "untested (one seed, or no finite loss)")
+        lines.append(f"- K={k}: seed-mean loss changes with each step in H: {changes}; H={max(hs)} vs H={min(hs)}: "
+                     f"{verdict} (a trend over H is not tested beyond this pair).")
+    if not loss:
+        return lines
+    front = pareto_front({cell: (cells[cell]["flops_ratio"], value) for cell, value in loss.items()})
     lines.append("- Loss-vs-FLOPs Pareto front (K,H), seed means: " + ", ".join(f"({k},{h})" for k, h in front) + ".")
     if (3, 2) in loss:
         lines.append(f"- (K=3, H=2) is {'on' if (3, 2) in front else 'not on'} the Pareto front.")
