@@ -223,7 +223,41 @@ def unknown_tests(text: str, tests: Dict[str, Set[str]]) -> List[str]:
     return sorted(set(missing))
 
 
+def unbacked_record_claims(text: str, base: pathlib.Path) -> List[str]:
+    """Links into a results folder in a sentence that says it holds run records (the word "record", no "not",
+    "never", "no ... records" or "without") where the folder, relative to ``base``, holds no run's summary.json: a
+    page pointing readers at evidence that was never committed (seven sections did, found by an audit)."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    sentences = re.split(r"(?<=[.;:])\s+(?=[A-Z(\[*`])|\n\n|\n\* |\n- ", text)
+    claims = []
+    for sentence in sentences:
+        if "record" not in sentence or re.search(r"\bnot\b|\bnever\b|\bno (?:run )?records\b|\bwithout\b", sentence):
+            continue
+        for link in re.findall(r"\]\(((?:docs/)?results/[^)#]+)\)", sentence):
+            folder = base / link
+            if not folder.is_dir() and folder.name not in ("results.md", "leaderboard.md"):
+                continue  # a plan, a figure: not a report folder
+            folder = folder if folder.is_dir() else folder.parent
+            if not any(folder.rglob("summary.json")):
+                claims.append(link)
+    return sorted(set(claims))
+
+
 # ----------------------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("path", DOC_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_page_says_a_results_folder_holds_run_records_it_does_not(path):
+    assert unbacked_record_claims(path.read_text(encoding="utf-8"), path.parent) == []
+
+
+def test_the_record_checker_finds_a_claim_without_records(tmp_path):
+    (tmp_path / "results" / "kept" / "runs" / "a").mkdir(parents=True)
+    (tmp_path / "results" / "kept" / "runs" / "a" / "summary.json").write_text("{}")
+    (tmp_path / "results" / "bare").mkdir()
+    text = ("Run records: [k](results/kept/). Report and run records in [b](results/bare/).\n\n"
+            "The report is in [b](results/bare/) (run records not published). A table: [b](results/bare/x.md).")
+    assert unbacked_record_claims(text, tmp_path) == ["results/bare/"]
+
+
 @pytest.mark.parametrize("path", DOC_FILES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_test_the_docs_name_exists(path):
     assert unknown_tests(path.read_text(encoding="utf-8"), defined_tests()) == []
