@@ -129,3 +129,16 @@ def test_the_published_8k_check_rebuilds_its_verdict_from_its_records(tmp_path):
                           str(REPO / "docs" / "results" / "probe_induct_necessity_8k" / "runs")])
     assert results["verdict"]["verdict"] == "not met" and results["settings"]["layers"] == [1, 2, 4]
     assert "**Verdict: not met.** Level 1: 1 layer 0.071 (0/5 seeds solve it)" in (tmp_path / "results.md").read_text()
+
+
+def test_the_published_16k_check_rebuilds_its_pre_registered_verdict_from_its_records(tmp_path):
+    """docs/results/probe_induct_necessity_16k (pre-registered, seeds 1357-1361): partly met, the 4-layer row alone
+    (5/5 seeds solve level 1, Holm p < 0.05); the verdict in the published report is the records' own."""
+    from tests.conftest import REPO
+
+    folder = REPO / "docs" / "results" / "probe_induct_necessity_16k"
+    results = repro.main(["necessity", "--out", str(tmp_path), "--tables_from", str(folder / "runs")])
+    assert results["verdict"]["verdict"] == "partly met" and results["settings"]["layers"] == [1, 2, 4]
+    line = next(l for l in (tmp_path / "results.md").read_text().splitlines() if l.startswith("**Verdict"))
+    assert line.startswith("**Verdict: partly met.** Level 1: 1 layer 0.140 (0/5 seeds solve it); 2 layers 0.551 (2/5")
+    assert "4 layers 1.000 (5/5 seeds solve it" in line and line in (folder / "results.md").read_text()
