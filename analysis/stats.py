@@ -99,11 +99,7 @@ def welch_p(a: Sequence[Optional[float]], b: Sequence[Optional[float]], alternat
     if len(x) < 2 or len(y) < 2:
         return None
     if np.ptp(x) == 0 and np.ptp(y) == 0:
-        diff = x[0] - y[0]
-        if diff == 0:
-            return 1.0
-        wins = {"two-sided": True, "greater": diff > 0, "less": diff < 0}[alternative]
-        return 0.0 if wins else 1.0
+        return _constant_p(x[0] - y[0], alternative)
     import warnings
 
     from scipy.stats import ttest_ind
@@ -111,6 +107,14 @@ def welch_p(a: Sequence[Optional[float]], b: Sequence[Optional[float]], alternat
     with warnings.catch_warnings():  # nearly equal groups: scipy warns of precision loss, the p-value stands
         warnings.simplefilter("ignore", RuntimeWarning)
         return float(ttest_ind(x, y, equal_var=False, alternative=alternative).pvalue)
+
+
+def _constant_p(diff: float, alternative: str) -> float:
+    """The p-value of a t-test whose groups have no spread (the statistic is infinite or undefined): 1 with no
+    difference, else 0 or 1 as the difference's sign meets ``alternative``."""
+    if diff == 0:
+        return 1.0
+    return 0.0 if {"two-sided": True, "greater": diff > 0, "less": diff < 0}[alternative] else 1.0
 
 
 def one_sample_p(values: Sequence[Optional[float]], mu: float = 0.0, alternative: str = "two-sided") -> Optional[float]:
@@ -121,10 +125,7 @@ def one_sample_p(values: Sequence[Optional[float]], mu: float = 0.0, alternative
     if len(x) < 2:
         return None
     if np.ptp(x) == 0:
-        diff = x[0] - mu
-        if diff == 0:
-            return 1.0
-        return 0.0 if {"two-sided": True, "greater": diff > 0, "less": diff < 0}[alternative] else 1.0
+        return _constant_p(x[0] - mu, alternative)
     from scipy.stats import ttest_1samp
 
     return float(ttest_1samp(x, mu, alternative=alternative).pvalue)

@@ -61,10 +61,15 @@ def test_cell(test: Optional[Mapping[str, Any]], digits: int = 4) -> str:
 
 def error_bars(summaries: Sequence[Mapping[str, Any]]) -> list:
     """matplotlib's ``yerr`` (distances below and above each mean) of seed summaries (``analysis.stats.seed_summary``:
-    a mean and its interval); 0 where there is no interval."""
+    a mean and its interval); 0 where there is no interval or no mean."""
     below, above = [], []
     for s in summaries:
         mean, (lo, hi) = s["mean"], s["ci"]
-        below.append(mean - lo if lo is not None else 0.0)
-        above.append(hi - mean if hi is not None else 0.0)
+        below.append(mean - lo if mean is not None and lo is not None else 0.0)
+        above.append(hi - mean if mean is not None and hi is not None else 0.0)
     return [below, above]
+
+
+def plotted_means(summaries: Sequence[Mapping[str, Any]]) -> list:
+    """The seed summaries' means for matplotlib: NaN (not drawn) where no seed had a finite value."""
+    return [s["mean"] if s["mean"] is not None else math.nan for s in summaries]

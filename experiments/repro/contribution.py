@@ -139,7 +139,7 @@ def claim_tests(rows: Sequence[Dict[str, Any]], methods: Sequence[str], ood_name
     methods); lower r raises the MHA ratio (per seed the correlation of r with it over the caa models, its mean
     below 0 by a one-sided one-sample t-test, Holm over methods); lower r lowers the OOD loss (the correlation
     above 0, Holm over the OOD sets). A claim with fewer than two seeds, or fewer than three r, has no test."""
-    from analysis.stats import compare_groups, finite, holm, one_sample_p
+    from analysis.stats import compare_groups, finite, one_sample_p, with_holm
 
     values = lambda name, key: [r[key] for r in rows if r["name"] == name]  # noqa: E731
     wider = {m: compare_groups(values("ffn_wider", f"ffn_{m}"), values("vanilla", f"ffn_{m}"), "greater")
@@ -151,14 +151,11 @@ def claim_tests(rows: Sequence[Dict[str, Any]], methods: Sequence[str], ood_name
     ood = {n: per_seed(lambda r, n=n: r["ood"].get(n)) for n in ood_names}
 
     def family(correlations: Dict[str, List[Optional[float]]], alternative: str) -> Dict[str, Dict[str, Any]]:
-        p = {k: one_sample_p(v, 0.0, alternative) for k, v in correlations.items()}
-        adjusted = holm(p)
-        return {k: {"correlations": v, "n": len(finite(v)), "p": p[k], "p_holm": adjusted[k]}
-                for k, v in correlations.items()}
+        return with_holm({k: {"correlations": v, "n": len(finite(v)), "p": one_sample_p(v, 0.0, alternative)}
+                          for k, v in correlations.items()})
 
-    wider_holm = holm({m: t["p"] for m, t in wider.items()})
-    return {"wider_raises_ffn": {m: {**t, "p_holm": wider_holm[m]} for m, t in wider.items()},
-            "lower_r_raises_mha": family(mha, "less"), "lower_r_lowers_ood": family(ood, "greater")}
+    return {"wider_raises_ffn": with_holm(wider), "lower_r_raises_mha": family(mha, "less"),
+            "lower_r_lowers_ood": family(ood, "greater")}
 
 
 def contribution_table(models: Dict[str, Dict[str, Any]], methods: Sequence[str], ood_names: Sequence[str],
@@ -224,7 +221,7 @@ def observations(models: Dict[str, Dict[str, Any]], tests: Dict[str, Any], metho
 
 def plot(ctx: Context, models: Dict[str, Dict[str, Any]], methods: Sequence[str], ood_names: Sequence[str]) -> None:
     """MHA ratio per model and method (seed means with intervals), and OOD loss over the Outer-FFN ratio r."""
-    from analysis.tables import error_bars
+    from analysis.tables import error_bars, plotted_means
 
     panels = 2 if ood_names else 1
     fig, axes = figure(1, panels, width=5.5)
@@ -233,9 +230,8 @@ def plot(ctx: Context, models: Dict[str, Dict[str, Any]], methods: Sequence[str]
     width = 0.8 / len(methods)
     for i, m in enumerate(methods):
         summaries = [models[n][f"mha_{m}"] for n in names]
-        defined = [s if s["mean"] is not None else {"mean": float("nan"), "ci": (None, None)} for s in summaries]
-        ax.bar([j + i * width for j in range(len(names))], [s["mean"] for s in defined], width, label=m,
-               yerr=error_bars(defined), capsize=2)
+        ax.bar([j + i * width for j in range(len(names))], plotted_means(summaries), width, label=m,
+               yerr=error_bars(summaries), capsize=2)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names, rotation=45, ha="right", fontsize=7)
     ax.set_ylabel("MHA contribution ratio (seed mean)")
     ax.legend(fontsize=7)

@@ -93,18 +93,18 @@ def kh_sweep(ctx: Context, ks: Sequence[int], hs: Sequence[int], variant: str = 
     points = [(cell, seed) for cell in [None, *grid] for seed in range(ctx.seed, ctx.seed + seeds)]
     summaries = ctx.run_many([([*(reference if cell is None else grid[cell]), "--seed", str(seed)], None, None)
                               for cell, seed in points])
-    vanilla = [s["final_val_loss"] for (cell, _), s in zip(points, summaries) if cell is None]
+    from analysis.stats import seed_summary
+
     vanilla_rows = [{"K": None, "H": None, "variant": "vanilla", "seed": seed, "val_loss": s["final_val_loss"],
                      "run_dir": s["run_dir"]} for (cell, seed), s in zip(points, summaries) if cell is None]
+    vanilla = seed_summary([r["val_loss"] for r in vanilla_rows])
     rows = [kh_row(cell, seed, s) for (cell, seed), s in zip(points, summaries) if cell is not None]
     cells = kh_cells(rows, grid)
     tests = kh_depth_tests(rows, ks, hs)
     sections = kh_sections(ctx, variant, seeds, ks, hs, vanilla, cells, tests, rows)
     plot_kh(ctx, variant, ks, hs, cells, vanilla)
     ctx.log_table("mom_kh", sections[4])
-    from analysis.stats import seed_summary
-
-    results = {"variant": variant, "steps": ctx.steps, "seeds": seeds, "vanilla_val_loss": seed_summary(vanilla),
+    results = {"variant": variant, "steps": ctx.steps, "seeds": seeds, "vanilla_val_loss": vanilla,
                "cells": [{"K": k, "H": h, **cell} for (k, h), cell in cells.items()], "depth_tests": tests,
                "runs": [*vanilla_rows, *rows]}  # every run, so that publish keeps their records
     ctx.write_report("MoM K x H sweep", sections, results)
@@ -148,19 +148,17 @@ def kh_depth_tests(rows: Sequence[Dict[str, Any]], ks: Sequence[int], hs: Sequen
     return with_holm({f"K={k}": compare_groups(losses(k, high), losses(k, low), "less") for k in ks})
 
 
-def kh_sections(ctx: Context, variant: str, seeds: int, ks: Sequence[int], hs: Sequence[int], vanilla: List[float],
+def kh_sections(ctx: Context, variant: str, seeds: int, ks: Sequence[int], hs: Sequence[int], vanilla: Dict[str, Any],
                 cells: Dict[Tuple[int, int], Dict[str, Any]], tests: Dict[str, Any],
                 rows: Sequence[Dict[str, Any]]) -> List[str]:
     """results.md's sections: the loss and FLOPs tables over K x H, the depth tests, every run, the observations."""
-    from analysis.stats import seed_summary
     from analysis.tables import ci_cell, test_cell
 
     loss = lambda k, h: ci_cell(cells[(k, h)]["val_loss"]["mean"], cells[(k, h)]["val_loss"]["ci"], 4)  # noqa: E731
-    reference = seed_summary(vanilla)
     test_rows = [[name, f"H={max(hs)} vs H={min(hs)}", test_cell(t)] for name, t in tests.items()]
     return [
         f"Variant `{variant}` (K = model.mom.top_k, H = model.mom.steps), {ctx.steps} steps each, {seeds} seed(s) "
-        f"from {ctx.seed} on; vanilla reference val loss {ci_cell(reference['mean'], reference['ci'], 4)}. Cells: "
+        f"from {ctx.seed} on; vanilla reference val loss {ci_cell(vanilla['mean'], vanilla['ci'], 4)}. Cells: "
         "seed mean [95% bootstrap interval over seeds].", "",
         "Validation loss (rows K, columns H):", "",
         markdown_table(["K \\ H", *map(str, hs)], [[k, *(loss(k, h) for h in hs)] for k in ks]), "",
@@ -178,30 +176,27 @@ def kh_sections(ctx: Context, variant: str, seeds: int, ks: Sequence[int], hs: S
 
 
 def plot_kh(ctx: Context, variant: str, ks: Sequence[int], hs: Sequence[int],
-            cells: Dict[Tuple[int, int], Dict[str, Any]], vanilla: List[float]) -> None:
+            cells: Dict[Tuple[int, int], Dict[str, Any]], vanilla: Dict[str, Any]) -> None:
     """Loss over H per K (seed means with their intervals), and loss against FLOPs per token."""
-    from analysis.stats import seed_summary
-    from analysis.tables import error_bars
+    from analysis.tables import error_bars, plotted_means
 
-    reference = seed_summary(vanilla)["mean"]
     fig, axes = figure(1, 2, width=5.0)
     for k in ks:
         summaries = [cells[(k, h)]["val_loss"] for h in hs]
-        summaries = [s if s["mean"] is not None else {"mean": float("nan"), "ci": (None, None)} for s in summaries]
-        means = [s["mean"] for s in summaries]  # NaN (not drawn) where no seed has a finite loss
+        means = plotted_means(summaries)
         ratios = [cells[(k, h)]["flops_ratio"] for h in hs]
         axes[0, 0].errorbar(list(hs), means, yerr=error_bars(summaries), marker="o", capsize=3, label=f"K={k}")
         axes[0, 1].scatter(ratios, means, label=f"K={k}")
         for h, x, y in zip(hs, ratios, means):
             axes[0, 1].annotate(f"{k},{h}", (x, y), fontsize=7)
     for ax in axes[0]:
-        if reference is not None:
-            ax.axhline(reference, color="gray", linestyle="--", label="vanilla (seed mean)")
+        if vanilla["mean"] is not None:
+            ax.axhline(vanilla["mean"], color="gray", linestyle="--", label="vanilla (seed mean)")
         ax.set_ylabel("validation loss (seed mean)")
         ax.legend(fontsize=7)
     axes[0, 0].set_xlabel("H (assembly steps)")
     axes[0, 1].set_xlabel("forward FLOPs / token (x vanilla)")
-    fig.suptitle(f"MoM K x H sweep ({variant}, {ctx.size}, {ctx.steps} steps, {len(vanilla)} seed(s))")
+    fig.suptitle(f"MoM K x H sweep ({variant}, {ctx.size}, {ctx.steps} steps, {len(vanilla['seeds'])} seed(s))")
     ctx.save_figure(fig, "mom_kh")
 
 
