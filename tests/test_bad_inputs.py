@@ -320,6 +320,8 @@ CASES = [
     ("repro-necessity-min_solving-above-seeds", "repro",
      lambda d: ["necessity", "--out", str(d / "repro_out"), "--seeds", "3", "--min_solving", "4"],
      r"--min_solving: 1 to 3 \(--seeds\), got 4"),
+    *((f"repro-{name}-seeds-0", "repro", lambda d, name=name: [name, "--out", str(d / "repro_out"), "--seeds", "0"],
+       r"--seeds: must be a positive integer, got 0") for name in ("mom_kh", "mom_two_phase", "contribution")),
     ("repro-head_to_head-unknown-entry-option", "repro",
      lambda d: ["head_to_head", "--out", str(d / "repro_out"), "--variants", "mod:nope=1", "--seeds", "1"],
      r"--variants: mod:nope=\.\.\. is no option of mod; options: "),
