@@ -467,6 +467,36 @@ def test_the_preregistered_routed_comparison_on_induct_rebuilds_and_no_routed_en
     assert {r["code"] for r in results["runs"]} == {"3eea67a6b3"}  # the commit the plan names
 
 
+INDUCT_ROUTED_MORE = REPO / "docs" / "results" / "probe_induct_routed_more"
+
+
+def test_the_preregistered_extension_on_induct_rebuilds_and_no_routed_entry_of_seven_beats_the_best_dense(tmp_path):
+    """docs/results/probe_induct_routed_more (docs/results/preregistered/probe_induct_routed_more.md): the routed
+    comparison's 25 runs plus MoD 8 layers at 0.125, MoD 4 layers at 0.25, mode_staged, moe and mom_e (25 runs at
+    0c5766c). Primary: no entry's loss is below the best dense model's (still 4x64) after Holm over all seven, and the
+    two earlier entries' verdicts (Holm over two, p 0.323) do not change. Seeds solving level 1: none of the new
+    entries but MoD at capacity 0.25 (1/5). MoD with 8 layers gives level 1 less compute than level 0 in every seed."""
+    from experiments.repro import main
+
+    results = main(["probe", "--out", str(tmp_path / "rebuilt"),
+                    "--tables_from", str(INDUCT_ROUTED_MORE / "results.json")])
+    assert _report_tables(tmp_path / "rebuilt" / "results.md") == _report_tables(INDUCT_ROUTED_MORE / "results.md")
+    tests = results["tests"]
+    assert tests["best_dense"] == "dense:4x64"
+    assert len(tests["loss"]) == 7 and all(row["p_holm"] > 0.05 for row in tests["loss"].values())
+    assert results["goals"]["beats_best_dense_loss"] == []
+    earlier = json.loads((INDUCT_ROUTED / "results.json").read_text())
+    for entry, row in earlier["tests"]["loss"].items():  # the shared runs: the same differences and raw p-values
+        assert (tests["loss"][entry]["difference"], tests["loss"][entry]["p"]) == (row["difference"], row["p"])
+    levels = {name: row["levels"]["1"] for name, row in results["variants"].items()}
+    solved = {name: sum(a >= 0.9 for a in level["acc_seeds"]) for name, level in levels.items()}
+    assert solved == {"vanilla": 0, "dense:1x64": 0, "dense:4x64": 0, "mod:n_layer=4:capacity=0.125": 2,
+                      "depth_gate_skip": 1, "mod:n_layer=8:capacity=0.125": 0, "mod:n_layer=4:capacity=0.25": 1,
+                      "mode_staged:n_layer=4": 0, "moe": 0, "mom_e:n_layer=4": 0}
+    assert max(results["variants"]["mod:n_layer=8:capacity=0.125"]["spearman_seeds"]) < 0
+    assert {r["code"] for r in results["runs"]} == {"3eea67a6b3", "0c5766c7bc"}  # the two commits the plans name
+
+
 def test_the_report_names_the_levels_its_runs_have():
     from experiments.repro.probe import level_span
 
