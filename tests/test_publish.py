@@ -135,9 +135,9 @@ def test_publish_refuses_a_missing_foreign_or_unreadable_run_before_writing_anyt
 
 
 # Published before .gitignore let docs/results/**/runs/ in (its "runs/" matched them): their run records were never
-# committed, so only their reports and results.json rows are in the repository. The set may only shrink.
-PUBLISHED_WITHOUT_RECORDS = {"isoflop_seeds/half", "isoflop_seeds/half_depth", "isoflop_seeds/mod_width",
-                             "probe_bounce_amd24"}
+# committed, so only their reports and results.json rows are in the repository. The set may only shrink: retrain one
+# by its report's command at its commit and add the records with ``publish --restore`` (isoflop_seeds/half_depth).
+PUBLISHED_WITHOUT_RECORDS = {"isoflop_seeds/half", "isoflop_seeds/mod_width", "probe_bounce_amd24"}
 
 
 def test_every_published_run_record_is_in_the_repository():
@@ -159,3 +159,66 @@ def test_every_published_run_record_is_in_the_repository():
                 without.add(folder.relative_to(results).as_posix())
     assert checked >= 40  # the records of this stop's publications at least (half_depth1/2, 20 runs)
     assert without == PUBLISHED_WITHOUT_RECORDS
+
+
+def _published_without_records(tmp_path) -> pathlib.Path:
+    """A report published before its records were kept: publish's output with runs/ gone."""
+    import shutil
+
+    dest = tmp_path / "docs" / "report"
+    publish.publish(_programme_out(tmp_path / "first"), dest)
+    shutil.rmtree(dest / "runs")
+    return dest
+
+
+def _retrained(tmp_path, change=None) -> pathlib.Path:
+    """The same command run again: every figure equal, other clocks, and the two seeds' version folders swapped (two
+    runs at once take the version numbers in the order they start)."""
+    out = _programme_out(tmp_path / "again")
+    results = json.loads((out / "results.json").read_text())
+    runs = out / "runs" / "vanilla-tiny"
+    (runs / "version_0").rename(runs / "swap")
+    (runs / "version_1").rename(runs / "version_0")
+    (runs / "swap").rename(runs / "version_1")
+    for row, version in zip(results["runs"], ("version_1", "version_0")):
+        row.update({"wall_s": 99.0, "step_time_s": 0.5, **(change or {})})
+        row["run_dir"] = row["run_dir"].rsplit("/", 1)[0] + "/" + version
+        summary = json.loads((runs / version / "summary.json").read_text())
+        (runs / version / "summary.json").write_text(json.dumps({**summary, "run_dir": row["run_dir"]}))
+    (out / "results.json").write_text(json.dumps(results))
+    return out
+
+
+def test_restore_adds_the_records_of_a_retraining_whose_every_figure_equals_the_published_rows(tmp_path):
+    dest = _published_without_records(tmp_path)
+    report = (dest / "results.md").read_text(), (dest / "results.json").read_text()
+    records = publish.main(["--restore", str(_retrained(tmp_path)), str(dest)])["runs"]
+    rows = json.loads((dest / "results.json").read_text())["runs"]
+    assert records == [str(dest / row["run_dir"]) for row in rows]
+    for row in rows:  # the row's own record, at its published path, and the note that it came back by retraining
+        summary = json.loads((dest / row["run_dir"] / "summary.json").read_text())
+        assert summary["steps"] == row["steps"] and "retrained" in summary["published"]["restored"]
+        assert (dest / row["run_dir"] / "config.yaml").read_text() == f"seed: {row['seed']}\n"
+    assert ((dest / "results.md").read_text(), (dest / "results.json").read_text()) == report  # the report stays
+
+
+@pytest.mark.parametrize("change,named", [({"val_loss": 1.0000001}, "row 0 (vanilla seed 1337): val_loss 1.0"),
+                                          ({"steps": 999}, "row 0 (vanilla seed 1337): steps 1000")])
+def test_restore_refuses_a_retraining_that_differs_in_any_figure_and_writes_nothing(tmp_path, change, named):
+    dest = _published_without_records(tmp_path)
+    with pytest.raises(ConfigError, match=r"publish --restore: .* is not a retraining of .*: " + named.replace("(", r"\(")
+                       .replace(")", r"\)") + ".*; retrain with the report's command"):
+        publish.restore(_retrained(tmp_path, change), dest)
+    assert not (dest / "runs").exists()
+
+
+def test_restore_refuses_another_commit_or_a_folder_publish_did_not_write(tmp_path):
+    dest = _published_without_records(tmp_path)
+    results = json.loads((dest / "results.json").read_text())
+    (dest / "results.json").write_text(json.dumps({**results, "provenance": {"commit": "b" * 40}}))
+    with pytest.raises(ConfigError, match="the report's commit is b+, the retraining's None"):
+        publish.restore(_retrained(tmp_path), dest)
+    unpublished = _programme_out(tmp_path / "raw")
+    with pytest.raises(ConfigError, match="is not a published report .*no run_dir_trained"):
+        publish.restore(_retrained(tmp_path / "2"), unpublished)
+    assert not (dest / "runs").exists()

@@ -17,6 +17,12 @@ folder stays as ``run_dir_trained``); the records themselves keep what the run w
 ``DEST`` is replaced as a whole (written beside it, then swapped in), so a folder published again holds nothing stale;
 a non-empty ``DEST`` that is not a published report is refused.
 
+``python -m experiments.repro.publish --restore OUT DEST``: the run records of a report published without them
+(``DEST``), from ``OUT``, a retraining by the same command. Each published row is matched to the retrained row at
+the same position; every figure of the published row but its clocks (``CLOCK_FIELDS``) and paths must be equal, and
+the report's commit too, or nothing is written (one line names the row and the field). The records go to each
+published row's ``run_dir``; the report stays as published, and each record's ``published.restored`` says so.
+
 ``python -m experiments.repro.publish --runs LOG_DIR DEST``: the same records of every finished run folder under
 ``LOG_DIR`` (runs of ``experiments.run`` itself, e.g. a loop over depths and seeds, with no programme report), at
 their paths relative to ``LOG_DIR``, under ``DEST/runs``; ``experiments.compare DEST/runs ...`` then rebuilds their
@@ -38,6 +44,9 @@ RUN_FILES = ("config.yaml", "provenance.json", "probe.json")  # copied as they a
 # the report (results.md, leaderboard.md / .csv) and figures; results.json is written with its rows' run_dir
 # rewritten; leaderboard.json and the runs.json reuse index name the trained folders and stay behind
 REPORT_SUFFIXES = (".md", ".csv", ".png")
+# what a retraining may change in a row (the machine's load); everything else must come back equal for --restore
+CLOCK_FIELDS = ("step_time_s", "train_time_s", "wall_s", "wall_measured", "run_seconds")
+PATH_FIELDS = ("run_dir", "run_dir_trained")
 
 
 def thinned(curve: Sequence[Any], points: int = CURVE_POINTS) -> List[Any]:
@@ -125,14 +134,8 @@ def find_run(row: Dict[str, Any], out: pathlib.Path) -> Tuple[pathlib.Path, Dict
 def publish(out: pathlib.Path, dest: pathlib.Path) -> Dict[str, Any]:
     """Copy ``out``'s report and its runs' records to ``dest`` (see the module docstring); the copied results."""
     out, dest = pathlib.Path(out), pathlib.Path(dest)
-    try:
-        results = json.loads((out / "results.json").read_text())
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"publish: {out}/results.json is not a finished programme's report ({err}); give the "
-                          "--out folder of a programme that finished") from None
-    rows = results.get("runs")
-    if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) and r.get("run_dir") for r in rows):
-        raise ConfigError(f"publish: {out}/results.json has no run rows with a run_dir; nothing to publish")
+    results = report_rows(out, "")
+    rows = results["runs"]
     if dest.resolve() == out.resolve() or out.resolve() in dest.resolve().parents:
         raise ConfigError(f"publish: DEST {dest} is inside OUT; give another folder (e.g. docs/results/<name>)")
     if dest.exists() and any(dest.iterdir()) and not (dest / "results.json").is_file():
@@ -156,6 +159,57 @@ def publish(out: pathlib.Path, dest: pathlib.Path) -> Dict[str, Any]:
 
     replace_folder(dest, fill)
     return results
+
+
+def restore(out: pathlib.Path, dest: pathlib.Path) -> List[pathlib.Path]:
+    """The records of ``dest``'s published rows from ``out``'s retraining (see the module docstring); their folders."""
+    out, dest = pathlib.Path(out), pathlib.Path(dest)
+    published, retrained = (report_rows(folder, " --restore") for folder in (dest, out))
+    if not all("run_dir_trained" in row for row in published["runs"]):
+        raise ConfigError(f"publish --restore: {dest} is not a published report (its rows have no run_dir_trained); "
+                          "give the docs/results folder publish wrote")
+    mismatch = retraining_mismatch(published, retrained)
+    if mismatch:
+        raise ConfigError(f"publish --restore: {out} is not a retraining of {dest}: {mismatch}; retrain with the "
+                          "report's command at its commit, on its CPU and kernel settings")
+    runs = [find_run(row, out) for row in retrained["runs"]]
+    commit = retrained.get("provenance", {}).get("commit")
+    targets = [dest / row["run_dir"] for row in published["runs"]]
+    for (run_dir, summary), target in zip(runs, targets):
+        copy_record(run_dir, summary, target)
+        record = json.loads((target / "summary.json").read_text())
+        record["published"]["restored"] = (f"retrained at {commit} by the report's command; every figure of its "
+                                           "row but the clocks came back equal")
+        (target / "summary.json").write_text(json.dumps(record, indent=1) + "\n")
+    return targets
+
+
+def report_rows(folder: pathlib.Path, option: str) -> Dict[str, Any]:
+    """A programme's results.json, which must hold run rows with a run_dir (one line naming the folder otherwise)."""
+    try:
+        results = json.loads((folder / "results.json").read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"publish{option}: {folder}/results.json is not a finished programme's report ({err}); give the "
+                          "--out folder of a programme that finished") from None
+    rows = results.get("runs")
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) and r.get("run_dir") for r in rows):
+        raise ConfigError(f"publish{option}: {folder}/results.json has no run rows with a run_dir; nothing to publish")
+    return results
+
+
+def retraining_mismatch(published: Dict[str, Any], retrained: Dict[str, Any]) -> Optional[str]:
+    """Where ``retrained`` differs from ``published`` beyond the clocks and paths, in words; None if nowhere."""
+    commits = [r.get("provenance", {}).get("commit") for r in (published, retrained)]
+    if commits[0] != commits[1]:
+        return f"the report's commit is {commits[0]}, the retraining's {commits[1]}"
+    if len(published["runs"]) != len(retrained["runs"]):
+        return f"{len(published['runs'])} published rows, {len(retrained['runs'])} retrained"
+    for i, (old, new) in enumerate(zip(published["runs"], retrained["runs"])):
+        for field in old.keys() - {*CLOCK_FIELDS, *PATH_FIELDS}:
+            if new.get(field, KeyError) != old[field]:
+                return (f"row {i} ({old.get('variant')} seed {old.get('seed')}): {field} {old[field]!r} published, "
+                        f"{new.get(field, 'missing')!r} retrained")
+    return None
 
 
 def replace_folder(target: pathlib.Path, fill) -> None:
@@ -240,8 +294,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("out", type=pathlib.Path, help="the programme's --out folder (with results.json and runs/); "
                                                            "with --runs: the --log_dir of experiments.run runs")
     parser.add_argument("dest", type=pathlib.Path, help="where the report and the run records go (docs/results/NAME)")
-    parser.add_argument("--runs", action="store_true",
-                        help="publish the records of the run folders under OUT (no programme report) to DEST/runs")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--runs", action="store_true",
+                      help="publish the records of the run folders under OUT (no programme report) to DEST/runs")
+    mode.add_argument("--restore", action="store_true",
+                      help="DEST is a report published without its run records, OUT a retraining by its command: "
+                           "check every figure came back equal, then add the records to DEST")
     return parser
 
 
@@ -251,6 +309,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         records = publish_runs(args.out, args.dest)
         print(f"published {len(records)} runs' records of {args.out} to {args.dest / 'runs'}; their table: "
               f"python -m experiments.compare {args.dest / 'runs'}")
+        return {"runs": [str(r) for r in records]}
+    if args.restore:
+        records = restore(args.out, args.dest)
+        print(f"restored {len(records)} runs' records of {args.dest} from the retraining {args.out}")
         return {"runs": [str(r) for r in records]}
     results = publish(args.out, args.dest)
     print(f"published {len(results['runs'])} runs' records and the report of {args.out} to {args.dest}")
