@@ -19,11 +19,14 @@ MHA-vs-FFN contribution ratios (the FFN-Wider paper) at every sub-layer boundary
   seed, so identical states give identical probes.
 * ``mi``: the normalised states of every site clustered with MiniBatchKMeans (the same K at every
   site, same seed), then the plug-in mutual information I(cluster; next token) in bits. Its bias
-  (about (K-1)(V-1) / (2 N ln 2)) is the same at every site and cancels in the gains.
+  (about (K-1)(V-1) / (2 N ln 2)) is the same at every site and cancels in the gains. The clustering's
+  own noise does not: each site's information is averaged over ``--restarts`` k-means seeds (``--seed``,
+  ``--seed`` + 1, ...), and the ratios' SE is a bootstrap over those seeds.
 
 Ratios come from the gains between consecutive states (``callbacks.contribution.ratios_from_values``):
 ratio_MHA = sum of MHA gains / total gain, likewise FFN; they sum to 1. With ``logit_lens`` each ratio
-has a standard error (``ratio_mha_se``), by bootstrap over the probe sequences.
+has a standard error (``ratio_mha_se``), by bootstrap over the probe sequences; with ``mi``, over the
+k-means seeds.
 
 The probe data are the first sequences of the run's validation set, rebuilt from the ``data`` group
 of ``config.yaml`` in the run folder (the folder above ``checkpoints/``), so the embedded corpus
@@ -40,7 +43,7 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
-from analysis.contribution import METHODS, contribution, routing, run_folder
+from analysis.contribution import METHODS, MI_RESTARTS, contribution, routing, run_folder
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--sequences", type=int, default=64, help="validation sequences used as probe data")
     c.add_argument("--batch_size", type=int, default=8)
     c.add_argument("--clusters", type=int, default=64, help="k-means K at every site (--method mi)")
+    c.add_argument("--restarts", type=int, default=MI_RESTARTS,
+                   help="k-means seeds each site's information is averaged over (--method mi)")
     c.add_argument("--probe_steps", type=int, default=200, help="Adam steps per linear probe (--method probe)")
     c.add_argument("--probe_lr", type=float, default=1e-3)
     c.add_argument("--seed", type=int, default=0)
@@ -86,12 +91,12 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         print(json.dumps(result))
         return result
     result = contribution(args.ckpt, args.method, args.sequences, args.batch_size, args.clusters,
-                          args.probe_steps, args.probe_lr, args.seed, args.device)
+                          args.probe_steps, args.probe_lr, args.seed, args.device, args.restarts)
     out = pathlib.Path(args.json) if args.json else run_folder(pathlib.Path(args.ckpt)) / f"contribution-{args.method}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     for label, value in zip(result["labels"], result["values"]):
         print(f"{label:>12}  {value:.4f}", file=sys.stderr)
-    se = f" +- {result['ratio_mha_se']:.3f} (SE, bootstrap over sequences)" if result.get("ratio_mha_se") is not None else ""
+    se = f" +- {result['ratio_mha_se']:.3f} (SE, {result['se_method']})" if result.get("ratio_mha_se") is not None else ""
     print(f"ratio_mha={result['ratio_mha']}{se}  ratio_ffn={result['ratio_ffn']}  ({out})", file=sys.stderr)
     print(json.dumps(result))
     return result

@@ -61,7 +61,7 @@ def zeroed_ffn_run(tmp_path_factory):
 @pytest.mark.parametrize("method", ["logit_lens", "mi", "probe"])
 def test_zeroed_ffns_give_ffn_ratio_zero_and_ratios_sum_to_one(zeroed_ffn_run, method):
     ckpt = zeroed_ffn_run / "checkpoints" / "last.ckpt"
-    result = contribution(str(ckpt), method, sequences=12, batch_size=4, clusters=16, probe_steps=15)
+    result = contribution(str(ckpt), method, sequences=12, batch_size=4, clusters=16, probe_steps=15, restarts=2)
     assert result["labels"] == ["00.embed", "01.mha0", "02.ffn0", "03.mha1", "04.ffn1"]
     assert result["tokens"] == 12 * T
     values = result["values"]
@@ -74,11 +74,27 @@ def test_zeroed_ffns_give_ffn_ratio_zero_and_ratios_sum_to_one(zeroed_ffn_run, m
         assert all(0 <= v <= result["token_entropy_bits"] + 1e-9 for v in values)
 
 
+def test_mi_averages_each_sites_information_over_its_k_means_seeds_and_bootstraps_the_ratios_se_over_them(
+        zeroed_ffn_run):
+    """--restarts k: each site's information is the mean of the k single-seed clusterings (seed, seed + 1, ...),
+    each equal to a one-restart run at that seed, and the ratios get an SE over those seeds (one restart: none)."""
+    ckpt = str(zeroed_ffn_run / "checkpoints" / "last.ckpt")
+    options = dict(sequences=12, batch_size=4, clusters=16)
+    singles = [contribution(ckpt, "mi", seed=7 + r, restarts=1, **options) for r in range(2)]
+    pooled = contribution(ckpt, "mi", seed=7, restarts=2, **options)
+    assert pooled["values_per_restart"] == [list(v) for v in zip(*(s["values"] for s in singles))]
+    assert pooled["values"] == pytest.approx([sum(v) / 2 for v in zip(*(s["values"] for s in singles))], abs=1e-12)
+    assert all(s["ratio_mha_se"] is None for s in singles) and "2 k-means seeds" in pooled["se_method"]
+    # zeroed FFNs: every clustering gives the FFN no gain, so the ratio is 1 in every resample (SE 0); a model whose
+    # clusterings disagree has a positive SE (the mi rows of the published contribution runs, docs/results.md)
+    assert pooled["ratio_mha"] == 1.0 and pooled["ratio_mha_se"] == 0.0
+
+
 def test_cli_writes_json_and_prints_it(zeroed_ffn_run, tmp_path, capsys):
     ckpt = zeroed_ffn_run / "checkpoints" / "last.ckpt"
     out = tmp_path / "mi.json"
     main(["contribution", "--ckpt", str(ckpt), "--method", "mi", "--sequences", "8", "--clusters", "8",
-          "--json", str(out)])
+          "--restarts", "2", "--json", str(out)])
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert json.loads(out.read_text()) == printed
     assert printed["method"] == "mi" and printed["clusters"] == 8 and printed["ratio_ffn"] == 0.0
@@ -94,6 +110,8 @@ def test_bad_input_names_the_option(zeroed_ffn_run, tmp_path):
         contribution(str(ckpt), "x")
     with pytest.raises(ValueError, match="--clusters: must be a positive integer"):
         contribution(str(ckpt), "mi", clusters=0)
+    with pytest.raises(ValueError, match="--restarts: must be a positive integer, got 0"):
+        contribution(str(ckpt), "mi", restarts=0)
     with pytest.raises(SystemExit):
         main(["contribution", "--ckpt", str(ckpt), "--method", "nope"])
 

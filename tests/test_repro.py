@@ -315,7 +315,7 @@ def test_contribution_end_to_end_with_ood_text(tmp_path):
     ood.write_text("The quick brown fox jumps over the lazy dog. " * 200)
     result = repro(["contribution", "--out", str(tmp_path / "out"), "--wide_ratio", "8", "--ratios", "0.25,0.5,0.75",
                     "--methods", "logit_lens,mi", "--sequences", "8", "--ood", f"fox={ood}", "--ood_tokens", "600",
-                    "--seeds", "2", *STEPS, "--", *TINY_RUN])
+                    "--seeds", "2", "--mi_restarts", "2", *STEPS, "--", *TINY_RUN])
     names = ["vanilla", "ffn_wider", "caa r=0.25", "caa r=0.5", "caa r=0.75"]
     assert [(r["name"], r["seed"]) for r in result["runs"]] == [(n, s) for n in names for s in (1337, 1338)]
     for r in result["runs"]:
@@ -337,6 +337,7 @@ def test_contribution_end_to_end_with_ood_text(tmp_path):
     assert fox["p"] == one_sample_p(fox["correlations"], 0.0, "greater") and fox["p_holm"] == fox["p"]  # one OOD set
     report = (tmp_path / "out" / "results.md").read_text()
     assert "OOD loss fox" in report and "per seed, positive:" in report and "seed mean [95% bootstrap" in report
+    assert result["mi_restarts"] == 2 and "averaged over 2 k-means seeds" in report
 
 
 def test_contribution_table_shows_each_ratio_with_its_standard_error():

@@ -108,6 +108,8 @@ def add_training_experiments(add: Callable[[str, str], argparse.ArgumentParser])
                    help="out-of-distribution text (.txt or .jsonl with 'text'), repeatable")
     p.add_argument("--ood_tokens", type=int, default=32768, help="tokens evaluated per OOD file")
     p.add_argument("--seeds", type=int, default=5, help="seeds per model, from --seed on (default 5)")
+    p.add_argument("--mi_restarts", type=int, default=None,
+                   help="k-means seeds the mi method averages each site over (default: analysis.contribution's, 5)")
     p = add("head_to_head", "all variants at equal measured training FLOPs (vanilla's --steps steps)")
     p.add_argument("--variants", default=None,
                    help="comma-separated entries: a variant (mod) or a variant with model options "
@@ -252,7 +254,7 @@ def dispatch(ctx, args) -> Dict[str, Any]:
         return contribution_experiment(
             ctx, wide_ratio=args.wide_ratio, ratios=parse_list(args.ratios, float, "ratios"),
             methods=parse_list(args.methods, str, "methods"), sequences=args.sequences,
-            ood=parse_ood(args.ood), ood_tokens=args.ood_tokens, seeds=args.seeds)
+            ood=parse_ood(args.ood), ood_tokens=args.ood_tokens, seeds=args.seeds, mi_restarts=args.mi_restarts)
     if name in ("necessity", "probe"):
         return dispatch_probes(ctx, args)
     from experiments.repro.head_to_head import head_to_head

@@ -65,18 +65,21 @@ def with_se(value: Optional[float], se: Optional[float]) -> str:
 def contribution_experiment(ctx: Context, wide_ratio: float = 32.0, ratios: Sequence[float] = (0.125, 0.25, 0.5, 0.75),
                             methods: Sequence[str] = ("logit_lens", "mi"), sequences: int = 64,
                             ood: Optional[Dict[str, pathlib.Path]] = None, ood_tokens: int = 32768,
-                            seeds: int = 5) -> Dict[str, Any]:
-    from analysis.contribution import METHODS
+                            seeds: int = 5, mi_restarts: Optional[int] = None) -> Dict[str, Any]:
+    from analysis.contribution import METHODS, MI_RESTARTS
+
+    mi_restarts = MI_RESTARTS if mi_restarts is None else mi_restarts
 
     bad = [m for m in methods if m not in METHODS]
     if bad:
         raise ConfigError(f"--methods: unknown {bad}; valid methods: {', '.join(METHODS)}")
-    if seeds < 1:
-        raise ConfigError(f"--seeds: must be a positive integer, got {seeds}")
+    for option, value in (("seeds", seeds), ("mi_restarts", mi_restarts)):
+        if value < 1:
+            raise ConfigError(f"--{option}: must be a positive integer, got {value}")
     ood = ood or {}
     configs = grid(wide_ratio, ratios)
     ctx.validate([c["argv"] for c in configs.values()])
-    rows = [measured_row(ctx, name, c, seed, methods, sequences, ood, ood_tokens)
+    rows = [measured_row(ctx, name, c, seed, methods, sequences, ood, ood_tokens, mi_restarts)
             for name, c in configs.items() for seed in range(ctx.seed, ctx.seed + seeds)]
     ood_names = sorted({k for r in rows for k in r["ood"]})
     models = model_summaries(rows, configs, methods, ood_names)
@@ -84,21 +87,23 @@ def contribution_experiment(ctx: Context, wide_ratio: float = 32.0, ratios: Sequ
     table = contribution_table(models, methods, ood_names, seeds)
     sections = [f"{ctx.steps} steps per run, {seeds} seed(s) per model from {ctx.seed} on; contribution over the first "
                 f"{sequences} validation sequences; ratios from the gains between consecutive residual states (MHA "
-                "updates vs FFN updates, summing to 1). "
-                + ("Cells: a ratio ± its bootstrap SE over the sequences where the method has one." if seeds == 1 else
+                f"updates vs FFN updates, summing to 1); mi: each site's information averaged over {mi_restarts} "
+                "k-means seeds. "
+                + ("Cells: a ratio ± its bootstrap SE (logit lens: over the sequences; mi: over the k-means seeds)."
+                   if seeds == 1 else
                    "Cells: seed mean [95% bootstrap interval over seeds]."), "",
                 table, "", "Observations (computed from the numbers above; tests over seeds, Holm within each claim):",
                 "", *observations(models, tests, methods, ood_names), ""]
     plot(ctx, models, methods, ood_names)
     ctx.log_table("contribution", table)
-    results = {"wide_ratio": wide_ratio, "methods": list(methods), "seeds": seeds,
+    results = {"wide_ratio": wide_ratio, "methods": list(methods), "seeds": seeds, "mi_restarts": mi_restarts,
                "ood": {k: str(v) for k, v in ood.items()}, "models": models, "tests": tests, "runs": rows}
     ctx.write_report("MHA vs FFN contribution: FFN width and the CAA Outer-FFN ratio", sections, results)
     return results
 
 
 def measured_row(ctx: Context, name: str, config: Dict[str, Any], seed: int, methods: Sequence[str], sequences: int,
-                 ood: Dict[str, pathlib.Path], ood_tokens: int) -> Dict[str, Any]:
+                 ood: Dict[str, pathlib.Path], ood_tokens: int, mi_restarts: int) -> Dict[str, Any]:
     """One model at one seed: trained (or reused), its contribution ratios per method and its OOD losses (the
     SlimPajama subsets it validated on, and the ``--ood`` files scored now)."""
     from analysis.contribution import contribution
@@ -108,9 +113,10 @@ def measured_row(ctx: Context, name: str, config: Dict[str, Any], seed: int, met
     row = {"name": name, "seed": seed, "r": config["r"], "ffn": config["ffn"], "val_loss": s["final_val_loss"],
            "parameters": s["parameters"], "flops_ratio": s["flops_per_token"]["ratio_to_vanilla"], "run_dir": str(run_dir)}
     for method in methods:
-        result = contribution(str(checkpoint_of(run_dir)), method, sequences=sequences, seed=ctx.seed)
+        result = contribution(str(checkpoint_of(run_dir)), method, sequences=sequences, seed=ctx.seed,
+                              restarts=mi_restarts)
         row[f"mha_{method}"], row[f"ffn_{method}"] = result["ratio_mha"], result["ratio_ffn"]
-        row[f"se_{method}"] = result.get("ratio_mha_se")  # bootstrap over sequences (logit lens); MHA and FFN share it
+        row[f"se_{method}"] = result.get("ratio_mha_se")  # bootstrap (sequences / k-means seeds); MHA and FFN share it
     row["ood"] = {k.split("/")[1]: v for k, v in s.get("val_metrics", {}).items()
                   if k.startswith("val/") and k.endswith("/loss") and k.count("/") == 2}
     row["ood"].update(ood_losses(run_dir, ood, ood_tokens))
