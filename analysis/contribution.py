@@ -156,7 +156,7 @@ def mutual_information(clusters: np.ndarray, tokens: np.ndarray) -> float:
 
 
 def mi_method(model, sequences: torch.Tensor, batch_size: int, clusters: int, seed: int,
-              restarts: int = 1) -> Dict[str, Any]:
+              restarts: int = MI_RESTARTS) -> Dict[str, Any]:
     """I(cluster; next token) per site, averaged over ``restarts`` k-means seeds (seed, seed + 1, ...). The ratios
     divide differences of ~0.1 bit between sites whose information is ~3 bits, so one clustering's noise can move a
     ratio by more than a model change (0.28-0.99 over eight seeds on one small model); with several restarts the

@@ -72,11 +72,13 @@ BOOTSTRAP_SAMPLES = 1000
 
 def bootstrap_ratio_se(tags: Sequence[str], correct: torch.Tensor, samples: int = BOOTSTRAP_SAMPLES,
                        seed: int = 0) -> Dict[str, Optional[float]]:
-    """Standard error of ratio_MHA / ratio_FFN by bootstrap over sequences.
+    """Standard error of ratio_MHA / ratio_FFN by bootstrap over the columns of ``correct``.
 
-    ``correct``: (states, B) correct predictions per state and sequence. Each bootstrap sample redraws B
-    sequences with replacement and recomputes the ratios from the pooled accuracies; the SE is the std of
-    the defined ratios (None with fewer than 2 sequences or when the total gain is mostly zero).
+    ``correct``: (states, B) a measure per state and column: correct predictions per sequence (logit lens), or
+    one k-means seed's mutual information per column (``analysis.contribution.mi_method``). Each bootstrap sample
+    redraws B columns with replacement and recomputes the ratios from their sums (the ratios are scale-free, so sums
+    rank as means); the SE is the std of the defined ratios (None with fewer than 2 columns or when the total gain
+    is mostly zero). With few columns (five k-means seeds) it understates the spread (about sqrt((B - 1) / B)).
     """
     B = correct.shape[1]
     if B < 2:

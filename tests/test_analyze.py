@@ -90,6 +90,18 @@ def test_mi_averages_each_sites_information_over_its_k_means_seeds_and_bootstrap
     assert pooled["ratio_mha"] == 1.0 and pooled["ratio_mha_se"] == 0.0
 
 
+def test_the_ratio_se_over_columns_is_positive_when_the_columns_disagree_and_zero_when_they_agree():
+    from callbacks.contribution import bootstrap_ratio_se
+
+    tags = ["embed", "mha", "ffn"]
+    agree = torch.tensor([[3.0] * 4, [3.2] * 4, [3.3] * 4], dtype=torch.float64)  # four k-means seeds, one answer
+    disagree = torch.tensor([[3.0, 3.1, 3.0, 3.2], [3.2, 3.15, 3.3, 3.25], [3.3, 3.4, 3.35, 3.3]], dtype=torch.float64)
+    assert bootstrap_ratio_se(tags, agree) == pytest.approx({"mha": 0.0, "ffn": 0.0}, abs=1e-12)
+    se = bootstrap_ratio_se(tags, disagree)
+    assert se["mha"] > 0.05 and se["mha"] == pytest.approx(se["ffn"])  # the two ratios sum to 1
+    assert bootstrap_ratio_se(tags, disagree[:, :1]) == {"mha": None, "ffn": None}
+
+
 def test_cli_writes_json_and_prints_it(zeroed_ffn_run, tmp_path, capsys):
     ckpt = zeroed_ffn_run / "checkpoints" / "last.ckpt"
     out = tmp_path / "mi.json"

@@ -168,7 +168,12 @@ def _published_without_records(tmp_path) -> pathlib.Path:
     dest = tmp_path / "docs" / "report"
     publish.publish(_programme_out(tmp_path / "first"), dest)
     shutil.rmtree(dest / "runs")
+    results = json.loads((dest / "results.json").read_text())
+    (dest / "results.json").write_text(json.dumps({**results, "provenance": CODE}))
     return dest
+
+
+CODE = {"commit": "a" * 40, "dirty": False, "diff_sha256": None}
 
 
 def _retrained(tmp_path, change=None) -> pathlib.Path:
@@ -181,11 +186,11 @@ def _retrained(tmp_path, change=None) -> pathlib.Path:
     (runs / "version_1").rename(runs / "version_0")
     (runs / "swap").rename(runs / "version_1")
     for row, version in zip(results["runs"], ("version_1", "version_0")):
-        row.update({"wall_s": 99.0, "step_time_s": 0.5, **(change or {})})
+        row.update({"wall_s": 99.0, "step_time_s": 0.5, "run_step_s": 0.4, **(change or {})})
         row["run_dir"] = row["run_dir"].rsplit("/", 1)[0] + "/" + version
         summary = json.loads((runs / version / "summary.json").read_text())
         (runs / version / "summary.json").write_text(json.dumps({**summary, "run_dir": row["run_dir"]}))
-    (out / "results.json").write_text(json.dumps(results))
+    (out / "results.json").write_text(json.dumps({**results, "provenance": CODE}))
     return out
 
 
@@ -197,13 +202,16 @@ def test_restore_adds_the_records_of_a_retraining_whose_every_figure_equals_the_
     assert records == [str(dest / row["run_dir"]) for row in rows]
     for row in rows:  # the row's own record, at its published path, and the note that it came back by retraining
         summary = json.loads((dest / row["run_dir"] / "summary.json").read_text())
-        assert summary["steps"] == row["steps"] and "retrained" in summary["published"]["restored"]
+        assert summary["steps"] == row["steps"] and "retrained at " + "a" * 40 in summary["published"]["restored"]
         assert (dest / row["run_dir"] / "config.yaml").read_text() == f"seed: {row['seed']}\n"
     assert ((dest / "results.md").read_text(), (dest / "results.json").read_text()) == report  # the report stays
+    with pytest.raises(ConfigError, match="already holds a record; restore adds missing records only"):
+        publish.restore(_retrained(tmp_path / "2"), dest)
 
 
-@pytest.mark.parametrize("change,named", [({"val_loss": 1.0000001}, "row 0 (vanilla seed 1337): val_loss 1.0"),
-                                          ({"steps": 999}, "row 0 (vanilla seed 1337): steps 1000")])
+@pytest.mark.parametrize("change,named", [({"val_loss": 1.0000001}, "row 0 (vanilla seed 1337): val_loss 1.0 "),
+                                          ({"steps": 999}, "row 0 (vanilla seed 1337): steps 1000 "),
+                                          ({"steps": 1000.0}, "row 0 (vanilla seed 1337): steps 1000 published, 1000.0")])
 def test_restore_refuses_a_retraining_that_differs_in_any_figure_and_writes_nothing(tmp_path, change, named):
     dest = _published_without_records(tmp_path)
     with pytest.raises(ConfigError, match=r"publish --restore: .* is not a retraining of .*: " + named.replace("(", r"\(")
@@ -215,10 +223,25 @@ def test_restore_refuses_a_retraining_that_differs_in_any_figure_and_writes_noth
 def test_restore_refuses_another_commit_or_a_folder_publish_did_not_write(tmp_path):
     dest = _published_without_records(tmp_path)
     results = json.loads((dest / "results.json").read_text())
-    (dest / "results.json").write_text(json.dumps({**results, "provenance": {"commit": "b" * 40}}))
-    with pytest.raises(ConfigError, match="the report's commit is b+, the retraining's None"):
+    (dest / "results.json").write_text(json.dumps({**results, "provenance": {**CODE, "commit": "b" * 40}}))
+    with pytest.raises(ConfigError, match=r"the report's code \(commit, dirty, diff\) is \('b+', False, None\), the "
+                                          r"retraining's \('a+', False, None\)"):
         publish.restore(_retrained(tmp_path), dest)
+    (dest / "results.json").write_text(json.dumps({**results, "provenance": None}))
+    with pytest.raises(ConfigError, match="the published report names no commit"):
+        publish.restore(_retrained(tmp_path / "3"), dest)
     unpublished = _programme_out(tmp_path / "raw")
     with pytest.raises(ConfigError, match="is not a published report .*no run_dir_trained"):
         publish.restore(_retrained(tmp_path / "2"), unpublished)
     assert not (dest / "runs").exists()
+
+
+def test_retraining_rows_compare_bit_for_bit_with_nan_equal_to_nan_and_only_the_clocks_free():
+    run = {"variant": "mod", "seed": 1, "val_loss": float("nan"), "probe": {"levels": [0.5, float("nan")]},
+           "wall_s": 3.0}
+    report = lambda *rows: {"provenance": CODE, "runs": list(rows)}  # noqa: E731
+    assert publish.retraining_mismatch(report(run), report({**run, "wall_s": 9.0, "new_field": 1})) is None
+    assert "row 1 (mod seed 1): val_loss NaN published, 0.5 retrained" in publish.retraining_mismatch(
+        report(run, run), report(run, {**run, "val_loss": 0.5}))
+    assert publish.retraining_mismatch(report(run), report(run, run)) == "1 published rows, 2 retrained"
+    assert "probe" in publish.retraining_mismatch(report(run), report({**run, "probe": {"levels": [0.5, 0.0]}}))

@@ -366,9 +366,10 @@ def test_the_published_5_seed_contribution_tests_rebuild_from_their_rows_and_no_
     assert json.loads(json.dumps(tests)) == published["tests"]
     assert not any(passes(test) for family in tests.values() for test in family.values())
     first = {r["name"]: r for r in rows if r["seed"] == 1337}  # the one-seed table in docs/results.md
-    one_seed_table = {"vanilla": 6.3440, "ffn_wider": 6.2993, "caa r=0.125": 6.4097, "caa r=0.25": 6.3319,
-                      "caa r=0.5": 6.3230, "caa r=0.75": 6.3266}
+    one_seed_table = {"ffn_wider": 6.2993, "caa r=0.125": 6.4097, "caa r=0.25": 6.3319, "caa r=0.5": 6.3230,
+                      "caa r=0.75": 6.3266}
     assert {m: round(first[m]["val_loss"], 4) for m in one_seed_table} == one_seed_table
+    assert round(first["vanilla"]["val_loss"], 4) == 6.3440  # the table's 6.3441 was another training (results.md)
 
 
 @pytest.mark.slow

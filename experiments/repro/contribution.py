@@ -87,8 +87,9 @@ def contribution_experiment(ctx: Context, wide_ratio: float = 32.0, ratios: Sequ
     table = contribution_table(models, methods, ood_names, seeds)
     sections = [f"{ctx.steps} steps per run, {seeds} seed(s) per model from {ctx.seed} on; contribution over the first "
                 f"{sequences} validation sequences; ratios from the gains between consecutive residual states (MHA "
-                f"updates vs FFN updates, summing to 1); mi: each site's information averaged over {mi_restarts} "
-                "k-means seeds. "
+                "updates vs FFN updates, summing to 1)"
+                + (f"; mi: each site's information averaged over {mi_restarts} k-means seeds. " if "mi" in methods
+                   else ". ")
                 + ("Cells: a ratio ± its bootstrap SE (logit lens: over the sequences; mi: over the k-means seeds)."
                    if seeds == 1 else
                    "Cells: seed mean [95% bootstrap interval over seeds]."), "",

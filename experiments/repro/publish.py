@@ -19,9 +19,11 @@ a non-empty ``DEST`` that is not a published report is refused.
 
 ``python -m experiments.repro.publish --restore OUT DEST``: the run records of a report published without them
 (``DEST``), from ``OUT``, a retraining by the same command. Each published row is matched to the retrained row at
-the same position; every figure of the published row but its clocks (``CLOCK_FIELDS``) and paths must be equal, and
-the report's commit too, or nothing is written (one line names the row and the field). The records go to each
-published row's ``run_dir``; the report stays as published, and each record's ``published.restored`` says so.
+the same position; every figure of the published row but its clocks (``CLOCK_FIELDS``) and paths must be equal (as
+JSON text: bit for bit), and the report's commit, dirty flag and diff too, or nothing is written (one line names the
+row and the field). The records go to each published row's ``run_dir``, which must not hold one yet; the report stays
+as published, and each record's ``published.restored`` says so and names the retrained folder (whose version number
+may differ: two runs at once take them in the order they start).
 
 ``python -m experiments.repro.publish --runs LOG_DIR DEST``: the same records of every finished run folder under
 ``LOG_DIR`` (runs of ``experiments.run`` itself, e.g. a loop over depths and seeds, with no programme report), at
@@ -45,7 +47,7 @@ RUN_FILES = ("config.yaml", "provenance.json", "probe.json")  # copied as they a
 # rewritten; leaderboard.json and the runs.json reuse index name the trained folders and stay behind
 REPORT_SUFFIXES = (".md", ".csv", ".png")
 # what a retraining may change in a row (the machine's load); everything else must come back equal for --restore
-CLOCK_FIELDS = ("step_time_s", "train_time_s", "wall_s", "wall_measured", "run_seconds")
+CLOCK_FIELDS = ("step_time_s", "train_time_s", "wall_s", "wall_measured", "run_seconds", "run_step_s")
 PATH_FIELDS = ("run_dir", "run_dir_trained")
 
 
@@ -162,25 +164,36 @@ def publish(out: pathlib.Path, dest: pathlib.Path) -> Dict[str, Any]:
 
 
 def restore(out: pathlib.Path, dest: pathlib.Path) -> List[pathlib.Path]:
-    """The records of ``dest``'s published rows from ``out``'s retraining (see the module docstring); their folders."""
+    """The records of ``dest``'s published rows from ``out``'s retraining (see the module docstring); their folders.
+    All are written to a staging folder first and then moved into place, so a failure leaves none behind."""
     out, dest = pathlib.Path(out), pathlib.Path(dest)
     published, retrained = (report_rows(folder, " --restore") for folder in (dest, out))
     if not all("run_dir_trained" in row for row in published["runs"]):
         raise ConfigError(f"publish --restore: {dest} is not a published report (its rows have no run_dir_trained); "
                           "give the docs/results folder publish wrote")
+    targets = [dest / row["run_dir"] for row in published["runs"]]
+    present = [t for t in targets if t.exists()]
+    if present:
+        raise ConfigError(f"publish --restore: {present[0]} already holds a record; restore adds missing records only")
     mismatch = retraining_mismatch(published, retrained)
     if mismatch:
         raise ConfigError(f"publish --restore: {out} is not a retraining of {dest}: {mismatch}; retrain with the "
                           "report's command at its commit, on its CPU and kernel settings")
     runs = [find_run(row, out) for row in retrained["runs"]]
-    commit = retrained.get("provenance", {}).get("commit")
-    targets = [dest / row["run_dir"] for row in published["runs"]]
-    for (run_dir, summary), target in zip(runs, targets):
-        copy_record(run_dir, summary, target)
-        record = json.loads((target / "summary.json").read_text())
-        record["published"]["restored"] = (f"retrained at {commit} by the report's command; every figure of its "
-                                           "row but the clocks came back equal")
-        (target / "summary.json").write_text(json.dumps(record, indent=1) + "\n")
+    commit = code_state(published)[0]
+    staging = pathlib.Path(tempfile.mkdtemp(prefix=".restore.", dir=dest))
+    try:
+        for i, ((run_dir, summary), row) in enumerate(zip(runs, retrained["runs"])):
+            copy_record(run_dir, summary, staging / str(i))
+            record = json.loads((staging / str(i) / "summary.json").read_text())
+            record["published"]["restored"] = (f"retrained at {commit} by the report's command (as {row['run_dir']}); "
+                                               "every figure of its row but the clocks came back equal")
+            (staging / str(i) / "summary.json").write_text(json.dumps(record, indent=1) + "\n")
+        for i, target in enumerate(targets):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(staging / str(i)), str(target))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return targets
 
 
@@ -197,18 +210,30 @@ def report_rows(folder: pathlib.Path, option: str) -> Dict[str, Any]:
     return results
 
 
+def code_state(results: Dict[str, Any]) -> Tuple[Any, Any, Any]:
+    """The commit a report was computed at, whether its tree was dirty, and the difference's hash."""
+    provenance = results.get("provenance") or {}
+    return provenance.get("commit"), provenance.get("dirty"), provenance.get("diff_sha256")
+
+
 def retraining_mismatch(published: Dict[str, Any], retrained: Dict[str, Any]) -> Optional[str]:
-    """Where ``retrained`` differs from ``published`` beyond the clocks and paths, in words; None if nowhere."""
-    commits = [r.get("provenance", {}).get("commit") for r in (published, retrained)]
-    if commits[0] != commits[1]:
-        return f"the report's commit is {commits[0]}, the retraining's {commits[1]}"
+    """Where ``retrained`` differs from ``published`` beyond the clocks and paths, in words; None if nowhere. Rows
+    match by position (a programme trains its plan in order); a field only the retrained row has is not compared.
+    Values compare as their JSON text: bit for bit (1 is not 1.0), and a NaN equals a NaN."""
+    states = [code_state(r) for r in (published, retrained)]
+    if states[0][0] is None:
+        return "the published report names no commit, so no retraining can be shown to be of the same code"
+    if states[0] != states[1]:
+        return f"the report's code (commit, dirty, diff) is {states[0]}, the retraining's {states[1]}"
     if len(published["runs"]) != len(retrained["runs"]):
         return f"{len(published['runs'])} published rows, {len(retrained['runs'])} retrained"
+    as_text = lambda value: json.dumps(value, sort_keys=True)  # noqa: E731
     for i, (old, new) in enumerate(zip(published["runs"], retrained["runs"])):
-        for field in old.keys() - {*CLOCK_FIELDS, *PATH_FIELDS}:
-            if new.get(field, KeyError) != old[field]:
-                return (f"row {i} ({old.get('variant')} seed {old.get('seed')}): {field} {old[field]!r} published, "
-                        f"{new.get(field, 'missing')!r} retrained")
+        for field in (f for f in old if f not in CLOCK_FIELDS + PATH_FIELDS):
+            if field not in new or as_text(new[field]) != as_text(old[field]):
+                return (f"row {i} ({old.get('variant', old.get('name'))} seed {old.get('seed')}): {field} "
+                        f"{as_text(old[field])} published, {as_text(new[field]) if field in new else 'missing'} "
+                        "retrained")
     return None
 
 
