@@ -184,11 +184,9 @@ def restore(out: pathlib.Path, dest: pathlib.Path) -> List[pathlib.Path]:
     staging = pathlib.Path(tempfile.mkdtemp(prefix=".restore.", dir=dest))
     try:
         for i, ((run_dir, summary), row) in enumerate(zip(runs, retrained["runs"])):
-            copy_record(run_dir, summary, staging / str(i))
-            record = json.loads((staging / str(i) / "summary.json").read_text())
-            record["published"]["restored"] = (f"retrained at {commit} by the report's command (as {row['run_dir']}); "
-                                               "every figure of its row but the clocks came back equal")
-            (staging / str(i) / "summary.json").write_text(json.dumps(record, indent=1) + "\n")
+            copy_record(run_dir, summary, staging / str(i),
+                        {"restored": f"retrained at {commit} by the report's command (as {row['run_dir']}); every "
+                                     "figure of its row but the clocks came back equal"})
         for i, target in enumerate(targets):
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(str(staging / str(i)), str(target))
@@ -228,8 +226,9 @@ def retraining_mismatch(published: Dict[str, Any], retrained: Dict[str, Any]) ->
     if len(published["runs"]) != len(retrained["runs"]):
         return f"{len(published['runs'])} published rows, {len(retrained['runs'])} retrained"
     as_text = lambda value: json.dumps(value, sort_keys=True)  # noqa: E731
+    free = {*CLOCK_FIELDS, *PATH_FIELDS}
     for i, (old, new) in enumerate(zip(published["runs"], retrained["runs"])):
-        for field in (f for f in old if f not in CLOCK_FIELDS + PATH_FIELDS):
+        for field in (f for f in old if f not in free):
             if field not in new or as_text(new[field]) != as_text(old[field]):
                 return (f"row {i} ({old.get('variant', old.get('name'))} seed {old.get('seed')}): {field} "
                         f"{as_text(old[field])} published, {as_text(new[field]) if field in new else 'missing'} "
@@ -305,13 +304,17 @@ def finished_summary(run_dir: pathlib.Path) -> Dict[str, Any]:
     return summary
 
 
-def copy_record(run_dir: pathlib.Path, summary: Dict[str, Any], target: pathlib.Path) -> None:
-    """One run's record (its small files, its summary thinned) into ``target``."""
+def copy_record(run_dir: pathlib.Path, summary: Dict[str, Any], target: pathlib.Path,
+                notes: Optional[Dict[str, str]] = None) -> None:
+    """One run's record (its small files, its summary thinned) into ``target``; ``notes`` join what the copy's
+    ``published`` says of it."""
     target.mkdir(parents=True, exist_ok=True)
     for file in RUN_FILES:
         if (run_dir / file).is_file():
             shutil.copy2(run_dir / file, target / file)
-    (target / "summary.json").write_text(json.dumps(slim_summary(summary, run_dir), indent=1) + "\n")
+    slim = slim_summary(summary, run_dir)
+    slim["published"].update(notes or {})
+    (target / "summary.json").write_text(json.dumps(slim, indent=1) + "\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
