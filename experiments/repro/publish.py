@@ -136,7 +136,7 @@ def find_run(row: Dict[str, Any], out: pathlib.Path) -> Tuple[pathlib.Path, Dict
 def publish(out: pathlib.Path, dest: pathlib.Path) -> Dict[str, Any]:
     """Copy ``out``'s report and its runs' records to ``dest`` (see the module docstring); the copied results."""
     out, dest = pathlib.Path(out), pathlib.Path(dest)
-    results = report_rows(out, "")
+    results = report_rows(out, "", "give the --out folder of a programme that finished")
     rows = results["runs"]
     if dest.resolve() == out.resolve() or out.resolve() in dest.resolve().parents:
         raise ConfigError(f"publish: DEST {dest} is inside OUT; give another folder (e.g. docs/results/<name>)")
@@ -167,7 +167,8 @@ def restore(out: pathlib.Path, dest: pathlib.Path) -> List[pathlib.Path]:
     """The records of ``dest``'s published rows from ``out``'s retraining (see the module docstring); their folders.
     All are written to a staging folder first and then moved into place, so a failure leaves none behind."""
     out, dest = pathlib.Path(out), pathlib.Path(dest)
-    published, retrained = (report_rows(folder, " --restore") for folder in (dest, out))
+    published = report_rows(dest, " --restore", "give as DEST the docs/results folder publish wrote")
+    retrained = report_rows(out, " --restore", "give as OUT the --out folder of a retraining that finished")
     if not all("run_dir_trained" in row for row in published["runs"]):
         raise ConfigError(f"publish --restore: {dest} is not a published report (its rows have no run_dir_trained); "
                           "give the docs/results folder publish wrote")
@@ -195,13 +196,14 @@ def restore(out: pathlib.Path, dest: pathlib.Path) -> List[pathlib.Path]:
     return targets
 
 
-def report_rows(folder: pathlib.Path, option: str) -> Dict[str, Any]:
-    """A programme's results.json, which must hold run rows with a run_dir (one line naming the folder otherwise)."""
+def report_rows(folder: pathlib.Path, option: str, advice: str) -> Dict[str, Any]:
+    """A programme's results.json, which must hold run rows with a run_dir (one line naming the folder and ending
+    in ``advice`` otherwise)."""
     try:
         results = json.loads((folder / "results.json").read_text())
     except (OSError, ValueError) as err:
-        raise ConfigError(f"publish{option}: {folder}/results.json is not a finished programme's report ({err}); give the "
-                          "--out folder of a programme that finished") from None
+        raise ConfigError(f"publish{option}: {folder}/results.json is not a finished programme's report ({err}); "
+                          f"{advice}") from None
     rows = results.get("runs")
     if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) and r.get("run_dir") for r in rows):
         raise ConfigError(f"publish{option}: {folder}/results.json has no run rows with a run_dir; nothing to publish")
