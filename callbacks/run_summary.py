@@ -48,6 +48,10 @@ class StepRecorder(L.Callback):
         self._step_starts = True  # the next batch is the first micro-batch of an optimisation step
         self.starts: List[int] = []  # global step at which each process (first run, each resume) began training
         self.seconds_to_first_step: Optional[float] = None  # this run (lightning_modules.run_clock): to its first step
+        # after a resume: the earlier processes' wall time, each to the checkpoint the next one resumed from (what
+        # a killed process did after its last checkpoint was done again, so it is not counted twice); None when
+        # the checkpoint resumed from is older than this field
+        self.seconds_before_resume: Optional[float] = 0.0
         self.val_history: List[List[Any]] = []  # [optimiser steps done, {VAL_HISTORY metric: value}] per validation
 
     # ------------------------------------------------------------------ timing
@@ -147,6 +151,15 @@ class StepRecorder(L.Callback):
     def loss_steps(self) -> List[int]:
         return self.steps + [step for step, _ in self._pending_losses]
 
+    def run_seconds(self) -> Tuple[Optional[float], bool]:
+        """The run's wall time to now, and whether it is all of it: this process (``lightning_modules.run_clock``)
+        and, after a resume, the earlier ones to their checkpoints; after a resume from a checkpoint older than
+        that count, this process's only (a lower bound)."""
+        now = run_age_s()
+        if now is None or self.seconds_before_resume is None:
+            return now, False
+        return self.seconds_before_resume + now, True
+
     @property
     def median_step_time(self) -> Optional[float]:
         self._resolve()
@@ -162,9 +175,10 @@ class StepRecorder(L.Callback):
             self._record_loss(self._trainer, self._module)
             self._flush(self._trainer)
         self._resolve()
+        seconds, complete = self.run_seconds()
         return {"steps": self.loss_steps, "losses": self.losses, "step_times": list(self.step_times),
                 "timed_steps": list(self.timed_steps), "warm": list(self.warm), "starts": list(self.starts),
-                "val_history": [list(entry) for entry in self.val_history]}
+                "val_history": [list(entry) for entry in self.val_history], "run_seconds": seconds if complete else None}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.steps, self._global_losses = list(state.get("steps", [])), list(state.get("losses", []))
@@ -173,6 +187,7 @@ class StepRecorder(L.Callback):
         self.warm = list(state.get("warm", [True] * len(self.step_times)))
         self.starts = list(state.get("starts", []))
         self.val_history = [list(entry) for entry in state.get("val_history", [])]  # [] from older checkpoints
+        self.seconds_before_resume = state.get("run_seconds")  # None from older checkpoints
 
 
 def routing_summary(trace) -> Dict[str, Dict[str, float]]:

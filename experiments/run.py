@@ -652,7 +652,6 @@ def fit_and_summarise(cfg: Namespace, parser: ArgumentParser, module, data, mcfg
 def write_run_summary(trainer, module, data, mcfg: ModelConfig, recorder, final, run_dir: pathlib.Path) -> None:
     """Rank 0 writes the run's ``summary.json`` and prints the run folder."""
     from callbacks.run_summary import measured_summary, write_summary
-    from lightning_modules.run_clock import run_age_s
     from analysis.provenance import summary_provenance
 
     metrics = {k: float(v) for k, v in (final[0] if final else {}).items()}
@@ -669,9 +668,9 @@ def write_run_summary(trainer, module, data, mcfg: ModelConfig, recorder, final,
             **measured_summary(trainer, module, recorder),  # global loss curve, routing, FLOPs, step times
             **budget_summary(module),
             "world_size": trainer.world_size,
-            # this run (its last process after a resume; lightning_modules.run_clock): start-up, training,
-            # validations, to this write
-            "run_seconds": run_age_s(),
+            # this run (every process, each to the checkpoint the next resumed from; StepRecorder.run_seconds):
+            # start-up, training, validations, to this write; a lower bound when not complete
+            **dict(zip(("run_seconds", "run_seconds_complete"), recorder.run_seconds())),
             "run_dir": str(run_dir),
             "provenance": summary_provenance(run_dir),  # code commit, dirty tree, library versions, threads
         }

@@ -189,6 +189,7 @@ def test_sigterm_saves_last_checkpoint_and_the_same_command_resumes_to_max_steps
                "--log_dir", str(tmp_path), *TINY_RUN]
     env = clean_env(OMP_NUM_THREADS="1")
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    spawned = time.time()  # the process exists by now
     last = tmp_path / "vanilla-tiny" / "version_0" / "checkpoints" / "last.ckpt"
     deadline = time.time() + 240
     while not last.is_file():  # the first periodic checkpoint (step 5): training is under way
@@ -211,6 +212,8 @@ def test_sigterm_saves_last_checkpoint_and_the_same_command_resumes_to_max_steps
     assert summary["train_started_at_steps"] == [0, step]  # continued from the saved step, not from scratch
     assert [s for s, _ in summary["train_loss_curve"]] == list(range(1, 61))  # the whole run's curve
     assert summary["tokens_seen"] == 60 * 4 * 64
+    # the wall time holds the preempted process's, to its preemption checkpoint (saved after the signal)
+    assert summary["run_seconds_complete"] is True and summary["run_seconds"] > signalled - spawned
 
 
 def test_preemption_callback_leaves_sigusr1_to_lightning_when_it_handles_it():

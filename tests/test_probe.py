@@ -853,8 +853,12 @@ def test_a_runs_wall_time_is_its_process_time_or_for_resumed_and_older_runs_a_ma
 
     assert run_wall_seconds({"run_seconds": 12.5, "step_times_s": [[1, 1.0]]}) == (12.5, True)
     assert run_wall_seconds({"run_seconds": 12.5, "train_started_at_steps": [0]}) == (12.5, True)
-    # resumed: run_seconds is its last process's, the time before the stop is not in it
-    assert run_wall_seconds({"run_seconds": 12.5, "train_started_at_steps": [0, 4000]}) == (12.5, False)
+    # resumed from a checkpoint that carried the clock: every process is in run_seconds
+    resumed = {"run_seconds": 12.5, "train_started_at_steps": [0, 4000]}
+    assert run_wall_seconds({**resumed, "run_seconds_complete": True}) == (12.5, True)
+    # resumed from an older checkpoint, or a summary from before run_seconds_complete: its last process's only
+    assert run_wall_seconds({**resumed, "run_seconds_complete": False}) == (12.5, False)
+    assert run_wall_seconds(resumed) == (12.5, False)
     assert run_wall_seconds({"seconds_to_first_step": 3.0, "step_times_s": [[1, 0.5], [2, 1.5]]}) == (2.0, False)
     assert run_wall_seconds({"seconds_to_first_step": 3.0}) == (None, False)
     rows = [{"variant": "a", "wall_s": 10.0, "wall_measured": True}, {"variant": "a", "wall_s": 30.0, "wall_measured": True},

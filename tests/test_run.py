@@ -144,6 +144,34 @@ def test_resume_continues_the_exact_loss_trajectory(tmp_path):
     assert len(json.loads((first / "provenance.json").read_text())) == 3  # the first run and each resume
 
 
+def _recorder_state(checkpoint: dict) -> dict:
+    return next(state for key, state in checkpoint["callbacks"].items() if key.startswith("StepRecorder"))
+
+
+def test_a_resumed_runs_wall_time_adds_its_earlier_process_to_the_checkpoint(tmp_path):
+    """``run_seconds`` of a resumed run: the earlier process's clock at the checkpoint it resumed from, plus its own
+    process's; from a checkpoint without that clock, its own only, marked incomplete (a lower bound)."""
+    import time
+
+    common = ["--val_every", "4", *TINY_RUN, "--optim.schedule_steps", "8"]
+    first = main(["--max_steps", "4", "--log_dir", str(tmp_path / "a"), *common])
+    ckpt_path = first / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(ckpt_path, weights_only=False)
+    before = _recorder_state(checkpoint)["run_seconds"]
+    assert 0 < before <= _summary(first)["run_seconds"]
+    started = time.perf_counter()
+    resumed = _summary(main(["--max_steps", "8", "--log_dir", str(tmp_path / "a"), *common, "--ckpt_path", "last"]))
+    lived = time.perf_counter() - started  # this second run of the process starts its clock at its main()
+    assert resumed["train_started_at_steps"] == [0, 4] and resumed["run_seconds_complete"] is True
+    assert before < resumed["run_seconds"] <= before + lived
+    _recorder_state(checkpoint).pop("run_seconds")  # a checkpoint written before the clock was carried
+    old = tmp_path / "old.ckpt"
+    torch.save(checkpoint, old)
+    started = time.perf_counter()
+    lower = _summary(main(["--max_steps", "8", "--log_dir", str(tmp_path / "b"), *common, "--ckpt_path", str(old)]))
+    assert lower["run_seconds_complete"] is False and 0 < lower["run_seconds"] <= time.perf_counter() - started
+
+
 @pytest.mark.parametrize(
     "argv,error,pattern",
     [

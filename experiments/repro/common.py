@@ -926,11 +926,14 @@ def verification_table(figures: Sequence[Tuple[str, Sequence[Optional[float]], S
 # ---------------------------------------------------------------------------- wall time per part
 def run_wall_seconds(summary: Dict[str, Any]) -> Tuple[Optional[float], bool]:
     """A run's wall time (``run_seconds``: start-up when its process was started for it, training,
-    validations) and whether it was measured, or a lower bound: a resumed run's ``run_seconds`` (its last
-    process only), or, for run folders written before that field, its timed steps summed (their
-    ``seconds_to_first_step`` counted every earlier run of a reused process)."""
+    validations; after a resume every process, each to the checkpoint the next resumed from) and whether it was
+    measured, or a lower bound: a run resumed from a checkpoint that did not carry the clock
+    (``run_seconds_complete`` false, or a summary from before that field: its last process only), or, for run
+    folders written before ``run_seconds``, its timed steps summed (their ``seconds_to_first_step`` counted every
+    earlier run of a reused process)."""
     if summary.get("run_seconds") is not None:
-        return float(summary["run_seconds"]), len(summary.get("train_started_at_steps") or [0]) <= 1
+        resumed = len(summary.get("train_started_at_steps") or [0]) > 1
+        return float(summary["run_seconds"]), bool(summary.get("run_seconds_complete", not resumed))
     steps = summary.get("step_times_s") or []
     if not steps:
         return None, False
@@ -989,7 +992,8 @@ def wall_time_lines(rows: Sequence[Dict[str, Any]], part_of, workers: int) -> Li
         total += sum(walls)
         mark = ">= " if low else ""
         lines.append(f"| {part} | {len(members)} | {mark}{sum(walls):,.0f} | {mark}{sum(walls) / max(1, len(walls)):,.0f} |")
-    note = (" (>=: a lower bound, for resumed runs (their last process only) and run folders from before "
-            "`run_seconds` was recorded (their timed steps only))") if estimated else ""
+    note = (" (>=: a lower bound, for runs resumed from a checkpoint that did not carry their clock (their last "
+            "process only) and run folders from before `run_seconds` was recorded (their timed steps only))"
+            ) if estimated else ""
     return [f"Wall time per part: every run's process, start to its summary{note}; {len(rows)} runs, "
             f"{total:,.0f} s summed, about {total / max(1, workers):,.0f} s at {max(1, workers)} at once.", "", *lines, ""]
