@@ -318,6 +318,10 @@ CASES = [
      lambda d: [str(d / "report_of_gone_runs"), str(d / "no_runs_here"), "--restore"],
      r"publish --restore: .*no_runs_here/results\.json is not a finished programme's report \(.*\); give as DEST the "
      r"docs/results folder publish wrote"),
+    ("publish-restore-from-a-folder-without-a-report", "publish",
+     lambda d: [str(d / "no_runs_here"), str(d / "report_of_gone_runs"), "--restore"],
+     r"publish --restore: .*no_runs_here/results\.json is not a finished programme's report \(.*\); give as OUT the "
+     r"--out folder of a retraining that finished"),
     ("publish-runs-no-folder", "publish", lambda d: [str(d / "no_such_log_dir"), str(d / "published"), "--runs"],
      r"publish --runs: .*no_such_log_dir is not a folder; give the --log_dir the runs wrote to"),
     ("sweep-plan_workers-0", "sweep", lambda d: ["--grid", "variant=vanilla", "--dry_run", "--plan_workers", "0"],

@@ -865,7 +865,13 @@ def test_a_runs_wall_time_is_its_process_time_or_for_resumed_and_older_runs_a_ma
             {"variant": "b", "wall_s": 5.0, "wall_measured": False}]
     lines = wall_time_lines(rows, lambda r: r["variant"], workers=2)
     assert "| a | 2 | 40 | 20 |" in lines and "| b | 1 | >= 5 | >= 5 |" in lines
-    assert "45 s summed, about 22 s at 2 at once" in lines[0]
+    assert "45 s summed, about 22 s at 2 at once" in lines[0] and "a resumed run:" not in lines[0]
+    resumed = [{**rows[0], "wall_resumed": True}, *rows[1:]]  # a measured resumed run: the header says what it holds
+    assert "a resumed run: each of its processes to the checkpoint the next resumed from" in \
+        wall_time_lines(resumed, lambda r: r["variant"], workers=2)[0]
+    from experiments.repro.common import run_wall
+    assert run_wall({"run_seconds": 3.0, "run_seconds_complete": True, "train_started_at_steps": [0, 9]}) == \
+        {"wall_s": 3.0, "wall_measured": True, "wall_resumed": True}
 
 
 def test_the_report_names_the_code_and_the_cpu_of_every_run():

@@ -148,6 +148,28 @@ def _recorder_state(checkpoint: dict) -> dict:
     return next(state for key, state in checkpoint["callbacks"].items() if key.startswith("StepRecorder"))
 
 
+def test_the_recorders_clock_adds_each_earlier_process_once(monkeypatch):
+    """Every checkpoint carries the run's clock at its save (earlier processes + this one's age), never a sum of
+    saves; each resume adds its own process to the loaded clock; a checkpoint without the clock keeps it unknown."""
+    import callbacks.run_summary as run_summary
+
+    age = {"now": 5.0}
+    monkeypatch.setattr(run_summary, "run_age_s", lambda: age["now"])
+    first = run_summary.StepRecorder()
+    assert first.state_dict()["run_seconds"] == first.state_dict()["run_seconds"] == 5.0  # saved twice, once counted
+    second = run_summary.StepRecorder()
+    second.load_state_dict(first.state_dict())
+    age["now"] = 2.0
+    assert second.run_seconds() == (7.0, True) and second.state_dict()["run_seconds"] == 7.0
+    third = run_summary.StepRecorder()
+    third.load_state_dict(second.state_dict())
+    age["now"] = 1.0
+    assert third.run_seconds() == (8.0, True)  # 5 + 2 + 1: each process once
+    older = run_summary.StepRecorder()
+    older.load_state_dict({"run_seconds": None})
+    assert older.run_seconds() == (1.0, False) and older.state_dict()["run_seconds"] is None
+
+
 def test_a_resumed_runs_wall_time_adds_its_earlier_process_to_the_checkpoint(tmp_path):
     """``run_seconds`` of a resumed run: the earlier process's clock at the checkpoint it resumed from, plus its own
     process's; from a checkpoint without that clock, its own only, marked incomplete (a lower bound)."""
@@ -163,7 +185,8 @@ def test_a_resumed_runs_wall_time_adds_its_earlier_process_to_the_checkpoint(tmp
     resumed = _summary(main(["--max_steps", "8", "--log_dir", str(tmp_path / "a"), *common, "--ckpt_path", "last"]))
     lived = time.perf_counter() - started  # this second run of the process starts its clock at its main()
     assert resumed["train_started_at_steps"] == [0, 4] and resumed["run_seconds_complete"] is True
-    assert before < resumed["run_seconds"] <= before + lived
+    # seconds_to_first_step is the resumed process's own (not carried): the sum holds both processes
+    assert before + resumed["seconds_to_first_step"] <= resumed["run_seconds"] <= before + lived
     _recorder_state(checkpoint).pop("run_seconds")  # a checkpoint written before the clock was carried
     old = tmp_path / "old.ckpt"
     torch.save(checkpoint, old)

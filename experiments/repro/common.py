@@ -926,8 +926,9 @@ def verification_table(figures: Sequence[Tuple[str, Sequence[Optional[float]], S
 # ---------------------------------------------------------------------------- wall time per part
 def run_wall_seconds(summary: Dict[str, Any]) -> Tuple[Optional[float], bool]:
     """A run's wall time (``run_seconds``: start-up when its process was started for it, training,
-    validations; after a resume every process, each to the checkpoint the next resumed from) and whether it was
-    measured, or a lower bound: a run resumed from a checkpoint that did not carry the clock
+    validations; after a resume every process, each to the checkpoint the next resumed from: the work that made it
+    into the run, not the work a killed process did after its last checkpoint) and whether it was measured, or a
+    lower bound: a run resumed from a checkpoint that did not carry the clock
     (``run_seconds_complete`` false, or a summary from before that field: its last process only), or, for run
     folders written before ``run_seconds``, its timed steps summed (their ``seconds_to_first_step`` counted every
     earlier run of a reused process)."""
@@ -941,8 +942,10 @@ def run_wall_seconds(summary: Dict[str, Any]) -> Tuple[Optional[float], bool]:
 
 
 def run_wall(summary: Dict[str, Any]) -> Dict[str, Any]:
-    """A run row's ``wall_s`` / ``wall_measured`` (``run_wall_seconds``), for ``wall_time_lines``."""
-    return dict(zip(("wall_s", "wall_measured"), run_wall_seconds(summary)))
+    """A run row's ``wall_s`` / ``wall_measured`` (``run_wall_seconds``) and ``wall_resumed`` (whether the run was
+    resumed), for ``wall_time_lines``."""
+    resumed = len(summary.get("train_started_at_steps") or [0]) > 1
+    return {**dict(zip(("wall_s", "wall_measured"), run_wall_seconds(summary))), "wall_resumed": resumed}
 
 
 def run_origin(summary: Dict[str, Any]) -> Dict[str, Any]:
@@ -992,8 +995,12 @@ def wall_time_lines(rows: Sequence[Dict[str, Any]], part_of, workers: int) -> Li
         total += sum(walls)
         mark = ">= " if low else ""
         lines.append(f"| {part} | {len(members)} | {mark}{sum(walls):,.0f} | {mark}{sum(walls) / max(1, len(walls)):,.0f} |")
-    note = (" (>=: a lower bound, for runs resumed from a checkpoint that did not carry their clock (their last "
-            "process only) and run folders from before `run_seconds` was recorded (their timed steps only))"
-            ) if estimated else ""
+    # the wording of published reports (their tables are rebuilt byte for byte from stored rows): a ">=" resumed run
+    # is one whose checkpoint did not carry the clock (run_wall_seconds)
+    note = (" (>=: a lower bound, for resumed runs (their last process only) and run folders from before "
+            "`run_seconds` was recorded (their timed steps only))") if estimated else ""
+    if any(r.get("wall_resumed") and r.get("wall_measured") for r in rows):
+        note += (" (a resumed run: each of its processes to the checkpoint the next resumed from; what a killed "
+                 "process did after its last checkpoint was done again and is counted once)")
     return [f"Wall time per part: every run's process, start to its summary{note}; {len(rows)} runs, "
             f"{total:,.0f} s summed, about {total / max(1, workers):,.0f} s at {max(1, workers)} at once.", "", *lines, ""]

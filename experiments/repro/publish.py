@@ -47,7 +47,7 @@ RUN_FILES = ("config.yaml", "provenance.json", "probe.json")  # copied as they a
 # rewritten; leaderboard.json and the runs.json reuse index name the trained folders and stay behind
 REPORT_SUFFIXES = (".md", ".csv", ".png")
 # what a retraining may change in a row (the machine's load); everything else must come back equal for --restore
-CLOCK_FIELDS = ("step_time_s", "train_time_s", "wall_s", "wall_measured", "run_seconds", "run_step_s")
+CLOCK_FIELDS = ("step_time_s", "train_time_s", "wall_s", "wall_measured", "wall_resumed", "run_seconds", "run_step_s")
 PATH_FIELDS = ("run_dir", "run_dir_trained")
 
 
@@ -206,7 +206,8 @@ def report_rows(folder: pathlib.Path, option: str, advice: str) -> Dict[str, Any
                           f"{advice}") from None
     rows = results.get("runs")
     if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) and r.get("run_dir") for r in rows):
-        raise ConfigError(f"publish{option}: {folder}/results.json has no run rows with a run_dir; nothing to publish")
+        raise ConfigError(f"publish{option}: {folder}/results.json has no run rows with a run_dir; nothing to publish; "
+                          f"{advice}")
     return results
 
 
