@@ -640,3 +640,22 @@ def test_mom_kh_observations_survive_a_cell_without_a_finite_loss():
     lines = kh_observations(cells, [1], [1, 2], kh_depth_tests(rows, [1], [1, 2]))
     assert lines[0] == "- No finite loss in any seed (diverged): K=1, H=2."
     assert "changes with each step in H: -; H=2 vs H=1: untested" in lines[1] and "K=1, H=1 (6.5500)" in lines[-1]
+
+
+def test_the_two_phase_figure_averages_the_seeds_at_the_steps_they_all_logged():
+    """No interpolation onto one seed's steps: a seed whose curve ends early (or is thinned otherwise) neither gets
+    values made up past its end nor shifts the others; the mean and band are over the steps every seed has."""
+    import types
+
+    from experiments.repro.mom import plot_two_phase
+
+    arms = ("phase 1", "two-phase", "from scratch", "vanilla")
+    short = {"runs": {arm: {"train_loss_curve": [[1, 4.0], [2, 3.0], [3, 2.0]]} for arm in arms}}
+    longer = {"runs": {arm: {"train_loss_curve": [[1, 6.0], [2, 5.0], [3, 4.0], [4, 1.0]]} for arm in arms}}
+    saved = {}
+    ctx = types.SimpleNamespace(save_figure=lambda fig, name: saved.setdefault(name, fig))
+    plot_two_phase(ctx, "mom_e", 10, [longer, short])
+    ax = saved["mom_two_phase"].axes[0]
+    steps, means = ax.lines[1].get_data()  # the two-phase arm, offset by phase 1's 10 steps
+    assert list(steps) == [11, 12, 13] and list(means) == [5.0, 4.0, 3.0]
+    assert list(ax.lines[0].get_data()[0]) == [1, 2, 3]

@@ -450,8 +450,9 @@ MEASURES = ("attn", "ffn", "router_entropy", "load_cv", "skip_share")
 
 
 def plot_two_phase(ctx: Context, variant: str, s1: int, per_seed: Sequence[Dict[str, Any]]) -> None:
-    """Each arm's training loss over the total step: the mean over seeds (each seed's curve interpolated onto the
-    first seed's steps), with the band between the lowest and highest seed."""
+    """Each arm's training loss over the total step: the mean over seeds at the steps every seed logged (no
+    interpolation, and no seed's curve stretched past its own end), with the band between the lowest and highest
+    seed."""
     import numpy as np
 
     fig, axes = figure(1, 1, width=6.0)
@@ -459,9 +460,9 @@ def plot_two_phase(ctx: Context, variant: str, s1: int, per_seed: Sequence[Dict[
     styles = {"phase 1": ("phase 1 (vanilla)", "tab:gray", 0), "two-phase": (f"phase 2 ({variant} from vanilla)",
               "tab:blue", s1), "from scratch": (f"{variant} from scratch", "tab:red", 0), "vanilla": ("vanilla", "black", 0)}
     for arm, (label, colour, offset) in styles.items():
-        curves = [np.asarray(seed["runs"][arm]["train_loss_curve"], dtype=float) for seed in per_seed]
-        steps = curves[0][:, 0]
-        losses = np.stack([np.interp(steps, c[:, 0], c[:, 1]) for c in curves])
+        curves = [dict(seed["runs"][arm]["train_loss_curve"]) for seed in per_seed]
+        steps = np.array(sorted(set.intersection(*(set(curve) for curve in curves))), dtype=float)
+        losses = np.array([[curve[step] for step in steps.astype(int)] for curve in curves], dtype=float)
         ax.plot(steps + offset, losses.mean(0), color=colour, linewidth=1.2, label=label)
         ax.fill_between(steps + offset, losses.min(0), losses.max(0), color=colour, alpha=0.2, linewidth=0)
     ax.set_xlabel("total training step")
