@@ -313,7 +313,8 @@ CASES = [
      r"publish: the run folder .*gone/version_0 of vanilla seed 1337 is not there \(no summary\.json of that run\)"),
     ("publish-restore-into-an-unpublished-report", "publish",
      lambda d: [str(d / "report_of_gone_runs"), str(d / "report_of_gone_runs"), "--restore"],
-     r"publish --restore: .*report_of_gone_runs is not a published report \(its rows have no run_dir_trained\)"),
+     r"publish --restore: DEST .*report_of_gone_runs is OUT itself, not a published report; give the docs/results "
+     r"folder of the report"),
     ("publish-restore-into-a-folder-without-a-report", "publish",
      lambda d: [str(d / "report_of_gone_runs"), str(d / "no_runs_here"), "--restore"],
      r"publish --restore: .*no_runs_here/results\.json is not a finished programme's report \(.*\); give as DEST the "

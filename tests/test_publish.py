@@ -134,31 +134,50 @@ def test_publish_refuses_a_missing_foreign_or_unreadable_run_before_writing_anyt
     assert [p.name for p in dest.iterdir()] == ["notes"]
 
 
-# Four folders were published before .gitignore let docs/results/**/runs/ in (its "runs/" matched them), so their run
-# records were not committed; each was retrained by its report's command at its commit, bit for bit, and
-# ``publish --restore`` added the records (isoflop_seeds/half_depth, half, mod_width and probe_bounce_amd24). None is
-# left without them, and none may be.
+# Reports copied into docs/results before publish kept records (their rows name the trained folders): the set may only
+# shrink. Retrain one by its report's command at its commit, on its CPU, and ``publish --restore`` adds the records
+# (as it did for isoflop_seeds/half_depth, half, mod_width and probe_bounce_amd24, which publish wrote without them
+# when .gitignore's "runs/" matched docs/results/**/runs/). depth_h2h has no results.json (a leaderboard only).
+COPIED_WITHOUT_RECORDS = {
+    "h2h_seeds", "isoflop_pilot", "isoflop_seeds", "isoflop_seeds/width", "mom_rerun/mom_kh", "mom_rerun/mom_kh_seed1",
+    "mom_rerun/mom_kh_seed2", "probe", "probe_bounce", "probe_bounce_grid", "probe_bounce_narrow",
+    "probe_bounce_recursion", "probe_bounce_routers", "probe_depth", "probe_routed"}
+
+
+def has_record(row: dict, folder: pathlib.Path, results: pathlib.Path) -> bool:
+    """Whether a row's run has its record in the repository: at its ``run_dir`` relative to its report's folder (what
+    publish writes), or, for a row that names a folder under docs/results by a machine's path, there."""
+    run_dir = row.get("run_dir")
+    if not isinstance(run_dir, str):
+        return False
+    places = [] if pathlib.Path(run_dir).is_absolute() else [folder / run_dir]
+    if "docs/results/" in run_dir:
+        places.append(results / run_dir.split("docs/results/", 1)[1])
+    return any((place / "summary.json").is_file() for place in places)
 
 
 def test_every_published_run_record_is_in_the_repository():
-    """Every row publish rewrote (it keeps ``run_dir_trained``) names a record folder with its summary.json, under its
-    own report's folder or, for a merged report, under the folder of the file the row came from (``source``)."""
+    """Every run row of every report under docs/results names its record (its summary.json), under its own report's
+    folder or, for a merged report, under the folder of the file the row came from (``source``), except the reports
+    copied before publish kept records (``COPIED_WITHOUT_RECORDS``, exactly: a newly restored folder leaves it)."""
     from tests.conftest import REPO
 
     results = REPO / "docs" / "results"
     without: set = set()
     checked = 0
     for path in sorted(results.rglob("results.json")):
+        if "runs" in path.relative_to(results).parts:
+            continue  # a run's own files
         rows = json.loads(path.read_text()).get("runs")
         for row in rows if isinstance(rows, list) else []:
-            if not isinstance(row, dict) or "run_dir_trained" not in row:
+            if not isinstance(row, dict):
                 continue
             folder = (REPO / row["source"]).parent if row.get("source") else path.parent
             checked += 1
-            if not (folder / row["run_dir"] / "summary.json").is_file():
+            if not has_record(row, folder, results):
                 without.add(folder.relative_to(results).as_posix())
-    assert checked >= 40  # the records of this stop's publications at least (half_depth1/2, 20 runs)
-    assert not without, f"published rows without their run records: {sorted(without)}"
+    assert checked >= 800  # every report's rows (896 when this was written)
+    assert without == COPIED_WITHOUT_RECORDS
 
 
 def _published_without_records(tmp_path) -> pathlib.Path:
@@ -231,9 +250,52 @@ def test_restore_refuses_another_commit_or_a_folder_publish_did_not_write(tmp_pa
     with pytest.raises(ConfigError, match="the published report names no commit"):
         publish.restore(_retrained(tmp_path / "3"), dest)
     unpublished = _programme_out(tmp_path / "raw")
-    with pytest.raises(ConfigError, match="is not a published report .*no run_dir_trained"):
+    with pytest.raises(ConfigError, match=r"is a programme's --out \(it holds runs.json\), not a published report"):
         publish.restore(_retrained(tmp_path / "2"), unpublished)
     assert not (dest / "runs").exists()
+
+
+def _copied_before_publish(tmp_path) -> pathlib.Path:
+    """A report copied into docs/ before publish existed: the programme's results.json and results.md, its rows
+    naming the trained folders, no records."""
+    import shutil
+
+    out = _programme_out(tmp_path / "first")
+    dest = tmp_path / "docs" / "old_report"
+    dest.mkdir(parents=True)
+    shutil.copy2(out / "results.md", dest / "results.md")
+    results = json.loads((out / "results.json").read_text())
+    (dest / "results.json").write_text(json.dumps({**results, "provenance": CODE}))
+    return dest
+
+
+def test_restore_gives_a_report_copied_before_publish_its_records_and_rows_as_publish_writes_them(tmp_path):
+    dest = _copied_before_publish(tmp_path)
+    before = json.loads((dest / "results.json").read_text())
+    publish.restore(_retrained(tmp_path), dest)
+    after = json.loads((dest / "results.json").read_text())
+    # the records at the retraining's own paths under DEST (its version folders were swapped: seed 1337 is version_1)
+    assert [r["run_dir"] for r in after["runs"]] == ["runs/vanilla-tiny/version_1", "runs/vanilla-tiny/version_0"]
+    assert [r["run_dir_trained"] for r in after["runs"]] == [r["run_dir"] for r in before["runs"]]
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in publish.PATH_FIELDS} for r in rows]  # noqa: E731
+    assert strip(after["runs"]) == strip(before["runs"]) and {**after, "runs": 0} == {**before, "runs": 0}
+    for row in after["runs"]:
+        assert (dest / row["run_dir"] / "config.yaml").read_text() == f"seed: {row['seed']}\n"
+    with pytest.raises(ConfigError, match="already holds a record"):  # now a report publish wrote, with its records
+        publish.restore(_retrained(tmp_path / "2"), dest)
+
+
+def test_restore_refuses_merged_or_mixed_reports_and_writes_nothing(tmp_path):
+    dest = _copied_before_publish(tmp_path)
+    results = json.loads((dest / "results.json").read_text())
+    for rows, refusal in ((
+            [{**results["runs"][0], "source": "docs/results/a/results.json"}, results["runs"][1]],
+            r"merges other reports \(its rows have a source\); restore each folder its rows came from"),
+            ([{**results["runs"][0], "run_dir_trained": "x"}, results["runs"][1]], "rows mix publish's")):
+        (dest / "results.json").write_text(json.dumps({**results, "runs": rows}))
+        with pytest.raises(ConfigError, match=refusal):
+            publish.restore(_retrained(tmp_path / str(len(refusal))), dest)
+    assert sorted(p.name for p in dest.iterdir()) == ["results.json", "results.md"]
 
 
 def test_retraining_rows_compare_bit_for_bit_with_nan_equal_to_nan_and_only_the_clocks_free():

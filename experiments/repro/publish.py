@@ -23,7 +23,11 @@ the same position; every figure of the published row but its clocks (``CLOCK_FIE
 JSON text: bit for bit), and the report's commit, dirty flag and diff too, or nothing is written (one line names the
 row and the field). The records go to each published row's ``run_dir``, which must not hold one yet; the report stays
 as published, and each record's ``published.restored`` says so and names the retrained folder (whose version number
-may differ: two runs at once take them in the order they start).
+may differ: two runs at once take them in the order they start). A report copied into the repository before publish
+existed (its rows name the trained folders, no ``run_dir_trained``) gets its records where publish would have put
+them (``runs/...`` as in the retraining's ``OUT``), and its rows' ``run_dir`` rewritten to them as publish does (the
+trained folder kept as ``run_dir_trained``); every other figure of its ``results.json`` stays. A merged report (rows
+with a ``source``) is restored through the folders its rows came from.
 
 ``python -m experiments.repro.publish --runs LOG_DIR DEST``: the same records of every finished run folder under
 ``LOG_DIR`` (runs of ``experiments.run`` itself, e.g. a loop over depths and seeds, with no programme report), at
@@ -169,18 +173,21 @@ def restore(out: pathlib.Path, dest: pathlib.Path) -> List[pathlib.Path]:
     out, dest = pathlib.Path(out), pathlib.Path(dest)
     published = report_rows(dest, " --restore", "give as DEST the docs/results folder publish wrote")
     retrained = report_rows(out, " --restore", "give as OUT the --out folder of a retraining that finished")
-    if not all("run_dir_trained" in row for row in published["runs"]):
-        raise ConfigError(f"publish --restore: {dest} is not a published report (its rows have no run_dir_trained); "
-                          "give the docs/results folder publish wrote")
-    targets = [dest / row["run_dir"] for row in published["runs"]]
-    present = [t for t in targets if t.exists()]
-    if present:
-        raise ConfigError(f"publish --restore: {present[0]} already holds a record; restore adds missing records only")
+    copied_before_publish = restorable_report(published, dest, out)
     mismatch = retraining_mismatch(published, retrained)
     if mismatch:
         raise ConfigError(f"publish --restore: {out} is not a retraining of {dest}: {mismatch}; retrain with the "
                           "report's command at its commit, on its CPU and kernel settings")
     runs = [find_run(row, out) for row in retrained["runs"]]
+    names = ([record_name(run_dir, out) for run_dir, _ in runs] if copied_before_publish
+             else [pathlib.Path(row["run_dir"]) for row in published["runs"]])
+    targets = [dest / name for name in names]
+    present = [t for t in targets if t.exists()]
+    if present:
+        raise ConfigError(f"publish --restore: {present[0]} already holds a record; restore adds missing records only")
+    if len(set(targets)) < len(targets):
+        raise ConfigError(f"publish --restore: two of {dest}'s rows would share one record; restore a report whose "
+                          "rows are distinct runs")
     commit = code_state(published)[0]
     staging = pathlib.Path(tempfile.mkdtemp(prefix=".restore.", dir=dest))
     try:
@@ -193,7 +200,31 @@ def restore(out: pathlib.Path, dest: pathlib.Path) -> List[pathlib.Path]:
             shutil.move(str(staging / str(i)), str(target))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    if copied_before_publish:  # the rows name their records as publish's would (the trained folder kept)
+        from lightning_modules.storage import write_text_atomic
+
+        for row, name in zip(published["runs"], names):
+            row["run_dir_trained"], row["run_dir"] = row["run_dir"], name.as_posix()
+        write_text_atomic(dest / "results.json", json.dumps(published, indent=1) + "\n")
     return targets
+
+
+def restorable_report(published: Dict[str, Any], dest: pathlib.Path, out: pathlib.Path) -> bool:
+    """Whether ``dest`` is a report copied into the repository before publish kept records (its rows name the
+    trained folders: restore then puts the records where publish would have and rewrites the rows' ``run_dir``),
+    rather than one publish wrote; one line saying why it is neither otherwise."""
+    if dest.resolve() == out.resolve() or (dest / "runs.json").is_file():
+        what = "OUT itself" if dest.resolve() == out.resolve() else "a programme's --out (it holds runs.json)"
+        raise ConfigError(f"publish --restore: DEST {dest} is {what}, not a published report; give the docs/results "
+                          "folder of the report")
+    if any(row.get("source") for row in published["runs"]):
+        raise ConfigError(f"publish --restore: {dest} merges other reports (its rows have a source); restore each "
+                          "folder its rows came from")
+    kept = {"run_dir_trained" in row for row in published["runs"]}
+    if len(kept) > 1:
+        raise ConfigError(f"publish --restore: {dest}'s rows mix publish's (with run_dir_trained) and others; not a "
+                          "report publish or a programme wrote")
+    return kept == {False}
 
 
 def report_rows(folder: pathlib.Path, option: str, advice: str) -> Dict[str, Any]:
