@@ -659,3 +659,32 @@ def test_the_two_phase_figure_averages_the_seeds_at_the_steps_they_all_logged():
     steps, means = ax.lines[1].get_data()  # the two-phase arm, offset by phase 1's 10 steps
     assert list(steps) == [11, 12, 13] and list(means) == [5.0, 4.0, 3.0]
     assert list(ax.lines[0].get_data()[0]) == [1, 2, 3]
+
+
+def test_the_published_5_seed_mom_kh_sweep_rebuilds_from_its_rows_and_deeper_assembly_is_not_shown_better():
+    """docs/results/mom_kh_seeds (pre-registered in docs/results/preregistered/mom_kh_contribution_seeds.md): per K,
+    H = 6 against H = 1 (one-sided Welch over 5 seeds, Holm over the three Ks), the cells and the observations,
+    recomputed from the stored rows, are the report's. No K passes (H = 6 is worse at every K); (3, 2) is off the
+    loss-vs-FLOPs Pareto front, and the lowest cell is (3, 1). The vanilla rows are h2h_seeds' bit for bit (the same
+    seeds and options, trained at 21453ad on the same CPU model)."""
+    from analysis.stats import passes
+    from experiments.repro.mom import kh_cells, kh_depth_tests, kh_observations
+    from tests.conftest import REPO
+
+    folder = REPO / "docs" / "results" / "mom_kh_seeds"
+    published = json.loads((folder / "results.json").read_text())
+    ks, hs = [1, 2, 3], [1, 2, 4, 6]
+    rows = [r for r in published["runs"] if r["K"] is not None]
+    assert len(rows) == 60 and {r["seed"] for r in rows} == set(range(1337, 1342))
+    assert all((folder / r["run_dir"] / "summary.json").is_file() for r in published["runs"])
+    tests = kh_depth_tests(rows, ks, hs)
+    assert json.loads(json.dumps(tests)) == published["depth_tests"]
+    assert not any(passes(t) for t in tests.values()) and all(t["ci_low"] > 0 for t in tests.values())
+    cells = kh_cells(rows, {(k, h): None for k in ks for h in hs})
+    assert json.loads(json.dumps([{"K": k, "H": h, **c} for (k, h), c in cells.items()])) == published["cells"]
+    observations = kh_observations(cells, ks, hs, tests)
+    assert "- (K=3, H=2) is not on the Pareto front." in observations
+    assert "- Lowest seed-mean loss: K=3, H=1 (6.4367)." in observations
+    h2h = json.loads((REPO / "docs" / "results" / "h2h_seeds" / "results.json").read_text())["runs"]
+    vanilla = lambda runs: {r["seed"]: r["val_loss"] for r in runs if r.get("variant") == "vanilla"}  # noqa: E731
+    assert vanilla(published["runs"]) == vanilla(h2h)
