@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+import numpy as np
 import pytest
 
 from architectures.config import ConfigError
@@ -307,3 +308,72 @@ def test_retraining_rows_compare_bit_for_bit_with_nan_equal_to_nan_and_only_the_
         report(run, run), report(run, {**run, "val_loss": 0.5}))
     assert publish.retraining_mismatch(report(run), report(run, run)) == "1 published rows, 2 retrained"
     assert "probe" in publish.retraining_mismatch(report(run), report({**run, "probe": {"levels": [0.5, 0.0]}}))
+
+
+@pytest.fixture(scope="module")
+def board_runs(tmp_path_factory):
+    """Two real runs of experiments.run (vanilla, seeds 1 and 2) and the leaderboard experiments.compare made of them,
+    published as a leaderboard only (DEST holds leaderboard.json and .md, no records)."""
+    import shutil
+
+    from analysis import compare
+    from experiments.run import main
+    from tests.conftest import TINY_RUN
+
+    root = tmp_path_factory.mktemp("board")
+    for seed in (1, 2):
+        main(["--seed", str(seed), "--max_steps", "2", "--val_every", "2", "--log_dir", str(root / "log"), *TINY_RUN,
+              "--callbacks.contribution", "false", "--callbacks.throughput", "false"])
+    compare.compare([str(root / "log")], group_by=["model.variant"], out=root / "board")
+    dest = root / "published"
+    dest.mkdir()
+    for name in ("leaderboard.json", "leaderboard.md"):
+        shutil.copy2(root / "board" / name, dest / name)
+    return root / "log", dest
+
+
+def _retraining(log: pathlib.Path, where: pathlib.Path, **summary_changes) -> pathlib.Path:
+    """The runs again, elsewhere: every summary.json with other clocks (and ``summary_changes`` in the first)."""
+    import shutil
+
+    shutil.copytree(log, where)
+    for i, path in enumerate(sorted(where.rglob("summary.json"))):
+        summary = json.loads(path.read_text())
+        summary["median_step_time_s"] = 9.0
+        summary.update(summary_changes if i == 0 else {})
+        path.write_text(json.dumps(summary))
+    return where
+
+
+def test_restore_gives_a_leaderboard_only_folder_the_records_of_a_retraining_with_every_figure_equal(board_runs,
+                                                                                                      tmp_path):
+    import shutil
+
+    log, published = board_runs
+    dest = tmp_path / "dest"
+    shutil.copytree(published, dest)
+    records = publish.main(["--restore", str(_retraining(log, tmp_path / "again")), str(dest)])["runs"]
+    assert len(records) == 2 and sorted(p.name for p in dest.iterdir()) == ["leaderboard.json", "leaderboard.md", "runs"]
+    for record in map(pathlib.Path, records):
+        summary = json.loads((record / "summary.json").read_text())
+        assert "retrained by the board's command" in summary["published"]["restored"]
+    with pytest.raises(ConfigError, match="already holds records; restore adds missing records only"):
+        publish.restore(_retraining(log, tmp_path / "third"), dest)
+
+
+def test_restore_refuses_a_leaderboard_retraining_that_differs_in_a_figure_or_the_code(board_runs, tmp_path):
+    import shutil
+
+    log, published = board_runs
+    dest = tmp_path / "dest"
+    shutil.copytree(published, dest)
+    first = json.loads(sorted(log.rglob("summary.json"))[0].read_text())
+    ulp = {"final_val_loss": float(np.nextafter(first["final_val_loss"], 10.0)),
+           "val_metrics": {**first["val_metrics"], "val/loss": float(np.nextafter(first["val_metrics"]["val/loss"], 10.0))}}
+    with pytest.raises(ConfigError, match=r"is not a retraining of .*: vanilla seed 1: val_loss .* stored, .* retrained"):
+        publish.restore(_retraining(log, tmp_path / "ulp", **ulp), dest)
+    board = json.loads((dest / "leaderboard.json").read_text())
+    (dest / "leaderboard.json").write_text(json.dumps({**board, "code": {"0123456789": 2}}))
+    with pytest.raises(ConfigError, match=r"the board's code is \{'0123456789': 2\}, the retraining's"):
+        publish.restore(_retraining(log, tmp_path / "again"), dest)
+    assert not (dest / "runs").exists()

@@ -27,7 +27,10 @@ may differ: two runs at once take them in the order they start). A report copied
 existed (its rows name the trained folders, no ``run_dir_trained``) gets its records where publish would have put
 them (``runs/...`` as in the retraining's ``OUT``), and its rows' ``run_dir`` rewritten to them as publish does (the
 trained folder kept as ``run_dir_trained``); every other figure of its ``results.json`` stays. A merged report (rows
-with a ``source``) is restored through the folders its rows came from.
+with a ``source``) is restored through the folders its rows came from. A leaderboard published alone (``DEST`` holds
+``leaderboard.json`` of ``experiments.compare``, no ``results.json``; ``OUT``: the ``--log_dir`` of the retrained runs)
+is checked run by run (matched by its row and seed: every figure but the step time, and the board's code), and its
+records go to ``DEST/runs`` as ``--runs`` writes them.
 
 ``python -m experiments.repro.publish --runs LOG_DIR DEST``: the same records of every finished run folder under
 ``LOG_DIR`` (runs of ``experiments.run`` itself, e.g. a loop over depths and seeds, with no programme report), at
@@ -171,6 +174,8 @@ def restore(out: pathlib.Path, dest: pathlib.Path) -> List[pathlib.Path]:
     """The records of ``dest``'s published rows from ``out``'s retraining (see the module docstring); their folders.
     All are written to a staging folder first and then moved into place, so a failure leaves none behind."""
     out, dest = pathlib.Path(out), pathlib.Path(dest)
+    if not (dest / "results.json").is_file() and (dest / "leaderboard.json").is_file():
+        return restore_board(out, dest)
     published = report_rows(dest, " --restore", "give as DEST the docs/results folder publish wrote")
     retrained = report_rows(out, " --restore", "give as OUT the --out folder of a retraining that finished")
     copied_before_publish = restorable_report(published, dest, out)
@@ -225,6 +230,63 @@ def restorable_report(published: Dict[str, Any], dest: pathlib.Path, out: pathli
         raise ConfigError(f"publish --restore: {dest}'s rows mix publish's (with run_dir_trained) and others; not a "
                           "report publish or a programme wrote")
     return kept == {False}
+
+
+def restore_board(log_dir: pathlib.Path, dest: pathlib.Path) -> List[pathlib.Path]:
+    """The records of a leaderboard published without them (``DEST/leaderboard.json`` of ``experiments.compare`` over
+    runs of ``experiments.run``, no programme report), from ``LOG_DIR``, a retraining of those runs: the retrained
+    board's code and every run's figures but its clock and folder must equal the stored board's (a run matched by
+    its row and seed), or nothing is written; then the records go to ``DEST/runs`` as ``--runs`` writes them."""
+    from analysis import compare
+
+    stored = json.loads((dest / "leaderboard.json").read_text())
+    if (dest / "runs").exists():
+        raise ConfigError(f"publish --restore: {dest / 'runs'} already holds records; restore adds missing records only")
+    try:
+        runs = compare.read_runs(compare.find_run_folders([str(log_dir)]))
+    except compare.CompareError:
+        raise ConfigError(f"publish --restore: no finished run folders under {log_dir}; give the --log_dir the "
+                          "retrained runs wrote to") from None
+    group_by = stored.get("group_by") if isinstance(stored.get("group_by"), list) else None
+    mismatch = board_mismatch(stored, compare.leaderboard(runs, group_by))
+    if mismatch:
+        raise ConfigError(f"publish --restore: {log_dir} is not a retraining of {dest}'s runs: {mismatch}; retrain "
+                          "them by the board's command at its commit, on its CPU and kernel settings")
+    return publish_runs(log_dir, dest, {"restored": "retrained by the board's command; every figure of the run in "
+                                                    "its leaderboard.json but its step time came back equal"})
+
+
+def board_runs(board: Dict[str, Any]) -> Dict[Tuple[str, Any], Dict[str, Any]]:
+    """A leaderboard's runs by (their row's label, seed), without the fields a retraining may change (its step time,
+    its folder); one line when two runs share a row and a seed."""
+    from analysis.compare import row_label
+
+    row_of = {run_dir: row_label(row, board["options"]) for row in board["rows"] for run_dir in row["runs"]}
+    keyed: Dict[Tuple[str, Any], Dict[str, Any]] = {}
+    for run in board["runs"]:
+        key = (row_of[run["run_dir"]], run["seed"])
+        if key in keyed:
+            raise ConfigError(f"publish --restore: two runs of the row {key[0]} have seed {key[1]}; a leaderboard whose "
+                              "runs cannot be told apart cannot be restored")
+        keyed[key] = {k: v for k, v in run.items() if k not in {*CLOCK_FIELDS, *PATH_FIELDS}}
+    return keyed
+
+
+def board_mismatch(stored: Dict[str, Any], retrained: Dict[str, Any]) -> Optional[str]:
+    """Where a retrained leaderboard differs from the stored one beyond the clocks and folders, in words; None if
+    nowhere (values compared as JSON text: bit for bit)."""
+    if stored.get("code") != retrained.get("code"):
+        return f"the board's code is {stored.get('code')}, the retraining's {retrained.get('code')}"
+    old, new = board_runs(stored), board_runs(retrained)
+    if set(old) != set(new):
+        missing = sorted(set(old) ^ set(new), key=str)[0]
+        return f"the run {missing[0]} seed {missing[1]} is in {'only the stored' if missing in old else 'only the retrained'} board"
+    as_text = lambda value: json.dumps(value, sort_keys=True)  # noqa: E731
+    for key in sorted(old, key=str):
+        for field in (f for f in old[key] if as_text(old[key][f]) != as_text(new[key].get(f))):
+            return (f"{key[0]} seed {key[1]}: {field} {as_text(old[key][field])} stored, "
+                    f"{as_text(new[key].get(field))} retrained")
+    return None
 
 
 def report_rows(folder: pathlib.Path, option: str, advice: str) -> Dict[str, Any]:
@@ -284,7 +346,8 @@ def replace_folder(target: pathlib.Path, fill) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def publish_runs(log_dir: pathlib.Path, dest: pathlib.Path) -> List[pathlib.Path]:
+def publish_runs(log_dir: pathlib.Path, dest: pathlib.Path,
+                 notes: Optional[Dict[str, str]] = None) -> List[pathlib.Path]:
     """Copy the records of every run folder under ``log_dir`` to ``dest/runs/<path relative to log_dir>`` (see the
     module docstring; ``dest/runs`` is replaced as a whole); the records' folders."""
     from analysis import compare
@@ -309,7 +372,7 @@ def publish_runs(log_dir: pathlib.Path, dest: pathlib.Path) -> List[pathlib.Path
 
     def fill(staging: pathlib.Path) -> None:
         for (run_dir, summary), name in zip(runs, names):
-            copy_record(run_dir, summary, staging / name)
+            copy_record(run_dir, summary, staging / name, notes)
 
     replace_folder(dest / "runs", fill)
     return [dest / "runs" / name for name in names]
@@ -360,8 +423,9 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--runs", action="store_true",
                       help="publish the records of the run folders under OUT (no programme report) to DEST/runs")
     mode.add_argument("--restore", action="store_true",
-                      help="DEST is a report published without its run records, OUT a retraining by its command: "
-                           "check every figure came back equal, then add the records to DEST")
+                      help="DEST is a report (or a leaderboard) published without its run records, OUT a retraining "
+                           "by its command (for a leaderboard: its --log_dir): check every figure came back equal, then "
+                           "add the records to DEST")
     return parser
 
 
