@@ -138,46 +138,62 @@ def test_publish_refuses_a_missing_foreign_or_unreadable_run_before_writing_anyt
 # Reports copied into docs/results before publish kept records (their rows name the trained folders): the set may only
 # shrink. Retrain one by its report's command at its commit, on its CPU, and ``publish --restore`` adds the records
 # (as it did for isoflop_seeds/half_depth, half, mod_width and probe_bounce_amd24, which publish wrote without them
-# when .gitignore's "runs/" matched docs/results/**/runs/). depth_h2h has no results.json (a leaderboard only).
+# when .gitignore's "runs/" matched docs/results/**/runs/); depth_h2h is a leaderboard published alone.
 COPIED_WITHOUT_RECORDS = {
-    "h2h_seeds", "isoflop_pilot", "isoflop_seeds", "isoflop_seeds/width", "mom_rerun/mom_kh", "mom_rerun/mom_kh_seed1",
-    "mom_rerun/mom_kh_seed2", "probe", "probe_bounce", "probe_bounce_grid", "probe_bounce_narrow",
-    "probe_bounce_recursion", "probe_bounce_routers", "probe_depth", "probe_routed"}
+    "depth_h2h", "h2h_seeds", "isoflop_pilot", "isoflop_seeds", "isoflop_seeds/width", "mom_rerun/mom_kh",
+    "mom_rerun/mom_kh_seed1", "mom_rerun/mom_kh_seed2", "probe", "probe_bounce", "probe_bounce_grid",
+    "probe_bounce_narrow", "probe_bounce_recursion", "probe_bounce_routers", "probe_depth", "probe_routed"}
 
 
-def has_record(row: dict, folder: pathlib.Path, results: pathlib.Path) -> bool:
+def has_record(row: dict, folder: pathlib.Path, results: pathlib.Path, restored: dict) -> bool:
     """Whether a row's run has its record in the repository: at its ``run_dir`` relative to its report's folder (what
-    publish writes), or, for a row that names a folder under docs/results by a machine's path, there."""
+    publish writes); for a row that names a folder under docs/results by a machine's path, there; for a row a merged
+    report copied from a report restored since (``restored``: its folder's {trained folder: record}), that record."""
     run_dir = row.get("run_dir")
     if not isinstance(run_dir, str):
         return False
     places = [] if pathlib.Path(run_dir).is_absolute() else [folder / run_dir]
     if "docs/results/" in run_dir:
         places.append(results / run_dir.split("docs/results/", 1)[1])
+    if run_dir in restored.get(folder, {}):
+        places.append(folder / restored[folder][run_dir])
     return any((place / "summary.json").is_file() for place in places)
+
+
+def reports(results: pathlib.Path):
+    """(folder, results.json) of every report under docs/results, run records' own files left out."""
+    for path in sorted(results.rglob("results.json")):
+        if "runs" not in path.relative_to(results).parts:
+            yield path.parent, json.loads(path.read_text())
 
 
 def test_every_published_run_record_is_in_the_repository():
     """Every run row of every report under docs/results names its record (its summary.json), under its own report's
-    folder or, for a merged report, under the folder of the file the row came from (``source``), except the reports
-    copied before publish kept records (``COPIED_WITHOUT_RECORDS``, exactly: a newly restored folder leaves it)."""
+    folder or, for a merged report, under the folder of the file the row came from (``source``), and every leaderboard
+    published alone has a record per run, except the folders copied before publish kept records
+    (``COPIED_WITHOUT_RECORDS``, exactly: a newly restored folder leaves it)."""
     from tests.conftest import REPO
 
     results = REPO / "docs" / "results"
+    restored = {folder: {r["run_dir_trained"]: r["run_dir"] for r in report.get("runs") or [] if "run_dir_trained" in r}
+                for folder, report in reports(results)}
     without: set = set()
     checked = 0
-    for path in sorted(results.rglob("results.json")):
-        if "runs" in path.relative_to(results).parts:
-            continue  # a run's own files
-        rows = json.loads(path.read_text()).get("runs")
+    for folder, report in reports(results):
+        rows = report.get("runs")
         for row in rows if isinstance(rows, list) else []:
-            if not isinstance(row, dict):
-                continue
-            folder = (REPO / row["source"]).parent if row.get("source") else path.parent
-            checked += 1
-            if not has_record(row, folder, results):
-                without.add(folder.relative_to(results).as_posix())
-    assert checked >= 800  # every report's rows (896 when this was written)
+            if isinstance(row, dict):
+                home = (REPO / row["source"]).parent if row.get("source") else folder
+                checked += 1
+                if not has_record(row, home, results, restored):
+                    without.add(home.relative_to(results).as_posix())
+    for board in results.rglob("leaderboard.json"):
+        if not (board.parent / "results.json").is_file():  # a leaderboard published alone
+            runs = json.loads(board.read_text())["runs"]
+            checked += len(runs)
+            if len(list(board.parent.glob("runs/**/summary.json"))) != len(runs):
+                without.add(board.parent.relative_to(results).as_posix())
+    assert checked >= 800  # every report's rows and board's runs (946 when this was written)
     assert without == COPIED_WITHOUT_RECORDS
 
 
@@ -356,7 +372,7 @@ def test_restore_gives_a_leaderboard_only_folder_the_records_of_a_retraining_wit
     assert len(records) == 2 and sorted(p.name for p in dest.iterdir()) == ["leaderboard.json", "leaderboard.md", "runs"]
     for record in map(pathlib.Path, records):
         summary = json.loads((record / "summary.json").read_text())
-        assert "retrained by the board's command" in summary["published"]["restored"]
+        assert " by the board's command; every figure of the run" in summary["published"]["restored"]
     with pytest.raises(ConfigError, match="already holds records; restore adds missing records only"):
         publish.restore(_retraining(log, tmp_path / "third"), dest)
 
@@ -370,10 +386,45 @@ def test_restore_refuses_a_leaderboard_retraining_that_differs_in_a_figure_or_th
     first = json.loads(sorted(log.rglob("summary.json"))[0].read_text())
     ulp = {"final_val_loss": float(np.nextafter(first["final_val_loss"], 10.0)),
            "val_metrics": {**first["val_metrics"], "val/loss": float(np.nextafter(first["val_metrics"]["val/loss"], 10.0))}}
-    with pytest.raises(ConfigError, match=r"is not a retraining of .*: vanilla seed 1: val_loss .* stored, .* retrained"):
+    with pytest.raises(ConfigError, match=r"is not a retraining of .*: {\"variant\": \"vanilla\"} seed 1: headline_val_loss .* stored, .* retrained"):
         publish.restore(_retraining(log, tmp_path / "ulp", **ulp), dest)
     board = json.loads((dest / "leaderboard.json").read_text())
     (dest / "leaderboard.json").write_text(json.dumps({**board, "code": {"0123456789": 2}}))
     with pytest.raises(ConfigError, match=r"the board's code is \{'0123456789': 2\}, the retraining's"):
         publish.restore(_retraining(log, tmp_path / "again"), dest)
+    assert not (dest / "runs").exists()
+
+
+def test_a_restore_that_fails_midway_takes_back_its_records_and_can_run_again(tmp_path, monkeypatch):
+    import lightning_modules.storage as storage
+
+    dest = _copied_before_publish(tmp_path)
+    before = (dest / "results.json").read_text()
+
+    def full_disk(path, text, what="write"):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(storage, "write_text_atomic", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        publish.restore(_retrained(tmp_path), dest)
+    assert (dest / "results.json").read_text() == before and not (dest / "runs").exists()
+    monkeypatch.undo()
+    publish.restore(_retrained(tmp_path / "2"), dest)  # the same command again: nothing was left in its way
+    assert all((dest / r["run_dir"] / "summary.json").is_file() for r in json.loads((dest / "results.json").read_text())["runs"])
+
+
+def test_restore_refuses_a_leaderboard_retraining_with_a_run_missing_or_unfinished(board_runs, tmp_path):
+    import shutil
+
+    log, published = board_runs
+    dest = tmp_path / "dest"
+    shutil.copytree(published, dest)
+    fewer = _retraining(log, tmp_path / "fewer")
+    shutil.rmtree(sorted(fewer.rglob("summary.json"))[1].parent)
+    with pytest.raises(ConfigError, match=r"the run of {\"variant\": \"vanilla\"} seed 2 is in only the stored board"):
+        publish.restore(fewer, dest)
+    unfinished = _retraining(log, tmp_path / "unfinished")
+    sorted(unfinished.rglob("summary.json"))[1].unlink()
+    with pytest.raises(ConfigError, match=r"1 of the run folders under .* are unfinished \(named above\)"):
+        publish.restore(unfinished, dest)
     assert not (dest / "runs").exists()

@@ -194,24 +194,45 @@ def restore(out: pathlib.Path, dest: pathlib.Path) -> List[pathlib.Path]:
         raise ConfigError(f"publish --restore: two of {dest}'s rows would share one record; restore a report whose "
                           "rows are distinct runs")
     commit = code_state(published)[0]
+    rewritten = None
+    if copied_before_publish:  # the rows name their records as publish's would (the trained folder kept)
+        for row, name in zip(published["runs"], names):
+            row["run_dir_trained"], row["run_dir"] = row["run_dir"], name.as_posix()
+        rewritten = json.dumps(published, indent=1) + "\n"
     staging = pathlib.Path(tempfile.mkdtemp(prefix=".restore.", dir=dest))
     try:
         for i, ((run_dir, summary), row) in enumerate(zip(runs, retrained["runs"])):
             copy_record(run_dir, summary, staging / str(i),
                         {"restored": f"retrained at {commit} by the report's command (as {row['run_dir']}); every "
                                      "figure of its row but the clocks came back equal"})
+        move_into_place(staging, targets, dest / "results.json", rewritten)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return targets
+
+
+def move_into_place(staging: pathlib.Path, targets: Sequence[pathlib.Path], report: pathlib.Path,
+                    text: Optional[str]) -> None:
+    """Move ``staging/<i>`` to ``targets[i]``, then write ``text`` (when given) to ``report``; a failure anywhere
+    takes back the records moved so far, so the folder is as it was and the same command can run again."""
+    from lightning_modules.storage import write_text_atomic
+
+    made = {parent for target in targets for parent in target.parents if not parent.exists()}
+    moved: List[pathlib.Path] = []
+    try:
         for i, target in enumerate(targets):
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(str(staging / str(i)), str(target))
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    if copied_before_publish:  # the rows name their records as publish's would (the trained folder kept)
-        from lightning_modules.storage import write_text_atomic
-
-        for row, name in zip(published["runs"], names):
-            row["run_dir_trained"], row["run_dir"] = row["run_dir"], name.as_posix()
-        write_text_atomic(dest / "results.json", json.dumps(published, indent=1) + "\n")
-    return targets
+            moved.append(target)
+        if text is not None:
+            write_text_atomic(report, text)
+    except BaseException:
+        for target in moved:
+            shutil.rmtree(target, ignore_errors=True)
+        for folder in sorted(made, key=lambda path: len(path.parts), reverse=True):  # made for them, deepest first
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+        raise
 
 
 def restorable_report(published: Dict[str, Any], dest: pathlib.Path, out: pathlib.Path) -> bool:
@@ -234,34 +255,56 @@ def restorable_report(published: Dict[str, Any], dest: pathlib.Path, out: pathli
 
 def restore_board(log_dir: pathlib.Path, dest: pathlib.Path) -> List[pathlib.Path]:
     """The records of a leaderboard published without them (``DEST/leaderboard.json`` of ``experiments.compare`` over
-    runs of ``experiments.run``, no programme report), from ``LOG_DIR``, a retraining of those runs: the retrained
-    board's code and every run's figures but its clock and folder must equal the stored board's (a run matched by
-    its row and seed), or nothing is written; then the records go to ``DEST/runs`` as ``--runs`` writes them."""
+    runs of ``experiments.run``, no programme report), from ``LOG_DIR``, a retraining of those runs: the same runs
+    (by their row's options and seed), each with every figure the stored board holds of it but its step time and
+    folder, and the same code, or nothing is written; then the records go to ``DEST/runs`` as ``--runs`` writes
+    them. The rows' statistics are not compared: they follow from the runs (in another order their sums may round
+    differently)."""
     from analysis import compare
 
-    stored = json.loads((dest / "leaderboard.json").read_text())
+    stored = stored_board(dest)
     if (dest / "runs").exists():
         raise ConfigError(f"publish --restore: {dest / 'runs'} already holds records; restore adds missing records only")
     try:
-        runs = compare.read_runs(compare.find_run_folders([str(log_dir)]))
-    except compare.CompareError:
-        raise ConfigError(f"publish --restore: no finished run folders under {log_dir}; give the --log_dir the "
-                          "retrained runs wrote to") from None
+        folders = compare.find_run_folders([str(log_dir)])
+        runs = compare.read_runs(folders)
+    except compare.CompareError as err:
+        raise ConfigError(f"publish --restore: the retrained runs under {log_dir} cannot be read ({err}); give the "
+                          "--log_dir they wrote to") from None
+    if len(runs) < len(folders):
+        raise ConfigError(f"publish --restore: {len(folders) - len(runs)} of the run folders under {log_dir} are "
+                          "unfinished (named above); let them finish (or resume them) first")
     group_by = stored.get("group_by") if isinstance(stored.get("group_by"), list) else None
     mismatch = board_mismatch(stored, compare.leaderboard(runs, group_by))
     if mismatch:
         raise ConfigError(f"publish --restore: {log_dir} is not a retraining of {dest}'s runs: {mismatch}; retrain "
                           "them by the board's command at its commit, on its CPU and kernel settings")
-    return publish_runs(log_dir, dest, {"restored": "retrained by the board's command; every figure of the run in "
-                                                    "its leaderboard.json but its step time came back equal"})
+    return publish_runs(log_dir, dest, {"restored": f"retrained at {', '.join(stored['code'])} by the board's command; every "
+                                                    "figure of the run in its leaderboard.json but its step time "
+                                                    "came back equal"})
+
+
+def stored_board(dest: pathlib.Path) -> Dict[str, Any]:
+    """``DEST/leaderboard.json``, which must name its code and hold rows listing their runs (one line otherwise)."""
+    try:
+        board = json.loads((dest / "leaderboard.json").read_text())
+        listed = {run_dir for row in board["rows"] for run_dir in row["runs"]}
+        complete = board.get("code") and board["options"] and all(run["run_dir"] in listed for run in board["runs"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"publish --restore: {dest}/leaderboard.json is not a leaderboard of experiments.compare "
+                          f"({err!r}); give the folder compare wrote it to") from None
+    if not complete:
+        raise ConfigError(f"publish --restore: {dest}/leaderboard.json names no code or has runs no row lists; it "
+                          "cannot be shown to be retrained")
+    return board
 
 
 def board_runs(board: Dict[str, Any]) -> Dict[Tuple[str, Any], Dict[str, Any]]:
-    """A leaderboard's runs by (their row's label, seed), without the fields a retraining may change (its step time,
-    its folder); one line when two runs share a row and a seed."""
-    from analysis.compare import row_label
-
-    row_of = {run_dir: row_label(row, board["options"]) for row in board["rows"] for run_dir in row["runs"]}
+    """A leaderboard's runs by (their row's options, as JSON text, and seed), without the fields a retraining may
+    change (its step time, its folder); one line when two runs share a row and a seed."""
+    as_text = lambda value: json.dumps(value, sort_keys=True)  # noqa: E731
+    row_of = {run_dir: as_text({k: row.get(k) for k in board["options"]}) for row in board["rows"]
+              for run_dir in row["runs"]}
     keyed: Dict[Tuple[str, Any], Dict[str, Any]] = {}
     for run in board["runs"]:
         key = (row_of[run["run_dir"]], run["seed"])
@@ -274,18 +317,22 @@ def board_runs(board: Dict[str, Any]) -> Dict[Tuple[str, Any], Dict[str, Any]]:
 
 def board_mismatch(stored: Dict[str, Any], retrained: Dict[str, Any]) -> Optional[str]:
     """Where a retrained leaderboard differs from the stored one beyond the clocks and folders, in words; None if
-    nowhere (values compared as JSON text: bit for bit)."""
-    if stored.get("code") != retrained.get("code"):
-        return f"the board's code is {stored.get('code')}, the retraining's {retrained.get('code')}"
+    nowhere (values compared as JSON text: bit for bit; a field only one side has counts as null there)."""
+    if stored["options"] != retrained["options"]:
+        return f"the board's rows differ in {stored['options']}, the retraining's in {retrained['options']}"
     old, new = board_runs(stored), board_runs(retrained)
     if set(old) != set(new):
         missing = sorted(set(old) ^ set(new), key=str)[0]
-        return f"the run {missing[0]} seed {missing[1]} is in {'only the stored' if missing in old else 'only the retrained'} board"
+        side = "only the stored" if missing in old else "only the retrained"
+        return f"the run of {missing[0]} seed {missing[1]} is in {side} board"
+    if stored["code"] != retrained["code"]:
+        return f"the board's code is {stored['code']}, the retraining's {retrained['code']}"
     as_text = lambda value: json.dumps(value, sort_keys=True)  # noqa: E731
     for key in sorted(old, key=str):
-        for field in (f for f in old[key] if as_text(old[key][f]) != as_text(new[key].get(f))):
-            return (f"{key[0]} seed {key[1]}: {field} {as_text(old[key][field])} stored, "
-                    f"{as_text(new[key].get(field))} retrained")
+        for field in sorted(set(old[key]) | set(new[key])):
+            if as_text(old[key].get(field)) != as_text(new[key].get(field)):
+                return (f"{key[0]} seed {key[1]}: {field} {as_text(old[key].get(field))} stored, "
+                        f"{as_text(new[key].get(field))} retrained")
     return None
 
 
