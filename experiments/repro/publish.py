@@ -46,6 +46,7 @@ import shutil
 import tempfile
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from analysis.retraining import CLOCK_FIELDS, PATH_FIELDS, board_mismatch, code_state, retraining_mismatch  # noqa: F401
 from architectures.config import ConfigError
 
 CURVE_POINTS = 256
@@ -53,9 +54,7 @@ RUN_FILES = ("config.yaml", "provenance.json", "probe.json")  # copied as they a
 # the report (results.md, leaderboard.md / .csv) and figures; results.json is written with its rows' run_dir
 # rewritten; leaderboard.json and the runs.json reuse index name the trained folders and stay behind
 REPORT_SUFFIXES = (".md", ".csv", ".png")
-# what a retraining may change in a row (the machine's load); everything else must come back equal for --restore
-CLOCK_FIELDS = ("step_time_s", "train_time_s", "wall_s", "wall_measured", "wall_resumed", "run_seconds", "run_step_s")
-PATH_FIELDS = ("run_dir", "run_dir_trained")
+
 
 
 def thinned(curve: Sequence[Any], points: int = CURVE_POINTS) -> List[Any]:
@@ -299,43 +298,6 @@ def stored_board(dest: pathlib.Path) -> Dict[str, Any]:
     return board
 
 
-def board_runs(board: Dict[str, Any]) -> Dict[Tuple[str, Any], Dict[str, Any]]:
-    """A leaderboard's runs by (their row's options, as JSON text, and seed), without the fields a retraining may
-    change (its step time, its folder); one line when two runs share a row and a seed."""
-    as_text = lambda value: json.dumps(value, sort_keys=True)  # noqa: E731
-    row_of = {run_dir: as_text({k: row.get(k) for k in board["options"]}) for row in board["rows"]
-              for run_dir in row["runs"]}
-    keyed: Dict[Tuple[str, Any], Dict[str, Any]] = {}
-    for run in board["runs"]:
-        key = (row_of[run["run_dir"]], run["seed"])
-        if key in keyed:
-            raise ConfigError(f"publish --restore: two runs of the row {key[0]} have seed {key[1]}; a leaderboard whose "
-                              "runs cannot be told apart cannot be restored")
-        keyed[key] = {k: v for k, v in run.items() if k not in {*CLOCK_FIELDS, *PATH_FIELDS}}
-    return keyed
-
-
-def board_mismatch(stored: Dict[str, Any], retrained: Dict[str, Any]) -> Optional[str]:
-    """Where a retrained leaderboard differs from the stored one beyond the clocks and folders, in words; None if
-    nowhere (values compared as JSON text: bit for bit; a field only one side has counts as null there)."""
-    if stored["options"] != retrained["options"]:
-        return f"the board's rows differ in {stored['options']}, the retraining's in {retrained['options']}"
-    old, new = board_runs(stored), board_runs(retrained)
-    if set(old) != set(new):
-        missing = sorted(set(old) ^ set(new), key=str)[0]
-        side = "only the stored" if missing in old else "only the retrained"
-        return f"the run of {missing[0]} seed {missing[1]} is in {side} board"
-    if stored["code"] != retrained["code"]:
-        return f"the board's code is {stored['code']}, the retraining's {retrained['code']}"
-    as_text = lambda value: json.dumps(value, sort_keys=True)  # noqa: E731
-    for key in sorted(old, key=str):
-        for field in sorted(set(old[key]) | set(new[key])):
-            if as_text(old[key].get(field)) != as_text(new[key].get(field)):
-                return (f"{key[0]} seed {key[1]}: {field} {as_text(old[key].get(field))} stored, "
-                        f"{as_text(new[key].get(field))} retrained")
-    return None
-
-
 def report_rows(folder: pathlib.Path, option: str, advice: str) -> Dict[str, Any]:
     """A programme's results.json, which must hold run rows with a run_dir (one line naming the folder and ending
     in ``advice`` otherwise)."""
@@ -349,34 +311,6 @@ def report_rows(folder: pathlib.Path, option: str, advice: str) -> Dict[str, Any
         raise ConfigError(f"publish{option}: {folder}/results.json has no run rows with a run_dir; nothing to publish; "
                           f"{advice}")
     return results
-
-
-def code_state(results: Dict[str, Any]) -> Tuple[Any, Any, Any]:
-    """The commit a report was computed at, whether its tree was dirty, and the difference's hash."""
-    provenance = results.get("provenance") or {}
-    return provenance.get("commit"), provenance.get("dirty"), provenance.get("diff_sha256")
-
-
-def retraining_mismatch(published: Dict[str, Any], retrained: Dict[str, Any]) -> Optional[str]:
-    """Where ``retrained`` differs from ``published`` beyond the clocks and paths, in words; None if nowhere. Rows
-    match by position (a programme trains its plan in order); a field only the retrained row has is not compared.
-    Values compare as their JSON text: bit for bit (1 is not 1.0), and a NaN equals a NaN."""
-    states = [code_state(r) for r in (published, retrained)]
-    if states[0][0] is None:
-        return "the published report names no commit, so no retraining can be shown to be of the same code"
-    if states[0] != states[1]:
-        return f"the report's code (commit, dirty, diff) is {states[0]}, the retraining's {states[1]}"
-    if len(published["runs"]) != len(retrained["runs"]):
-        return f"{len(published['runs'])} published rows, {len(retrained['runs'])} retrained"
-    as_text = lambda value: json.dumps(value, sort_keys=True)  # noqa: E731
-    free = {*CLOCK_FIELDS, *PATH_FIELDS}
-    for i, (old, new) in enumerate(zip(published["runs"], retrained["runs"])):
-        for field in (f for f in old if f not in free):
-            if field not in new or as_text(new[field]) != as_text(old[field]):
-                return (f"row {i} ({old.get('variant', old.get('name'))} seed {old.get('seed')}): {field} "
-                        f"{as_text(old[field])} published, {as_text(new[field]) if field in new else 'missing'} "
-                        "retrained")
-    return None
 
 
 def replace_folder(target: pathlib.Path, fill) -> None:
