@@ -140,7 +140,7 @@ def test_publish_refuses_a_missing_foreign_or_unreadable_run_before_writing_anyt
 # (as it did for isoflop_seeds/half_depth, half, mod_width and probe_bounce_amd24, which publish wrote without them
 # when .gitignore's "runs/" matched docs/results/**/runs/); depth_h2h is a leaderboard published alone.
 COPIED_WITHOUT_RECORDS = {
-    "depth_h2h", "h2h_seeds", "isoflop_pilot", "isoflop_seeds/width", "mom_rerun/mom_kh",
+    "depth_h2h", "isoflop_pilot", "isoflop_seeds/width", "mom_rerun/mom_kh",
     "mom_rerun/mom_kh_seed1", "mom_rerun/mom_kh_seed2", "probe", "probe_bounce", "probe_bounce_grid",
     "probe_bounce_narrow", "probe_bounce_recursion", "probe_bounce_routers", "probe_depth", "probe_routed"}
 
