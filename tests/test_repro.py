@@ -665,8 +665,8 @@ def test_the_published_5_seed_mom_kh_sweep_rebuilds_from_its_rows_and_deeper_ass
     """docs/results/mom_kh_seeds (pre-registered in docs/results/preregistered/mom_kh_contribution_seeds.md): per K,
     H = 6 against H = 1 (one-sided Welch over 5 seeds, Holm over the three Ks), the cells and the observations,
     recomputed from the stored rows, are the report's. No K passes (H = 6 is worse at every K); (3, 2) is off the
-    loss-vs-FLOPs Pareto front, and the lowest cell is (3, 1). The vanilla rows are h2h_seeds' bit for bit (the same
-    seeds and options, trained at 21453ad on the same CPU model)."""
+    loss-vs-FLOPs Pareto front, and the lowest cell is (3, 1). The vanilla rows' losses are h2h_seeds' bit for bit (the
+    same seeds and model options, trained at 21453ad on the same CPU model under a budget that also stopped at 300)."""
     from analysis.stats import passes
     from experiments.repro.mom import kh_cells, kh_depth_tests, kh_observations
     from tests.conftest import REPO
