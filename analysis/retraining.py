@@ -12,6 +12,7 @@ from architectures.config import ConfigError
 # what a retraining may change in a row (the machine's load); everything else must come back equal for --restore
 CLOCK_FIELDS = ("step_time_s", "train_time_s", "wall_s", "wall_measured", "wall_resumed", "run_seconds", "run_step_s")
 PATH_FIELDS = ("run_dir", "run_dir_trained")
+FREE_FIELDS = frozenset({*CLOCK_FIELDS, *PATH_FIELDS})
 
 
 def as_text(value: Any) -> str:
@@ -36,9 +37,8 @@ def retraining_mismatch(published: Dict[str, Any], retrained: Dict[str, Any]) ->
         return f"the report's code (commit, dirty, diff) is {states[0]}, the retraining's {states[1]}"
     if len(published["runs"]) != len(retrained["runs"]):
         return f"{len(published['runs'])} published rows, {len(retrained['runs'])} retrained"
-    free = {*CLOCK_FIELDS, *PATH_FIELDS}
     for i, (old, new) in enumerate(zip(published["runs"], retrained["runs"])):
-        for field in (f for f in old if f not in free):
+        for field in (f for f in old if f not in FREE_FIELDS):
             if field not in new or as_text(new[field]) != as_text(old[field]):
                 return (f"row {i} ({old.get('variant', old.get('name'))} seed {old.get('seed')}): {field} "
                         f"{as_text(old[field])} published, {as_text(new[field]) if field in new else 'missing'} "
@@ -57,7 +57,7 @@ def board_runs(board: Dict[str, Any]) -> Dict[Tuple[str, Any], Dict[str, Any]]:
         if key in keyed:
             raise ConfigError(f"publish --restore: two runs of the row {key[0]} have seed {key[1]}; a leaderboard whose "
                               "runs cannot be told apart cannot be restored")
-        keyed[key] = {k: v for k, v in run.items() if k not in {*CLOCK_FIELDS, *PATH_FIELDS}}
+        keyed[key] = {k: v for k, v in run.items() if k not in FREE_FIELDS}
     return keyed
 
 

@@ -20,6 +20,11 @@ def crash_at_step(step: int):
     return CrashAtStep()
 
 
+def recorder_state(checkpoint: dict) -> dict:
+    """The ``StepRecorder`` callback's state in a loaded Lightning checkpoint."""
+    return next(state for key, state in checkpoint["callbacks"].items() if key.startswith("StepRecorder"))
+
+
 def file_states(folder: pathlib.Path) -> dict:
     """Every file under ``folder``: its bytes and modification time, to show that a command changed none of them."""
     return {p.relative_to(folder): (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}

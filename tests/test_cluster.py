@@ -19,7 +19,7 @@ import torch
 from architectures.config import ConfigError
 from callbacks.preemption import PreemptionCheckpoint
 from experiments import sweep
-from tests.conftest import REPO, TINY_RUN
+from tests.conftest import REPO, TINY_RUN, recorder_state
 
 SBATCH = REPO / "experiments" / "slurm" / "train.sbatch"
 TORCHRUN = REPO / "experiments" / "slurm" / "torchrun.sh"
@@ -204,8 +204,7 @@ def test_sigterm_saves_last_checkpoint_and_the_same_command_resumes_to_max_steps
     step = _ckpt_step(last)
     assert last.stat().st_mtime >= signalled and periodic <= step < 60
     assert not (last.parent.parent / "summary.json").exists()  # the interrupted run did not finish
-    recorder = torch.load(last, weights_only=False)["callbacks"]
-    before = next(state for key, state in recorder.items() if key.startswith("StepRecorder"))["run_seconds"]
+    before = recorder_state(torch.load(last, weights_only=False))["run_seconds"]
     resumed = subprocess.run([*command, "--ckpt_path", "last"], cwd=REPO, env=env, capture_output=True, text=True,
                              timeout=300)
     assert resumed.returncode == 0, resumed.stderr

@@ -13,7 +13,7 @@ import yaml
 from architectures.config import ConfigError
 from datamodules.corpora import DataError
 from experiments.run import expand_aliases, main
-from tests.conftest import REPO, TINY_RUN
+from tests.conftest import REPO, TINY_RUN, recorder_state
 
 
 def _summary(run_dir):
@@ -144,10 +144,6 @@ def test_resume_continues_the_exact_loss_trajectory(tmp_path):
     assert len(json.loads((first / "provenance.json").read_text())) == 3  # the first run and each resume
 
 
-def _recorder_state(checkpoint: dict) -> dict:
-    return next(state for key, state in checkpoint["callbacks"].items() if key.startswith("StepRecorder"))
-
-
 def test_the_recorders_clock_adds_each_earlier_process_once(monkeypatch):
     """Every checkpoint carries the run's clock at its save (earlier processes + this one's age), never a sum of
     saves; each resume adds its own process to the loaded clock; a checkpoint without the clock keeps it unknown."""
@@ -179,7 +175,7 @@ def test_a_resumed_runs_wall_time_adds_its_earlier_process_to_the_checkpoint(tmp
     first = main(["--max_steps", "4", "--log_dir", str(tmp_path / "a"), *common])
     ckpt_path = first / "checkpoints" / "last.ckpt"
     checkpoint = torch.load(ckpt_path, weights_only=False)
-    before = _recorder_state(checkpoint)["run_seconds"]
+    before = recorder_state(checkpoint)["run_seconds"]
     assert 0 < before <= _summary(first)["run_seconds"]
     started = time.perf_counter()
     resumed = _summary(main(["--max_steps", "8", "--log_dir", str(tmp_path / "a"), *common, "--ckpt_path", "last"]))
@@ -187,7 +183,7 @@ def test_a_resumed_runs_wall_time_adds_its_earlier_process_to_the_checkpoint(tmp
     assert resumed["train_started_at_steps"] == [0, 4] and resumed["run_seconds_complete"] is True
     # seconds_to_first_step is the resumed process's own (not carried): the sum holds both processes
     assert before + resumed["seconds_to_first_step"] <= resumed["run_seconds"] <= before + lived
-    _recorder_state(checkpoint).pop("run_seconds")  # a checkpoint written before the clock was carried
+    recorder_state(checkpoint).pop("run_seconds")  # a checkpoint written before the clock was carried
     old = tmp_path / "old.ckpt"
     torch.save(checkpoint, old)
     started = time.perf_counter()

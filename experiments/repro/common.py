@@ -933,19 +933,22 @@ def run_wall_seconds(summary: Dict[str, Any]) -> Tuple[Optional[float], bool]:
     folders written before ``run_seconds``, its timed steps summed (their ``seconds_to_first_step`` counted every
     earlier run of a reused process)."""
     if summary.get("run_seconds") is not None:
-        resumed = len(summary.get("train_started_at_steps") or [0]) > 1
-        return float(summary["run_seconds"]), bool(summary.get("run_seconds_complete", not resumed))
+        return float(summary["run_seconds"]), bool(summary.get("run_seconds_complete", not was_resumed(summary)))
     steps = summary.get("step_times_s") or []
     if not steps:
         return None, False
     return sum(float(t) for _, t in steps), False
 
 
+def was_resumed(summary: Dict[str, Any]) -> bool:
+    """Whether more than one process trained the run (``train_started_at_steps``: [0, s, ...] after a resume)."""
+    return len(summary.get("train_started_at_steps") or [0]) > 1
+
+
 def run_wall(summary: Dict[str, Any]) -> Dict[str, Any]:
-    """A run row's ``wall_s`` / ``wall_measured`` (``run_wall_seconds``) and ``wall_resumed`` (whether the run was
-    resumed), for ``wall_time_lines``."""
-    resumed = len(summary.get("train_started_at_steps") or [0]) > 1
-    return {**dict(zip(("wall_s", "wall_measured"), run_wall_seconds(summary))), "wall_resumed": resumed}
+    """A run row's ``wall_s`` / ``wall_measured`` (``run_wall_seconds``) and ``wall_resumed`` (``was_resumed``), for
+    ``wall_time_lines``."""
+    return {**dict(zip(("wall_s", "wall_measured"), run_wall_seconds(summary))), "wall_resumed": was_resumed(summary)}
 
 
 def run_origin(summary: Dict[str, Any]) -> Dict[str, Any]:

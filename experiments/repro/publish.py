@@ -56,7 +56,6 @@ RUN_FILES = ("config.yaml", "provenance.json", "probe.json")  # copied as they a
 REPORT_SUFFIXES = (".md", ".csv", ".png")
 
 
-
 def thinned(curve: Sequence[Any], points: int = CURVE_POINTS) -> List[Any]:
     """Every k-th point of ``curve`` (k the smallest stride leaving at most ``points``), the last always kept."""
     if len(curve) <= points:
@@ -278,9 +277,9 @@ def restore_board(log_dir: pathlib.Path, dest: pathlib.Path) -> List[pathlib.Pat
     if mismatch:
         raise ConfigError(f"publish --restore: {log_dir} is not a retraining of {dest}'s runs: {mismatch}; retrain "
                           "them by the board's command at its commit, on its CPU and kernel settings")
-    return publish_runs(log_dir, dest, {"restored": f"retrained at {', '.join(stored['code'])} by the board's command; every "
-                                                    "figure of the run in its leaderboard.json but its step time "
-                                                    "came back equal"})
+    note = (f"retrained at {', '.join(stored['code'])} by the board's command; every figure of the run in its "
+            "leaderboard.json but its step time came back equal")
+    return publish_runs(log_dir, dest, {"restored": note})
 
 
 def stored_board(dest: pathlib.Path) -> Dict[str, Any]:
