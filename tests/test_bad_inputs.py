@@ -43,6 +43,13 @@ def inputs(tmp_path_factory) -> pathlib.Path:
                                                                              "run_dir": "out/gone/version_0"}])):
         (root / name).mkdir()
         (root / name / "results.json").write_text(json.dumps({"runs": runs}))
+    gone = {"variant": "vanilla", "seed": 1337, "run_dir": "out/gone/version_0"}
+    for name, runs in (("merged_report", [{**gone, "source": "docs/results/a/results.json"}]),
+                       ("mixed_report", [{**gone, "run_dir_trained": "x"}, {**gone, "seed": 1338}])):
+        (root / name).mkdir()
+        (root / name / "results.json").write_text(json.dumps({"runs": runs}))
+    (root / "broken_board").mkdir()
+    (root / "broken_board" / "leaderboard.json").write_text('{"rows": ')
     (root / "probe_without_vanilla.json").write_text(json.dumps(no_vanilla))
     bad_vocab = root / "tok_vocab"
     bad_vocab.mkdir()
@@ -323,6 +330,17 @@ CASES = [
      lambda d: [str(d / "no_runs_here"), str(d / "report_of_gone_runs"), "--restore"],
      r"publish --restore: .*no_runs_here/results\.json is not a finished programme's report \(.*\); give as OUT the "
      r"--out folder of a retraining that finished"),
+    ("publish-restore-into-a-merged-report", "publish",
+     lambda d: [str(d / "report_of_gone_runs"), str(d / "merged_report"), "--restore"],
+     r"publish --restore: .*merged_report merges other reports \(its rows have a source\); restore each folder its "
+     r"rows came from"),
+    ("publish-restore-into-mixed-rows", "publish",
+     lambda d: [str(d / "report_of_gone_runs"), str(d / "mixed_report"), "--restore"],
+     r"publish --restore: .*mixed_report's rows mix publish's \(with run_dir_trained\) and others"),
+    ("publish-restore-into-a-broken-leaderboard", "publish",
+     lambda d: [str(d / "no_runs_here"), str(d / "broken_board"), "--restore"],
+     r"publish --restore: .*broken_board/leaderboard\.json is not a leaderboard of experiments\.compare \(.*\); give "
+     r"the folder compare wrote it to"),
     ("publish-runs-no-folder", "publish", lambda d: [str(d / "no_such_log_dir"), str(d / "published"), "--runs"],
      r"publish --runs: .*no_such_log_dir is not a folder; give the --log_dir the runs wrote to"),
     ("sweep-plan_workers-0", "sweep", lambda d: ["--grid", "variant=vanilla", "--dry_run", "--plan_workers", "0"],
