@@ -140,9 +140,8 @@ def test_publish_refuses_a_missing_foreign_or_unreadable_run_before_writing_anyt
 # (as it did for isoflop_seeds, its width, half, half_depth and mod_width, h2h_seeds and probe_bounce_amd24).
 # depth_h2h is a leaderboard published alone; a retraining here differed in 31 of its 50 runs (another CPU).
 COPIED_WITHOUT_RECORDS = {
-    "depth_h2h", "isoflop_pilot", "mom_rerun/mom_kh", "mom_rerun/mom_kh_seed1", "mom_rerun/mom_kh_seed2", "probe",
-    "probe_bounce", "probe_bounce_grid", "probe_bounce_narrow", "probe_bounce_recursion", "probe_bounce_routers",
-    "probe_depth", "probe_routed"}
+    "depth_h2h", "isoflop_pilot", "probe", "probe_bounce", "probe_bounce_grid", "probe_bounce_narrow",
+    "probe_bounce_recursion", "probe_bounce_routers", "probe_depth", "probe_routed"}
 
 
 def has_record(row: dict, folder: pathlib.Path, results: pathlib.Path, restored: dict) -> bool:
@@ -196,6 +195,26 @@ def test_every_published_run_record_is_in_the_repository():
     assert checked >= 800  # every report's rows and board's runs (946 when this was written)
     assert without == COPIED_WITHOUT_RECORDS
 
+
+def test_every_run_record_holds_its_rows_loss_steps_and_parameters():
+    """A record is its row's run, not a neighbour's: a restore matches rows to retrained runs, and two runs trained at
+    once swap version folders. The row's val_loss is one of the record's validation losses (programmes headline the
+    causal or the plain one), and its steps and parameters, where it has them, are the record's."""
+    from tests.conftest import REPO
+
+    checked = 0
+    for folder, report in reports(REPO / "docs" / "results"):
+        for row in report.get("runs") or []:
+            record = folder / str(row.get("run_dir")) / "summary.json"
+            if pathlib.Path(str(row.get("run_dir"))).is_absolute() or not record.is_file():
+                continue  # rows without records are the previous test's
+            summary = json.loads(record.read_text())
+            losses = {summary["final_val_loss"], *(v for k, v in summary["val_metrics"].items() if k.startswith("val/loss"))}
+            where = f"{folder.name} {row['run_dir']}"
+            assert "val_loss" not in row or row["val_loss"] in losses, where
+            assert all(row[k] == summary[k] for k in ("steps", "parameters") if k in row), where
+            checked += 1
+    assert checked >= 500  # 545 when this was written
 
 def _published_without_records(tmp_path) -> pathlib.Path:
     """A report published before its records were kept: publish's output with runs/ gone."""
