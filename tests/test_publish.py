@@ -264,6 +264,40 @@ def test_restore_adds_the_records_of_a_retraining_whose_every_figure_equals_the_
         publish.restore(_retrained(tmp_path / "2"), dest)
 
 
+def test_a_row_reused_from_an_earlier_commit_is_restored_from_its_retraining_at_the_reports_and_says_both(tmp_path):
+    """A programme reuses the finished runs of its --out, so a row may carry an earlier commit than its report; its
+    retraining at the report's commit relabels it. Only that code may differ, and the record names both commits."""
+    dest = _published_without_records(tmp_path)
+    results = json.loads((dest / "results.json").read_text())
+    results["runs"][0]["code"], results["runs"][1]["code"] = "e" * 10, "a" * 10  # one reused row, one trained at a
+    (dest / "results.json").write_text(json.dumps(results))
+    publish.restore(_retrained(tmp_path, {"code": "a" * 10}), dest)
+    notes = [json.loads((dest / r["run_dir"] / "summary.json").read_text())["published"]["restored"]
+             for r in results["runs"]]
+    assert notes[0].startswith("the published run trained at " + "e" * 10 + " and the report reused it; retrained "
+                               "at " + "a" * 40) and notes[0].endswith("but the clocks and the code came back equal")
+    assert notes[1].startswith("retrained at " + "a" * 40) and notes[1].endswith("but the clocks came back equal")
+
+
+@pytest.mark.parametrize("published,retrained,named", [
+    ("e" * 10, "f" * 10, "code \"e+\" published, \"f+\" retrained"),  # relabelled, but not to the report's commit
+    ("a" * 10, "f" * 10, "code \"a+\" published, \"f+\" retrained"),  # trained at the report's commit, not reused
+])
+def test_restore_refuses_a_code_that_differs_unless_the_retraining_is_at_the_reports_commit(tmp_path, published,
+                                                                                             retrained, named):
+    dest = _published_without_records(tmp_path)
+    results = json.loads((dest / "results.json").read_text())
+    (dest / "results.json").write_text(json.dumps({**results, "runs": [{**r, "code": published} for r in
+                                                                        results["runs"]]}))
+    with pytest.raises(ConfigError, match=r"row 0 \(vanilla seed 1337\): " + named):
+        publish.restore(_retrained(tmp_path, {"code": retrained}), dest)
+    reused = {"variant": "mod", "seed": 1, "code": "e" * 10, "val_loss": 1.0}
+    assert "val_loss" in publish.retraining_mismatch(  # a reused row still needs every figure equal
+        {"provenance": CODE, "runs": [reused]}, {"provenance": CODE, "runs": [{**reused, "code": "a" * 10,
+                                                                                 "val_loss": 1.5}]})
+    assert not (dest / "runs").exists()
+
+
 @pytest.mark.parametrize("change,named", [({"val_loss": 1.0000001}, "row 0 (vanilla seed 1337): val_loss 1.0 "),
                                           ({"steps": 999}, "row 0 (vanilla seed 1337): steps 1000 "),
                                           ({"steps": 1000.0}, "row 0 (vanilla seed 1337): steps 1000 published, 1000.0")])

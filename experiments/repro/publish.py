@@ -21,7 +21,8 @@ a non-empty ``DEST`` that is not a published report is refused.
 (``DEST``), from ``OUT``, a retraining by the same command. Each published row is matched to the retrained row at
 the same position; every figure of the published row but its clocks (``CLOCK_FIELDS``) and paths must be equal (as
 JSON text: bit for bit), and the report's commit, dirty flag and diff too, or nothing is written (one line names the
-row and the field). The records go to each published row's ``run_dir``, which must not hold one yet; the report stays
+row and the field). A row the report reused from a run at an earlier commit (its ``code``) retrained at the report's
+commit may differ in its ``code`` only; its record's note names both commits. The records go to each published row's ``run_dir``, which must not hold one yet; the report stays
 as published, and each record's ``published.restored`` says so and names the retrained folder (whose version number
 may differ: two runs at once take them in the order they start). A report copied into the repository before publish
 existed (its rows name the trained folders, no ``run_dir_trained``) gets its records where publish would have put
@@ -46,7 +47,8 @@ import shutil
 import tempfile
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from analysis.retraining import CLOCK_FIELDS, PATH_FIELDS, board_mismatch, code_state, retraining_mismatch  # noqa: F401
+from analysis.retraining import (CLOCK_FIELDS, PATH_FIELDS, board_mismatch, code_state,  # noqa: F401
+                                 retraining_mismatch, reused_from_earlier_code)
 from architectures.config import ConfigError
 
 CURVE_POINTS = 256
@@ -199,14 +201,21 @@ def restore(out: pathlib.Path, dest: pathlib.Path) -> List[pathlib.Path]:
         rewritten = json.dumps(published, indent=1) + "\n"
     staging = pathlib.Path(tempfile.mkdtemp(prefix=".restore.", dir=dest))
     try:
-        for i, ((run_dir, summary), row) in enumerate(zip(runs, retrained["runs"])):
-            copy_record(run_dir, summary, staging / str(i),
-                        {"restored": f"retrained at {commit} by the report's command (as {row['run_dir']}); every "
-                                     "figure of its row but the clocks came back equal"})
+        for i, ((run_dir, summary), row, old) in enumerate(zip(runs, retrained["runs"], published["runs"])):
+            copy_record(run_dir, summary, staging / str(i), {"restored": restored_note(old, row, commit)})
         move_into_place(staging, targets, dest / "results.json", rewritten)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return targets
+
+
+def restored_note(published_row: Dict[str, Any], retrained_row: Dict[str, Any], commit: str) -> str:
+    """What a restored record says of itself: the retraining it is, and for a row the report reused from a run at an
+    earlier commit, that commit too."""
+    earlier = (f"the published run trained at {published_row['code']} and the report reused it; "
+               if reused_from_earlier_code(published_row, retrained_row, commit) else "")
+    return (f"{earlier}retrained at {commit} by the report's command (as {retrained_row['run_dir']}); every figure "
+            f"of its row but the clocks{' and the code' if earlier else ''} came back equal")
 
 
 def move_into_place(staging: pathlib.Path, targets: Sequence[pathlib.Path], report: pathlib.Path,
