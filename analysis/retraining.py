@@ -5,6 +5,7 @@ these find no difference."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Dict, Optional, Tuple
 
 from architectures.config import ConfigError
@@ -26,19 +27,33 @@ def code_state(results: Dict[str, Any]) -> Tuple[Any, Any, Any]:
     return provenance.get("commit"), provenance.get("dirty"), provenance.get("diff_sha256")
 
 
-def reused_from_earlier_code(published_row: Dict[str, Any], retrained_row: Dict[str, Any], commit: str) -> bool:
+def reused_from_earlier_code(published_row: Dict[str, Any], retrained_row: Dict[str, Any], label: str) -> bool:
     """Whether a published row is a run the report reused from an earlier commit (a programme keeps the finished runs
-    of its ``--out``) that the retraining trained at the report's own ``commit``: the rows' ``code`` then differ by
-    construction, and the row still counts as restored only if every other figure comes back equal."""
+    of its ``--out``; the row's ``code`` is that clean commit) that the retraining trained at the report's own code
+    (``label``, as ``analysis.provenance.code_label`` names it): the rows' ``code`` then differ by construction, and
+    the row still counts as restored only if every other figure comes back equal."""
     code = published_row.get("code")
-    return bool(code) and code != retrained_row.get("code") and retrained_row.get("code") == commit[:10]
+    return (isinstance(code, str) and re.fullmatch("[0-9a-f]{10}", code) is not None and code != label
+            and retrained_row.get("code") == label)
+
+
+def report_label(results: Dict[str, Any]) -> str:
+    """The code a report was computed at, as its rows' ``code`` names theirs."""
+    from analysis.provenance import code_label
+
+    return code_label({"provenance": results.get("provenance")})
+
+
+def row_name(i: int, row: Dict[str, Any]) -> str:
+    return f"row {i} ({row.get('variant', row.get('name'))} seed {row.get('seed')})"
 
 
 def retraining_mismatch(published: Dict[str, Any], retrained: Dict[str, Any]) -> Optional[str]:
     """Where ``retrained`` differs from ``published`` beyond the clocks and paths, in words; None if nowhere. Rows
     match by position (a programme trains its plan in order); a field only the retrained row has is not compared, nor
-    the ``code`` of a row the report reused from an earlier commit (``reused_from_earlier_code``).
-    Values compare as their JSON text: bit for bit (1 is not 1.0), and a NaN equals a NaN."""
+    the ``code`` of a row the report reused from an earlier commit (``reused_from_earlier_code``), but a retrained
+    row must have trained at the report's code. The report's own numbers (a reference loss, the budget) must be equal
+    too. Values compare as their JSON text: bit for bit (1 is not 1.0), and a NaN equals a NaN."""
     states = [code_state(r) for r in (published, retrained)]
     if states[0][0] is None:
         return "the published report names no commit, so no retraining can be shown to be of the same code"
@@ -46,14 +61,19 @@ def retraining_mismatch(published: Dict[str, Any], retrained: Dict[str, Any]) ->
         return f"the report's code (commit, dirty, diff) is {states[0]}, the retraining's {states[1]}"
     if len(published["runs"]) != len(retrained["runs"]):
         return f"{len(published['runs'])} published rows, {len(retrained['runs'])} retrained"
+    label = report_label(published)
     for i, (old, new) in enumerate(zip(published["runs"], retrained["runs"])):
-        free = FREE_FIELDS | ({"code"} if reused_from_earlier_code(old, new, states[0][0]) else set())
+        if new.get("code", label) != label:
+            return (f"{row_name(i, new)} trained at {new['code']}, not at the report's {label}: the retraining reused "
+                    "a run it did not train; retrain into an empty --out")
+        free = FREE_FIELDS | ({"code"} if reused_from_earlier_code(old, new, label) else set())
         for field in (f for f in old if f not in free):
             if field not in new or as_text(new[field]) != as_text(old[field]):
-                return (f"row {i} ({old.get('variant', old.get('name'))} seed {old.get('seed')}): {field} "
-                        f"{as_text(old[field])} published, {as_text(new[field]) if field in new else 'missing'} "
-                        "retrained")
-    return None
+                return (f"{row_name(i, old)}: {field} {as_text(old[field])} published, "
+                        f"{as_text(new[field]) if field in new else 'missing'} retrained")
+    numbers = [k for k, v in published.items() if isinstance(v, (int, float)) and k not in FREE_FIELDS]
+    return next((f"the report's {k} is {as_text(published[k])}, the retraining's {as_text(retrained.get(k))}"
+                 for k in numbers if as_text(retrained.get(k)) != as_text(published[k])), None)
 
 
 def board_runs(board: Dict[str, Any]) -> Dict[Tuple[str, Any], Dict[str, Any]]:

@@ -144,19 +144,34 @@ COPIED_WITHOUT_RECORDS = {
     "probe_bounce_recursion", "probe_bounce_routers", "probe_depth", "probe_routed"}
 
 
-def has_record(row: dict, folder: pathlib.Path, results: pathlib.Path, restored: dict) -> bool:
-    """Whether a row's run has its record in the repository: at its ``run_dir`` relative to its report's folder (what
-    publish writes); for a row that names a folder under docs/results by a machine's path, there; for a row a merged
-    report copied from a report restored since (``restored``: its folder's {trained folder: record}), that record."""
+def record_of(row: dict, folder: pathlib.Path, results: pathlib.Path, restored: dict):
+    """The folder of a row's run record in the repository, or None: at its ``run_dir`` relative to its report's folder
+    (what publish writes); for a row that names a folder under docs/results by a machine's path, there; for a row a
+    merged report copied from a report restored since (``restored``: its folder's {trained folder: record}), that
+    record."""
     run_dir = row.get("run_dir")
     if not isinstance(run_dir, str):
-        return False
+        return None
     places = [] if pathlib.Path(run_dir).is_absolute() else [folder / run_dir]
     if "docs/results/" in run_dir:
         places.append(results / run_dir.split("docs/results/", 1)[1])
     if run_dir in restored.get(folder, {}):
         places.append(folder / restored[folder][run_dir])
-    return any((place / "summary.json").is_file() for place in places)
+    return next((place for place in places if (place / "summary.json").is_file()), None)
+
+
+def rows_with_homes(results: pathlib.Path):
+    """(row, the folder its run_dir is relative to, {folder: {trained folder: record}} of restored reports) for every
+    run row of every report under docs/results (a merged report's rows live in the folder of their ``source``)."""
+    from tests.conftest import REPO
+
+    restored = {folder: {r["run_dir_trained"]: r["run_dir"] for r in report.get("runs") or [] if "run_dir_trained" in r}
+                for folder, report in reports(results)}
+    for folder, report in reports(results):
+        rows = report.get("runs")
+        for row in rows if isinstance(rows, list) else []:
+            if isinstance(row, dict):
+                yield row, (REPO / row["source"]).parent if row.get("source") else folder, restored
 
 
 def reports(results: pathlib.Path):
@@ -174,18 +189,12 @@ def test_every_published_run_record_is_in_the_repository():
     from tests.conftest import REPO
 
     results = REPO / "docs" / "results"
-    restored = {folder: {r["run_dir_trained"]: r["run_dir"] for r in report.get("runs") or [] if "run_dir_trained" in r}
-                for folder, report in reports(results)}
     without: set = set()
     checked = 0
-    for folder, report in reports(results):
-        rows = report.get("runs")
-        for row in rows if isinstance(rows, list) else []:
-            if isinstance(row, dict):
-                home = (REPO / row["source"]).parent if row.get("source") else folder
-                checked += 1
-                if not has_record(row, home, results, restored):
-                    without.add(home.relative_to(results).as_posix())
+    for row, home, restored in rows_with_homes(results):
+        checked += 1
+        if record_of(row, home, results, restored) is None:
+            without.add(home.relative_to(results).as_posix())
     for board in results.rglob("leaderboard.json"):
         if not (board.parent / "results.json").is_file():  # a leaderboard published alone
             runs = json.loads(board.read_text())["runs"]
@@ -196,25 +205,30 @@ def test_every_published_run_record_is_in_the_repository():
     assert without == COPIED_WITHOUT_RECORDS
 
 
-def test_every_run_record_holds_its_rows_loss_steps_and_parameters():
+def test_every_run_record_holds_its_rows_seed_loss_steps_and_parameters():
     """A record is its row's run, not a neighbour's: a restore matches rows to retrained runs, and two runs trained at
     once swap version folders. The row's val_loss is one of the record's validation losses (programmes headline the
-    causal or the plain one), and its steps and parameters, where it has them, are the record's."""
+    causal or the plain one); its final_val_loss, steps and parameters, where it has them, are the record's, and its
+    seed is the record's config's."""
+    import yaml
+
     from tests.conftest import REPO
 
+    results = REPO / "docs" / "results"
     checked = 0
-    for folder, report in reports(REPO / "docs" / "results"):
-        for row in report.get("runs") or []:
-            record = folder / str(row.get("run_dir")) / "summary.json"
-            if pathlib.Path(str(row.get("run_dir"))).is_absolute() or not record.is_file():
-                continue  # rows without records are the previous test's
-            summary = json.loads(record.read_text())
-            losses = {summary["final_val_loss"], *(v for k, v in summary["val_metrics"].items() if k.startswith("val/loss"))}
-            where = f"{folder.name} {row['run_dir']}"
-            assert "val_loss" not in row or row["val_loss"] in losses, where
-            assert all(row[k] == summary[k] for k in ("steps", "parameters") if k in row), where
-            checked += 1
-    assert checked >= 500  # 545 when this was written
+    for row, home, restored in rows_with_homes(results):
+        record = record_of(row, home, results, restored)
+        if record is None:
+            continue  # rows without records are the previous test's
+        summary = json.loads((record / "summary.json").read_text())
+        losses = {summary["final_val_loss"], *(v for k, v in summary["val_metrics"].items() if k.startswith("val/loss"))}
+        where = f"{home.relative_to(results)} {row['run_dir']}"
+        assert "val_loss" not in row or row["val_loss"] in losses, where
+        assert all(row[k] == summary[k] for k in ("final_val_loss", "steps", "parameters") if k in row), where
+        assert "seed" not in row or row["seed"] == yaml.safe_load((record / "config.yaml").read_text())["seed"], where
+        checked += 1
+    assert checked >= 650  # 695 when this was written
+
 
 def _published_without_records(tmp_path) -> pathlib.Path:
     """A report published before its records were kept: publish's output with runs/ gone."""
@@ -280,22 +294,32 @@ def test_a_row_reused_from_an_earlier_commit_is_restored_from_its_retraining_at_
 
 
 @pytest.mark.parametrize("published,retrained,named", [
-    ("e" * 10, "f" * 10, "code \"e+\" published, \"f+\" retrained"),  # relabelled, but not to the report's commit
-    ("a" * 10, "f" * 10, "code \"a+\" published, \"f+\" retrained"),  # trained at the report's commit, not reused
+    ("e" * 10, "e" * 10, "trained at e+, not at the report's a+: the retraining reused a run it did not train"),
+    ("a" * 10, "f" * 10, "trained at f+, not at the report's a+"),  # trained elsewhere than the report's commit
+    ("unknown", "a" * 10, 'code "unknown" published, "a+" retrained'),  # not a clean commit: nothing says it is earlier
+    ("e" * 10 + "+dirty:12345678", "a" * 10, r'code "e+\+dirty:12345678" published'),
+    ("e" * 10 + ">" + "a" * 10, "a" * 10, 'code "e+>a+" published'),  # resumed across commits
 ])
-def test_restore_refuses_a_code_that_differs_unless_the_retraining_is_at_the_reports_commit(tmp_path, published,
-                                                                                             retrained, named):
+def test_restore_refuses_a_code_that_differs_unless_a_clean_earlier_run_was_retrained_at_the_reports(
+        tmp_path, published, retrained, named):
     dest = _published_without_records(tmp_path)
     results = json.loads((dest / "results.json").read_text())
     (dest / "results.json").write_text(json.dumps({**results, "runs": [{**r, "code": published} for r in
                                                                         results["runs"]]}))
-    with pytest.raises(ConfigError, match=r"row 0 \(vanilla seed 1337\): " + named):
+    with pytest.raises(ConfigError, match=r"row 0 \(vanilla seed 1337\):? " + named):
         publish.restore(_retrained(tmp_path, {"code": retrained}), dest)
-    reused = {"variant": "mod", "seed": 1, "code": "e" * 10, "val_loss": 1.0}
-    assert "val_loss" in publish.retraining_mismatch(  # a reused row still needs every figure equal
-        {"provenance": CODE, "runs": [reused]}, {"provenance": CODE, "runs": [{**reused, "code": "a" * 10,
-                                                                                 "val_loss": 1.5}]})
     assert not (dest / "runs").exists()
+
+
+def test_a_reused_row_needs_every_other_figure_and_the_report_its_own_numbers_equal_dirty_reports_included():
+    reused = {"variant": "mod", "seed": 1, "code": "e" * 10, "val_loss": 1.0}
+    dirty = {**CODE, "dirty": True, "diff_sha256": "d" * 64}
+    report = lambda row, **top: {"provenance": dirty, "runs": [row], **top}  # noqa: E731
+    again = {**reused, "code": "a" * 10 + "+dirty:" + "d" * 8}
+    assert publish.retraining_mismatch(report(reused, budget=1e12), report(again, budget=1e12)) is None
+    assert "val_loss" in publish.retraining_mismatch(report(reused), report({**again, "val_loss": 1.5}))
+    assert publish.retraining_mismatch(report(reused, vanilla_val_loss=6.0), report(again, vanilla_val_loss=6.5)) == (
+        "the report's vanilla_val_loss is 6.0, the retraining's 6.5")
 
 
 @pytest.mark.parametrize("change,named", [({"val_loss": 1.0000001}, "row 0 (vanilla seed 1337): val_loss 1.0 "),

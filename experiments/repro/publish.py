@@ -18,20 +18,22 @@ folder stays as ``run_dir_trained``); the records themselves keep what the run w
 a non-empty ``DEST`` that is not a published report is refused.
 
 ``python -m experiments.repro.publish --restore OUT DEST``: the run records of a report published without them
-(``DEST``), from ``OUT``, a retraining by the same command. Each published row is matched to the retrained row at
-the same position; every figure of the published row but its clocks (``CLOCK_FIELDS``) and paths must be equal (as
-JSON text: bit for bit), and the report's commit, dirty flag and diff too, or nothing is written (one line names the
-row and the field). A row the report reused from a run at an earlier commit (its ``code``) retrained at the report's
-commit may differ in its ``code`` only; its record's note names both commits. The records go to each published row's ``run_dir``, which must not hold one yet; the report stays
-as published, and each record's ``published.restored`` says so and names the retrained folder (whose version number
-may differ: two runs at once take them in the order they start). A report copied into the repository before publish
-existed (its rows name the trained folders, no ``run_dir_trained``) gets its records where publish would have put
-them (``runs/...`` as in the retraining's ``OUT``), and its rows' ``run_dir`` rewritten to them as publish does (the
-trained folder kept as ``run_dir_trained``); every other figure of its ``results.json`` stays. A merged report (rows
-with a ``source``) is restored through the folders its rows came from. A leaderboard published alone (``DEST`` holds
-``leaderboard.json`` of ``experiments.compare``, no ``results.json``; ``OUT``: the ``--log_dir`` of the retrained runs)
-is checked run by run (matched by its row and seed: every figure but the step time, and the board's code), and its
-records go to ``DEST/runs`` as ``--runs`` writes them.
+(``DEST``), from ``OUT``, a retraining by the same command. Each published row is matched to the retrained row at the
+same position; every figure of the published row but its clocks (``CLOCK_FIELDS``) and paths must be equal (as JSON
+text: bit for bit), and the report's commit, dirty flag and diff too, or nothing is written (one line names the row
+and the field). A row the report reused from a run at an earlier commit (its ``code``) retrained at the report's
+commit may differ in its ``code`` only; its record's note names both commits. A retrained row must have trained at the
+report's code (a retraining that reused an old run is refused), and the report's own numbers (a reference loss, the
+budget) must be equal too. The records go to each published row's ``run_dir``, which must not hold one yet; the report
+stays as published, and each record's ``published.restored`` says so and names the retrained folder (whose version
+number may differ: two runs at once take them in the order they start). A report copied into the repository before
+publish existed (its rows name the trained folders, no ``run_dir_trained``) gets its records where publish would have
+put them (``runs/...`` as in the retraining's ``OUT``), and its rows' ``run_dir`` rewritten to them as publish does
+(the trained folder kept as ``run_dir_trained``); every other figure of its ``results.json`` stays. A merged report
+(rows with a ``source``) is restored through the folders its rows came from. A leaderboard published alone (``DEST``
+holds ``leaderboard.json`` of ``experiments.compare``, no ``results.json``; ``OUT``: the ``--log_dir`` of the
+retrained runs) is checked run by run (matched by its row and seed: every figure but the step time, and the board's
+code), and its records go to ``DEST/runs`` as ``--runs`` writes them.
 
 ``python -m experiments.repro.publish --runs LOG_DIR DEST``: the same records of every finished run folder under
 ``LOG_DIR`` (runs of ``experiments.run`` itself, e.g. a loop over depths and seeds, with no programme report), at
@@ -48,7 +50,7 @@ import tempfile
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from analysis.retraining import (CLOCK_FIELDS, PATH_FIELDS, board_mismatch, code_state,  # noqa: F401
-                                 retraining_mismatch, reused_from_earlier_code)
+                                 report_label, retraining_mismatch, reused_from_earlier_code)
 from architectures.config import ConfigError
 
 CURVE_POINTS = 256
@@ -202,18 +204,19 @@ def restore(out: pathlib.Path, dest: pathlib.Path) -> List[pathlib.Path]:
     staging = pathlib.Path(tempfile.mkdtemp(prefix=".restore.", dir=dest))
     try:
         for i, ((run_dir, summary), row, old) in enumerate(zip(runs, retrained["runs"], published["runs"])):
-            copy_record(run_dir, summary, staging / str(i), {"restored": restored_note(old, row, commit)})
+            copy_record(run_dir, summary, staging / str(i),
+                        {"restored": restored_note(old, row, commit, report_label(published))})
         move_into_place(staging, targets, dest / "results.json", rewritten)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return targets
 
 
-def restored_note(published_row: Dict[str, Any], retrained_row: Dict[str, Any], commit: str) -> str:
+def restored_note(published_row: Dict[str, Any], retrained_row: Dict[str, Any], commit: str, label: str) -> str:
     """What a restored record says of itself: the retraining it is, and for a row the report reused from a run at an
     earlier commit, that commit too."""
     earlier = (f"the published run trained at {published_row['code']} and the report reused it; "
-               if reused_from_earlier_code(published_row, retrained_row, commit) else "")
+               if reused_from_earlier_code(published_row, retrained_row, label) else "")
     return (f"{earlier}retrained at {commit} by the report's command (as {retrained_row['run_dir']}); every figure "
             f"of its row but the clocks{' and the code' if earlier else ''} came back equal")
 
