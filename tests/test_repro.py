@@ -128,6 +128,7 @@ def test_mom_kh_sweep_end_to_end_and_reuse(tmp_path):
     """Two seeds per cell: each run trains at its seed, the cell's loss summary is its seeds' losses, the depth test
     per K compares the deepest H with the shallowest, and a rerun reuses every run."""
     from analysis.stats import passes
+    from experiments.repro import mom
 
     out = tmp_path / "kh"
     command = ["mom_kh", "--out", str(out), "--ks", "1", "--hs", "1,2", "--seeds", "2", *STEPS, "--", *TINY_RUN]
@@ -153,6 +154,12 @@ def test_mom_kh_sweep_end_to_end_and_reuse(tmp_path):
     table = (out / "results.md").read_text()
     assert "| K \\ H | 1 | 2 |" in table and "H=2 vs H=1" in table
     assert ("lower after Holm" in table) == passes(test)
+    assert all(r["wall_measured"] and r["wall_s"] > 0 and r["code"] and r["cpu"] for r in first["runs"])
+    walls = {part: sum(r["wall_s"] for r in first["runs"] if mom.kh_part(r) == part)
+             for part in ("vanilla", "K=1 H=1", "K=1 H=2")}
+    for part, seconds in walls.items():  # each part's runs, both seeds, in the wall-time table
+        assert f"| {part} | 2 | {seconds:,.0f} | {seconds / 2:,.0f} |" in table
+    assert "Code the runs trained at: `" in table and "CPUs the runs trained on: `" in table
     again = repro(command)
     assert [r["run_dir"] for r in again["runs"]] == [r["run_dir"] for r in first["runs"]]  # reused, not retrained
 

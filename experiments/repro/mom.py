@@ -21,7 +21,7 @@ import torch
 from architectures.config import ConfigError
 from architectures.mom import MixtureOfModules
 from experiments.repro.common import (Context, figure, fmt, load_model, load_summary, markdown_table, mean_loss,
-                                      validation_sequences)
+                                      origin_lines, run_origin, run_wall, validation_sequences, wall_time_lines)
 
 SKIP = "skip"
 
@@ -96,12 +96,13 @@ def kh_sweep(ctx: Context, ks: Sequence[int], hs: Sequence[int], variant: str = 
     from analysis.stats import seed_summary
 
     vanilla_rows = [{"K": None, "H": None, "variant": "vanilla", "seed": seed, "val_loss": s["final_val_loss"],
-                     "run_dir": s["run_dir"]} for (cell, seed), s in zip(points, summaries) if cell is None]
+                     **run_wall(s), **run_origin(s), "run_dir": s["run_dir"]}
+                    for (cell, seed), s in zip(points, summaries) if cell is None]
     vanilla = seed_summary([r["val_loss"] for r in vanilla_rows])
     rows = [kh_row(cell, seed, s) for (cell, seed), s in zip(points, summaries) if cell is not None]
     cells = kh_cells(rows, grid)
     tests = kh_depth_tests(rows, ks, hs)
-    sections = kh_sections(ctx, variant, seeds, ks, hs, vanilla, cells, tests, rows)
+    sections = kh_sections(ctx, variant, seeds, ks, hs, vanilla, cells, tests, rows, vanilla_rows)
     plot_kh(ctx, variant, ks, hs, cells, vanilla)
     ctx.log_table("mom_kh", sections[4])
     results = {"variant": variant, "steps": ctx.steps, "seeds": seeds, "vanilla_val_loss": vanilla,
@@ -116,7 +117,7 @@ def kh_row(cell: Tuple[int, int], seed: int, s: Dict[str, Any]) -> Dict[str, Any
     return {"K": cell[0], "H": cell[1], "seed": seed, "val_loss": s["final_val_loss"],
             "flops_ratio": s["flops_per_token"]["ratio_to_vanilla"], "flops_per_token": s["flops_per_token"]["forward"],
             "parameters": s["parameters"], "step_time_s": s["median_step_time_s"],
-            "skip_share": skip_share(s["routing"]), "run_dir": s["run_dir"]}
+            "skip_share": skip_share(s["routing"]), **run_wall(s), **run_origin(s), "run_dir": s["run_dir"]}
 
 
 def kh_cells(rows: Sequence[Dict[str, Any]], grid: Dict[Tuple[int, int], Any]) -> Dict[Tuple[int, int], Dict[str, Any]]:
@@ -149,9 +150,10 @@ def kh_depth_tests(rows: Sequence[Dict[str, Any]], ks: Sequence[int], hs: Sequen
 
 
 def kh_sections(ctx: Context, variant: str, seeds: int, ks: Sequence[int], hs: Sequence[int], vanilla: Dict[str, Any],
-                cells: Dict[Tuple[int, int], Dict[str, Any]], tests: Dict[str, Any],
-                rows: Sequence[Dict[str, Any]]) -> List[str]:
-    """results.md's sections: the loss and FLOPs tables over K x H, the depth tests, every run, the observations."""
+                cells: Dict[Tuple[int, int], Dict[str, Any]], tests: Dict[str, Any], rows: Sequence[Dict[str, Any]],
+                vanilla_runs: Sequence[Dict[str, Any]]) -> List[str]:
+    """results.md's sections: the loss and FLOPs tables over K x H, the depth tests, every run, the observations,
+    the wall time per part and the code and CPUs the runs trained at."""
     from analysis.tables import ci_cell, test_cell
 
     loss = lambda k, h: ci_cell(cells[(k, h)]["val_loss"]["mean"], cells[(k, h)]["val_loss"]["ci"], 4)  # noqa: E731
@@ -172,7 +174,13 @@ def kh_sections(ctx: Context, variant: str, seeds: int, ks: Sequence[int], hs: S
                        [[r["K"], r["H"], str(r["seed"]), r["val_loss"], r["flops_per_token"], r["flops_ratio"],
                          r["parameters"], r["step_time_s"], r["skip_share"]] for r in rows]), "",
         "Observations (computed from the seed means above):", "", *kh_observations(cells, ks, hs, tests), "",
+        *wall_time_lines([*vanilla_runs, *rows], kh_part, ctx.workers), *origin_lines([*vanilla_runs, *rows]),
     ]
+
+
+def kh_part(row: Dict[str, Any]) -> str:
+    """A run's part of the sweep, for the wall-time table: vanilla or its (K, H) cell."""
+    return "vanilla" if row["K"] is None else f"K={row['K']} H={row['H']}"
 
 
 def plot_kh(ctx: Context, variant: str, ks: Sequence[int], hs: Sequence[int],
