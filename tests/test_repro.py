@@ -698,10 +698,10 @@ def test_the_published_5_seed_mom_kh_sweep_rebuilds_from_its_rows_and_deeper_ass
 
 
 def test_the_per_token_depth_table_retrained_on_another_cpu_keeps_every_verdict():
-    """docs/results/depth_h2h (50 runs at 23802ae, CPU not recorded, no run records) retrained at the same commit on an
-    AMD EPYC (docs/results/depth_h2h_amd, with records): the board rebuilds from its records run for run; 19 of the 50
-    runs equal the published ones bit for bit, the rest differ by under 0.003 nats (another CPU's kernels); and every
-    row is still worse than the best dense model (2 x 64) after Holm, in both."""
+    """docs/results/depth_h2h (50 runs at 23802ae on an Intel Xeon, its records restored by a retraining on that CPU)
+    retrained at the same commit on an AMD EPYC (docs/results/depth_h2h_amd): each board rebuilds from its own records
+    run for run; 19 of the 50 AMD runs equal the published ones bit for bit, the rest differ by under 0.003 nats
+    (another CPU's kernels); and every row is still worse than the best dense model (2 x 64) after Holm, in both."""
     from analysis import compare
     from analysis.retraining import as_text, board_mismatch, board_runs
     from tests.conftest import REPO
@@ -709,9 +709,10 @@ def test_the_per_token_depth_table_retrained_on_another_cpu_keeps_every_verdict(
     results = REPO / "docs" / "results"
     published = json.loads((results / "depth_h2h" / "leaderboard.json").read_text())
     retrained = json.loads((results / "depth_h2h_amd" / "leaderboard.json").read_text())
-    rebuilt = compare.leaderboard(compare.read_runs(compare.find_run_folders([str(results / "depth_h2h_amd" / "runs")])),
-                                  retrained["group_by"])
-    assert board_mismatch(retrained, rebuilt) is None
+    for name, board in (("depth_h2h", published), ("depth_h2h_amd", retrained)):
+        records = compare.find_run_folders([str(results / name / "runs")])
+        assert len(records) == 50 and board_mismatch(board, compare.leaderboard(compare.read_runs(records),
+                                                                                 board["group_by"])) is None
     old, new = board_runs(published), board_runs(retrained)
     assert set(old) == set(new) and len(old) == 50
     same = lambda a, b: all(as_text(a.get(f)) == as_text(b.get(f)) for f in {*a, *b})  # noqa: E731
