@@ -140,7 +140,7 @@ def test_publish_refuses_a_missing_foreign_or_unreadable_run_before_writing_anyt
 # (as it did for isoflop_seeds, its width, half, half_depth and mod_width, h2h_seeds and probe_bounce_amd24).
 # depth_h2h is a leaderboard published alone; a retraining here differed in 31 of its 50 runs (another CPU).
 COPIED_WITHOUT_RECORDS = {
-    "probe", "probe_bounce", "probe_bounce_grid", "probe_bounce_narrow",
+    "probe_bounce", "probe_bounce_grid", "probe_bounce_narrow",
     "probe_bounce_recursion", "probe_bounce_routers", "probe_depth", "probe_routed"}
 
 

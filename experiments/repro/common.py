@@ -986,22 +986,31 @@ def wall_time_lines(rows: Sequence[Dict[str, Any]], part_of, workers: int) -> Li
     """The programme's wall time per part: each part's runs (``part_of(row)``: the entry), their wall times
     summed (one run per core at once: divide by the runs trained at once). Finished runs are reused, so this
     is what the whole programme costs, whatever this invocation retrained (``Context.part`` times that)."""
+    unknown = sum(r.get("wall_s") is None for r in rows)
+    if unknown == len(rows):
+        return []  # rows stored before runs recorded their wall time (as origin_lines without code or CPU)
     parts: Dict[str, List[Dict[str, Any]]] = {}
     for row in rows:
         parts.setdefault(part_of(row), []).append(row)
     lines = ["| part | runs | wall time of its runs, summed (s) | per run (s) |", "|---|---|---|---|"]
     total, estimated = 0.0, False
     for part, members in parts.items():
-        walls = [r.get("wall_s") for r in members if r.get("wall_s") is not None]
-        low = any(not r.get("wall_measured") for r in members)
-        estimated |= low
-        total += sum(walls)
-        mark = ">= " if low else ""
-        lines.append(f"| {part} | {len(members)} | {mark}{sum(walls):,.0f} | {mark}{sum(walls) / max(1, len(walls)):,.0f} |")
+        timed = [r for r in members if r.get("wall_s") is not None]
+        if not timed:  # rows stored before runs recorded their wall time: nothing to bound
+            lines.append(f"| {part} | {len(members)} | - | - |")
+            continue
+        walls = sum(r["wall_s"] for r in timed)
+        bound = any(not r.get("wall_measured") for r in timed)
+        estimated |= bound
+        total += walls
+        mark = ">= " if bound or len(timed) < len(members) else ""
+        lines.append(f"| {part} | {len(members)} | {mark}{walls:,.0f} | {mark}{walls / len(timed):,.0f} |")
     # the wording of published reports (their tables are rebuilt byte for byte from stored rows): a ">=" resumed run
     # is one whose checkpoint did not carry the clock (run_wall_seconds)
     note = (" (>=: a lower bound, for resumed runs (their last process only) and run folders from before "
             "`run_seconds` was recorded (their timed steps only))") if estimated else ""
+    if unknown:
+        note += f" ({unknown} stored before runs recorded their wall time, not counted: '-' where a part has none)"
     if any(r.get("wall_resumed") and r.get("wall_measured") for r in rows):
         note += (" (a resumed run: each of its processes to the checkpoint the next resumed from; what a killed "
                  "process did after its last checkpoint was done again and is counted once)")
