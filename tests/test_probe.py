@@ -869,6 +869,8 @@ def test_a_runs_wall_time_is_its_process_time_or_for_resumed_and_older_runs_a_ma
     assert wall_time_lines([{"variant": "a"}], lambda r: r["variant"], workers=2) == []  # stored before: no table
     older = wall_time_lines([*rows, {"variant": "c", "wall_measured": False}], lambda r: r["variant"], workers=2)
     assert "| c | 1 | - | - |" in older and "45 s summed" in older[0] and "(1 stored before runs recorded" in older[0]
+    mixed = wall_time_lines([*rows, {"variant": "a"}], lambda r: r["variant"], workers=2)  # one of a's runs untimed
+    assert "| a | 3 | >= 40 | 20 |" in mixed and "'>=' on the sum of a part with some" in mixed[0]
     resumed = [{**rows[0], "wall_resumed": True}, *rows[1:]]  # a measured resumed run: the header says what it holds
     assert "a resumed run: each of its processes to the checkpoint the next resumed from" in \
         wall_time_lines(resumed, lambda r: r["variant"], workers=2)[0]

@@ -1003,14 +1003,16 @@ def wall_time_lines(rows: Sequence[Dict[str, Any]], part_of, workers: int) -> Li
         bound = any(not r.get("wall_measured") for r in timed)
         estimated |= bound
         total += walls
-        mark = ">= " if bound or len(timed) < len(members) else ""
-        lines.append(f"| {part} | {len(members)} | {mark}{walls:,.0f} | {mark}{walls / len(timed):,.0f} |")
+        mark = ">= " if bound else ""
+        partial = ">= " if bound or len(timed) < len(members) else ""  # the untimed runs' time is not in the sum
+        lines.append(f"| {part} | {len(members)} | {partial}{walls:,.0f} | {mark}{walls / len(timed):,.0f} |")
     # the wording of published reports (their tables are rebuilt byte for byte from stored rows): a ">=" resumed run
     # is one whose checkpoint did not carry the clock (run_wall_seconds)
     note = (" (>=: a lower bound, for resumed runs (their last process only) and run folders from before "
             "`run_seconds` was recorded (their timed steps only))") if estimated else ""
     if unknown:
-        note += f" ({unknown} stored before runs recorded their wall time, not counted: '-' where a part has none)"
+        note += (f" ({unknown} stored before runs recorded their wall time, not counted: '-' where a part has none, "
+                 "'>=' on the sum of a part with some; per run: over the runs with a wall time)")
     if any(r.get("wall_resumed") and r.get("wall_measured") for r in rows):
         note += (" (a resumed run: each of its processes to the checkpoint the next resumed from; what a killed "
                  "process did after its last checkpoint was done again and is counted once)")
