@@ -68,14 +68,29 @@ def library_versions() -> Dict[str, Optional[str]]:
     return out
 
 
-def cpu_model() -> Optional[str]:
+CPUINFO = pathlib.Path("/proc/cpuinfo")
+
+
+def cpuinfo_field(name: str) -> Optional[str]:
+    """The first processor's ``name`` field in /proc/cpuinfo (Linux); None elsewhere or when absent."""
     try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+        for line in CPUINFO.read_text().splitlines():
+            if line.split(":", 1)[0].strip() == name:
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or None
+    return None
+
+
+def cpu_model() -> Optional[str]:
+    return cpuinfo_field("model name") or platform.processor() or None
+
+
+def cpu_id() -> Optional[str]:
+    """Vendor, family/model/stepping: tells CPUs apart that a hypervisor names alike ("Intel(R) Xeon(R) Processor"),
+    which matters because bit-identical runs need the same CPU model, not only the same kernel path."""
+    fields = [cpuinfo_field(name) for name in ("vendor_id", "cpu family", "model", "stepping")]
+    return None if None in fields else f"{fields[0]} {fields[1]}/{fields[2]}/{fields[3]}"
 
 
 def kernels() -> Dict[str, Any]:
@@ -85,7 +100,7 @@ def kernels() -> Dict[str, Any]:
 
     import torch
 
-    return {"cpu": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    return {"cpu": cpu_model(), "cpu_id": cpu_id(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "mkl": torch.backends.mkl.is_available(),
             "environment": {name: os.environ.get(name) for name in KERNEL_VARIABLES}}
 

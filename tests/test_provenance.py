@@ -27,6 +27,22 @@ def test_the_kernel_record_names_the_cpu_path_and_the_variables_that_choose_it(m
     assert provenance.kernel_label({}) == "unknown"
 
 
+def test_the_kernel_record_tells_apart_cpus_a_hypervisor_names_alike(tmp_path, monkeypatch):
+    """Two Intel CPUs under KVM both say "Intel(R) Xeon(R) Processor"; family/model/stepping differ (the first
+    processor's fields are read), and without /proc/cpuinfo there is no id rather than a wrong one."""
+    cpuinfo = tmp_path / "cpuinfo"
+    block = "processor\t: {n}\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: {model}\nmodel name\t: " \
+            "Intel(R) Xeon(R) Processor\nstepping\t: 2\n\n"
+    monkeypatch.setattr(provenance, "CPUINFO", cpuinfo)
+    cpuinfo.write_text(block.format(n=0, model=207) + block.format(n=1, model=143))
+    assert provenance.cpu_id() == "GenuineIntel 6/207/2" and provenance.kernels()["cpu_id"] == "GenuineIntel 6/207/2"
+    assert provenance.cpu_model() == "Intel(R) Xeon(R) Processor"
+    cpuinfo.write_text(block.format(n=0, model=143))
+    assert provenance.cpu_id() == "GenuineIntel 6/143/2"
+    monkeypatch.setattr(provenance, "CPUINFO", tmp_path / "absent")
+    assert provenance.cpu_id() is None
+
+
 def test_a_run_resumed_on_another_cpu_names_both(tmp_path, monkeypatch):
     import json
 
