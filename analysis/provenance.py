@@ -71,25 +71,29 @@ def library_versions() -> Dict[str, Optional[str]]:
 CPUINFO = pathlib.Path("/proc/cpuinfo")
 
 
-def cpuinfo_field(name: str) -> Optional[str]:
-    """The first processor's ``name`` field in /proc/cpuinfo (Linux); None elsewhere or when absent."""
+def cpuinfo() -> Dict[str, str]:
+    """/proc/cpuinfo's fields, each key's first value (the first processor's), from one read (Linux; {} elsewhere):
+    on a many-core host the kernel builds this file anew, per CPU, at every read."""
+    fields: Dict[str, str] = {}
     try:
         for line in CPUINFO.read_text().splitlines():
-            if line.split(":", 1)[0].strip() == name:
-                return line.split(":", 1)[1].strip()
+            key, colon, value = line.partition(":")
+            if colon:
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return None
+    return fields
 
 
 def cpu_model() -> Optional[str]:
-    return cpuinfo_field("model name") or platform.processor() or None
+    return cpuinfo().get("model name") or platform.processor() or None
 
 
 def cpu_id() -> Optional[str]:
     """Vendor, family/model/stepping: tells CPUs apart that a hypervisor names alike ("Intel(R) Xeon(R) Processor"),
     which matters because bit-identical runs need the same CPU model, not only the same kernel path."""
-    fields = [cpuinfo_field(name) for name in ("vendor_id", "cpu family", "model", "stepping")]
+    info = cpuinfo()
+    fields = [info.get(name) for name in ("vendor_id", "cpu family", "model", "stepping")]
     return None if None in fields else f"{fields[0]} {fields[1]}/{fields[2]}/{fields[3]}"
 
 

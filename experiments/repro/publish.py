@@ -201,11 +201,11 @@ def restore(out: pathlib.Path, dest: pathlib.Path) -> List[pathlib.Path]:
         for row, name in zip(published["runs"], names):
             row["run_dir_trained"], row["run_dir"] = row["run_dir"], name.as_posix()
         rewritten = json.dumps(published, indent=1) + "\n"
+    label = report_label(published)
     staging = pathlib.Path(tempfile.mkdtemp(prefix=".restore.", dir=dest))
     try:
         for i, ((run_dir, summary), row, old) in enumerate(zip(runs, retrained["runs"], published["runs"])):
-            copy_record(run_dir, summary, staging / str(i),
-                        {"restored": restored_note(old, row, commit, report_label(published))})
+            copy_record(run_dir, summary, staging / str(i), {"restored": restored_note(old, row, commit, label)})
         move_into_place(staging, targets, dest / "results.json", rewritten)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
