@@ -339,6 +339,7 @@ def test_probe_experiment_quick_writes_tables_plots_and_goals(tmp_path, one_thre
     publish(out, tmp_path / "docs")
     main(["probe", "--out", str(tmp_path / "rebuilt"), "--tables_from", str(tmp_path / "docs" / "results.json")])
     assert _report_tables(tmp_path / "rebuilt" / "results.md") == _report_tables(out / "results.md")
+    assert _run_table(tmp_path / "rebuilt" / "results.md") == _run_table(out / "results.md") != ""  # from the records
     origin = [[line for line in (d / "results.md").read_text().splitlines() if line.startswith(("Code the", "CPUs the"))]
               for d in (out, tmp_path / "rebuilt")]
     assert origin[0] == origin[1] and len(origin[0]) == 2  # the code and the CPU of every run survive publishing
@@ -439,6 +440,40 @@ def test_the_published_bounce_tables_rebuild_from_their_stored_rows(tmp_path):
     # the hard and answer levels the text names are the runs' own (unchanged here; probe-v7/shift's: "level 1")
     assert ("share of tokens on levels 3-4; 'answers only': the correlation over the tokens of levels 1-4;"
             in (tmp_path / "rebuilt" / "results.md").read_text())
+
+
+def _run_table(path: pathlib.Path) -> str:
+    """results.md's run table (``## Runs``) to its end, or '' where it has none."""
+    text = path.read_text()
+    return text[text.index("## Runs"):] if "## Runs" in text else ""
+
+
+def test_a_rebuilt_report_has_the_run_table_of_its_records_or_says_which_one_is_missing(tmp_path):
+    """--tables_from puts the published records (each row's run_dir, beside its report) into the rebuilt report's
+    run table: the table ``experiments.compare`` gives over those records. Without every row's folder there is no
+    table (a table of some rows would read as the whole), and a line names the first one missing."""
+    import shutil
+
+    from analysis import compare
+    from experiments.repro import main
+
+    folder = REPO / "docs" / "results" / "probe"
+    rows = json.loads((folder / "results.json").read_text())["runs"]
+    main(["probe", "--out", str(tmp_path / "rebuilt"), "--tables_from", str(folder / "results.json")])
+    board = compare.leaderboard(compare.read_runs([folder / r["run_dir"] for r in rows]))
+    assert compare.to_markdown(board) in _run_table(tmp_path / "rebuilt" / "results.md")
+    assert (tmp_path / "rebuilt" / "leaderboard.csv").is_file()
+
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    shutil.rmtree(copy / rows[3]["run_dir"])
+    main(["probe", "--out", str(tmp_path / "partial"), "--tables_from", str(copy / "results.json")])
+    text = (tmp_path / "partial" / "results.md").read_text()
+    assert _run_table(tmp_path / "partial" / "results.md") == "" and not (tmp_path / "partial" / "leaderboard.csv").exists()
+    assert (f"No run table: 1 of the 20 rows' run folders are not here (first {rows[3]['variant']} seed "
+            f"{rows[3]['seed']} ({rows[3]['run_dir']}))") in text
+    main(["probe", "--out", str(tmp_path / "bounce"), "--tables_from", str(BOUNCE / "results.json")])
+    assert "No run table: 25 of the 25 rows' run folders are not here" in (tmp_path / "bounce" / "results.md").read_text()
 
 
 INDUCT_ROUTED = REPO / "docs" / "results" / "probe_induct_routed"

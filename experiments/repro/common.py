@@ -871,6 +871,28 @@ def merge_run_rows(files: Sequence[Tuple[pathlib.Path, Dict[str, Any]]], key: Ca
     return list(rows.values()), sources
 
 
+def record_stored_runs(ctx: Context, runs: Sequence[Dict[str, Any]], entry_of: Callable[[Dict[str, Any]], str]
+                       ) -> List[str]:
+    """Put the run folders of stored rows (``merge_run_rows``'s, each with its ``source``) into the rebuilt report's run
+    table (``Context.run_table``), when every one is here: its ``run_dir``, relative to its file's folder (where
+    ``publish`` keeps each row's record) or absolute (the machine that trained it). A table of some of the rows would
+    read as the whole, so without all of them there is none, and the returned line says which is missing."""
+    folders, missing = [], []
+    for row in runs:
+        stored = row.get("run_dir")
+        folder = pathlib.Path(row["source"]).parent / stored if stored else None  # an absolute run_dir stays itself
+        if folder is not None and (folder / "summary.json").is_file():
+            folders.append(folder)
+        else:
+            missing.append(f"{entry_of(row)} seed {row.get('seed')} ({stored or 'no run_dir'})")
+    if missing:
+        return [f"No run table: {len(missing)} of the {len(runs)} rows' run folders are not here (first "
+                f"{missing[0]}); `python -m experiments.repro.publish` keeps each row's record beside its report.", ""]
+    for folder in folders:
+        ctx.record_run(folder)
+    return []
+
+
 def check_settings(published: Dict[str, Any], mine: Dict[str, Any], path: pathlib.Path) -> None:
     """Refuse a verification whose settings differ from those of the published table (naming the first)."""
     published, mine = comparable_settings(published), comparable_settings(mine)

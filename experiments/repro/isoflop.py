@@ -39,8 +39,8 @@ from analysis import stats
 from analysis.tables import ci_cell, error_bars, test_cell
 from experiments.repro.common import (Context, bracket_verdict, budget_spent, budget_step_cap, figure, fmt,
                                      grid_bracket, markdown_table, merge_run_rows, origin_lines, read_published,
-                                     result_options, run_model_config, run_origin, run_wall, stored_jobs,
-                                     wall_time_lines)
+                                     record_stored_runs, result_options, run_model_config, run_origin, run_wall,
+                                     stored_jobs, wall_time_lines)
 
 TOLERANCE = 0.05
 LEFT_OUT_WHY = "fewer than --min_steps steps, or a shape the variant cannot build"
@@ -323,7 +323,9 @@ def tables_from(ctx: Context, paths: Sequence[pathlib.Path]) -> Dict[str, Any]:
     preface = ["Rebuilt from the stored run rows of " + "; ".join(sources) + " (no run retrained; a shape and seed "
                "stored in two files is the same run there, bit for bit, and its row is the first file's). Train times "
                "are each run's own invocation's: runs of different files were timed under different machine loads, "
-               "so their train-time ratios compare them only roughly.", ""]
+               "so their train-time ratios compare them only roughly.", "",
+               *record_stored_runs(ctx, runs, lambda r: f"{shape_label(r['variant'], r['n_layer'], r['d_model'])} at "
+                                   f"{fmt(r['budget'])}")]
     sections = preface + report_sections(files[0]["tokens_per_step"], depths, widths, seeds, analyses, grid=grid)
     sections += wall_time_lines(runs, lambda r: f"{r['variant']} {r['n_layer']}x{r['d_model']} at {r['budget']:.3e}",
                                 ctx.workers) + origin_lines(runs)

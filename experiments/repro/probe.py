@@ -53,7 +53,7 @@ from callbacks import CallbacksConfig
 from datamodules.probe import level_meaning
 from experiments.repro.common import (Context, Entry, budget_spent, budget_step_cap, dense_entries, dense_grid,
                                      dense_grid_line, entry_cost, figure, fmt, markdown_table, narrower_width,
-                                     option_path, origin_lines, parse_entry, parse_shape,
+                                     option_path, origin_lines, parse_entry, parse_shape, record_stored_runs,
                                      parse_shapes, run_model_config, run_origin, run_wall, stored_jobs,
                                      wall_time_lines)  # noqa: F401  (option_path, parse_shape: probe's API)
 
@@ -262,7 +262,8 @@ def tables_from(ctx: Context, paths: Sequence[pathlib.Path]) -> Dict[str, Any]:
     # the wall-time line's "N at once" of the runs' invocations (several: the smallest, a bound on the wall time)
     ctx.workers = min(jobs)
     preface = ["Rebuilt from the stored run rows of " + "; ".join(sources) + " (no run retrained; an entry and seed "
-               "stored in two files is the same run there, bit for bit).", ""]
+               "stored in two files is the same run there, bit for bit).", "",
+               *record_stored_runs(ctx, runs, lambda r: r["variant"])]
     return write_tables(ctx, first["settings"], first["budget"], first["tokens_per_step"], labels, runs, preface,
                         {"tables_from": [str(p) for p in paths]})
 
