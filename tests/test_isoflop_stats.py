@@ -327,6 +327,11 @@ def test_the_published_merged_isoflop_tables_rebuild_from_their_source_files(tmp
     sources = [REPO / path for path in published["tables_from"]]
     rebuilt = repro(["mod_isoflop", "--out", str(tmp_path), "--tables_from", ",".join(map(str, sources))])
     assert _tables(tmp_path / "results.md") == _tables(folder / "results.md")
+    # the run table of the sources' records; from the merged file itself the same one (its rows' run_dir are
+    # relative to their source, or name trained folders that the source, published since, keeps beside its records)
+    repro(["mod_isoflop", "--out", str(tmp_path / "itself"), "--tables_from", str(folder / "results.json")])
+    tables = [(out / "results.md").read_text().split("\n## Runs")[1:] for out in (tmp_path, tmp_path / "itself")]
+    assert tables[0] == tables[1] and len(tables[0]) == 1
     (a,) = rebuilt["analysis"]
     assert a["bracket"] == "bracketed" and a["beats_best_dense"] == []
     assert a["best_dense"] == {"merged_1x": "vanilla 4x8", "merged_half": "vanilla 2x8"}[merged]

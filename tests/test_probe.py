@@ -476,6 +476,34 @@ def test_a_rebuilt_report_has_the_run_table_of_its_records_or_says_which_one_is_
     assert "No run table: 25 of the 25 rows' run folders are not here" in (tmp_path / "bounce" / "results.md").read_text()
 
 
+def test_a_rebuilt_reports_run_table_takes_a_relative_out_and_only_the_rows_own_runs(tmp_path, monkeypatch):
+    """A programme run with a relative --out stores run_dir relative to where it ran (here: ``out/p/runs/...`` from
+    tmp_path), and the rebuild finds them from there; a folder at a row's path that holds another run (two seeds'
+    version folders swapped) is not that row's, so there is no table."""
+    import shutil
+
+    from analysis import compare
+    from experiments.repro import main
+
+    folder = REPO / "docs" / "results" / "probe"
+    results = json.loads((folder / "results.json").read_text())
+    shutil.copytree(folder / "runs", tmp_path / "out" / "p" / "runs")
+    for row in results["runs"]:
+        row["run_dir"] = f"out/p/{row['run_dir']}"
+    (tmp_path / "out" / "p" / "results.json").write_text(json.dumps(results))
+    monkeypatch.chdir(tmp_path)
+    main(["probe", "--out", "rebuilt", "--tables_from", "out/p/results.json"])
+    board = compare.leaderboard(compare.read_runs([folder / r["run_dir"][len("out/p/"):] for r in results["runs"]]))
+    assert compare.to_markdown(board) in _run_table(tmp_path / "rebuilt" / "results.md")
+    a, b = (tmp_path / results["runs"][i]["run_dir"] for i in (0, 1))  # two seeds of one entry
+    a.rename(tmp_path / "swap")
+    b.rename(a)
+    (tmp_path / "swap").rename(b)
+    main(["probe", "--out", "swapped", "--tables_from", "out/p/results.json"])
+    assert _run_table(tmp_path / "swapped" / "results.md") == ""
+    assert "No run table: 2 of the 20 rows' run folders are not here" in (tmp_path / "swapped" / "results.md").read_text()
+
+
 INDUCT_ROUTED = REPO / "docs" / "results" / "probe_induct_routed"
 
 

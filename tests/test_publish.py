@@ -171,7 +171,8 @@ def rows_with_homes(results: pathlib.Path):
         rows = report.get("runs")
         for row in rows if isinstance(rows, list) else []:
             if isinstance(row, dict):
-                yield row, (REPO / row["source"]).parent if row.get("source") else folder, restored
+                first = row.get("first_source") or row.get("source")  # a merged report's row: the file it came from
+                yield row, (REPO / first).parent if first else folder, restored
 
 
 def reports(results: pathlib.Path):

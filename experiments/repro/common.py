@@ -843,9 +843,10 @@ def merge_run_rows(files: Sequence[Tuple[pathlib.Path, Dict[str, Any]]], key: Ca
     """(one row per ``key``, in order of first appearance; a line per file naming its commit, CPU and entries) of the
     run rows (``runs``) of several stored programme invocations. A key stored twice must hold the same run (a
     reproduction: equal in every ``same_run`` field), or the files are refused: which one to trust is the user's
-    question, not the tool's. Each row gets ``source`` (its file) and a ``cpu``: its own, else, for rows stored
-    before runs recorded it, its file's, unless that file is itself a merge (its provenance names the merging
-    machine, so such rows stay unknown)."""
+    question, not the tool's. Each row gets ``source`` (its file), ``first_source`` (the file it was first stored
+    in, whose folder its run_dir is relative to: its file's, or for a merged file's row the one it was merged from)
+    and a ``cpu``: its own, else, for rows stored before runs recorded it, its file's, unless that file is itself a
+    merge (its provenance names the merging machine, so such rows stay unknown)."""
     from analysis.provenance import cpu_label
 
     rows: Dict[Tuple, Dict[str, Any]] = {}
@@ -867,30 +868,83 @@ def merge_run_rows(files: Sequence[Tuple[pathlib.Path, Dict[str, Any]]], key: Ca
                                       f"{rows[k]['source']} and {path} with different {', '.join(differs)}: not the "
                                       "same run; give one of them")
                 continue
-            rows[k] = {**row, "cpu": row.get("cpu") or trained_on, "source": str(path)}
+            # first_source: the file whose folder the row's run_dir is relative to (the row's first, before merges)
+            rows[k] = {**row, "cpu": row.get("cpu") or trained_on, "source": str(path),
+                       "first_source": row.get("first_source") or row.get("source") or str(path)}
     return list(rows.values()), sources
 
 
 def record_stored_runs(ctx: Context, runs: Sequence[Dict[str, Any]], entry_of: Callable[[Dict[str, Any]], str]
                        ) -> List[str]:
-    """Put the run folders of stored rows (``merge_run_rows``'s, each with its ``source``) into the rebuilt report's run
-    table (``Context.run_table``), when every one is here: its ``run_dir``, relative to its file's folder (where
-    ``publish`` keeps each row's record) or absolute (the machine that trained it). A table of some of the rows would
-    read as the whole, so without all of them there is none, and the returned line says which is missing."""
+    """Put the run folders of stored rows (``merge_run_rows``'s) into the rebuilt report's run table
+    (``Context.run_table``), when every one is here (``stored_run_folder``). A table of some of the rows would read as
+    the whole, so without all of them there is none, and the returned line says which is missing."""
     folders, missing = [], []
     for row in runs:
-        stored = row.get("run_dir")
-        folder = pathlib.Path(row["source"]).parent / stored if stored else None  # an absolute run_dir stays itself
-        if folder is not None and (folder / "summary.json").is_file():
-            folders.append(folder)
-        else:
-            missing.append(f"{entry_of(row)} seed {row.get('seed')} ({stored or 'no run_dir'})")
+        folder = stored_run_folder(row)
+        if folder is None:
+            missing.append(f"{entry_of(row)} seed {row.get('seed')} ({row.get('run_dir') or 'no run_dir'})")
+        folders.append(folder)
     if missing:
         return [f"No run table: {len(missing)} of the {len(runs)} rows' run folders are not here (first "
                 f"{missing[0]}); `python -m experiments.repro.publish` keeps each row's record beside its report.", ""]
     for folder in folders:
         ctx.record_run(folder)
     return []
+
+
+def stored_run_folder(row: Dict[str, Any]) -> Optional[pathlib.Path]:
+    """The folder of a stored row's run here (its record or the trained folder), or None. ``run_dir`` is absolute, or
+    relative to the folder of the file the row was first stored in (``first_source``: ``publish`` keeps each record
+    beside its report, and a merge keeps the rows' run_dir as they were) or to where its programme ran (a relative
+    ``--out``: one of that folder's parents, or here). A merge made before that file was published names the trained
+    folder, which the file now keeps as a row's ``run_dir_trained`` beside its record. A folder counts only if it holds
+    the row's run, its steps and its config's seed: one of the same name in another programme's output is not it."""
+    stored = row.get("run_dir")
+    if not isinstance(stored, str) or not stored:
+        return None
+    first = first_file(row)
+    if pathlib.Path(stored).is_absolute():
+        candidates = [pathlib.Path(stored)]
+    else:
+        candidates = [base / stored for base in dict.fromkeys([first.parent, *first.parent.parents, pathlib.Path.cwd()])]
+    found = next((folder for folder in candidates if holds_run(folder, row)), None)
+    return found or next((folder for folder in published_since(first, stored) if holds_run(folder, row)), None)
+
+
+def first_file(row: Dict[str, Any]) -> pathlib.Path:
+    """The file a stored row was first stored in. A merge names its files as it was given them (relative to where it
+    ran: one of the merged file's parents, or here); for a row stored once, that is its own file."""
+    source = pathlib.Path(row["source"]).resolve()
+    first = pathlib.Path(row.get("first_source") or row["source"])
+    if first.is_absolute():
+        return first
+    return next((root / first for root in [*source.parents, pathlib.Path.cwd()] if (root / first).is_file()), source)
+
+
+def published_since(path: pathlib.Path, trained: str) -> List[pathlib.Path]:
+    """The records ``path`` (a results.json) names for its runs trained in folder ``trained``: its rows'
+    ``run_dir`` where their ``run_dir_trained`` is that folder (none where the file is not there or not a report)."""
+    try:
+        rows = json.loads(path.read_text()).get("runs")
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [path.parent / r["run_dir"] for r in rows if isinstance(r, dict) and r.get("run_dir_trained") == trained
+            and isinstance(r.get("run_dir"), str)] if isinstance(rows, list) else []
+
+
+def holds_run(folder: pathlib.Path, row: Dict[str, Any]) -> bool:
+    """Whether ``folder`` holds the run of a stored row: a finished run (summary.json) of the row's steps, trained with
+    the row's seed."""
+    import yaml
+
+    try:
+        summary = json.loads((folder / "summary.json").read_text())
+        config = yaml.safe_load((folder / "config.yaml").read_text()) or {}
+    except (OSError, ValueError, yaml.YAMLError):
+        return False
+    return (isinstance(summary, dict) and isinstance(config, dict) and summary.get("steps") == row.get("steps")
+            and config.get("seed") == row.get("seed"))
 
 
 def check_settings(published: Dict[str, Any], mine: Dict[str, Any], path: pathlib.Path) -> None:

@@ -53,8 +53,8 @@ from callbacks import CallbacksConfig
 from datamodules.probe import level_meaning
 from experiments.repro.common import (Context, Entry, budget_spent, budget_step_cap, dense_entries, dense_grid,
                                      dense_grid_line, entry_cost, figure, fmt, markdown_table, narrower_width,
-                                     option_path, origin_lines, parse_entry, parse_shape, record_stored_runs,
-                                     parse_shapes, run_model_config, run_origin, run_wall, stored_jobs,
+                                     option_path, origin_lines, parse_entry, parse_shape, parse_shapes,
+                                     record_stored_runs, run_model_config, run_origin, run_wall, stored_jobs,
                                      wall_time_lines)  # noqa: F401  (option_path, parse_shape: probe's API)
 
 VARIANTS = tuple(tagged("probe"))  # the registry entries tagged "probe" (vanilla first)
