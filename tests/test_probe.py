@@ -474,6 +474,16 @@ def test_a_rebuilt_report_has_the_run_table_of_its_records_or_says_which_one_is_
             f"{rows[3]['seed']} ({rows[3]['run_dir']}))") in text
     main(["probe", "--out", str(tmp_path / "bounce"), "--tables_from", str(BOUNCE / "results.json")])
     assert "No run table: 25 of the 25 rows' run folders are not here" in (tmp_path / "bounce" / "results.md").read_text()
+    # a row that names another loss, variant or parameter count than the record at its path is not that record's
+    shutil.copytree(folder / "runs", copy / "runs", dirs_exist_ok=True)
+    changed = [dict(row) for row in rows]
+    for key in ("headline_val_loss", "val_loss"):  # probe rows hold no final_val_loss
+        changed[5][key] += 1e-6
+    changed[6]["registry_variant"] = "mod" if changed[6]["registry_variant"] != "mod" else "vanilla"
+    changed[7]["parameters"] = changed[7].get("parameters", 0) + 1
+    (copy / "results.json").write_text(json.dumps({**json.loads((folder / "results.json").read_text()), "runs": changed}))
+    main(["probe", "--out", str(tmp_path / "changed"), "--tables_from", str(copy / "results.json")])
+    assert "No run table: 3 of the 20 rows' run folders are not here" in (tmp_path / "changed" / "results.md").read_text()
 
 
 def test_a_rebuilt_reports_run_table_takes_a_relative_out_and_only_the_rows_own_runs(tmp_path, monkeypatch):
@@ -488,8 +498,9 @@ def test_a_rebuilt_reports_run_table_takes_a_relative_out_and_only_the_rows_own_
     folder = REPO / "docs" / "results" / "probe"
     results = json.loads((folder / "results.json").read_text())
     shutil.copytree(folder / "runs", tmp_path / "out" / "p" / "runs")
-    for row in results["runs"]:
+    for row in results["runs"]:  # as the programme wrote them, before publish
         row["run_dir"] = f"out/p/{row['run_dir']}"
+        del row["run_dir_trained"]
     (tmp_path / "out" / "p" / "results.json").write_text(json.dumps(results))
     monkeypatch.chdir(tmp_path)
     main(["probe", "--out", "rebuilt", "--tables_from", "out/p/results.json"])
