@@ -8,6 +8,7 @@ anything. The checkers are tested on bad examples too, so a checker that finds n
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import pathlib
 import re
@@ -243,6 +244,64 @@ def unbacked_record_claims(text: str, base: pathlib.Path) -> List[str]:
     return sorted(set(claims))
 
 
+#: docs/results.md's tables that are not a report's rows copied as they are, by their header's first cells: why.
+#: Every other table there must be copied, row for row, from one report under docs/results.
+NOT_COPIED: Dict[str, str] = {
+    "| paper claim / question | here | verdict |": "the summary of the sections below",
+    "| variant | trainer.max_steps | val_every |": "the probe-v2 pilot: no folder (its runs predate publish)",
+    "| code | how | `mod` L3 |": "the kernel investigation: one figure per run, from several summaries",
+    "| entry | steps | val loss [95% CI] |": "the bounce tables: columns chosen from probe_bounce's report",
+    "| entry | FLOPs L0 | L1 |": "the bounce grading: columns chosen from probe_bounce's report",
+    "| entry (Intel Xeon) | steps | val loss [95% CI] |": "probe_bounce_narrow: columns chosen from its report",
+    "| budget | variant | d |": "the old single-seed isoFLOP grid at 49c8c61: no folder (before publish)",
+    "| budget | 2 x 4 | 2 x 8 |": "isoflop_pilot's losses as a budget x shape grid",
+    "| model | params | val loss |": "the one-seed contribution table: no folder (before publish)",
+    "| entry | decision | FLOPs L0 |": "probe_depth: columns chosen from its report",
+}
+SEPARATOR = re.compile(r"^\|(\s*:?-+:?\s*\|)+\s*$")
+
+
+def markdown_tables(text: str) -> List[tuple[int, List[str]]]:
+    """(line number, lines) of each table in ``text``: a header line followed by a separator, then its rows."""
+    lines = text.splitlines()
+    tables = []
+    i = 0
+    while i < len(lines) - 1:
+        if lines[i].startswith("|") and SEPARATOR.match(lines[i + 1]):
+            end = i + 2
+            while end < len(lines) and lines[end].startswith("|"):
+                end += 1
+            tables.append((i + 1, lines[i:end]))
+            i = end
+        else:
+            i += 1
+    return tables
+
+
+def table_key(header: str) -> str:
+    """A table's header up to its third cell: the key ``NOT_COPIED`` names it by."""
+    return "| " + " | ".join(cell.strip() for cell in header.strip().strip("|").split("|")[:3]) + " |"
+
+
+def uncopied_tables(text: str, reports: Dict[pathlib.Path, Set[str]], not_copied: Dict[str, str]) -> List[str]:
+    """The tables of ``text`` that no one report (``reports``: each results/leaderboard page's set of lines) holds
+    row for row, header included, and that ``not_copied`` does not name: a copied cell edited by hand, or a table
+    typed rather than copied."""
+    wrong = []
+    for line, table in markdown_tables(text):
+        if table_key(table[0]) in not_copied:
+            continue
+        if not any(all(row.rstrip() in held for row in table) for held in reports.values()):
+            wrong.append(f"line {line}: {table[0][:80]}")
+    return wrong
+
+
+def published_reports(results: pathlib.Path) -> Dict[pathlib.Path, Set[str]]:
+    """Each report page under ``results`` (run records' folders left out): its lines, right-stripped."""
+    return {page: {line.rstrip() for line in page.read_text(encoding="utf-8").splitlines()}
+            for page in results.rglob("*.md") if "runs" not in page.relative_to(results).parts}
+
+
 # ----------------------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("path", DOC_FILES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_page_says_a_results_folder_holds_run_records_it_does_not(path):
@@ -334,3 +393,31 @@ def test_readme_is_a_front_door_with_the_two_commands():
     setup = 'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e ".[dev]"'
     commands = [c for c in code if c.startswith("python3 -m venv")]
     assert commands == [f"{setup} && python -m experiments.run", f"{setup} && python -m pytest -q -n auto tests"]
+
+
+def test_every_results_table_is_copied_from_its_report_row_for_row():
+    """docs/results.md's tables are the tools' output: each is held row for row by one report page under
+    docs/results, but for the ones ``NOT_COPIED`` names (reformatted or older than publish), each still present."""
+    text = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
+    assert uncopied_tables(text, published_reports(ROOT / "docs" / "results"), NOT_COPIED) == []
+    keys = collections.Counter(table_key(table[0]) for _, table in markdown_tables(text))
+    assert all(keys[key] == 1 for key in NOT_COPIED)  # each excuses one table; one whose table is gone goes too
+    assert sum(keys.values()) >= 40  # 42 tables when this was written
+
+
+def test_the_table_checker_finds_an_edited_cell_and_a_typed_table(tmp_path):
+    page = tmp_path / "results" / "a" / "results.md"
+    page.parent.mkdir(parents=True)
+    page.write_text("# A\n\n| entry | loss |\n|---|---|\n| mod | 0.9425 |\n| vanilla | 0.9471 |\n")
+    reports = published_reports(tmp_path / "results")
+    copied = "Text.\n\n| entry | loss |\n|---|---|\n| mod | 0.9425 |\n\nMore |s - x| text.\n"
+    assert uncopied_tables(copied, reports, {}) == []
+    edited = copied.replace("0.9425", "0.9420")
+    assert uncopied_tables(edited, reports, {}) == ["line 3: | entry | loss |"]
+    assert uncopied_tables(edited, reports, {"| entry | loss |": "reformatted"}) == []
+    split = "| entry | loss |\n|---|---|\n| mod | 0.9425 |\n| vanilla | 0.9471 |\n"
+    other = tmp_path / "results" / "b" / "results.md"
+    other.parent.mkdir()
+    other.write_text("| entry | loss |\n|---|---|\n| vanilla | 0.9471 |\n")
+    page.write_text("| entry | loss |\n|---|---|\n| mod | 0.9425 |\n")  # rows from two reports: not one's copy
+    assert uncopied_tables(split, published_reports(tmp_path / "results"), {}) == ["line 1: | entry | loss |"]
