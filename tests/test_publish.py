@@ -140,8 +140,7 @@ def test_publish_refuses_a_missing_foreign_or_unreadable_run_before_writing_anyt
 # (as it did for isoflop_seeds, its width, half, half_depth and mod_width, h2h_seeds and probe_bounce_amd24 on an AMD
 # EPYC, and for mom_rerun/*, isoflop_pilot, probe and the leaderboard depth_h2h on an Intel Xeon).
 COPIED_WITHOUT_RECORDS = {
-    "probe_bounce", "probe_bounce_grid", "probe_bounce_narrow",
-    "probe_bounce_recursion", "probe_bounce_routers", "probe_depth", "probe_routed"}
+    "probe_bounce", "probe_bounce_grid", "probe_bounce_recursion", "probe_bounce_routers", "probe_depth", "probe_routed"}
 
 
 def record_of(row: dict, folder: pathlib.Path, results: pathlib.Path, restored: dict):
