@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from architectures.config import ConfigError
 
@@ -48,10 +48,34 @@ def row_name(i: int, row: Dict[str, Any]) -> str:
     return f"row {i} ({row.get('variant', row.get('name'))} seed {row.get('seed')})"
 
 
+def published_part(retrained: Any, published: Any) -> Any:
+    """``retrained`` cut to the keys ``published`` has, at every depth of nested dicts: a figure a later commit adds
+    (a run a report reused from an earlier commit wrote its ``probe.json`` without it) has nothing to be compared
+    with. A key the published value has and the retrained one lacks stays missing, so the two differ."""
+    if isinstance(retrained, dict) and isinstance(published, dict):
+        return {k: published_part(v, published[k]) for k, v in retrained.items() if k in published}
+    return retrained
+
+
+def retrained_only(retrained: Dict[str, Any], published: Dict[str, Any], prefix: str = "") -> List[str]:
+    """The figures (dotted paths into nested dicts) a retrained row has and its published row lacks, clocks and
+    paths left out: what ``published_part`` leaves out of the comparison."""
+    found = []
+    for key, value in retrained.items():
+        if prefix == "" and key in FREE_FIELDS:
+            continue
+        if key not in published:
+            found.append(prefix + key)
+        elif isinstance(value, dict) and isinstance(published[key], dict):
+            found += retrained_only(value, published[key], f"{prefix}{key}.")
+    return found
+
+
 def retraining_mismatch(published: Dict[str, Any], retrained: Dict[str, Any]) -> Optional[str]:
     """Where ``retrained`` differs from ``published`` beyond the clocks and paths, in words; None if nowhere. Rows
-    match by position (a programme trains its plan in order); a field only the retrained row has is not compared, nor
-    the ``code`` of a row the report reused from an earlier commit (``reused_from_earlier_code``), but a retrained
+    match by position (a programme trains its plan in order); a field only the retrained row has, at any depth of its
+    dicts, is not compared (``published_part``), nor the ``code`` of a row the report reused from an earlier commit
+    (``reused_from_earlier_code``), but a retrained
     row must have trained at the report's code. The report's own numbers (a reference loss, the budget) must be equal
     too. Values compare as their JSON text: bit for bit (1 is not 1.0), and a NaN equals a NaN."""
     states = [code_state(r) for r in (published, retrained)]
@@ -68,9 +92,9 @@ def retraining_mismatch(published: Dict[str, Any], retrained: Dict[str, Any]) ->
                     "a run it did not train; retrain into an empty --out")
         free = FREE_FIELDS | ({"code"} if reused_from_earlier_code(old, new, label) else set())
         for field in (f for f in old if f not in free):
-            if field not in new or as_text(new[field]) != as_text(old[field]):
+            if field not in new or as_text(published_part(new[field], old[field])) != as_text(old[field]):
                 return (f"{row_name(i, old)}: {field} {as_text(old[field])} published, "
-                        f"{as_text(new[field]) if field in new else 'missing'} retrained")
+                        f"{as_text(published_part(new[field], old[field])) if field in new else 'missing'} retrained")
     numbers = [k for k, v in published.items() if isinstance(v, (int, float)) and k not in FREE_FIELDS]
     return next((f"the report's {k} is {as_text(published[k])}, the retraining's {as_text(retrained.get(k))}"
                  for k in numbers if as_text(retrained.get(k)) != as_text(published[k])), None)

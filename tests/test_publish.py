@@ -138,9 +138,10 @@ def test_publish_refuses_a_missing_foreign_or_unreadable_run_before_writing_anyt
 # Reports copied into docs/results before publish kept records (their rows name the trained folders): the set may only
 # shrink. Retrain one by its report's command at its commit, on its CPU, and ``publish --restore`` adds the records
 # (as it did for isoflop_seeds, its width, half, half_depth and mod_width, h2h_seeds and probe_bounce_amd24 on an AMD
-# EPYC, and for mom_rerun/*, isoflop_pilot, probe and the leaderboard depth_h2h on an Intel Xeon).
+# EPYC, and for mom_rerun/*, isoflop_pilot, probe, probe_bounce_narrow, probe_routed and the leaderboard depth_h2h on an
+# Intel Xeon).
 COPIED_WITHOUT_RECORDS = {
-    "probe_bounce", "probe_bounce_grid", "probe_bounce_recursion", "probe_bounce_routers", "probe_depth", "probe_routed"}
+    "probe_bounce", "probe_bounce_grid", "probe_bounce_recursion", "probe_bounce_routers", "probe_depth"}
 
 
 def record_of(row: dict, folder: pathlib.Path, results: pathlib.Path, restored: dict):
@@ -293,6 +294,22 @@ def test_a_row_reused_from_an_earlier_commit_is_restored_from_its_retraining_at_
     assert notes[1].startswith("retrained at " + "a" * 40) and notes[1].endswith("but the clocks came back equal")
 
 
+def test_a_restored_record_names_the_figures_only_its_retraining_has(tmp_path):
+    """Later code writes figures an earlier run did not (probe.json's hops family and n_levels): the restore compares
+    every published figure, and the record's note names what it left out, at any depth."""
+    dest = _published_without_records(tmp_path)
+    results = json.loads((dest / "results.json").read_text())
+    (dest / "results.json").write_text(json.dumps({**results, "runs": [{**r, "probe": {"levels": {"0": 1.0}}}
+                                                                        for r in results["runs"]]}))
+    publish.restore(_retrained(tmp_path, {"probe": {"levels": {"0": 1.0}, "n_levels": 5}, "hard_from": 3}), dest)
+    row = results["runs"][0]
+    note = json.loads((dest / row["run_dir"] / "summary.json").read_text())["published"]["restored"]
+    assert note.endswith("came back equal (the retraining also has probe.n_levels, hard_from, which the published "
+                         "row lacks)")
+    assert publish.retrained_only({"wall_s": 1.0, "probe": {"a": {"b": 1, "c": 2}}}, {"probe": {"a": {"b": 1}}}) == [
+        "probe.a.c"]
+
+
 @pytest.mark.parametrize("published,retrained,named", [
     ("e" * 10, "e" * 10, "trained at e+, not at the report's a+: the retraining reused a run it did not train"),
     ("a" * 10, "f" * 10, "trained at f+, not at the report's a+"),  # trained elsewhere than the report's commit
@@ -401,6 +418,22 @@ def test_retraining_rows_compare_bit_for_bit_with_nan_equal_to_nan_and_only_the_
         report(run, run), report(run, {**run, "val_loss": 0.5}))
     assert publish.retraining_mismatch(report(run), report(run, run)) == "1 published rows, 2 retrained"
     assert "probe" in publish.retraining_mismatch(report(run), report({**run, "probe": {"levels": [0.5, 0.0]}}))
+
+
+def test_a_figure_only_the_retraining_has_is_left_out_at_any_depth_but_a_published_one_is_compared():
+    """A run a report reused from an earlier commit wrote its probe.json without the figures later code adds (the
+    hops family, n_levels): the retraining's extra keys have nothing to be compared with; every published one must
+    come back, at every depth."""
+    run = {"variant": "mod", "seed": 1, "probe": {"families": {"arith": {"0": {"acc": 1.0}}}, "spearman": None}}
+    report = lambda *rows: {"provenance": CODE, "runs": list(rows)}  # noqa: E731
+    later = {**run, "probe": {"families": {"arith": {"0": {"acc": 1.0, "tokens": 5}}, "hops": {}}, "n_levels": 5,
+                              "spearman": None}}
+    assert publish.retraining_mismatch(report(run), report(later)) is None
+    changed = {**later, "probe": {**later["probe"], "families": {"arith": {"0": {"acc": 0.5}}, "hops": {}}}}
+    assert "probe" in publish.retraining_mismatch(report(run), report(changed))
+    lost = {**later, "probe": {k: v for k, v in later["probe"].items() if k != "spearman"}}
+    assert 'probe {"families"' in publish.retraining_mismatch(report(run), report(lost))
+    assert publish.retraining_mismatch(report({**run, "probe": [1.0]}), report({**run, "probe": [1.0, 2.0]}))
 
 
 @pytest.fixture(scope="module")

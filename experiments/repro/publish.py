@@ -20,7 +20,7 @@ a non-empty ``DEST`` that is not a published report is refused.
 ``python -m experiments.repro.publish --restore OUT DEST``: the run records of a report published without them
 (``DEST``), from ``OUT``, a retraining by the same command. Each published row is matched to the retrained row at the
 same position; every figure of the published row but its clocks (``CLOCK_FIELDS``) and paths must be equal (as JSON
-text: bit for bit), and the report's commit, dirty flag and diff too, or nothing is written (one line names the row
+text: bit for bit; a figure only the retraining has, at any depth, is not compared), and the report's commit, dirty flag and diff too, or nothing is written (one line names the row
 and the field). A row the report reused from a run at an earlier commit (its ``code``) retrained at the report's
 commit may differ in its ``code`` only; its record's note names both commits. A retrained row must have trained at the
 report's code (a retraining that reused an old run is refused), and the report's own numbers (a reference loss, the
@@ -50,7 +50,8 @@ import tempfile
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from analysis.retraining import (CLOCK_FIELDS, PATH_FIELDS, board_mismatch, code_state,  # noqa: F401
-                                 report_label, retraining_mismatch, reused_from_earlier_code)
+                                 report_label, retrained_only, retraining_mismatch,
+                                 reused_from_earlier_code)
 from architectures.config import ConfigError
 
 CURVE_POINTS = 256
@@ -213,12 +214,14 @@ def restore(out: pathlib.Path, dest: pathlib.Path) -> List[pathlib.Path]:
 
 
 def restored_note(published_row: Dict[str, Any], retrained_row: Dict[str, Any], commit: str, label: str) -> str:
-    """What a restored record says of itself: the retraining it is, and for a row the report reused from a run at an
-    earlier commit, that commit too."""
+    """What a restored record says of itself: the retraining it is, for a row the report reused from a run at an
+    earlier commit that commit too, and the figures only the retraining has (nothing to compare them with)."""
     earlier = (f"the published run trained at {published_row['code']} and the report reused it; "
                if reused_from_earlier_code(published_row, retrained_row, label) else "")
+    extra = retrained_only(retrained_row, published_row)
     return (f"{earlier}retrained at {commit} by the report's command (as {retrained_row['run_dir']}); every figure "
-            f"of its row but the clocks{' and the code' if earlier else ''} came back equal")
+            f"of its row but the clocks{' and the code' if earlier else ''} came back equal"
+            + (f" (the retraining also has {', '.join(extra)}, which the published row lacks)" if extra else ""))
 
 
 def move_into_place(staging: pathlib.Path, targets: Sequence[pathlib.Path], report: pathlib.Path,
