@@ -138,10 +138,10 @@ def test_publish_refuses_a_missing_foreign_or_unreadable_run_before_writing_anyt
 # Reports copied into docs/results before publish kept records (their rows name the trained folders): the set may only
 # shrink. Retrain one by its report's command at its commit, on its CPU, and ``publish --restore`` adds the records
 # (as it did for isoflop_seeds, its width, half, half_depth and mod_width, h2h_seeds and probe_bounce_amd24 on an AMD
-# EPYC, and for mom_rerun/*, isoflop_pilot, probe, probe_bounce_narrow, probe_routed and the leaderboard depth_h2h on an
-# Intel Xeon).
+# EPYC, and for mom_rerun/*, isoflop_pilot, probe, probe_bounce_narrow, probe_routed, probe_depth and the leaderboard
+# depth_h2h on an Intel Xeon).
 COPIED_WITHOUT_RECORDS = {
-    "probe_bounce", "probe_bounce_grid", "probe_bounce_recursion", "probe_bounce_routers", "probe_depth"}
+    "probe_bounce", "probe_bounce_grid", "probe_bounce_recursion", "probe_bounce_routers"}
 
 
 def record_of(row: dict, folder: pathlib.Path, results: pathlib.Path, restored: dict):
