@@ -75,9 +75,9 @@ def retraining_mismatch(published: Dict[str, Any], retrained: Dict[str, Any]) ->
     """Where ``retrained`` differs from ``published`` beyond the clocks and paths, in words; None if nowhere. Rows
     match by position (a programme trains its plan in order); a field only the retrained row has, at any depth of its
     dicts, is not compared (``published_part``), nor the ``code`` of a row the report reused from an earlier commit
-    (``reused_from_earlier_code``), but a retrained
-    row must have trained at the report's code. The report's own numbers (a reference loss, the budget) must be equal
-    too. Values compare as their JSON text: bit for bit (1 is not 1.0), and a NaN equals a NaN."""
+    (``reused_from_earlier_code``), but a retrained row must have trained at the report's code. The report's own
+    numbers (a reference loss, the budget) must be equal too. Values compare as their JSON text: bit for bit (1 is not
+    1.0), and a NaN equals a NaN."""
     states = [code_state(r) for r in (published, retrained)]
     if states[0][0] is None:
         return "the published report names no commit, so no retraining can be shown to be of the same code"
