@@ -48,18 +48,29 @@ def row_name(i: int, row: Dict[str, Any]) -> str:
     return f"row {i} ({row.get('variant', row.get('name'))} seed {row.get('seed')})"
 
 
-def published_part(retrained: Any, published: Any) -> Any:
-    """``retrained`` cut to the keys ``published`` has, at every depth of nested dicts: a figure a later commit adds
-    (a run a report reused from an earlier commit wrote its ``probe.json`` without it) has nothing to be compared
-    with. A key the published value has and the retrained one lacks stays missing, so the two differ."""
-    if isinstance(retrained, dict) and isinstance(published, dict):
-        return {k: published_part(v, published[k]) for k, v in retrained.items() if k in published}
-    return retrained
+def first_difference(published: Any, retrained: Any, path: str, extra_allowed: bool) -> Optional[str]:
+    """Where ``retrained`` first differs from ``published`` (``path`` and the dotted keys into nested dicts, then
+    both values), or None. A key only ``retrained`` has is left out where ``extra_allowed`` (a figure later code
+    adds: a run a report reused from an earlier commit wrote its ``probe.json`` without it); one ``published`` has
+    must come back. Lists are compared whole."""
+    if isinstance(published, dict) and isinstance(retrained, dict):
+        for key, value in published.items():
+            if key not in retrained:
+                return f"{path}.{key} {as_text(value)} published, missing retrained"
+            found = first_difference(value, retrained[key], f"{path}.{key}", extra_allowed)
+            if found:
+                return found
+        extra = [k for k in retrained if k not in published]
+        return None if extra_allowed or not extra else (
+            f"{path}.{extra[0]} missing published, {as_text(retrained[extra[0]])} retrained")
+    if as_text(published) != as_text(retrained):
+        return f"{path} {as_text(published)} published, {as_text(retrained)} retrained"
+    return None
 
 
 def retrained_only(retrained: Dict[str, Any], published: Dict[str, Any], prefix: str = "") -> List[str]:
     """The figures (dotted paths into nested dicts) a retrained row has and its published row lacks, clocks and
-    paths left out: what ``published_part`` leaves out of the comparison."""
+    paths left out: what ``first_difference`` leaves out of the comparison."""
     found = []
     for key, value in retrained.items():
         if prefix == "" and key in FREE_FIELDS:
@@ -74,8 +85,10 @@ def retrained_only(retrained: Dict[str, Any], published: Dict[str, Any], prefix:
 def retraining_mismatch(published: Dict[str, Any], retrained: Dict[str, Any]) -> Optional[str]:
     """Where ``retrained`` differs from ``published`` beyond the clocks and paths, in words; None if nowhere. Rows
     match by position (a programme trains its plan in order); a field only the retrained row has, at any depth of its
-    dicts, is not compared (``published_part``), nor the ``code`` of a row the report reused from an earlier commit
-    (``reused_from_earlier_code``), but a retrained row must have trained at the report's code. The report's own
+    nested dicts, is not compared unless the published row says it trained at the report's own code (its ``code``:
+    then the same code wrote both, and an extra figure is a difference) (``first_difference``), nor the ``code`` of a
+    row the report reused from an earlier commit (``reused_from_earlier_code``), but a retrained row must have trained
+    at the report's code. The report's own
     numbers (a reference loss, the budget) must be equal too. Values compare as their JSON text: bit for bit (1 is not
     1.0), and a NaN equals a NaN."""
     states = [code_state(r) for r in (published, retrained)]
@@ -91,10 +104,16 @@ def retraining_mismatch(published: Dict[str, Any], retrained: Dict[str, Any]) ->
             return (f"{row_name(i, new)} trained at {new['code']}, not at the report's {label}: the retraining reused "
                     "a run it did not train; retrain into an empty --out")
         free = FREE_FIELDS | ({"code"} if reused_from_earlier_code(old, new, label) else set())
+        extra_allowed = old.get("code") != label
+        extra = [f for f in new if f not in old and f not in free]
+        if extra and not extra_allowed:
+            return f"{row_name(i, old)}: {extra[0]} missing published, {as_text(new[extra[0]])} retrained"
         for field in (f for f in old if f not in free):
-            if field not in new or as_text(published_part(new[field], old[field])) != as_text(old[field]):
-                return (f"{row_name(i, old)}: {field} {as_text(old[field])} published, "
-                        f"{as_text(published_part(new[field], old[field])) if field in new else 'missing'} retrained")
+            if field not in new:
+                return f"{row_name(i, old)}: {field} {as_text(old[field])} published, missing retrained"
+            found = first_difference(old[field], new[field], field, extra_allowed)
+            if found:
+                return f"{row_name(i, old)}: {found}"
     numbers = [k for k, v in published.items() if isinstance(v, (int, float)) and k not in FREE_FIELDS]
     return next((f"the report's {k} is {as_text(published[k])}, the retraining's {as_text(retrained.get(k))}"
                  for k in numbers if as_text(retrained.get(k)) != as_text(published[k])), None)

@@ -423,17 +423,35 @@ def test_retraining_rows_compare_bit_for_bit_with_nan_equal_to_nan_and_only_the_
 def test_a_figure_only_the_retraining_has_is_left_out_at_any_depth_but_a_published_one_is_compared():
     """A run a report reused from an earlier commit wrote its probe.json without the figures later code adds (the
     hops family, n_levels): the retraining's extra keys have nothing to be compared with; every published one must
-    come back, at every depth."""
+    come back, at every depth of nested dicts, and the refusal names the first figure that differs."""
     run = {"variant": "mod", "seed": 1, "probe": {"families": {"arith": {"0": {"acc": 1.0}}}, "spearman": None}}
     report = lambda *rows: {"provenance": CODE, "runs": list(rows)}  # noqa: E731
     later = {**run, "probe": {"families": {"arith": {"0": {"acc": 1.0, "tokens": 5}}, "hops": {}}, "n_levels": 5,
                               "spearman": None}}
     assert publish.retraining_mismatch(report(run), report(later)) is None
     changed = {**later, "probe": {**later["probe"], "families": {"arith": {"0": {"acc": 0.5}}, "hops": {}}}}
-    assert "probe" in publish.retraining_mismatch(report(run), report(changed))
+    assert publish.retraining_mismatch(report(run), report(changed)) == (
+        "row 0 (mod seed 1): probe.families.arith.0.acc 1.0 published, 0.5 retrained")
     lost = {**later, "probe": {k: v for k, v in later["probe"].items() if k != "spearman"}}
-    assert 'probe {"families"' in publish.retraining_mismatch(report(run), report(lost))
-    assert publish.retraining_mismatch(report({**run, "probe": [1.0]}), report({**run, "probe": [1.0, 2.0]}))
+    assert publish.retraining_mismatch(report(run), report(lost)) == (
+        "row 0 (mod seed 1): probe.spearman null published, missing retrained")
+    for published, retrained in (({"a": {}}, {"a": {"b": 1}}), ({"a": {"b": 1}}, {"a": 1}), ({"a": {}}, {"a": None}),
+                                 ([{"b": 1}], [{"b": 1, "c": 2}]), ([1.0], [1.0, 2.0])):
+        wrong = publish.retraining_mismatch(report({**run, "probe": published}), report({**run, "probe": retrained}))
+        assert (wrong is None) == (published == {"a": {}} and retrained == {"a": {"b": 1}}), (published, retrained)
+
+
+def test_a_row_trained_at_the_reports_own_code_may_not_gain_a_figure_at_any_depth():
+    """The same code wrote the published row and the retrained one: an extra figure there is a difference, not a
+    figure later code added."""
+    run = {"variant": "mod", "seed": 1, "code": "a" * 10, "probe": {"levels": {"0": 1.0}}}
+    report = lambda *rows: {"provenance": CODE, "runs": list(rows)}  # noqa: E731
+    nested = {**run, "probe": {"levels": {"0": 1.0, "1": 0.5}}}
+    assert publish.retraining_mismatch(report(run), report(nested)) == (
+        "row 0 (mod seed 1): probe.levels.1 missing published, 0.5 retrained")
+    assert publish.retraining_mismatch(report(run), report({**run, "n_levels": 5})) == (
+        "row 0 (mod seed 1): n_levels missing published, 5 retrained")
+    assert publish.retraining_mismatch(report(run), report({**run, "wall_s": 3.0})) is None
 
 
 @pytest.fixture(scope="module")

@@ -20,21 +20,22 @@ a non-empty ``DEST`` that is not a published report is refused.
 ``python -m experiments.repro.publish --restore OUT DEST``: the run records of a report published without them
 (``DEST``), from ``OUT``, a retraining by the same command. Each published row is matched to the retrained row at the
 same position; every figure of the published row but its clocks (``CLOCK_FIELDS``) and paths must be equal (as JSON
-text: bit for bit; a figure only the retraining has, at any depth, is not compared, and its record's note names it),
-and the report's commit, dirty flag and diff too, or nothing is written (one line names the row and the field). A row
-the report reused from a run at an earlier commit (its ``code``) retrained at the report's commit may differ in its
-``code`` only; its record's note names both commits. A retrained row must have trained at the report's code (a
-retraining that reused an old run is refused), and the report's own numbers (a reference loss, the budget) must be
-equal too. The records go to each published row's ``run_dir``, which must not hold one yet; the report stays as
-published, and each record's ``published.restored`` says so and names the retrained folder (whose version number may
-differ: two runs at once take them in the order they start). A report copied into the repository before publish
-existed (its rows name the trained folders, no ``run_dir_trained``) gets its records where publish would have put them
-(``runs/...`` as in the retraining's ``OUT``), and its rows' ``run_dir`` rewritten to them as publish does (the
-trained folder kept as ``run_dir_trained``); every other figure of its ``results.json`` stays. A merged report (rows
-with a ``source``) is restored through the folders its rows came from. A leaderboard published alone (``DEST`` holds
-``leaderboard.json`` of ``experiments.compare``, no ``results.json``; ``OUT``: the ``--log_dir`` of the retrained
-runs) is checked run by run (matched by its row and seed: every figure but the step time, and the board's code), and
-its records go to ``DEST/runs`` as ``--runs`` writes them.
+text: bit for bit; a figure only the retraining has, at any depth of nested dicts, is not compared, and its record's
+note names it, unless the row's ``code`` is the report's own), and the report's commit, dirty flag and diff too, or
+nothing is written (one line names the row and the field). A row the report reused from a run at an earlier commit
+(its ``code``) retrained at the report's commit may differ in its ``code`` only; its record's note names both commits.
+A retrained row must have trained at the report's code (a retraining that reused an old run is refused), and the
+report's own numbers (a reference loss, the budget) must be equal too. The records go to each published row's
+``run_dir``, which must not hold one yet; the report stays as published, and each record's ``published.restored`` says
+so and names the retrained folder (whose version number may differ: two runs at once take them in the order they
+start). A report copied into the repository before publish existed (its rows name the trained folders, no
+``run_dir_trained``) gets its records where publish would have put them (``runs/...`` as in the retraining's ``OUT``),
+and its rows' ``run_dir`` rewritten to them as publish does (the trained folder kept as ``run_dir_trained``); every
+other figure of its ``results.json`` stays. A merged report (rows with a ``source``) is restored through the folders
+its rows came from. A leaderboard published alone (``DEST`` holds ``leaderboard.json`` of ``experiments.compare``, no
+``results.json``; ``OUT``: the ``--log_dir`` of the retrained runs) is checked run by run (matched by its row and
+seed: every figure but the step time, and the board's code), and its records go to ``DEST/runs`` as ``--runs`` writes
+them.
 
 ``python -m experiments.repro.publish --runs LOG_DIR DEST``: the same records of every finished run folder under
 ``LOG_DIR`` (runs of ``experiments.run`` itself, e.g. a loop over depths and seeds, with no programme report), at
