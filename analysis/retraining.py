@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from architectures.config import ConfigError
 
@@ -48,38 +48,38 @@ def row_name(i: int, row: Dict[str, Any]) -> str:
     return f"row {i} ({row.get('variant', row.get('name'))} seed {row.get('seed')})"
 
 
-def first_difference(published: Any, retrained: Any, path: str, extra_allowed: bool) -> Optional[str]:
-    """Where ``retrained`` first differs from ``published`` (``path`` and the dotted keys into nested dicts, then
-    both values), or None. A key only ``retrained`` has is left out where ``extra_allowed`` (a figure later code
-    adds: a run a report reused from an earlier commit wrote its ``probe.json`` without it); one ``published`` has
-    must come back. Lists are compared whole."""
-    if isinstance(published, dict) and isinstance(retrained, dict):
-        for key, value in published.items():
-            if key not in retrained:
-                return f"{path}.{key} {as_text(value)} published, missing retrained"
-            found = first_difference(value, retrained[key], f"{path}.{key}", extra_allowed)
-            if found:
-                return found
-        extra = [k for k in retrained if k not in published]
-        return None if extra_allowed or not extra else (
-            f"{path}.{extra[0]} missing published, {as_text(retrained[extra[0]])} retrained")
-    if as_text(published) != as_text(retrained):
-        return f"{path} {as_text(published)} published, {as_text(retrained)} retrained"
+def differences(published: Any, retrained: Any, path: str = "") -> Iterator[Tuple[str, Optional[str], Optional[str]]]:
+    """Each place ``retrained`` differs from ``published``, in order: the dotted keys into nested dicts, then both
+    values as JSON text (None: the key is missing there). Lists are compared whole. Lazy, so the first costs little."""
+    if not (isinstance(published, dict) and isinstance(retrained, dict)):
+        if as_text(published) != as_text(retrained):
+            yield path, as_text(published), as_text(retrained)
+        return
+    key_path = lambda key: f"{path}.{key}" if path else str(key)  # noqa: E731
+    for key, value in published.items():
+        if key in retrained:
+            yield from differences(value, retrained[key], key_path(key))
+        else:
+            yield key_path(key), as_text(value), None
+    for key, value in retrained.items():
+        if key not in published:
+            yield key_path(key), None, as_text(value)
+
+
+def first_difference(published: Any, retrained: Any, extra_allowed: bool) -> Optional[str]:
+    """The first of ``differences`` in words, or None. A key only ``retrained`` has is left out where
+    ``extra_allowed`` (a figure later code adds: a run a report reused from an earlier commit wrote its ``probe.json``
+    without it); one ``published`` has must come back."""
+    for path, old, new in differences(published, retrained):
+        if old is not None or not extra_allowed:
+            return f"{path} {old or 'missing'} published, {new or 'missing'} retrained"  # JSON text is never empty
     return None
 
 
-def retrained_only(retrained: Dict[str, Any], published: Dict[str, Any], prefix: str = "") -> List[str]:
+def retrained_only(retrained: Dict[str, Any], published: Dict[str, Any]) -> List[str]:
     """The figures (dotted paths into nested dicts) a retrained row has and its published row lacks, clocks and
     paths left out: what ``first_difference`` leaves out of the comparison."""
-    found = []
-    for key, value in retrained.items():
-        if prefix == "" and key in FREE_FIELDS:
-            continue
-        if key not in published:
-            found.append(prefix + key)
-        elif isinstance(value, dict) and isinstance(published[key], dict):
-            found += retrained_only(value, published[key], f"{prefix}{key}.")
-    return found
+    return [path for path, old, _ in differences(published, retrained) if old is None and path not in FREE_FIELDS]
 
 
 def retraining_mismatch(published: Dict[str, Any], retrained: Dict[str, Any]) -> Optional[str]:
@@ -88,9 +88,8 @@ def retraining_mismatch(published: Dict[str, Any], retrained: Dict[str, Any]) ->
     nested dicts, is not compared unless the published row says it trained at the report's own code (its ``code``:
     then the same code wrote both, and an extra figure is a difference) (``first_difference``), nor the ``code`` of a
     row the report reused from an earlier commit (``reused_from_earlier_code``), but a retrained row must have trained
-    at the report's code. The report's own
-    numbers (a reference loss, the budget) must be equal too. Values compare as their JSON text: bit for bit (1 is not
-    1.0), and a NaN equals a NaN."""
+    at the report's code. The report's own numbers (a reference loss, the budget) must be equal too. Values compare as
+    their JSON text: bit for bit (1 is not 1.0), and a NaN equals a NaN."""
     states = [code_state(r) for r in (published, retrained)]
     if states[0][0] is None:
         return "the published report names no commit, so no retraining can be shown to be of the same code"
@@ -104,16 +103,10 @@ def retraining_mismatch(published: Dict[str, Any], retrained: Dict[str, Any]) ->
             return (f"{row_name(i, new)} trained at {new['code']}, not at the report's {label}: the retraining reused "
                     "a run it did not train; retrain into an empty --out")
         free = FREE_FIELDS | ({"code"} if reused_from_earlier_code(old, new, label) else set())
-        extra_allowed = old.get("code") != label
-        extra = [f for f in new if f not in old and f not in free]
-        if extra and not extra_allowed:
-            return f"{row_name(i, old)}: {extra[0]} missing published, {as_text(new[extra[0]])} retrained"
-        for field in (f for f in old if f not in free):
-            if field not in new:
-                return f"{row_name(i, old)}: {field} {as_text(old[field])} published, missing retrained"
-            found = first_difference(old[field], new[field], field, extra_allowed)
-            if found:
-                return f"{row_name(i, old)}: {found}"
+        compared = [{k: v for k, v in row.items() if k not in free} for row in (old, new)]
+        found = first_difference(*compared, extra_allowed=old.get("code") != label)
+        if found:
+            return f"{row_name(i, old)}: {found}"
     numbers = [k for k, v in published.items() if isinstance(v, (int, float)) and k not in FREE_FIELDS]
     return next((f"the report's {k} is {as_text(published[k])}, the retraining's {as_text(retrained.get(k))}"
                  for k in numbers if as_text(retrained.get(k)) != as_text(published[k])), None)

@@ -834,7 +834,9 @@ def stored_jobs(data: Dict[str, Any]) -> int:
 def same_figure(a: Any, b: Any) -> bool:
     """Two stored figures (numbers, or nested lists / dicts of them) are the same, a NaN equal to a NaN (a
     correlation over constant values is NaN in every copy of that run)."""
-    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    from analysis.retraining import as_text
+
+    return as_text(a) == as_text(b)
 
 
 def merge_run_rows(files: Sequence[Tuple[pathlib.Path, Dict[str, Any]]], key: Callable[[Dict[str, Any]], Tuple],
