@@ -769,12 +769,27 @@ def _write_files(board: Dict[str, Any], out: pathlib.Path, name: str) -> Dict[st
     out.mkdir(parents=True, exist_ok=True)
     paths = {"md": out / f"{name}.md", "csv": out / f"{name}.csv", "json": out / f"{name}.json"}
     paths["md"].write_text(to_markdown(board))
-    write_csv(board, paths["csv"])
-    paths["json"].write_text(json.dumps(board, indent=2, default=str) + "\n")
+    stored = with_runs_relative_to(board, out)
+    write_csv(stored, paths["csv"])
+    paths["json"].write_text(json.dumps(stored, indent=2, default=str) + "\n")
     image = plot(board, out / f"{name}.png")
     if image is not None:
         paths["png"] = image
     return paths
+
+
+def with_runs_relative_to(board: Dict[str, Any], folder: pathlib.Path) -> Dict[str, Any]:
+    """The board with each run folder that lies below ``folder`` named relative to it (``runs/mod-tiny/version_0``),
+    others as given: a leaderboard written beside its runs (a published report's records) then names them on any
+    machine it is copied to, not by the path of the machine that wrote it."""
+    root = folder.resolve()
+
+    def portable(run_dir: str) -> str:
+        resolved = pathlib.Path(run_dir).resolve()
+        return resolved.relative_to(root).as_posix() if resolved.is_relative_to(root) else run_dir
+
+    return {**board, "rows": [{**row, "runs": [portable(d) for d in row["runs"]]} for row in board["rows"]],
+            "runs": [{**run, "run_dir": portable(run["run_dir"])} for run in board["runs"]]}
 
 
 def compare(patterns: Sequence[str], group_by: Optional[Sequence[str]] = None,

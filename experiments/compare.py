@@ -9,7 +9,9 @@ either. The table (markdown on stdout; with ``--out``: ``leaderboard.md``, ``.cs
 plot ``leaderboard.png``) has one row per configuration: the variant, the options that differ between
 the runs (from their resolved ``config.yaml``), the number of seeds ``n`` and, as mean ± std over the
 seeds, steps, tokens, measured training FLOPs, validation loss, causal validation loss (variants whose
-routing sees the future, e.g. MoD), forward FLOPs per token, median step time and parameters.
+routing sees the future, e.g. MoD), forward FLOPs per token, median step time and parameters. The
+``.csv`` and ``.json`` name the run folders below ``--out`` relative to it (a board written beside its
+runs names them on any machine it is copied to), others by their full path.
 
 Runs are seeds of one configuration when every option but the seed and the output paths is equal
 (``IGNORED``); ``--group_by variant[,model.d_model,...]`` groups by those options instead (options that

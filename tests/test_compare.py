@@ -135,6 +135,24 @@ def test_files_written_markdown_csv_json_and_plot(runs, tmp_path):
     assert image.stat().st_size > 10_000 and image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_written_board_names_the_runs_below_it_relative_to_it(runs, tmp_path, monkeypatch):
+    """A board written beside its runs (a published report's records) names them by paths that hold on any machine
+    it is copied to; runs elsewhere keep their full path. The board returned keeps full paths."""
+    copied = copy_runs(runs, tmp_path / "report", keys=[("vanilla", 1), ("mod", 1)])
+    elsewhere = copy_runs(runs, tmp_path / "other", keys=[("vanilla", 2)])
+    monkeypatch.chdir(tmp_path)
+    board = compare.compare(["report/runs", str(elsewhere["vanilla", 2])], out=pathlib.Path("report"))
+    saved = json.loads((tmp_path / "report" / "leaderboard.json").read_text())
+    expected = {f"runs/{folder.name}" for folder in copied.values()} | {str(elsewhere["vanilla", 2].resolve())}
+    assert {run["run_dir"] for run in saved["runs"]} == expected
+    assert {d for row in saved["rows"] for d in row["runs"]} == expected
+    with (tmp_path / "report" / "leaderboard.csv").open() as handle:
+        assert {d for row in csv.DictReader(handle) for d in row["runs"].split(" ")} == expected
+    assert all(pathlib.Path(run["run_dir"]).is_absolute() for run in board["runs"])
+    assert sorted(str((tmp_path / "report" / run["run_dir"]).resolve()) for run in saved["runs"]) == sorted(
+        run["run_dir"] for run in board["runs"])
+
+
 def test_plot_has_error_bars_pareto_front_legend_and_labels(runs, tmp_path, monkeypatch):
     import matplotlib.figure
 

@@ -206,6 +206,28 @@ def test_every_published_run_record_is_in_the_repository():
     assert without == COPIED_WITHOUT_RECORDS
 
 
+def test_every_published_leaderboard_names_its_records_relative_to_its_folder():
+    """A leaderboard published beside its records names each by its path from the board's folder, which holds on
+    any clone, not by the path of the machine that wrote it (``experiments.compare --out`` writes them so); a board
+    restored later keeps the trained folders it was published with (``depth_h2h``), which name no record."""
+    from tests.conftest import REPO
+
+    results = REPO / "docs" / "results"
+    named = 0
+    for board in results.rglob("leaderboard.json"):
+        if "runs" in board.relative_to(results).parts:
+            continue
+        stored = json.loads(board.read_text())
+        listed = [run["run_dir"] for run in stored["runs"]] + [d for row in stored["rows"] for d in row["runs"]]
+        for run_dir in listed:
+            where = f"{board.relative_to(results)}: {run_dir}"
+            assert "docs/results/" not in run_dir, where
+            if not pathlib.Path(run_dir).is_absolute():
+                assert (board.parent / run_dir / "summary.json").is_file(), where
+                named += 1
+    assert named >= 350  # 186 runs, each named by its row and its run entry (372), when this was written
+
+
 def test_every_run_record_holds_its_rows_seed_loss_steps_and_parameters():
     """A record is its row's run, not a neighbour's: a restore matches rows to retrained runs, and two runs trained at
     once swap version folders. The row's val_loss is one of the record's validation losses (programmes headline the
@@ -294,14 +316,19 @@ def test_a_row_reused_from_an_earlier_commit_is_restored_from_its_retraining_at_
     assert notes[1].startswith("retrained at " + "a" * 40) and notes[1].endswith("but the clocks came back equal")
 
 
-def test_a_restored_record_names_the_figures_only_its_retraining_has(tmp_path):
+def test_a_restored_record_names_the_figures_only_its_retraining_has(tmp_path, capsys):
     """Later code writes figures an earlier run did not (probe.json's hops family and n_levels): the restore compares
-    every published figure, and the record's note names what it left out, at any depth."""
+    every published figure, the record's note names what it left out, at any depth, and the restore says so too."""
     dest = _published_without_records(tmp_path)
     results = json.loads((dest / "results.json").read_text())
     (dest / "results.json").write_text(json.dumps({**results, "runs": [{**r, "probe": {"levels": {"0": 1.0}}}
                                                                         for r in results["runs"]]}))
+    capsys.readouterr()
     publish.restore(_retrained(tmp_path, {"probe": {"levels": {"0": 1.0}, "n_levels": 5}, "hard_from": 3}), dest)
+    rows = len(results["runs"])
+    assert capsys.readouterr().out == ("publish --restore: left out of the comparison, as only the retraining has them "
+                                       f"(each record's note names its own): probe.n_levels ({rows} of {rows} rows), "
+                                       f"hard_from ({rows} of {rows} rows)\n")
     row = results["runs"][0]
     note = json.loads((dest / row["run_dir"] / "summary.json").read_text())["published"]["restored"]
     assert note.endswith("came back equal (the retraining also has probe.n_levels, hard_from, which the published "

@@ -20,10 +20,11 @@ a non-empty ``DEST`` that is not a published report is refused.
 ``python -m experiments.repro.publish --restore OUT DEST``: the run records of a report published without them
 (``DEST``), from ``OUT``, a retraining by the same command. Each published row is matched to the retrained row at the
 same position; every figure of the published row but its clocks (``CLOCK_FIELDS``) and paths must be equal (as JSON
-text: bit for bit; a figure only the retraining has, at any depth of nested dicts, is not compared, and its record's
-note names it, unless the row's ``code`` is the report's own), and the report's commit, dirty flag and diff too, or
-nothing is written (one line names the row and the field). A row the report reused from a run at an earlier commit
-(its ``code``) retrained at the report's commit may differ in its ``code`` only; its record's note names both commits.
+text: bit for bit; a figure only the retraining has, at any depth of nested dicts, is not compared, its record's note
+names it and the restore prints each with its number of rows, unless the row's ``code`` is the report's own), and the
+report's commit, dirty flag and diff too, or nothing is written (one line names the row and the field). A row the
+report reused from a run at an earlier commit (its ``code``) retrained at the report's commit may differ in its
+``code`` only; its record's note names both commits.
 A retrained row must have trained at the report's code (a retraining that reused an old run is refused), and the
 report's own numbers (a reference loss, the budget) must be equal too. The records go to each published row's
 ``run_dir``, which must not hold one yet; the report stays as published, and each record's ``published.restored`` says
@@ -212,7 +213,21 @@ def restore(out: pathlib.Path, dest: pathlib.Path) -> List[pathlib.Path]:
         move_into_place(staging, targets, dest / "results.json", rewritten)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    left_out = figures_left_out(published["runs"], retrained["runs"])
+    if left_out:
+        print("publish --restore: left out of the comparison, as only the retraining has them (each record's note "
+              "names its own): " + ", ".join(f"{path} ({rows} of {len(targets)} rows)" for path, rows in left_out.items()))
     return targets
+
+
+def figures_left_out(published: Sequence[Dict[str, Any]], retrained: Sequence[Dict[str, Any]]) -> Dict[str, int]:
+    """Each figure some retrained row has and its published row lacks (dotted path) and in how many rows, in the
+    order first met: what a restore accepted without a published value to compare."""
+    counts: Dict[str, int] = {}
+    for old, new in zip(published, retrained):
+        for path in retrained_only(new, old):
+            counts[path] = counts.get(path, 0) + 1
+    return counts
 
 
 def restored_note(published_row: Dict[str, Any], retrained_row: Dict[str, Any], commit: str, label: str) -> str:
