@@ -780,13 +780,13 @@ def _write_files(board: Dict[str, Any], out: pathlib.Path, name: str) -> Dict[st
 
 def with_runs_relative_to(board: Dict[str, Any], folder: pathlib.Path) -> Dict[str, Any]:
     """The board with each run folder that lies below ``folder`` named relative to it (``runs/mod-tiny/version_0``),
-    others as given: a leaderboard written beside its runs (a published report's records) then names them on any
-    machine it is copied to, not by the path of the machine that wrote it."""
+    others by their full path: a leaderboard written beside its runs (a published report's records) then names them on
+    any machine it is copied to, not by the path of the machine that wrote it."""
     root = folder.resolve()
 
     def portable(run_dir: str) -> str:
         resolved = pathlib.Path(run_dir).resolve()
-        return resolved.relative_to(root).as_posix() if resolved.is_relative_to(root) else run_dir
+        return resolved.relative_to(root).as_posix() if resolved.is_relative_to(root) else str(resolved)
 
     return {**board, "rows": [{**row, "runs": [portable(d) for d in row["runs"]]} for row in board["rows"]],
             "runs": [{**run, "run_dir": portable(run["run_dir"])} for run in board["runs"]]}

@@ -321,15 +321,15 @@ def test_a_restored_record_names_the_figures_only_its_retraining_has(tmp_path, c
     every published figure, the record's note names what it left out, at any depth, and the restore says so too."""
     dest = _published_without_records(tmp_path)
     results = json.loads((dest / "results.json").read_text())
-    (dest / "results.json").write_text(json.dumps({**results, "runs": [{**r, "probe": {"levels": {"0": 1.0}}}
-                                                                        for r in results["runs"]]}))
+    rows = [{**r, "probe": {"levels": {"0": 1.0}}} for r in results["runs"]]
+    rows[0]["hard_from"] = 3  # published in one row: compared there, left out in the other
+    (dest / "results.json").write_text(json.dumps({**results, "runs": rows}))
     capsys.readouterr()
     publish.restore(_retrained(tmp_path, {"probe": {"levels": {"0": 1.0}, "n_levels": 5}, "hard_from": 3}), dest)
-    rows = len(results["runs"])
     assert capsys.readouterr().out == ("publish --restore: left out of the comparison, as only the retraining has them "
-                                       f"(each record's note names its own): probe.n_levels ({rows} of {rows} rows), "
-                                       f"hard_from ({rows} of {rows} rows)\n")
-    row = results["runs"][0]
+                                       "(each record's note names its own): probe.n_levels (2 of 2 rows), "
+                                       "hard_from (1 of 2 rows)\n")
+    row = results["runs"][1]
     note = json.loads((dest / row["run_dir"] / "summary.json").read_text())["published"]["restored"]
     assert note.endswith("came back equal (the retraining also has probe.n_levels, hard_from, which the published "
                          "row lacks)")
