@@ -571,6 +571,33 @@ def test_the_preregistered_extension_on_induct_rebuilds_and_no_routed_entry_of_s
     assert {r["code"] for r in results["runs"]} == {"3eea67a6b3", "0c5766c7bc"}  # the two commits the plans name
 
 
+HALTING_REPLICATION = REPO / "docs" / "results" / "probe_bounce_halting_replication"
+
+
+def test_the_preregistered_halting_replication_rebuilds_and_early_exit_grades_the_answers_again(tmp_path):
+    """docs/results/probe_bounce_halting_replication (docs/results/preregistered/probe_bounce_halting_replication.md:
+    probe-v5/bounce at 4,000 reference steps, new seeds 1362-1366, an Intel Xeon where the first sample trained on an
+    AMD EPYC; vanilla, dense 1x64 and 1x32, recur_halt, early_exit; 25 runs at 37c5b98): the stored rows give the
+    committed tables, tests and goal lines, and the plan's verdict. Primary: early_exit's answers-only Spearman is
+    positive in every seed and its one-sided t-test passes Holm over the two routed entries (replicated). Also: ACT's
+    answers-only test does not pass (it leans negative here), and neither routed entry's loss is below the best dense
+    model's (1x32); ACT is above it by an interval clear of 0, where the first sample had it tied."""
+    from experiments.repro import main
+
+    results = main(["probe", "--out", str(tmp_path / "rebuilt"),
+                    "--tables_from", str(HALTING_REPLICATION / "results.json")])
+    assert _report_tables(tmp_path / "rebuilt" / "results.md") == _report_tables(HALTING_REPLICATION / "results.md")
+    exit_, act = results["variants"]["early_exit"], results["variants"]["recur_halt"]
+    assert min(exit_["spearman_answers_seeds"]) > 0 and exit_["spearman_answers_t_p_holm"] < 0.05  # the verdict
+    assert act["spearman_answers_t_p_holm"] > 0.05 and sum(r > 0 for r in act["spearman_answers_seeds"]) == 1
+    assert results["goals"]["families_grading_answers"] == ["early_exit"]
+    tests = results["tests"]
+    assert tests["best_dense"] == "dense:1x32" and results["goals"]["beats_best_dense_loss"] == []
+    assert tests["loss"]["recur_halt"]["ci_low"] > 0  # ACT above the best dense model, its interval clear of 0
+    assert {r["code"] for r in results["runs"]} == {"37c5b98f50"}  # the commit that added the plan
+    assert {r["seed"] for r in results["runs"]} == set(range(1362, 1367))
+
+
 def test_the_report_names_the_levels_its_runs_have():
     from experiments.repro.probe import level_span
 
