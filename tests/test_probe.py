@@ -622,7 +622,7 @@ def test_the_halting_replications_extension_merges_and_no_early_decision_grades_
     assert set(answers) == {"recur_halt", "early_exit", "mor", "mod:n_layer=8:capacity=0.125"}
     assert answers["early_exit"] < 0.05 and all(p > 0.05 for name, p in answers.items() if name != "early_exit")
     assert merged["goals"]["families_grading_answers"] == ["early_exit"]
-    assert max(merged["variants"]["mod:n_layer=8:capacity=0.125"]["spearman_seeds"]) < 0  # answers get less, every seed
+    assert max(merged["variants"]["mod:n_layer=8:capacity=0.125"]["spearman_seeds"]) < 0  # all labelled: every seed
 
 
 def test_the_report_names_the_levels_its_runs_have():
