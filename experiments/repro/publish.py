@@ -24,19 +24,18 @@ text: bit for bit; a figure only the retraining has, at any depth of nested dict
 names it and the restore prints each with its number of rows, unless the row's ``code`` is the report's own), and the
 report's commit, dirty flag and diff too, or nothing is written (one line names the row and the field). A row the
 report reused from a run at an earlier commit (its ``code``) retrained at the report's commit may differ in its
-``code`` only; its record's note names both commits.
-A retrained row must have trained at the report's code (a retraining that reused an old run is refused), and the
-report's own numbers (a reference loss, the budget) must be equal too. The records go to each published row's
-``run_dir``, which must not hold one yet; the report stays as published, and each record's ``published.restored`` says
-so and names the retrained folder (whose version number may differ: two runs at once take them in the order they
-start). A report copied into the repository before publish existed (its rows name the trained folders, no
-``run_dir_trained``) gets its records where publish would have put them (``runs/...`` as in the retraining's ``OUT``),
-and its rows' ``run_dir`` rewritten to them as publish does (the trained folder kept as ``run_dir_trained``); every
-other figure of its ``results.json`` stays. A merged report (rows with a ``source``) is restored through the folders
-its rows came from. A leaderboard published alone (``DEST`` holds ``leaderboard.json`` of ``experiments.compare``, no
-``results.json``; ``OUT``: the ``--log_dir`` of the retrained runs) is checked run by run (matched by its row and
-seed: every figure but the step time, and the board's code), and its records go to ``DEST/runs`` as ``--runs`` writes
-them.
+``code`` only; its record's note names both commits. A retrained row must have trained at the report's code (a
+retraining that reused an old run is refused), and the report's own numbers (a reference loss, the budget) must be
+equal too. The records go to each published row's ``run_dir``, which must not hold one yet; the report stays as
+published, and each record's ``published.restored`` says so and names the retrained folder (whose version number may
+differ: two runs at once take them in the order they start). A report copied into the repository before publish existed
+(its rows name the trained folders, no ``run_dir_trained``) gets its records where publish would have put them
+(``runs/...`` as in the retraining's ``OUT``), and its rows' ``run_dir`` rewritten to them as publish does (the trained
+folder kept as ``run_dir_trained``); every other figure of its ``results.json`` stays. A merged report (rows with a
+``source``) is restored through the folders its rows came from. A leaderboard published alone (``DEST`` holds
+``leaderboard.json`` of ``experiments.compare``, no ``results.json``; ``OUT``: the ``--log_dir`` of the retrained runs)
+is checked run by run (matched by its row and seed: every figure but the step time, and the board's code), and its
+records go to ``DEST/runs`` as ``--runs`` writes them.
 
 ``python -m experiments.repro.publish --runs LOG_DIR DEST``: the same records of every finished run folder under
 ``LOG_DIR`` (runs of ``experiments.run`` itself, e.g. a loop over depths and seeds, with no programme report), at
@@ -46,6 +45,7 @@ table on any machine. Unfinished folders are refused, so a published set is the 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import pathlib
 import shutil
@@ -206,36 +206,29 @@ def restore(out: pathlib.Path, dest: pathlib.Path) -> List[pathlib.Path]:
             row["run_dir_trained"], row["run_dir"] = row["run_dir"], name.as_posix()
         rewritten = json.dumps(published, indent=1) + "\n"
     label = report_label(published)
+    # per row, the figures only the retraining has (nothing to compare them with): each record's note names its own
+    extras = [retrained_only(new, old) for old, new in zip(published["runs"], retrained["runs"])]
     staging = pathlib.Path(tempfile.mkdtemp(prefix=".restore.", dir=dest))
     try:
-        for i, ((run_dir, summary), row, old) in enumerate(zip(runs, retrained["runs"], published["runs"])):
-            copy_record(run_dir, summary, staging / str(i), {"restored": restored_note(old, row, commit, label)})
+        rows = zip(runs, retrained["runs"], published["runs"], extras)
+        for i, ((run_dir, summary), row, old, extra) in enumerate(rows):
+            copy_record(run_dir, summary, staging / str(i), {"restored": restored_note(old, row, commit, label, extra)})
         move_into_place(staging, targets, dest / "results.json", rewritten)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    left_out = figures_left_out(published["runs"], retrained["runs"])
+    left_out = collections.Counter(path for extra in extras for path in extra)  # in the order first met
     if left_out:
         print("publish --restore: left out of the comparison, as only the retraining has them (each record's note "
-              "names its own): " + ", ".join(f"{path} ({rows} of {len(targets)} rows)" for path, rows in left_out.items()))
+              "names its own): " + ", ".join(f"{path} ({n} of {len(targets)} rows)" for path, n in left_out.items()))
     return targets
 
 
-def figures_left_out(published: Sequence[Dict[str, Any]], retrained: Sequence[Dict[str, Any]]) -> Dict[str, int]:
-    """Each figure some retrained row has and its published row lacks (dotted path) and in how many rows, in the
-    order first met: what a restore accepted without a published value to compare."""
-    counts: Dict[str, int] = {}
-    for old, new in zip(published, retrained):
-        for path in retrained_only(new, old):
-            counts[path] = counts.get(path, 0) + 1
-    return counts
-
-
-def restored_note(published_row: Dict[str, Any], retrained_row: Dict[str, Any], commit: str, label: str) -> str:
+def restored_note(published_row: Dict[str, Any], retrained_row: Dict[str, Any], commit: str, label: str,
+                  extra: Sequence[str]) -> str:
     """What a restored record says of itself: the retraining it is, for a row the report reused from a run at an
-    earlier commit that commit too, and the figures only the retraining has (nothing to compare them with)."""
+    earlier commit that commit too, and ``extra``, the figures only the retraining has (``retrained_only``)."""
     earlier = (f"the published run trained at {published_row['code']} and the report reused it; "
                if reused_from_earlier_code(published_row, retrained_row, label) else "")
-    extra = retrained_only(retrained_row, published_row)
     return (f"{earlier}retrained at {commit} by the report's command (as {retrained_row['run_dir']}); every figure "
             f"of its row but the clocks{' and the code' if earlier else ''} came back equal"
             + (f" (the retraining also has {', '.join(extra)}, which the published row lacks)" if extra else ""))
