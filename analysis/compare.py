@@ -7,13 +7,14 @@ from __future__ import annotations
 import csv
 import dataclasses
 import glob
+import io
 import json
 import math
 import pathlib
 import re
 import statistics
 import sys
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from architectures.config import ConfigError, flatten
 
@@ -790,6 +791,20 @@ def with_runs_relative_to(board: Dict[str, Any], folder: pathlib.Path) -> Dict[s
 
     return {**board, "rows": [{**row, "runs": [portable(d) for d in row["runs"]]} for row in board["rows"]],
             "runs": [{**run, "run_dir": portable(run["run_dir"])} for run in board["runs"]]}
+
+
+def csv_runs_renamed(text: str, rename: Callable[[str], str]) -> str:
+    """A ``leaderboard.csv``'s text with each run folder of its ``runs`` column passed through ``rename``, every
+    other byte as ``write_csv`` wrote it (the same writer writes it back): publish names a run by its record."""
+    rows = list(csv.reader(io.StringIO(text, newline="")))
+    if not rows or "runs" not in rows[0]:
+        return text
+    column = rows[0].index("runs")
+    for row in rows[1:]:
+        row[column] = " ".join(rename(name) for name in row[column].split())
+    written = io.StringIO(newline="")
+    csv.writer(written).writerows(rows)
+    return written.getvalue()
 
 
 def compare(patterns: Sequence[str], group_by: Optional[Sequence[str]] = None,

@@ -153,6 +153,21 @@ def test_written_board_names_the_runs_below_it_relative_to_it(runs, tmp_path, mo
         run["run_dir"] for run in board["runs"])
 
 
+def test_a_written_csv_renamed_changes_its_run_names_only(runs, tmp_path):
+    """``csv_runs_renamed`` (publish names runs by their records) writes back every other byte: the identity gives the
+    file compare wrote; a rename touches the ``runs`` column alone; a text without that column is returned as is."""
+    compare.compare([str(d) for d in runs.values()], out=tmp_path / "board")
+    text = (tmp_path / "board" / "leaderboard.csv").read_bytes().decode()
+    assert "\r\n" in text and compare.csv_runs_renamed(text, lambda name: name) == text
+    renamed = compare.csv_runs_renamed(text, lambda name: "R")
+    with (tmp_path / "board" / "leaderboard.csv").open(newline="") as handle:
+        before = list(csv.DictReader(handle))
+    after = list(csv.DictReader(renamed.splitlines()))
+    assert [{**row, "runs": None} for row in before] == [{**row, "runs": None} for row in after]
+    assert [row["runs"] for row in after] == [" ".join("R" for _ in row["runs"].split()) for row in before]
+    assert compare.csv_runs_renamed("a,b\r\n1,2\r\n", lambda name: "R") == "a,b\r\n1,2\r\n"
+
+
 def test_plot_has_error_bars_pareto_front_legend_and_labels(runs, tmp_path, monkeypatch):
     import matplotlib.figure
 

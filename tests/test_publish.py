@@ -2,8 +2,10 @@
 path of the machine that trained them, and summaries thinned to what a table or a reviewer needs."""
 from __future__ import annotations
 
+import csv
 import json
 import pathlib
+from typing import List
 
 import numpy as np
 import pytest
@@ -77,6 +79,23 @@ def test_publish_copies_the_report_and_each_runs_records_without_paths_or_curves
     assert publish.main([str(out), str(dest)]) == results
     assert not (dest / "figure.png").exists() and not (dest / "runs" / "vanilla-tiny" / "version_9").exists()
     assert [p.name for p in dest.parent.iterdir()] == ["prog"]  # no staging folder left beside it
+
+
+def test_publish_names_each_run_of_the_leaderboard_csv_by_its_record(tmp_path, monkeypatch):
+    """The programme's run table names a run relative to OUT (compare now), relative to where the programme ran (older
+    code) or by its full path; the published copy names each by its record, a folder with no record as it was, and
+    keeps every other byte (CRLF, a quoted field)."""
+    out = _programme_out(tmp_path)
+    monkeypatch.chdir(tmp_path / "out")
+    trained = [out / "runs" / "vanilla-tiny" / f"version_{i}" for i in (0, 1)]
+    names = [[trained[0].relative_to(out).as_posix(), "elsewhere/version_3"],
+             ["out/prog/runs/vanilla-tiny/version_1", str(trained[0])]]
+    text = "variant,note,runs\r\n" + "".join(f'vanilla,"a, b",{" ".join(n)}\r\n' for n in names)
+    (out / "leaderboard.csv").write_bytes(text.encode())
+    publish.main([str(out), str(tmp_path / "dest")])
+    assert (tmp_path / "dest" / "leaderboard.csv").read_bytes().decode() == (
+        'variant,note,runs\r\nvanilla,"a, b",runs/vanilla-tiny/version_0 elsewhere/version_3\r\n'
+        'vanilla,"a, b",runs/vanilla-tiny/version_1 runs/vanilla-tiny/version_0\r\n')
 
 
 def test_a_thinned_summary_says_what_it_dropped_and_adds_nothing_a_run_did_not_write():
@@ -207,25 +226,35 @@ def test_every_published_run_record_is_in_the_repository():
 
 
 def test_every_published_leaderboard_names_its_records_relative_to_its_folder():
-    """A leaderboard published beside its records names each by its path from the board's folder, which holds on
-    any clone, not by the path of the machine that wrote it (``experiments.compare --out`` writes them so); a board
-    restored later keeps the trained folders it was published with (``depth_h2h``), which name no record."""
+    """A leaderboard published beside its records (``.json`` and ``.csv``) names each by its path from the board's
+    folder, which holds on any clone, not by the path of the machine that wrote it nor the folder it ran in
+    (``experiments.compare --out`` and publish write them so); a board restored later keeps the trained folders it was
+    published with (``depth_h2h``), which name no record of its report."""
     from tests.conftest import REPO
 
     results = REPO / "docs" / "results"
     named = 0
-    for board in results.rglob("leaderboard.json"):
+    for board in [*results.rglob("leaderboard.json"), *results.rglob("leaderboard.csv")]:
         if "runs" in board.relative_to(results).parts:
             continue
-        stored = json.loads(board.read_text())
-        listed = [run["run_dir"] for run in stored["runs"]] + [d for row in stored["rows"] for d in row["runs"]]
-        for run_dir in listed:
+        report = board.parent / "results.json"
+        trained = {r.get("run_dir_trained") for r in json.loads(report.read_text())["runs"]} if report.is_file() else set()
+        for run_dir in board_run_names(board):
             where = f"{board.relative_to(results)}: {run_dir}"
-            assert "docs/results/" not in run_dir, where
+            assert "docs/results/" not in run_dir and run_dir not in trained, where
             if not pathlib.Path(run_dir).is_absolute():
                 assert (board.parent / run_dir / "summary.json").is_file(), where
                 named += 1
-    assert named >= 350  # 186 runs, each named by its row and its run entry (372), when this was written
+    assert named >= 900  # 372 names in leaderboard.json files and 571 in leaderboard.csv files when this was written
+
+
+def board_run_names(board: pathlib.Path) -> List[str]:
+    """The run folders a leaderboard names: in ``.json`` each row's and each run's, in ``.csv`` the ``runs`` column."""
+    if board.suffix == ".json":
+        stored = json.loads(board.read_text())
+        return [run["run_dir"] for run in stored["runs"]] + [d for row in stored["rows"] for d in row["runs"]]
+    with board.open(newline="") as handle:
+        return [name for row in csv.DictReader(handle) for name in row["runs"].split()]
 
 
 def test_every_run_record_holds_its_rows_seed_loss_steps_and_parameters():

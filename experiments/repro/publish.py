@@ -13,7 +13,9 @@ trusted, and ``published`` says which.
 Not copied: checkpoints, TensorBoard events, ``leaderboard.json`` and
 the ``runs.json`` reuse index (both name the trained folders).
 Each row's ``run_dir`` in the copied ``results.json`` becomes the record's path relative to ``DEST`` (the trained
-folder stays as ``run_dir_trained``); the records themselves keep what the run wrote (its own paths included).
+folder stays as ``run_dir_trained``), and so does each run ``leaderboard.csv`` names (by the trained folder: relative to
+``OUT`` or, written by older code, to where the programme ran, or in full); the records themselves keep what the run
+wrote (its own paths included).
 ``DEST`` is replaced as a whole (written beside it, then swapped in), so a folder published again holds nothing stale;
 a non-empty ``DEST`` that is not a published report is refused.
 
@@ -52,6 +54,7 @@ import shutil
 import tempfile
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from analysis.compare import csv_runs_renamed
 from analysis.retraining import (CLOCK_FIELDS, PATH_FIELDS, board_mismatch, code_state,  # noqa: F401
                                  report_label, retrained_only, retraining_mismatch,
                                  reused_from_earlier_code)
@@ -167,6 +170,10 @@ def publish(out: pathlib.Path, dest: pathlib.Path) -> Dict[str, Any]:
         for path in sorted(out.iterdir()):
             if path.is_file() and path.suffix in REPORT_SUFFIXES:
                 shutil.copy2(path, staging / path.name)
+        board = staging / "leaderboard.csv"
+        if board.is_file():
+            records = {run_dir.resolve(): name.as_posix() for (run_dir, _), name in zip(runs, names)}
+            board.write_bytes(board_naming_records(board.read_bytes().decode(), records, out).encode())
         for row, (run_dir, summary), name in zip(rows, runs, names):
             copy_record(run_dir, summary, staging / name)
             row["run_dir_trained"], row["run_dir"] = row["run_dir"], name.as_posix()
@@ -174,6 +181,19 @@ def publish(out: pathlib.Path, dest: pathlib.Path) -> Dict[str, Any]:
 
     replace_folder(dest, fill)
     return results
+
+
+def board_naming_records(text: str, records: Dict[pathlib.Path, str], out: pathlib.Path) -> str:
+    """A programme's ``leaderboard.csv`` (its text) with each run it names by a trained folder that has a record
+    (``records``: resolved folder -> record name) named by the record: compare names a folder relative to ``OUT``,
+    code before it relative to where the programme ran (one of ``OUT``'s parents), or by its full path."""
+    def record(name: str) -> str:
+        stored = pathlib.Path(name)
+        bases = [] if stored.is_absolute() else [out, *out.resolve().parents]
+        places = [base / stored for base in bases] or [stored]
+        return next((records[p.resolve()] for p in places if p.resolve() in records), name)
+
+    return csv_runs_renamed(text, record)
 
 
 def restore(out: pathlib.Path, dest: pathlib.Path) -> List[pathlib.Path]:
