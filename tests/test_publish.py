@@ -81,10 +81,10 @@ def test_publish_copies_the_report_and_each_runs_records_without_paths_or_curves
     assert [p.name for p in dest.parent.iterdir()] == ["prog"]  # no staging folder left beside it
 
 
-def test_publish_names_each_run_of_the_leaderboard_csv_by_its_record(tmp_path, monkeypatch):
+def test_publish_names_each_run_of_the_leaderboard_csv_by_its_record(tmp_path, monkeypatch, capsys):
     """The programme's run table names a run relative to OUT (compare now), relative to where the programme ran (older
     code) or by its full path; the published copy names each by its record, a folder with no record as it was, and
-    keeps every other byte (CRLF, a quoted field)."""
+    keeps every other byte (CRLF, a quoted field); a name that is no run of the report is kept, with a warning."""
     out = _programme_out(tmp_path)
     monkeypatch.chdir(tmp_path / "out")
     trained = [out / "runs" / "vanilla-tiny" / f"version_{i}" for i in (0, 1)]
@@ -93,6 +93,7 @@ def test_publish_names_each_run_of_the_leaderboard_csv_by_its_record(tmp_path, m
     text = "variant,note,runs\r\n" + "".join(f'vanilla,"a, b",{" ".join(n)}\r\n' for n in names)
     (out / "leaderboard.csv").write_bytes(text.encode())
     publish.main([str(out), str(tmp_path / "dest")])
+    assert capsys.readouterr().err.count("names elsewhere/version_3, no run of the report") == 1
     assert (tmp_path / "dest" / "leaderboard.csv").read_bytes().decode() == (
         'variant,note,runs\r\nvanilla,"a, b",runs/vanilla-tiny/version_0 elsewhere/version_3\r\n'
         'vanilla,"a, b",runs/vanilla-tiny/version_1 runs/vanilla-tiny/version_0\r\n')
@@ -228,8 +229,11 @@ def test_every_published_run_record_is_in_the_repository():
 def test_every_published_leaderboard_names_its_records_relative_to_its_folder():
     """A leaderboard published beside its records (``.json`` and ``.csv``) names each by its path from the board's
     folder, which holds on any clone, not by the path of the machine that wrote it nor the folder it ran in
-    (``experiments.compare --out`` and publish write them so); a board restored later keeps the trained folders it was
-    published with (``depth_h2h``), which name no record of its report."""
+    (``experiments.compare --out`` and publish write them so), and names its own: beside a report, exactly the
+    report's records; in a ``.csv`` row, records of the row's seeds in its order. A board restored later keeps the
+    trained folders it was published with (``depth_h2h``), which name no record of its report."""
+    import yaml
+
     from tests.conftest import REPO
 
     results = REPO / "docs" / "results"
@@ -238,13 +242,23 @@ def test_every_published_leaderboard_names_its_records_relative_to_its_folder():
         if "runs" in board.relative_to(results).parts:
             continue
         report = board.parent / "results.json"
-        trained = {r.get("run_dir_trained") for r in json.loads(report.read_text())["runs"]} if report.is_file() else set()
-        for run_dir in board_run_names(board):
+        rows = json.loads(report.read_text())["runs"] if report.is_file() else []
+        trained = {r["run_dir_trained"] for r in rows if "run_dir_trained" in r}
+        names = board_run_names(board)
+        for run_dir in names:
             where = f"{board.relative_to(results)}: {run_dir}"
             assert "docs/results/" not in run_dir and run_dir not in trained, where
             if not pathlib.Path(run_dir).is_absolute():
                 assert (board.parent / run_dir / "summary.json").is_file(), where
                 named += 1
+        if trained:
+            assert set(names) == {r["run_dir"] for r in rows}, board.relative_to(results)
+        if board.suffix == ".csv":
+            with board.open(newline="") as handle:
+                for row in csv.DictReader(handle):
+                    records = [board.parent / name for name in row["runs"].split() if not name.startswith("/")]
+                    seeds = [yaml.safe_load((record / "config.yaml").read_text())["seed"] for record in records]
+                    assert not records or json.loads(row["seeds"]) == seeds, f"{board.relative_to(results)}: {row['runs']}"
     assert named >= 900  # 372 names in leaderboard.json files and 571 in leaderboard.csv files when this was written
 
 
@@ -423,8 +437,8 @@ def test_restore_refuses_another_commit_or_a_folder_publish_did_not_write(tmp_pa
 
 
 def _copied_before_publish(tmp_path) -> pathlib.Path:
-    """A report copied into docs/ before publish existed: the programme's results.json and results.md, its rows
-    naming the trained folders, no records."""
+    """A report copied into docs/ before publish existed: the programme's results.json, results.md and run table
+    (``leaderboard.csv``, CRLF as compare writes it), its rows and the table naming the trained folders, no records."""
     import shutil
 
     out = _programme_out(tmp_path / "first")
@@ -433,6 +447,8 @@ def _copied_before_publish(tmp_path) -> pathlib.Path:
     shutil.copy2(out / "results.md", dest / "results.md")
     results = json.loads((out / "results.json").read_text())
     (dest / "results.json").write_text(json.dumps({**results, "provenance": CODE}))
+    trained = " ".join(row["run_dir"] for row in results["runs"])
+    (dest / "leaderboard.csv").write_bytes(f"variant,runs\r\nvanilla,{trained}\r\n".encode())
     return dest
 
 
@@ -448,6 +464,8 @@ def test_restore_gives_a_report_copied_before_publish_its_records_and_rows_as_pu
     assert strip(after["runs"]) == strip(before["runs"]) and {**after, "runs": 0} == {**before, "runs": 0}
     for row in after["runs"]:
         assert (dest / row["run_dir"] / "config.yaml").read_text() == f"seed: {row['seed']}\n"
+    # the run table names the records too, in the rows' order
+    assert (dest / "leaderboard.csv").read_bytes() == b"variant,runs\r\nvanilla,runs/vanilla-tiny/version_1 runs/vanilla-tiny/version_0\r\n"
     with pytest.raises(ConfigError, match="already holds a record"):  # now a report publish wrote, with its records
         publish.restore(_retrained(tmp_path / "2"), dest)
 
@@ -462,7 +480,7 @@ def test_restore_refuses_merged_or_mixed_reports_and_writes_nothing(tmp_path):
         (dest / "results.json").write_text(json.dumps({**results, "runs": rows}))
         with pytest.raises(ConfigError, match=refusal):
             publish.restore(_retrained(tmp_path / str(len(refusal))), dest)
-    assert sorted(p.name for p in dest.iterdir()) == ["results.json", "results.md"]
+    assert sorted(p.name for p in dest.iterdir()) == ["leaderboard.csv", "results.json", "results.md"]
 
 
 def test_retraining_rows_compare_bit_for_bit_with_nan_equal_to_nan_and_only_the_clocks_free():
@@ -583,15 +601,18 @@ def test_a_restore_that_fails_midway_takes_back_its_records_and_can_run_again(tm
     import lightning_modules.storage as storage
 
     dest = _copied_before_publish(tmp_path)
-    before = (dest / "results.json").read_text()
+    before = {name: (dest / name).read_bytes() for name in ("results.json", "leaderboard.csv")}
+    write = storage.write_text_atomic
 
-    def full_disk(path, text, what="write"):
-        raise OSError(28, "No space left on device")
+    def full_disk_after_one(path, text, what="write"):  # results.json written, the run table not: both taken back
+        if path.name == "leaderboard.csv" and text != before["leaderboard.csv"].decode():
+            raise OSError(28, "No space left on device")
+        write(path, text, what)
 
-    monkeypatch.setattr(storage, "write_text_atomic", full_disk)
+    monkeypatch.setattr(storage, "write_text_atomic", full_disk_after_one)
     with pytest.raises(OSError, match="No space left"):
         publish.restore(_retrained(tmp_path), dest)
-    assert (dest / "results.json").read_text() == before and not (dest / "runs").exists()
+    assert {name: (dest / name).read_bytes() for name in before} == before and not (dest / "runs").exists()
     monkeypatch.undo()
     publish.restore(_retrained(tmp_path / "2"), dest)  # the same command again: nothing was left in its way
     assert all((dest / r["run_dir"] / "summary.json").is_file() for r in json.loads((dest / "results.json").read_text())["runs"])

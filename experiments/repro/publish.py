@@ -51,6 +51,7 @@ import collections
 import json
 import pathlib
 import shutil
+import sys
 import tempfile
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -62,8 +63,9 @@ from architectures.config import ConfigError
 
 CURVE_POINTS = 256
 RUN_FILES = ("config.yaml", "provenance.json", "probe.json")  # copied as they are, where present
-# the report (results.md, leaderboard.md / .csv) and figures; results.json is written with its rows' run_dir
-# rewritten; leaderboard.json and the runs.json reuse index name the trained folders and stay behind
+# the report (results.md, leaderboard.md / .csv) and figures; results.json's rows and leaderboard.csv's runs column
+# are rewritten to name the records; leaderboard.json and the runs.json reuse index name the trained folders and stay
+# behind
 REPORT_SUFFIXES = (".md", ".csv", ".png")
 
 
@@ -166,14 +168,16 @@ def publish(out: pathlib.Path, dest: pathlib.Path) -> Dict[str, Any]:
         if folders.setdefault(name, run_dir.resolve()) != run_dir.resolve():
             raise ConfigError(f"publish: the run folders {folders[name]} and {run_dir} would share the record {name}; "
                               "publish runs of one --out (or one log folder) at a time")
+    records = {stored: name.as_posix() for row, (run_dir, _), name in zip(rows, runs, names)
+               for stored in (row["run_dir"], str(run_dir.resolve()))}
+
     def fill(staging: pathlib.Path) -> None:
         for path in sorted(out.iterdir()):
             if path.is_file() and path.suffix in REPORT_SUFFIXES:
                 shutil.copy2(path, staging / path.name)
         board = staging / "leaderboard.csv"
         if board.is_file():
-            records = {run_dir.resolve(): name.as_posix() for (run_dir, _), name in zip(runs, names)}
-            board.write_bytes(board_naming_records(board.read_bytes().decode(), records, out).encode())
+            board.write_bytes(board_naming_records(board.read_bytes().decode(), records, out / board.name).encode())
         for row, (run_dir, summary), name in zip(rows, runs, names):
             copy_record(run_dir, summary, staging / name)
             row["run_dir_trained"], row["run_dir"] = row["run_dir"], name.as_posix()
@@ -183,15 +187,16 @@ def publish(out: pathlib.Path, dest: pathlib.Path) -> Dict[str, Any]:
     return results
 
 
-def board_naming_records(text: str, records: Dict[pathlib.Path, str], out: pathlib.Path) -> str:
-    """A programme's ``leaderboard.csv`` (its text) with each run it names by a trained folder that has a record
-    (``records``: resolved folder -> record name) named by the record: compare names a folder relative to ``OUT``,
-    code before it relative to where the programme ran (one of ``OUT``'s parents), or by its full path."""
+def board_naming_records(text: str, records: Dict[str, str], where: pathlib.Path) -> str:
+    """A ``leaderboard.csv``'s text with each run named by its record: ``records`` maps each name a board gives a
+    row's trained folder (as the row stored it, resolved, or relative to ``OUT``) to that row's record. A name that is
+    neither is kept, with a warning: it is no run of the report."""
+    known = set(records.values())
+
     def record(name: str) -> str:
-        stored = pathlib.Path(name)
-        bases = [] if stored.is_absolute() else [out, *out.resolve().parents]
-        places = [base / stored for base in bases] or [stored]
-        return next((records[p.resolve()] for p in places if p.resolve() in records), name)
+        if name not in records and name not in known:
+            print(f"warning: publish: {where} names {name}, no run of the report; kept as it is", file=sys.stderr)
+        return records.get(name, name)
 
     return csv_runs_renamed(text, record)
 
@@ -220,11 +225,15 @@ def restore(out: pathlib.Path, dest: pathlib.Path) -> List[pathlib.Path]:
         raise ConfigError(f"publish --restore: two of {dest}'s rows would share one record; restore a report whose "
                           "rows are distinct runs")
     commit = code_state(published)[0]
-    rewritten = None
+    texts = {}
     if copied_before_publish:  # the rows name their records as publish's would (the trained folder kept)
         for row, name in zip(published["runs"], names):
             row["run_dir_trained"], row["run_dir"] = row["run_dir"], name.as_posix()
-        rewritten = json.dumps(published, indent=1) + "\n"
+        texts[dest / "results.json"] = json.dumps(published, indent=1) + "\n"
+    board = dest / "leaderboard.csv"
+    if board.is_file():  # its runs named by the records from now on, as publish names them
+        records = {row["run_dir_trained"]: row["run_dir"] for row in published["runs"]}
+        texts[board] = board_naming_records(board.read_bytes().decode(), records, board)
     label = report_label(published)
     # per row, the figures only the retraining has (nothing to compare them with): each record's note names its own
     extras = [retrained_only(new, old) for old, new in zip(published["runs"], retrained["runs"])]
@@ -233,7 +242,7 @@ def restore(out: pathlib.Path, dest: pathlib.Path) -> List[pathlib.Path]:
         rows = zip(runs, retrained["runs"], published["runs"], extras)
         for i, ((run_dir, summary), row, old, extra) in enumerate(rows):
             copy_record(run_dir, summary, staging / str(i), {"restored": restored_note(old, row, commit, label, extra)})
-        move_into_place(staging, targets, dest / "results.json", rewritten)
+        move_into_place(staging, targets, texts)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     left_out = collections.Counter(path for extra in extras for path in extra)  # in the order first met
@@ -254,27 +263,32 @@ def restored_note(published_row: Dict[str, Any], retrained_row: Dict[str, Any], 
             + (f" (the retraining also has {', '.join(extra)}, which the published row lacks)" if extra else ""))
 
 
-def move_into_place(staging: pathlib.Path, targets: Sequence[pathlib.Path], report: pathlib.Path,
-                    text: Optional[str]) -> None:
-    """Move ``staging/<i>`` to ``targets[i]``, then write ``text`` (when given) to ``report``; a failure anywhere
-    takes back the records moved so far, so the folder is as it was and the same command can run again."""
+def move_into_place(staging: pathlib.Path, targets: Sequence[pathlib.Path], texts: Dict[pathlib.Path, str]) -> None:
+    """Move ``staging/<i>`` to ``targets[i]``, then write each of ``texts`` (path: text); a failure anywhere takes
+    back the records moved so far (and the texts written), so the folder is as it was and the same command can run
+    again."""
     from lightning_modules.storage import write_text_atomic
 
     made = {parent for target in targets for parent in target.parents if not parent.exists()}
+    before = {path: path.read_bytes().decode() for path in texts}
     moved: List[pathlib.Path] = []
+    written: List[pathlib.Path] = []
     try:
         for i, target in enumerate(targets):
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(str(staging / str(i)), str(target))
             moved.append(target)
-        if text is not None:
-            write_text_atomic(report, text)
+        for path, text in texts.items():
+            write_text_atomic(path, text)
+            written.append(path)
     except BaseException:
         for target in moved:
             shutil.rmtree(target, ignore_errors=True)
         for folder in sorted(made, key=lambda path: len(path.parts), reverse=True):  # made for them, deepest first
             if folder.is_dir() and not any(folder.iterdir()):
                 folder.rmdir()
+        for path in written:  # the report as it was, so that its rows name no record
+            write_text_atomic(path, before[path])
         raise
 
 
