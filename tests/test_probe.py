@@ -625,6 +625,41 @@ def test_the_halting_replications_extension_merges_and_no_early_decision_grades_
     assert max(merged["variants"]["mod:n_layer=8:capacity=0.125"]["spearman_seeds"]) < 0  # all labelled: every seed
 
 
+HALTING_REST = REPO / "docs" / "results" / "probe_bounce_halting_rest"
+SECOND_SAMPLE = REPO / "docs" / "results" / "probe_bounce_second_sample"
+
+
+def test_the_second_sample_completed_merges_and_both_halves_of_the_headline_hold_on_it(tmp_path):
+    """docs/results/probe_bounce_halting_rest (docs/results/preregistered/probe_bounce_halting_replication_rest.md:
+    mode_staged, mom_e, moe, depth_gate_skip, mor_token and MoD 8 layers at capacity 0.25 at the replication's seeds,
+    CPU and settings, 30 runs at 1fbf8c6; the reference vanilla and 1x64 reused from the extension's runs at d9bd1d3):
+    its stored rows give its committed tables; merged with the replication's and the extension's they give the
+    committed tables of the whole second sample (probe_bounce_second_sample: three dense shapes, the ten routed
+    entries of the first sample). The plan's verdicts, Holm over the ten: early exit's answers-only test passes and no
+    other entry's does (four have no test: every answer token gets the same compute in all or all but one seed), and
+    no routed entry's loss is below the best dense model's (1x32)."""
+    from experiments.repro import main
+
+    own = main(["probe", "--out", str(tmp_path / "own"), "--tables_from", str(HALTING_REST / "results.json")])
+    assert _report_tables(tmp_path / "own" / "results.md") == _report_tables(HALTING_REST / "results.md")
+    assert len(own["runs"]) == 40 and {r["seed"] for r in own["runs"]} == set(range(1362, 1367))
+    reference = [r["variant"] in ("vanilla", "dense:1x64") for r in own["runs"]]
+    assert {r["code"] for r, reused in zip(own["runs"], reference) if reused} == {"d9bd1d3d49"}  # not retrained
+    assert {r["code"] for r, reused in zip(own["runs"], reference) if not reused} == {"1fbf8c6582"}
+    files = ",".join(str(folder / "results.json") for folder in (HALTING_REPLICATION, HALTING_EARLY, HALTING_REST))
+    merged = main(["probe", "--out", str(tmp_path / "merged"), "--tables_from", files])
+    assert _report_tables(tmp_path / "merged" / "results.md") == _report_tables(SECOND_SAMPLE / "results.md")
+    routed = {name: row for name, row in merged["variants"].items() if not row.get("dense")}
+    assert len(routed) == 10 and merged["tests"]["best_dense"] == "dense:1x32"
+    answers = {name: row.get("spearman_answers_t_p_holm") for name, row in routed.items()}
+    assert answers["early_exit"] < 0.05 and all(p is None or p > 0.05 for n, p in answers.items() if n != "early_exit")
+    assert {n for n, p in answers.items() if p is None} == {"mom_e", "moe", "depth_gate_skip", "mor_token"}
+    assert merged["goals"]["families_grading_answers"] == ["early_exit"]
+    assert merged["goals"]["beats_best_dense_loss"] == [] and len(merged["tests"]["loss"]) == 10
+    assert all(row["ci_low"] > 0 for row in merged["tests"]["loss"].values())  # every routed loss above 1x32's
+    assert max(routed["mode_staged"]["spearman_answers_seeds"]) < 0  # MoDE: less compute the harder, every seed
+
+
 def test_the_report_names_the_levels_its_runs_have():
     from experiments.repro.probe import level_span
 
