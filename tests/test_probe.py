@@ -635,9 +635,10 @@ def test_the_second_sample_completed_merges_and_both_halves_of_the_headline_hold
     CPU and settings, 30 runs at 1fbf8c6; the reference vanilla and 1x64 reused from the extension's runs at d9bd1d3):
     its stored rows give its committed tables; merged with the replication's and the extension's they give the
     committed tables of the whole second sample (probe_bounce_second_sample: three dense shapes, the ten routed
-    entries of the first sample). The plan's verdicts, Holm over the ten: early exit's answers-only test passes and no
-    other entry's does (four have no test: every answer token gets the same compute in all or all but one seed), and
-    no routed entry's loss is below the best dense model's (1x32)."""
+    entries of the first sample). The plan's verdicts, Holm over the ten (the correction counts the entries with a
+    test: six for the answers' grading): early exit's answers-only test passes and no other entry's does (four have no
+    test: every answer token gets the same compute in all or all but one seed), and no routed entry's loss is below the
+    best dense model's (1x32)."""
     from experiments.repro import main
 
     own = main(["probe", "--out", str(tmp_path / "own"), "--tables_from", str(HALTING_REST / "results.json")])
@@ -654,6 +655,8 @@ def test_the_second_sample_completed_merges_and_both_halves_of_the_headline_hold
     answers = {name: row.get("spearman_answers_t_p_holm") for name, row in routed.items()}
     assert answers["early_exit"] < 0.05 and all(p is None or p > 0.05 for n, p in answers.items() if n != "early_exit")
     assert {n for n, p in answers.items() if p is None} == {"mom_e", "moe", "depth_gate_skip", "mor_token"}
+    raw = routed["early_exit"]["spearman_answers_t_p"]
+    assert answers["early_exit"] == pytest.approx(6 * raw)  # Holm's m is the six entries with a test, not ten
     assert merged["goals"]["families_grading_answers"] == ["early_exit"]
     assert merged["goals"]["beats_best_dense_loss"] == [] and len(merged["tests"]["loss"]) == 10
     assert all(row["ci_low"] > 0 for row in merged["tests"]["loss"].values())  # every routed loss above 1x32's

@@ -29,8 +29,9 @@ report reused from a run at an earlier commit (its ``code``) retrained at the re
 ``code`` only; its record's note names both commits. A retrained row must have trained at the report's code (a
 retraining that reused an old run is refused), and the report's own numbers (a reference loss, the budget) must be
 equal too. The records go to each published row's ``run_dir``, which must not hold one yet; the report stays as
-published, and each record's ``published.restored`` says so and names the retrained folder (whose version number may
-differ: two runs at once take them in the order they start). A report copied into the repository before publish existed
+published but for its ``leaderboard.csv``, which then names the records as publish's does, and each record's
+``published.restored`` says so and names the retrained folder (whose version number may differ: two runs at once take
+them in the order they start). A report copied into the repository before publish existed
 (its rows name the trained folders, no ``run_dir_trained``) gets its records where publish would have put them
 (``runs/...`` as in the retraining's ``OUT``), and its rows' ``run_dir`` rewritten to them as publish does (the trained
 folder kept as ``run_dir_trained``); every other figure of its ``results.json`` stays. A merged report (rows with a
