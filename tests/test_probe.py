@@ -423,13 +423,22 @@ def _report_tables(path: pathlib.Path) -> str:
     return text[start:min(ends)]
 
 
+def _rebuilt(out: pathlib.Path, published: pathlib.Path, *sources: pathlib.Path):
+    """The programme's report rebuilt into ``out`` (``--tables_from``) from the stored rows of ``sources`` (published
+    folders; ``published`` itself by default), its tables checked against ``published``'s results.md to the
+    character; the rebuilt results."""
+    from experiments.repro import main
+
+    files = ",".join(str(folder / "results.json") for folder in sources or (published,))
+    results = main(["probe", "--out", str(out), "--tables_from", files])
+    assert _report_tables(out / "results.md") == _report_tables(published / "results.md")
+    return results
+
+
 def test_the_published_bounce_tables_rebuild_from_their_stored_rows(tmp_path):
     """The repository keeps each published probe table's run rows (results.json): the programme rebuilds its
     tables, tests and goal lines from them, without the run folders, to the character."""
-    from experiments.repro import main
-
-    results = main(["probe", "--out", str(tmp_path / "rebuilt"), "--tables_from", str(BOUNCE / "results.json")])
-    assert _report_tables(tmp_path / "rebuilt" / "results.md") == _report_tables(BOUNCE / "results.md")
+    results = _rebuilt(tmp_path / "rebuilt", BOUNCE)
     published = json.loads((BOUNCE / "results.json").read_text())
     assert json.loads(json.dumps(results["tests"])) == published["tests"]
     assert (tmp_path / "rebuilt" / "probe_accuracy.png").is_file()
@@ -525,10 +534,7 @@ def test_the_preregistered_routed_comparison_on_induct_rebuilds_and_no_routed_en
     below the best dense model's (4x64) after Holm over the two. The level-1 accuracy test does not apply (the best
     dense model does not solve level 1: mean < 0.6). Seeds solving level 1: MoD 2/5, depth_gate_skip 1/5, every
     dense shape 0/5."""
-    from experiments.repro import main
-
-    results = main(["probe", "--out", str(tmp_path / "rebuilt"), "--tables_from", str(INDUCT_ROUTED / "results.json")])
-    assert _report_tables(tmp_path / "rebuilt" / "results.md") == _report_tables(INDUCT_ROUTED / "results.md")
+    results = _rebuilt(tmp_path / "rebuilt", INDUCT_ROUTED)
     tests = results["tests"]
     assert tests["best_dense"] == "dense:4x64"
     routed = ("mod:n_layer=4:capacity=0.125", "depth_gate_skip")
@@ -550,11 +556,7 @@ def test_the_preregistered_extension_on_induct_rebuilds_and_no_routed_entry_of_s
     0c5766c). Primary: no entry's loss is below the best dense model's (still 4x64) after Holm over all seven, and the
     two earlier entries' verdicts (Holm over two, p 0.323) do not change. Seeds solving level 1: none of the new
     entries but MoD at capacity 0.25 (1/5). MoD with 8 layers gives level 1 less compute than level 0 in every seed."""
-    from experiments.repro import main
-
-    results = main(["probe", "--out", str(tmp_path / "rebuilt"),
-                    "--tables_from", str(INDUCT_ROUTED_MORE / "results.json")])
-    assert _report_tables(tmp_path / "rebuilt" / "results.md") == _report_tables(INDUCT_ROUTED_MORE / "results.md")
+    results = _rebuilt(tmp_path / "rebuilt", INDUCT_ROUTED_MORE)
     tests = results["tests"]
     assert tests["best_dense"] == "dense:4x64"
     assert len(tests["loss"]) == 7 and all(row["p_holm"] > 0.05 for row in tests["loss"].values())
@@ -582,11 +584,7 @@ def test_the_preregistered_halting_replication_rebuilds_and_early_exit_grades_th
     positive in every seed and its one-sided t-test passes Holm over the two routed entries (replicated). Also: ACT's
     answers-only test does not pass (it leans negative here), and neither routed entry's loss is below the best dense
     model's (1x32); ACT's loss is above it by a bootstrap interval just clear of 0 (reported without a verdict)."""
-    from experiments.repro import main
-
-    results = main(["probe", "--out", str(tmp_path / "rebuilt"),
-                    "--tables_from", str(HALTING_REPLICATION / "results.json")])
-    assert _report_tables(tmp_path / "rebuilt" / "results.md") == _report_tables(HALTING_REPLICATION / "results.md")
+    results = _rebuilt(tmp_path / "rebuilt", HALTING_REPLICATION)
     exit_, act = results["variants"]["early_exit"], results["variants"]["recur_halt"]
     assert min(exit_["spearman_answers_seeds"]) > 0 and exit_["spearman_answers_t_p_holm"] < 0.05  # the verdict
     assert act["spearman_answers_t_p_holm"] > 0.05 and sum(r > 0 for r in act["spearman_answers_seeds"]) == 1
@@ -609,14 +607,9 @@ def test_the_halting_replications_extension_merges_and_no_early_decision_grades_
     vanilla and 1x64 runs bit for bit the replication's, or the merge is refused) they give the committed merged tables.
     The plan's verdict: with Holm over the four routed entries, neither early decision's answers-only test passes (the
     "only" holds on this sample), and early exit's still does."""
-    from experiments.repro import main
-
-    own = main(["probe", "--out", str(tmp_path / "own"), "--tables_from", str(HALTING_EARLY / "results.json")])
-    assert _report_tables(tmp_path / "own" / "results.md") == _report_tables(HALTING_EARLY / "results.md")
+    own = _rebuilt(tmp_path / "own", HALTING_EARLY)
     assert {r["code"] for r in own["runs"]} == {"d9bd1d3d49"} and len(own["runs"]) == 20
-    merged = main(["probe", "--out", str(tmp_path / "merged"), "--tables_from",
-                   f"{HALTING_REPLICATION / 'results.json'},{HALTING_EARLY / 'results.json'}"])
-    assert _report_tables(tmp_path / "merged" / "results.md") == _report_tables(HALTING_MERGED / "results.md")
+    merged = _rebuilt(tmp_path / "merged", HALTING_MERGED, HALTING_REPLICATION, HALTING_EARLY)
     answers = {name: row["spearman_answers_t_p_holm"] for name, row in merged["variants"].items()
                if row.get("spearman_answers_t_p_holm") is not None}
     assert set(answers) == {"recur_halt", "early_exit", "mor", "mod:n_layer=8:capacity=0.125"}
@@ -639,17 +632,12 @@ def test_the_second_sample_completed_merges_and_both_halves_of_the_headline_hold
     test: six for the answers' grading): early exit's answers-only test passes and no other entry's does (four have no
     test: every answer token gets the same compute in all or all but one seed), and no routed entry's loss is below the
     best dense model's (1x32)."""
-    from experiments.repro import main
-
-    own = main(["probe", "--out", str(tmp_path / "own"), "--tables_from", str(HALTING_REST / "results.json")])
-    assert _report_tables(tmp_path / "own" / "results.md") == _report_tables(HALTING_REST / "results.md")
+    own = _rebuilt(tmp_path / "own", HALTING_REST)
     assert len(own["runs"]) == 40 and {r["seed"] for r in own["runs"]} == set(range(1362, 1367))
     reference = [r["variant"] in ("vanilla", "dense:1x64") for r in own["runs"]]
     assert {r["code"] for r, reused in zip(own["runs"], reference) if reused} == {"d9bd1d3d49"}  # not retrained
     assert {r["code"] for r, reused in zip(own["runs"], reference) if not reused} == {"1fbf8c6582"}
-    files = ",".join(str(folder / "results.json") for folder in (HALTING_REPLICATION, HALTING_EARLY, HALTING_REST))
-    merged = main(["probe", "--out", str(tmp_path / "merged"), "--tables_from", files])
-    assert _report_tables(tmp_path / "merged" / "results.md") == _report_tables(SECOND_SAMPLE / "results.md")
+    merged = _rebuilt(tmp_path / "merged", SECOND_SAMPLE, HALTING_REPLICATION, HALTING_EARLY, HALTING_REST)
     routed = {name: row for name, row in merged["variants"].items() if not row.get("dense")}
     assert len(routed) == 10 and merged["tests"]["best_dense"] == "dense:1x32"
     answers = {name: row.get("spearman_answers_t_p_holm") for name, row in routed.items()}
