@@ -188,8 +188,18 @@ def test_grid_bracket_over_shapes_names_the_axis_the_best_shape_is_at_the_edge_o
     assert grid_bracket(shapes, means, "dense:1x32") == ("not bracketed: only one shape tried "
                                                           "(over the depths at d_model=32)")
     shapes["dense:2x32"], means["dense:2x32"] = (2, 32), 0.965
-    assert grid_bracket(shapes, means, "dense:1x32") == ("not bracketed: the best is the smallest shape tried "
-                                                          "(over the depths at d_model=32)")
+    # one layer is the fewest a model can have, so a worse 2 x 32 closes the depth axis at its floor
+    assert grid_bracket(shapes, means, "dense:1x32") == (
+        "bracketed (over the depths at d_model=32 by the floor, 1 layer, the fewest a model can have)")
+    assert "beyond the grid's edge" not in dense_grid_line("dense:1x32", grid_bracket(shapes, means, "dense:1x32"))
+    # the floor closes the depth axis only: with no wider one-layer shape the widths stay open
+    del shapes["dense:1x64"], means["dense:1x64"]
+    assert grid_bracket(shapes, means, "dense:1x32") == ("not bracketed: the best is the largest shape tried "
+                                                          "(over the widths at n_layer=1)")
+    # and a floor at two layers is no floor: 2 x 32 best over depths 2 / 4 is open below
+    assert grid_bracket({"a": (2, 16), "b": (2, 32), "c": (2, 64), "e": (4, 32)},
+                        {"a": 1.1, "b": 1.0, "c": 1.2, "e": 1.3}, "b") == (
+        "not bracketed: the best is the smallest shape tried (over the depths at d_model=32)")
     assert grid_bracket({"vanilla": (4, 64)}, {"vanilla": 1.0}, "vanilla") == (
         "not bracketed: only one shape tried (over the widths at n_layer=4)")
     assert "bracketed" == grid_bracket({"a": (2, 16), "b": (2, 32), "c": (2, 64), "d": (1, 32), "e": (4, 32)},

@@ -622,6 +622,9 @@ def dense_shape(label: str, reference: Tuple[int, int]) -> Tuple[int, int]:
     return shape["n_layer"], shape["d_model"]
 
 
+SMALLEST = "not bracketed: the best is the smallest shape tried"
+
+
 def bracket_verdict(points: Sequence[Tuple[float, Optional[float]]]) -> str:
     """Whether a curve of (size, mean loss) turns inside the grid: "bracketed" when its lowest point has a smaller
     and a larger shape on either side, else which edge of the grid the best shape is at."""
@@ -630,7 +633,7 @@ def bracket_verdict(points: Sequence[Tuple[float, Optional[float]]]) -> str:
         return "not bracketed: only one shape tried" if points else "not bracketed: no shape with a loss"
     best = min(range(len(points)), key=lambda i: points[i][1])
     if best == 0:
-        return "not bracketed: the best is the smallest shape tried"
+        return SMALLEST
     if best == len(points) - 1:
         return "not bracketed: the best is the largest shape tried"
     return "bracketed"
@@ -647,6 +650,9 @@ def grid_bracket(shapes: Dict[str, Tuple[int, int]], means: Dict[str, Optional[f
         return f"{verdict} (over the widths at n_layer={n_layer})"
     if len({n for n, _ in shapes.values()}) > 1:
         verdict = bracket_verdict(_best_per_size([(n, means[k]) for k, (n, d) in shapes.items() if d == d_model]))
+        if verdict == SMALLEST and n_layer == 1:
+            # no dense model has fewer layers than one, so a deeper one that is worse closes the depth axis
+            return f"bracketed (over the depths at d_model={d_model} by the floor, 1 layer, the fewest a model can have)"
         if verdict != "bracketed":
             return f"{verdict} (over the depths at d_model={d_model})"
     return "bracketed"
@@ -670,7 +676,7 @@ def _best_per_size(points: Sequence[Tuple[float, Optional[float]]]) -> List[Tupl
 
 def dense_grid_line(best: str, verdict: str) -> str:
     """The report's line on the dense grid (``grid_bracket``'s verdict), with what it means for the claims."""
-    caveat = ("" if verdict == "bracketed" else "; a dense shape beyond the grid's edge may be better still, so "
+    caveat = ("" if verdict.startswith("bracketed") else "; a dense shape beyond the grid's edge may be better still, so "
               "'beats the best dense model' below is against the best shape tried, not the isoFLOP optimum")
     return f"Dense grid: the best dense model is {best}, {verdict}{caveat}."
 
