@@ -884,6 +884,22 @@ def test_goals_are_met_only_when_the_corrected_test_against_the_best_dense_model
     assert goals["hardest_solvable_level"] == 3 and goals["beats_best_dense"] == ["mod"]
 
 
+def test_the_one_sided_t_test_over_seeds_on_known_numbers_in_either_direction():
+    """The seeds' one-sample t-test: mean 2, sd 1 over 3 seeds is t = 2 sqrt(3) on 2 degrees of freedom, one-sided
+    p = (1 - t / sqrt(t^2 + 2)) / 2; the two directions' p-values sum to 1; no spread: the values' sign decides."""
+    from experiments.repro.probe import one_sided_t
+
+    t = 2 * 3 ** 0.5
+    p = (1 - t / (t * t + 2) ** 0.5) / 2  # Student's t with 2 degrees of freedom, closed form
+    assert one_sided_t([1.0, 2.0, 3.0]) == pytest.approx(p, rel=1e-9)
+    assert one_sided_t([-1.0, -2.0, -3.0], "less") == pytest.approx(p, rel=1e-9)
+    assert one_sided_t([1.0, 2.0, 3.0], "less") == pytest.approx(1 - p, rel=1e-9)
+    assert one_sided_t([-0.3, -0.3], "less") == 0.0 and one_sided_t([-0.3, -0.3]) == 1.0
+    assert one_sided_t([0.4, None, float("nan")]) is None  # one finite value: no test
+    with pytest.raises(ValueError, match="alternative"):
+        one_sided_t([1.0, 2.0], "two-sided")
+
+
 def test_learnable_is_judged_on_the_levels_the_task_has():
     """A two-level task (probe-v7/shift, probe-v8/induct): L1's floor alone decides, not a missing L2 (which read as
     'not met' whatever the accuracy); a task without L1 or L2 is not called learnable."""

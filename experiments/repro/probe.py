@@ -389,16 +389,19 @@ def aggregate(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
     return out
 
 
-def one_sided_t(values: List[Optional[float]]) -> Optional[float]:
-    """p-value of a one-sample t-test that the seed mean is > 0 (None with fewer than 2 finite values)."""
+def one_sided_t(values: List[Optional[float]], alternative: str = "greater") -> Optional[float]:
+    """p-value of a one-sample t-test that the seed mean is > 0 (``alternative="less"``: < 0; None with fewer than
+    2 finite values)."""
+    if alternative not in ("greater", "less"):
+        raise ValueError(f"alternative: {alternative!r} is not one of 'greater', 'less'")
     values = [v for v in values if v is not None and math.isfinite(v)]
     if len(values) < 2:
         return None
     from scipy.stats import ttest_1samp
 
-    if statistics.stdev(values) == 0:
-        return 0.0 if values[0] > 0 else 1.0
-    return float(ttest_1samp(values, 0.0, alternative="greater").pvalue)
+    if statistics.stdev(values) == 0:  # no spread: the direction of the one value decides
+        return 0.0 if (values[0] > 0 if alternative == "greater" else values[0] < 0) else 1.0
+    return float(ttest_1samp(values, 0.0, alternative=alternative).pvalue)
 
 
 def family(variant: str) -> str:
