@@ -184,7 +184,7 @@ def test_grid_bracket_over_shapes_names_the_axis_the_best_shape_is_at_the_edge_o
     assert grid_bracket(shapes, means, "dense:1x32") == ("not bracketed: the best is the smallest shape tried "
                                                           "(over the widths at n_layer=1)")
     means["dense:1x16"], shapes["dense:1x16"] = 0.98, (1, 16)
-    # the width curve turns at one layer, but one layer is the shallowest depth at d = 32 (the only one there)
+    # the width curve turns at one layer, but no deeper shape at d = 32 was tried: a deeper one may be better
     assert grid_bracket(shapes, means, "dense:1x32") == ("not bracketed: only one shape tried "
                                                           "(over the depths at d_model=32)")
     shapes["dense:2x32"], means["dense:2x32"] = (2, 32), 0.965
@@ -192,6 +192,10 @@ def test_grid_bracket_over_shapes_names_the_axis_the_best_shape_is_at_the_edge_o
     assert grid_bracket(shapes, means, "dense:1x32") == (
         "bracketed (over the depths at d_model=32 by the floor, 1 layer, the fewest a model can have)")
     assert "beyond the grid's edge" not in dense_grid_line("dense:1x32", grid_bracket(shapes, means, "dense:1x32"))
+    means["dense:2x32"] = 0.96  # a deeper shape as good is no floor: the depth curve does not turn
+    assert grid_bracket(shapes, means, "dense:1x32") == ("not bracketed: the best is the smallest shape tried "
+                                                          "(over the depths at d_model=32)")
+    means["dense:2x32"] = 0.965
     # the floor closes the depth axis only: with no wider one-layer shape the widths stay open
     del shapes["dense:1x64"], means["dense:1x64"]
     assert grid_bracket(shapes, means, "dense:1x32") == ("not bracketed: the best is the largest shape tried "

@@ -643,15 +643,17 @@ def grid_bracket(shapes: Dict[str, Tuple[int, int]], means: Dict[str, Optional[f
     """Whether the best dense shape (``shapes``: label -> (n_layer, d_model), ``means``: its mean loss) is inside
     the grid on both axes: over the widths at its depth, and over the depths at its width when the grid has more
     than one depth. An isoFLOP claim against "the best dense model" needs "bracketed"; otherwise a model beyond
-    the grid's edge may be better still."""
+    the grid's edge may be better still. One layer is the fewest a model can have, so a best one-layer shape whose
+    deeper shapes at its width are all worse is bracketed over the depths by that floor (the verdict says so)."""
     n_layer, d_model = shapes[best]
     verdict = bracket_verdict(_best_per_size([(d, means[k]) for k, (n, d) in shapes.items() if n == n_layer]))
     if verdict != "bracketed":
         return f"{verdict} (over the widths at n_layer={n_layer})"
     if len({n for n, _ in shapes.values()}) > 1:
-        verdict = bracket_verdict(_best_per_size([(n, means[k]) for k, (n, d) in shapes.items() if d == d_model]))
-        if verdict == SMALLEST and n_layer == 1:
-            # no dense model has fewer layers than one, so a deeper one that is worse closes the depth axis
+        depths = _best_per_size([(n, means[k]) for k, (n, d) in shapes.items() if d == d_model])
+        verdict = bracket_verdict(depths)
+        if verdict == SMALLEST and n_layer == 1 and all(loss > dict(depths)[1] for n, loss in depths if n > 1):
+            # no dense model has fewer layers than one, so deeper ones that are all worse close the depth axis
             return f"bracketed (over the depths at d_model={d_model} by the floor, 1 layer, the fewest a model can have)"
         if verdict != "bracketed":
             return f"{verdict} (over the depths at d_model={d_model})"

@@ -12,15 +12,16 @@ step, under ``1 / min_steps``), as are shapes a variant cannot build (MoD's rout
 and a budget too small for the smallest model of a variant is an error before any run starts.
 
 Per budget (``budget_analysis``, statistics from ``analysis/stats.py``): each shape's seed mean with its 95%
-bootstrap interval over seeds; the best dense shape (lowest seed-mean validation loss); whether the dense
-curve turns inside the grid ("bracketed": the best shape has a narrower and a wider one beside it at its
-depth, and a shallower and a deeper one at its width when the grid has several depths; else which edge it is
-at), and each depth's curve over widths; every routed shape against the best dense model
-(difference in means with its bootstrap interval, Hedges' g, one-sided Welch over seeds, Holm over the
-routed shapes of the budget; "met" only when the corrected test passes) and against vanilla of its own shape;
-training wall clock (median step x steps) beside the FLOPs. The plot is validation loss vs parameters, one
-panel per budget and one line per variant and depth (the paper's isoFLOP curves). Finished runs are reused
-(``runs.json``); results.json/md record the wall time of training and of the tables.
+bootstrap interval over seeds; the best dense shape (lowest seed-mean validation loss); whether the dense curve
+turns inside the grid ("bracketed": the best shape has a narrower and a wider one beside it at its depth, and a
+shallower and a deeper one at its width when the grid has several depths, or at one layer, the fewest a model
+can have, only deeper ones, all worse; else which edge it is at), and each depth's curve over widths; every
+routed shape against the best dense model (difference in means with its bootstrap interval, Hedges' g, one-sided
+Welch over seeds, Holm over the routed shapes of the budget; "met" only when the corrected test passes) and
+against vanilla of its own shape; training wall clock (median step x steps) beside the FLOPs. The plot is
+validation loss vs parameters, one panel per budget and one line per variant and depth (the paper's isoFLOP
+curves). Finished runs are reused (``runs.json``); results.json/md record the wall time of training and of the
+tables.
 """
 from __future__ import annotations
 
