@@ -423,14 +423,19 @@ def _report_tables(path: pathlib.Path) -> str:
     return text[start:min(ends)]
 
 
+def main_tables(out: pathlib.Path, *sources: pathlib.Path):
+    """The programme's report of the published folders ``sources`` rebuilt into ``out`` (``--tables_from``); the
+    rebuilt results."""
+    from experiments.repro import main
+
+    return main(["probe", "--out", str(out), "--tables_from", ",".join(str(f / "results.json") for f in sources)])
+
+
 def _rebuilt(out: pathlib.Path, published: pathlib.Path, *sources: pathlib.Path):
     """The programme's report rebuilt into ``out`` (``--tables_from``) from the stored rows of ``sources`` (published
     folders; ``published`` itself by default), its tables checked against ``published``'s results.md to the
     character; the rebuilt results."""
-    from experiments.repro import main
-
-    files = ",".join(str(folder / "results.json") for folder in sources or (published,))
-    results = main(["probe", "--out", str(out), "--tables_from", files])
+    results = main_tables(out, *(sources or (published,)))
     assert _report_tables(out / "results.md") == _report_tables(published / "results.md")
     return results
 
@@ -620,6 +625,7 @@ def test_the_halting_replications_extension_merges_and_no_early_decision_grades_
 
 HALTING_REST = REPO / "docs" / "results" / "probe_bounce_halting_rest"
 SECOND_SAMPLE = REPO / "docs" / "results" / "probe_bounce_second_sample"
+SECOND_BRACKET = REPO / "docs" / "results" / "probe_bounce_second_sample_bracket"
 
 
 def test_the_second_sample_completed_merges_and_both_halves_of_the_headline_hold_on_it(tmp_path):
@@ -627,17 +633,18 @@ def test_the_second_sample_completed_merges_and_both_halves_of_the_headline_hold
     mode_staged, mom_e, moe, depth_gate_skip, mor_token and MoD 8 layers at capacity 0.25 at the replication's seeds,
     CPU and settings, 30 runs at 1fbf8c6; the reference vanilla and 1x64 reused from the extension's runs at d9bd1d3):
     its stored rows give its committed tables; merged with the replication's and the extension's they give the
-    committed tables of the whole second sample (probe_bounce_second_sample: three dense shapes, the ten routed
-    entries of the first sample). The plan's verdicts, Holm over the ten (the correction counts the entries with a
-    test: six for the answers' grading): early exit's answers-only test passes and no other entry's does (four have no
-    test: every answer token gets the same compute in all or all but one seed), and no routed entry's loss is below the
-    best dense model's (1x32)."""
+    committed tables of the whole second sample (probe_bounce_second_sample: the ten routed entries of the first
+    sample, and six dense shapes since the pre-registered bracket below). The plan's verdicts, Holm over the ten (the
+    correction counts the entries with a test: six for the answers' grading): early exit's answers-only test passes
+    and no other entry's does (four have no test: every answer token gets the same compute in all or all but one
+    seed), and no routed entry's loss is below the best dense model's (1x32)."""
     own = _rebuilt(tmp_path / "own", HALTING_REST)
     assert len(own["runs"]) == 40 and {r["seed"] for r in own["runs"]} == set(range(1362, 1367))
     reference = [r["variant"] in ("vanilla", "dense:1x64") for r in own["runs"]]
     assert {r["code"] for r, reused in zip(own["runs"], reference) if reused} == {"d9bd1d3d49"}  # not retrained
     assert {r["code"] for r, reused in zip(own["runs"], reference) if not reused} == {"1fbf8c6582"}
-    merged = _rebuilt(tmp_path / "merged", SECOND_SAMPLE, HALTING_REPLICATION, HALTING_EARLY, HALTING_REST)
+    merged = _rebuilt(tmp_path / "merged", SECOND_SAMPLE, HALTING_REPLICATION, HALTING_EARLY, HALTING_REST,
+                      SECOND_BRACKET)
     routed = {name: row for name, row in merged["variants"].items() if not row.get("dense")}
     assert len(routed) == 10 and merged["tests"]["best_dense"] == "dense:1x32"
     answers = {name: row.get("spearman_answers_t_p_holm") for name, row in routed.items()}
@@ -649,6 +656,36 @@ def test_the_second_sample_completed_merges_and_both_halves_of_the_headline_hold
     assert merged["goals"]["beats_best_dense_loss"] == [] and len(merged["tests"]["loss"]) == 10
     assert all(row["ci_low"] > 0 for row in merged["tests"]["loss"].values())  # every routed loss above 1x32's
     assert max(routed["mode_staged"]["spearman_answers_seeds"]) < 0  # MoDE: less compute the harder, every seed
+    assert_second_sample_brackets_its_best_dense_model(merged)
+
+
+def test_the_second_samples_dense_bracket_rebuilds_and_brackets_its_best_dense_model(tmp_path):
+    """docs/results/probe_bounce_second_sample_bracket (docs/results/preregistered/
+    probe_bounce_second_sample_dense_bracket.md: dense 1x24, 1x48 and 2x32 at the second sample's seeds, CPU and
+    settings, 15 runs at 78a217b; the reference vanilla reused from d9bd1d3): its stored rows give its committed
+    tables. The plan's verdict is checked on the merged second sample by the test above
+    (``assert_second_sample_brackets_its_best_dense_model``): the best dense model stays 1x32 and the grid brackets
+    it, over the widths at one layer (1x24 and 1x48 worse, and 1x64) and over the depths at d = 32 by the floor (2x32
+    worse, and no model has fewer layers than one)."""
+    own = _rebuilt(tmp_path / "own", SECOND_BRACKET)
+    assert len(own["runs"]) == 20 and {r["seed"] for r in own["runs"]} == set(range(1362, 1367))
+    reused = [r["variant"] == "vanilla" for r in own["runs"]]
+    assert {r["code"] for r, old in zip(own["runs"], reused) if old} == {"d9bd1d3d49"}  # not retrained
+    assert {r["code"] for r, old in zip(own["runs"], reused) if not old} == {"78a217b721"}
+    assert own["tests"]["best_dense"] == "dense:2x32"  # of its own dense shapes; 1x32 is in the merged report
+
+
+def assert_second_sample_brackets_its_best_dense_model(merged: dict) -> None:
+    """The bracket plan's verdict on the merged second sample."""
+    assert merged["tests"]["best_dense"] == "dense:1x32"
+    assert merged["dense_grid"] == ("bracketed (over the depths at d_model=32 by the floor, 1 layer, the fewest a "
+                                    "model can have)")
+    dense = {name: row["headline_val_loss"][0] for name, row in merged["variants"].items() if row.get("dense")}
+    assert set(dense) == {"vanilla", "dense:1x64", "dense:1x32", "dense:1x24", "dense:1x48", "dense:2x32"}
+    assert min(dense, key=dense.get) == "dense:1x32"
+    # the loss half of the headline cannot turn on this sample: every routed mean is above the best dense model's
+    assert merged["goals"]["beats_best_dense_loss"] == []
+    assert all(row["difference"] > 0 for row in merged["tests"]["loss"].values())
 
 
 def test_the_report_names_the_levels_its_runs_have():
