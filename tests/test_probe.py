@@ -688,6 +688,28 @@ def assert_second_sample_brackets_its_best_dense_model(merged: dict) -> None:
     assert all(row["difference"] > 0 for row in merged["tests"]["loss"].values())
 
 
+MODE_THIRD = REPO / "docs" / "results" / "probe_bounce_mode_staged_third"
+
+
+def test_the_preregistered_third_sample_does_not_support_mode_staged_grading_the_answers_negatively(tmp_path):
+    """docs/results/probe_bounce_mode_staged_third (docs/results/preregistered/probe_bounce_mode_staged_third_sample.md:
+    the reference vanilla and mode_staged at new seeds 1400-1404, the Intel Xeon, 10 runs at e1136a1): its stored rows
+    give its committed tables. The plan's test: MoDE staged's answers-only Spearman (causal routing) over the seeds,
+    one-sided t-test for a mean below 0, one hypothesis, p < 0.05 to support. Four seeds have a correlation (in the
+    fifth every answer token got the same compute), three of them negative: p 0.068, **not supported**."""
+    from experiments.repro.probe import one_sided_t
+
+    own = _rebuilt(tmp_path / "own", MODE_THIRD)
+    assert len(own["runs"]) == 10 and {r["seed"] for r in own["runs"]} == set(range(1400, 1405))
+    assert {r["code"] for r in own["runs"]} == {"e1136a14a3"}  # the commit that added the plan
+    rhos = own["variants"]["mode_staged"]["spearman_answers_seeds"]
+    assert sum(r is None for r in rhos) == 1 and sum(r < 0 for r in rhos if r is not None) == 3
+    p = one_sided_t(rhos, "less")
+    assert p == pytest.approx(0.0677, abs=1e-4) and p >= 0.05  # the verdict: not supported
+    # the programme's own test, for more compute on harder answers, is the other tail of the same test
+    assert own["variants"]["mode_staged"]["spearman_answers_t_p"] == pytest.approx(1 - p)
+
+
 def test_the_report_names_the_levels_its_runs_have():
     from experiments.repro.probe import level_span
 
