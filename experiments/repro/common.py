@@ -654,7 +654,8 @@ def grid_bracket(shapes: Dict[str, Tuple[int, int]], means: Dict[str, Optional[f
         verdict = bracket_verdict(depths)
         if verdict == SMALLEST and n_layer == 1 and all(loss > dict(depths)[1] for n, loss in depths if n > 1):
             # no dense model has fewer layers than one, so deeper ones that are all worse close the depth axis
-            return f"bracketed (over the depths at d_model={d_model} by the floor, 1 layer, the fewest a model can have)"
+            return (f"bracketed (over the depths at d_model={d_model} by the floor, 1 layer, the fewest a model "
+                    "can have)")
         if verdict != "bracketed":
             return f"{verdict} (over the depths at d_model={d_model})"
     return "bracketed"
@@ -678,8 +679,8 @@ def _best_per_size(points: Sequence[Tuple[float, Optional[float]]]) -> List[Tupl
 
 def dense_grid_line(best: str, verdict: str) -> str:
     """The report's line on the dense grid (``grid_bracket``'s verdict), with what it means for the claims."""
-    caveat = ("" if verdict.startswith("bracketed") else "; a dense shape beyond the grid's edge may be better still, so "
-              "'beats the best dense model' below is against the best shape tried, not the isoFLOP optimum")
+    caveat = ("" if verdict.startswith("bracketed") else "; a dense shape beyond the grid's edge may be better "
+              "still, so 'beats the best dense model' below is against the best shape tried, not the isoFLOP optimum")
     return f"Dense grid: the best dense model is {best}, {verdict}{caveat}."
 
 
