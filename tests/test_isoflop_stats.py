@@ -46,6 +46,11 @@ def test_bracket_verdict_on_planted_curves():
     assert bracket_verdict([(100, 3.0)]) == "not bracketed: only one shape tried"
     # a shape without a loss does not count as a side of the bracket
     assert bracket_verdict([(100, None), (200, 2.8), (300, 2.9), (400, 3.0)]).endswith("smallest shape tried")
+    # a best shape at the smallest size any shape can have, the larger ones all worse: no shape lies beyond it
+    assert bracket_verdict([(1, 2.7), (2, 2.8), (4, 2.9)], floor=1) == "bracketed by the floor"
+    assert bracket_verdict([(1, 2.7), (2, 2.7)], floor=1) == "not bracketed: the best is the smallest shape tried"
+    assert bracket_verdict([(2, 2.7), (4, 2.8)], floor=1) == "not bracketed: the best is the smallest shape tried"
+    assert bracket_verdict([(1, 2.7)], floor=1) == "not bracketed: only one shape tried"
 
 
 def test_best_dense_and_bracket_over_parameters_and_per_depth():

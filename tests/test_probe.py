@@ -423,19 +423,14 @@ def _report_tables(path: pathlib.Path) -> str:
     return text[start:min(ends)]
 
 
-def main_tables(out: pathlib.Path, *sources: pathlib.Path):
-    """The programme's report of the published folders ``sources`` rebuilt into ``out`` (``--tables_from``); the
-    rebuilt results."""
-    from experiments.repro import main
-
-    return main(["probe", "--out", str(out), "--tables_from", ",".join(str(f / "results.json") for f in sources)])
-
-
 def _rebuilt(out: pathlib.Path, published: pathlib.Path, *sources: pathlib.Path):
     """The programme's report rebuilt into ``out`` (``--tables_from``) from the stored rows of ``sources`` (published
     folders; ``published`` itself by default), its tables checked against ``published``'s results.md to the
     character; the rebuilt results."""
-    results = main_tables(out, *(sources or (published,)))
+    from experiments.repro import main
+
+    files = ",".join(str(folder / "results.json") for folder in sources or (published,))
+    results = main(["probe", "--out", str(out), "--tables_from", files])
     assert _report_tables(out / "results.md") == _report_tables(published / "results.md")
     return results
 

@@ -622,18 +622,23 @@ def dense_shape(label: str, reference: Tuple[int, int]) -> Tuple[int, int]:
     return shape["n_layer"], shape["d_model"]
 
 
-SMALLEST = "not bracketed: the best is the smallest shape tried"
+AT_FLOOR = "bracketed by the floor"
 
 
-def bracket_verdict(points: Sequence[Tuple[float, Optional[float]]]) -> str:
+def bracket_verdict(points: Sequence[Tuple[float, Optional[float]]], floor: Optional[float] = None) -> str:
     """Whether a curve of (size, mean loss) turns inside the grid: "bracketed" when its lowest point has a smaller
-    and a larger shape on either side, else which edge of the grid the best shape is at."""
+    and a larger shape on either side, else which edge of the grid the best shape is at. ``floor``: the smallest
+    size a shape can have (one layer); a best shape there whose larger ones are all strictly worse is ``AT_FLOOR``,
+    as no shape lies beyond that edge."""
     points = sorted((p, m) for p, m in points if m is not None and math.isfinite(m))
     if len(points) < 2:
         return "not bracketed: only one shape tried" if points else "not bracketed: no shape with a loss"
     best = min(range(len(points)), key=lambda i: points[i][1])
     if best == 0:
-        return SMALLEST
+        (size, loss), larger = points[0], points[1:]
+        if size == floor and all(m > loss for _, m in larger):
+            return AT_FLOOR
+        return "not bracketed: the best is the smallest shape tried"
     if best == len(points) - 1:
         return "not bracketed: the best is the largest shape tried"
     return "bracketed"
@@ -650,10 +655,10 @@ def grid_bracket(shapes: Dict[str, Tuple[int, int]], means: Dict[str, Optional[f
     if verdict != "bracketed":
         return f"{verdict} (over the widths at n_layer={n_layer})"
     if len({n for n, _ in shapes.values()}) > 1:
-        depths = _best_per_size([(n, means[k]) for k, (n, d) in shapes.items() if d == d_model])
-        verdict = bracket_verdict(depths)
-        if verdict == SMALLEST and n_layer == 1 and all(loss > dict(depths)[1] for n, loss in depths if n > 1):
-            # no dense model has fewer layers than one, so deeper ones that are all worse close the depth axis
+        # no dense model has fewer layers than one, so deeper ones that are all worse close the depth axis
+        verdict = bracket_verdict(_best_per_size([(n, means[k]) for k, (n, d) in shapes.items() if d == d_model]),
+                                  floor=1)
+        if verdict == AT_FLOOR:
             return (f"bracketed (over the depths at d_model={d_model} by the floor, 1 layer, the fewest a model "
                     "can have)")
         if verdict != "bracketed":

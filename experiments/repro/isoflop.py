@@ -522,7 +522,8 @@ def plot_isoflop(ctx: Context, analyses: Sequence[Dict[str, Any]]) -> None:
         ax.set_xscale("log")
         ax.set_xlabel("parameters")
         ax.set_ylabel("validation loss, seed mean [95% CI] (MoD: causal)")
-        ax.set_title(f"budget {a['budget']:.2e} training FLOPs ({a['bracket'].split(':')[0].split(' (')[0]})", fontsize=9)
+        turns = "bracketed" if a["bracket"].startswith("bracketed") else "not bracketed"
+        ax.set_title(f"budget {a['budget']:.2e} training FLOPs ({turns})", fontsize=9)
         ax.legend(fontsize=7)
     fig.tight_layout()
     ctx.save_figure(fig, "mod_isoflop")

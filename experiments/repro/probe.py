@@ -400,7 +400,8 @@ def one_sided_t(values: List[Optional[float]], alternative: str = "greater") -> 
     from scipy.stats import ttest_1samp
 
     if statistics.stdev(values) == 0:  # no spread: the direction of the one value decides
-        return 0.0 if (values[0] > 0 if alternative == "greater" else values[0] < 0) else 1.0
+        sign = 1 if alternative == "greater" else -1
+        return 0.0 if sign * values[0] > 0 else 1.0
     return float(ttest_1samp(values, 0.0, alternative=alternative).pvalue)
 
 
