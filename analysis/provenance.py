@@ -17,8 +17,9 @@ import pathlib
 import platform
 import subprocess
 import sys
+from collections import Counter
 from importlib import metadata
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # Environment variables that choose the CPU kernels' code path (and so the rounding of every matmul and
@@ -177,3 +178,30 @@ def code_label(summary: Dict[str, Any]) -> str:
     if record.get("dirty"):
         label += "+dirty" + (f":{record['diff_sha256'][:8]}" if record.get("diff_sha256") else "")
     return label
+
+
+def run_origin(summary: Dict[str, Any]) -> Dict[str, Any]:
+    """A run row's ``code`` (``analysis.provenance.code_label``) and ``cpu`` (``cpu_label``): what a run is
+    bit-identical to a rerun under, beside the seed; ``origin_lines`` names them under a table."""
+    return {"code": code_label(summary), "cpu": cpu_label(summary)}
+
+
+def origin_lines(rows: Sequence[Dict[str, Any]]) -> List[str]:
+    """The code every run trained at and the CPUs they trained on, with how many runs each (none for rows stored
+    before runs recorded them), and a warning when the CPUs differ: across CPUs an (entry, seed) differs like
+    another seed, so the table compares its entries in distribution only."""
+    lines = []
+    for key, what, unknown in (("code", "Code the runs trained at", "their file's provenance names its commit"),
+                               ("cpu", "CPUs the runs trained on", "unknown")):
+        counts = Counter(r[key] for r in rows if r.get(key))
+        if not counts:
+            continue
+        missing = sum(not r.get(key) for r in rows)
+        lines += [f"{what}: " + ", ".join(f"`{label}` ({n} run{'s' * (n != 1)})" for label, n in counts.items())
+                  + (f"; {missing} stored before runs recorded it ({unknown})" if missing else "") + ".", ""]
+    cpus = sorted({cpu for r in rows if r.get("cpu") for cpu in r["cpu"].split(">")})
+    if len(cpus) > 1:
+        lines += [f"Warning: the runs were computed on different CPUs ({', '.join(cpus)}); a run is bit-identical "
+                  "only on the same CPU and kernel path, so across them an entry's seed differs like another seed "
+                  "and the entries compare in distribution only.", ""]
+    return lines

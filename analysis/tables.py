@@ -6,7 +6,7 @@ so it sits below both.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 
 def figure(nrows: int = 1, ncols: int = 1, width: float = 5.0, height: float = 3.8):
@@ -73,3 +73,23 @@ def error_bars(summaries: Sequence[Mapping[str, Any]]) -> list:
 def plotted_means(summaries: Sequence[Mapping[str, Any]]) -> list:
     """The seed summaries' means for matplotlib: NaN (not drawn) where no seed had a finite value."""
     return [s["mean"] if s["mean"] is not None else math.nan for s in summaries]
+
+
+def verification_table(figures: Sequence[Tuple[str, Sequence[Optional[float]], Sequence[Optional[float]]]]) -> Tuple[str, List[Dict[str, Any]]]:
+    """(markdown, rows) of (figure, published (mean, low, high), this run's (mean, low, high)): each figure next to
+    the published one with both intervals, and whether this run's mean lies in the published interval."""
+    rows = []
+    for name, published, mine in figures:
+        lo, hi = published[1], published[2]
+        inside = None if lo is None or mine[0] is None else bool(lo <= mine[0] <= hi)
+        rows.append({"figure": name, "published": list(published), "this_run": list(mine), "inside_published_ci": inside})
+
+    def cell(values) -> str:
+        mean, lo, hi = values
+        return fmt(mean) if lo is None else f"{fmt(mean)} [{fmt(lo)}, {fmt(hi)}]"
+
+    table = markdown_table(["figure", "published [95% CI]", "this run [95% CI]", "inside published CI"],
+                           [[r["figure"], cell(r["published"]), cell(r["this_run"]),
+                             "-" if r["inside_published_ci"] is None else ("yes" if r["inside_published_ci"] else "**no**")]
+                            for r in rows])
+    return table, rows

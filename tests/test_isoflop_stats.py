@@ -10,7 +10,8 @@ from architectures.config import ConfigError
 from experiments.repro.common import parse_entry
 from experiments.repro.head_to_head import (bench_label, benchmarked, check_entries, default_dense_shapes,
                                              dense_comparison, programme_entries)
-from experiments.repro.common import bracket_verdict, dense_grid_line, dense_shape, grid_bracket
+from analysis.dense_grid import bracket_verdict, dense_grid_line, grid_bracket
+from experiments.repro.common import dense_shape
 from experiments.repro.isoflop import budget_analysis, cells_of
 
 BUDGET = 1e12

@@ -1073,7 +1073,7 @@ def test_answers_only_correlation_separates_grading_from_telling_answers_from_fo
 
 
 def test_a_runs_wall_time_is_its_process_time_or_for_resumed_and_older_runs_a_marked_lower_bound():
-    from experiments.repro.common import run_wall_seconds, wall_time_lines
+    from analysis.wall_time import run_wall_seconds, wall_time_lines
 
     assert run_wall_seconds({"run_seconds": 12.5, "step_times_s": [[1, 1.0]]}) == (12.5, True)
     assert run_wall_seconds({"run_seconds": 12.5, "train_started_at_steps": [0]}) == (12.5, True)
@@ -1098,13 +1098,13 @@ def test_a_runs_wall_time_is_its_process_time_or_for_resumed_and_older_runs_a_ma
     resumed = [{**rows[0], "wall_resumed": True}, *rows[1:]]  # a measured resumed run: the header says what it holds
     assert "a resumed run: each of its processes to the checkpoint the next resumed from" in \
         wall_time_lines(resumed, lambda r: r["variant"], workers=2)[0]
-    from experiments.repro.common import run_wall
+    from analysis.wall_time import run_wall
     assert run_wall({"run_seconds": 3.0, "run_seconds_complete": True, "train_started_at_steps": [0, 9]}) == \
         {"wall_s": 3.0, "wall_measured": True, "wall_resumed": True}
 
 
 def test_the_report_names_the_code_and_the_cpu_of_every_run():
-    from experiments.repro.common import origin_lines
+    from analysis.provenance import origin_lines
 
     rows = [{"code": "abc", "cpu": "AMD EPYC"}, {"code": "abc", "cpu": "AMD EPYC"}, {"code": "def+dirty:12345678"}]
     assert origin_lines(rows) == ["Code the runs trained at: `abc` (2 runs), `def+dirty:12345678` (1 run).", "",

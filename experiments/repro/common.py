@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from architectures.config import ConfigError
+from analysis.dense_grid import grid_bracket
 from analysis.tables import figure, fmt, markdown_table  # noqa: F401  (the experiments import them from here)
 
 
@@ -622,71 +623,10 @@ def dense_shape(label: str, reference: Tuple[int, int]) -> Tuple[int, int]:
     return shape["n_layer"], shape["d_model"]
 
 
-AT_FLOOR = "bracketed by the floor"
-
-
-def bracket_verdict(points: Sequence[Tuple[float, Optional[float]]], floor: Optional[float] = None) -> str:
-    """Whether a curve of (size, mean loss) turns inside the grid: "bracketed" when its lowest point has a smaller
-    and a larger shape on either side, else which edge of the grid the best shape is at. ``floor``: the smallest
-    size a shape can have (one layer); a best shape there whose larger ones are all strictly worse is ``AT_FLOOR``,
-    as no shape lies beyond that edge."""
-    points = sorted((p, m) for p, m in points if m is not None and math.isfinite(m))
-    if len(points) < 2:
-        return "not bracketed: only one shape tried" if points else "not bracketed: no shape with a loss"
-    best = min(range(len(points)), key=lambda i: points[i][1])
-    if best == 0:
-        (size, loss), larger = points[0], points[1:]
-        if size == floor and all(m > loss for _, m in larger):
-            return AT_FLOOR
-        return "not bracketed: the best is the smallest shape tried"
-    if best == len(points) - 1:
-        return "not bracketed: the best is the largest shape tried"
-    return "bracketed"
-
-
-def grid_bracket(shapes: Dict[str, Tuple[int, int]], means: Dict[str, Optional[float]], best: str) -> str:
-    """Whether the best dense shape (``shapes``: label -> (n_layer, d_model), ``means``: its mean loss) is inside
-    the grid on both axes: over the widths at its depth, and over the depths at its width when the grid has more
-    than one depth. An isoFLOP claim against "the best dense model" needs "bracketed"; otherwise a model beyond
-    the grid's edge may be better still. One layer is the fewest a model can have, so a best one-layer shape whose
-    deeper shapes at its width are all worse is bracketed over the depths by that floor (the verdict says so)."""
-    n_layer, d_model = shapes[best]
-    verdict = bracket_verdict(_best_per_size([(d, means[k]) for k, (n, d) in shapes.items() if n == n_layer]))
-    if verdict != "bracketed":
-        return f"{verdict} (over the widths at n_layer={n_layer})"
-    if len({n for n, _ in shapes.values()}) > 1:
-        # no dense model has fewer layers than one, so deeper ones that are all worse close the depth axis
-        verdict = bracket_verdict(_best_per_size([(n, means[k]) for k, (n, d) in shapes.items() if d == d_model]),
-                                  floor=1)
-        if verdict == AT_FLOOR:
-            return (f"bracketed (over the depths at d_model={d_model} by the floor, 1 layer, the fewest a model "
-                    "can have)")
-        if verdict != "bracketed":
-            return f"{verdict} (over the depths at d_model={d_model})"
-    return "bracketed"
-
-
 def dense_grid(means: Dict[str, Optional[float]], reference: Tuple[int, int], best: str) -> str:
     """``grid_bracket`` over dense entries by label (``means``: label -> mean loss), each label's shape read by
     ``dense_shape`` against the reference vanilla's (``probe`` and ``head_to_head`` label their dense models so)."""
     return grid_bracket({label: dense_shape(label, reference) for label in means}, means, best)
-
-
-def _best_per_size(points: Sequence[Tuple[float, Optional[float]]]) -> List[Tuple[float, float]]:
-    """One point per size, its lowest finite loss: two entries of one shape (``vanilla`` and ``dense:4x64``, or an
-    entry with another option) are one point of the curve, not a smaller and a larger shape around the best."""
-    best: Dict[float, float] = {}
-    for size, loss in points:
-        if loss is not None and math.isfinite(loss):  # bracket_verdict drops the others anyway
-            best[size] = min(loss, best.get(size, loss))
-    return list(best.items())
-
-
-def dense_grid_line(best: str, verdict: str) -> str:
-    """The report's line on the dense grid (``grid_bracket``'s verdict), with what it means for the claims."""
-    caveat = ("" if verdict.startswith("bracketed") else "; a dense shape beyond the grid's edge may be better "
-              "still, so 'beats the best dense model' below is against the best shape tried, not the isoFLOP optimum")
-    return f"Dense grid: the best dense model is {best}, {verdict}{caveat}."
 
 
 def narrower_width(d_model: int, n_head: int) -> int:
@@ -944,118 +884,3 @@ def require_fresh(out: pathlib.Path) -> None:
         raise ConfigError(f"--out: {out} is not empty; --verify retrains from nothing into a fresh folder: give a new --out")
 
 
-def verification_table(figures: Sequence[Tuple[str, Sequence[Optional[float]], Sequence[Optional[float]]]]) -> Tuple[str, List[Dict[str, Any]]]:
-    """(markdown, rows) of (figure, published (mean, low, high), this run's (mean, low, high)): each figure next to
-    the published one with both intervals, and whether this run's mean lies in the published interval."""
-    rows = []
-    for name, published, mine in figures:
-        lo, hi = published[1], published[2]
-        inside = None if lo is None or mine[0] is None else bool(lo <= mine[0] <= hi)
-        rows.append({"figure": name, "published": list(published), "this_run": list(mine), "inside_published_ci": inside})
-
-    def cell(values) -> str:
-        mean, lo, hi = values
-        return fmt(mean) if lo is None else f"{fmt(mean)} [{fmt(lo)}, {fmt(hi)}]"
-
-    table = markdown_table(["figure", "published [95% CI]", "this run [95% CI]", "inside published CI"],
-                           [[r["figure"], cell(r["published"]), cell(r["this_run"]),
-                             "-" if r["inside_published_ci"] is None else ("yes" if r["inside_published_ci"] else "**no**")]
-                            for r in rows])
-    return table, rows
-
-
-# ---------------------------------------------------------------------------- wall time per part
-def run_wall_seconds(summary: Dict[str, Any]) -> Tuple[Optional[float], bool]:
-    """A run's wall time (``run_seconds``: start-up when its process was started for it, training,
-    validations; after a resume every process, each to the checkpoint the next resumed from: the work that made it
-    into the run, not the work a killed process did after its last checkpoint) and whether it was measured, or a
-    lower bound: a run resumed from a checkpoint that did not carry the clock
-    (``run_seconds_complete`` false, or a summary from before that field: its last process only), or, for run
-    folders written before ``run_seconds``, its timed steps summed (their ``seconds_to_first_step`` counted every
-    earlier run of a reused process)."""
-    if summary.get("run_seconds") is not None:
-        return float(summary["run_seconds"]), bool(summary.get("run_seconds_complete", not was_resumed(summary)))
-    steps = summary.get("step_times_s") or []
-    if not steps:
-        return None, False
-    return sum(float(t) for _, t in steps), False
-
-
-def was_resumed(summary: Dict[str, Any]) -> bool:
-    """Whether more than one process trained the run (``train_started_at_steps``: [0, s, ...] after a resume)."""
-    return len(summary.get("train_started_at_steps") or [0]) > 1
-
-
-def run_wall(summary: Dict[str, Any]) -> Dict[str, Any]:
-    """A run row's ``wall_s`` / ``wall_measured`` (``run_wall_seconds``) and ``wall_resumed`` (``was_resumed``), for
-    ``wall_time_lines``."""
-    return {**dict(zip(("wall_s", "wall_measured"), run_wall_seconds(summary))), "wall_resumed": was_resumed(summary)}
-
-
-def run_origin(summary: Dict[str, Any]) -> Dict[str, Any]:
-    """A run row's ``code`` (``analysis.provenance.code_label``) and ``cpu`` (``cpu_label``): what a run is
-    bit-identical to a rerun under, beside the seed; ``origin_lines`` names them under a table."""
-    from analysis.provenance import code_label, cpu_label
-
-    return {"code": code_label(summary), "cpu": cpu_label(summary)}
-
-
-def origin_lines(rows: Sequence[Dict[str, Any]]) -> List[str]:
-    """The code every run trained at and the CPUs they trained on, with how many runs each (none for rows stored
-    before runs recorded them), and a warning when the CPUs differ: across CPUs an (entry, seed) differs like
-    another seed, so the table compares its entries in distribution only."""
-    from collections import Counter
-
-    lines = []
-    for key, what, unknown in (("code", "Code the runs trained at", "their file's provenance names its commit"),
-                               ("cpu", "CPUs the runs trained on", "unknown")):
-        counts = Counter(r[key] for r in rows if r.get(key))
-        if not counts:
-            continue
-        missing = sum(not r.get(key) for r in rows)
-        lines += [f"{what}: " + ", ".join(f"`{label}` ({n} run{'s' * (n != 1)})" for label, n in counts.items())
-                  + (f"; {missing} stored before runs recorded it ({unknown})" if missing else "") + ".", ""]
-    cpus = sorted({cpu for r in rows if r.get("cpu") for cpu in r["cpu"].split(">")})
-    if len(cpus) > 1:
-        lines += [f"Warning: the runs were computed on different CPUs ({', '.join(cpus)}); a run is bit-identical "
-                  "only on the same CPU and kernel path, so across them an entry's seed differs like another seed "
-                  "and the entries compare in distribution only.", ""]
-    return lines
-
-
-def wall_time_lines(rows: Sequence[Dict[str, Any]], part_of, workers: int) -> List[str]:
-    """The programme's wall time per part: each part's runs (``part_of(row)``: the entry), their wall times
-    summed (one run per core at once: divide by the runs trained at once). Finished runs are reused, so this
-    is what the whole programme costs, whatever this invocation retrained (``Context.part`` times that)."""
-    unknown = sum(r.get("wall_s") is None for r in rows)
-    if unknown == len(rows):
-        return []  # rows stored before runs recorded their wall time (as origin_lines without code or CPU)
-    parts: Dict[str, List[Dict[str, Any]]] = {}
-    for row in rows:
-        parts.setdefault(part_of(row), []).append(row)
-    lines = ["| part | runs | wall time of its runs, summed (s) | per run (s) |", "|---|---|---|---|"]
-    total, estimated = 0.0, False
-    for part, members in parts.items():
-        timed = [r for r in members if r.get("wall_s") is not None]
-        if not timed:  # rows stored before runs recorded their wall time: nothing to bound
-            lines.append(f"| {part} | {len(members)} | - | - |")
-            continue
-        walls = sum(r["wall_s"] for r in timed)
-        bound = any(not r.get("wall_measured") for r in timed)
-        estimated |= bound
-        total += walls
-        mark = ">= " if bound else ""
-        partial = ">= " if bound or len(timed) < len(members) else ""  # the untimed runs' time is not in the sum
-        lines.append(f"| {part} | {len(members)} | {partial}{walls:,.0f} | {mark}{walls / len(timed):,.0f} |")
-    # the wording of published reports (their tables are rebuilt byte for byte from stored rows): a ">=" resumed run
-    # is one whose checkpoint did not carry the clock (run_wall_seconds)
-    note = (" (>=: a lower bound, for resumed runs (their last process only) and run folders from before "
-            "`run_seconds` was recorded (their timed steps only))") if estimated else ""
-    if unknown:
-        note += (f" ({unknown} stored before runs recorded their wall time, not counted: '-' where a part has none, "
-                 "'>=' on the sum of a part with some; per run: over the runs with a wall time)")
-    if any(r.get("wall_resumed") and r.get("wall_measured") for r in rows):
-        note += (" (a resumed run: each of its processes to the checkpoint the next resumed from; what a killed "
-                 "process did after its last checkpoint was done again and is counted once)")
-    return [f"Wall time per part: every run's process, start to its summary{note}; {len(rows)} runs, "
-            f"{total:,.0f} s summed, about {total / max(1, workers):,.0f} s at {max(1, workers)} at once.", "", *lines, ""]

@@ -9,7 +9,7 @@ reaches it (``--max_train_flops``, docs/compute-budget.md), with ``--max_steps``
 (``--dense_shapes LxD,...``, vanilla of other depths and widths; default fewer layers, narrower, both, twice
 the depth when a routed variant plans more FLOPs per token than vanilla, and the reference depth at halved widths
 down to one head dimension) train to the same budget, and the report says whether they bracket the best dense
-shape (its width curve turns inside the grid, ``common.grid_bracket``):
+shape (its width curve turns inside the grid, ``analysis.dense_grid.grid_bracket``):
 "beats vanilla" means beats the best dense model (lowest seed-mean loss), tested per routed entry with a
 one-sided Welch test over seeds, Holm over the routed entries, Hedges' g and the difference with its
 bootstrap interval over seeds (``analysis/stats.py``); the reference vanilla is the second column."""
@@ -21,10 +21,12 @@ from architectures.config import ConfigError
 from callbacks.run_summary import causal_flops_per_token, headline_val_loss, noncausal_val_loss
 from analysis import stats
 from analysis.tables import ci_cell, error_bars, test_cell
-from experiments.repro.common import (Context, Entry, budget_spent, budget_step_cap, dense_entries,
-                                     dense_grid, dense_grid_line, entry_cost, figure, fmt, markdown_table,
-                                     narrower_width, origin_lines, parse_entry, parse_shapes, run_origin, run_wall,
-                                     wall_time_lines)
+from analysis.dense_grid import dense_grid_line
+from analysis.provenance import origin_lines, run_origin
+from analysis.wall_time import run_wall, wall_time_lines
+from experiments.repro.common import (Context, Entry, budget_spent, budget_step_cap, dense_entries, dense_grid,
+                                     entry_cost, figure, fmt, markdown_table, narrower_width, parse_entry,
+                                     parse_shapes)
 
 ALPHA = 0.05  # the level of the corrected tests against the best dense model
 

@@ -38,10 +38,12 @@ from architectures.config import ConfigError
 from callbacks.run_summary import headline_val_loss, noncausal_val_loss
 from analysis import stats
 from analysis.tables import ci_cell, error_bars, test_cell
-from experiments.repro.common import (Context, bracket_verdict, budget_spent, budget_step_cap, figure, fmt,
-                                     grid_bracket, markdown_table, merge_run_rows, origin_lines, read_published,
-                                     record_stored_runs, result_options, run_model_config, run_origin, run_wall,
-                                     stored_jobs, wall_time_lines)
+from analysis.dense_grid import bracket_verdict, grid_bracket
+from analysis.provenance import origin_lines, run_origin
+from analysis.wall_time import run_wall, wall_time_lines
+from experiments.repro.common import (Context, budget_spent, budget_step_cap, figure, fmt, markdown_table,
+                                     merge_run_rows, read_published, record_stored_runs, result_options,
+                                     run_model_config, stored_jobs)
 
 TOLERANCE = 0.05
 LEFT_OUT_WHY = "fewer than --min_steps steps, or a shape the variant cannot build"

@@ -20,8 +20,10 @@ import torch
 
 from architectures.config import ConfigError
 from architectures.mom import MixtureOfModules
+from analysis.provenance import origin_lines, run_origin
+from analysis.wall_time import run_wall, wall_time_lines
 from experiments.repro.common import (Context, figure, fmt, load_model, load_summary, markdown_table, mean_loss,
-                                      origin_lines, run_origin, run_wall, validation_sequences, wall_time_lines)
+                                      validation_sequences)
 
 SKIP = "skip"
 

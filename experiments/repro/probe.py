@@ -51,11 +51,13 @@ from analysis import stats
 from analysis.tables import ci_cell as _ci, test_cell as _test_cell
 from callbacks import CallbacksConfig
 from datamodules.probe import level_meaning
+from analysis.dense_grid import dense_grid_line
+from analysis.provenance import origin_lines, run_origin
+from analysis.wall_time import run_wall, wall_time_lines
 from experiments.repro.common import (Context, Entry, budget_spent, budget_step_cap, dense_entries, dense_grid,
-                                     dense_grid_line, entry_cost, figure, fmt, markdown_table, narrower_width,
-                                     option_path, origin_lines, parse_entry, parse_shape, parse_shapes,
-                                     record_stored_runs, run_model_config, run_origin, run_wall, stored_jobs,
-                                     wall_time_lines)  # noqa: F401  (option_path, parse_shape: probe's API)
+                                     entry_cost, figure, fmt, markdown_table, narrower_width, option_path,
+                                     parse_entry, parse_shape, parse_shapes, record_stored_runs, run_model_config,
+                                     stored_jobs)  # noqa: F401  (option_path, parse_shape: probe's API)
 
 VARIANTS = tuple(tagged("probe"))  # the registry entries tagged "probe" (vanilla first)
 CHANCE = {"probe": 0.1, "probe-v2/arith": 0.1}  # the answers' chance where it is one number: a digit among ten
@@ -660,8 +662,8 @@ def row_figures(a: Dict[str, Any]) -> List[Tuple[str, Tuple[Optional[float], ...
 def verify_row(ctx: Context, row: str, published_path: pathlib.Path, seeds: int, blocks: int, min_steps: int,
                quick: bool) -> Dict[str, Any]:
     """Retrain one published row from nothing (its seeds, a fresh --out) and set its figures beside the published."""
-    from experiments.repro.common import (check_kernels, check_settings, read_published, require_fresh,
-                                          verification_table)
+    from analysis.tables import verification_table
+    from experiments.repro.common import check_kernels, check_settings, read_published, require_fresh
 
     published = read_published(published_path)
     if row not in published["variants"]:
