@@ -27,6 +27,7 @@ EXTERNAL_OPTIONS: Dict[str, str] = {
     "--gpus-per-node": "sbatch: GPUs per node (docs/experiments.md, SLURM)",
     "--signal": "sbatch: the requeue signal before the time limit (docs/experiments.md, Preemption)",
     "--logdir": "tensorboard: the log folder to serve",
+    "--unshallow": "git fetch: the whole history, for a commit a shallow clone lacks (experiments.repro.retrain)",
 }
 # Options of the project's commands that read sys.argv by hand (no parser to build), checked against their source.
 HAND_PARSED: Dict[str, str] = {"--step0": "experiments/weights.py"}
@@ -149,7 +150,7 @@ def _option_strings(parser: argparse.ArgumentParser) -> Set[str]:
 def _parsers() -> Dict[str, argparse.ArgumentParser]:
     from experiments import (analyze, bench, bench_data, compare, compiling, device_check, finetune, paper_options,
                              repro, run, sweep, two_phase)
-    from experiments.repro import publish
+    from experiments.repro import publish, retrain
     return {
         "experiments.run": run.build_parser(),
         "experiments.finetune": finetune.build_parser(),
@@ -157,6 +158,7 @@ def _parsers() -> Dict[str, argparse.ArgumentParser]:
         "experiments.analyze": analyze.build_parser(),
         "experiments.compare": compare.build_parser(),
         "experiments.repro.publish": publish.build_parser(),
+        "experiments.repro.retrain": retrain.build_parser(),
         "experiments.bench": _capture(lambda: bench.parse_args([])),
         "experiments.bench_data": _capture(lambda: bench_data.parse_args([])),  # experiments.prepare: run's parser
         "experiments.device_check": _capture(lambda: device_check.parse_args([])),

@@ -1,0 +1,168 @@
+"""``python -m experiments.repro.retrain DEST``: retrain a published report (``docs/results/<name>``) from its own
+record and add its runs' records (``publish --restore``), in one command.
+
+The report's ``provenance`` names everything a bit-for-bit retraining needs: the commit (its tree clean), the
+command line, the CPU it trained on, the kernel variables and the torch version. Before anything trains, this
+refuses (one line) a report that cannot be retrained so: no commit, a dirty tree, a merged report (retrain each
+folder its rows came from), another CPU model or torch version here. Then:
+
+1. the code at the commit goes to ``WORK/code``, a clone sharing this checkout's objects (``git clone --shared``),
+   so the runs record the report's commit as theirs;
+2. the report's command runs there (``python -m experiments.repro ...``, niced) with ``--out WORK/out`` and the
+   recorded kernel variables (those it ran without are unset), ``--jobs`` as recorded unless given;
+3. ``publish --restore WORK/out DEST`` checks every figure of every row came back equal and adds the records.
+
+The same command again resumes: the clone is kept, the programme reuses the runs that finished and resumes the
+unfinished one from its last checkpoint. ``WORK`` defaults to ``$DYNCOMP_CACHE/retrain/<DEST's name>``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import subprocess
+import sys
+from importlib import metadata
+from typing import Any, Dict, List, Optional, Sequence
+
+from analysis.provenance import REPO, cpu_id, cpu_model
+from architectures.config import ConfigError
+from datamodules.files import default_cache_dir
+from experiments.repro.publish import report_rows, restore
+
+
+def machine_mismatch(provenance: Dict[str, Any]) -> Optional[str]:
+    """Why this machine cannot give back the report's runs bit for bit (its CPU model, or its torch version, differs
+    from the recorded one), or None. A CPU id is compared only where the report recorded one (older reports did
+    not)."""
+    kernels = provenance.get("kernels") or {}
+    torch_version = (provenance.get("libraries") or {}).get("torch")
+    here = {"CPU": cpu_model(), "CPU id": cpu_id(), "torch": metadata.version("torch")}
+    recorded = {"CPU": kernels.get("cpu"), "CPU id": kernels.get("cpu_id"), "torch": torch_version}
+    for what in ("CPU", "CPU id", "torch"):
+        if recorded[what] is not None and recorded[what] != here[what]:
+            return f"its runs trained with {what} {recorded[what]!r}, this machine has {here[what]!r}"
+    return None
+
+
+def retraining_plan(published: Dict[str, Any], dest: pathlib.Path) -> Dict[str, Any]:
+    """The report's commit, command (after the programme's script) and kernel variables, or one line on why it
+    cannot be retrained bit for bit here."""
+    provenance = published.get("provenance") or {}
+    where = f"retrain: {dest}"
+    if not provenance.get("commit"):
+        raise ConfigError(f"{where}/results.json names no commit; only a report that does can be retrained")
+    if provenance.get("dirty"):
+        raise ConfigError(f"{where} was computed with uncommitted changes at {provenance['commit'][:10]}; they are "
+                          "not in any commit, so it cannot be retrained")
+    if any(row.get("source") for row in published["runs"]):
+        raise ConfigError(f"{where} merges other reports (its rows have a source); retrain each folder its rows "
+                          "came from")
+    argv = provenance.get("argv") or []
+    if len(argv) < 2 or not pathlib.PurePath(argv[0]).as_posix().endswith("experiments/repro/__main__.py"):
+        raise ConfigError(f"{where}/results.json records no command line of python -m experiments.repro "
+                          f"(provenance.argv: {' '.join(argv)[:80] or 'none'})")
+    mismatch = machine_mismatch(provenance)
+    if mismatch:
+        raise ConfigError(f"{where}: {mismatch}; bit for bit needs the same CPU model and torch: retrain it on such "
+                          "a machine")
+    environment = (provenance.get("kernels") or {}).get("environment") or {}
+    return {"commit": provenance["commit"], "command": list(argv[1:]), "environment": environment}
+
+
+def with_option(command: Sequence[str], option: str, value: str) -> List[str]:
+    """``command`` with ``option``'s value replaced by ``value`` (``--opt V`` or ``--opt=V``, before a ``--`` that
+    starts the runs' own options), or added before it."""
+    command = list(command)
+    end = command.index("--") if "--" in command else len(command)
+    for i, arg in enumerate(command[:end]):
+        if arg == option and i + 1 < end:
+            return [*command[:i + 1], value, *command[i + 2:]]
+        if arg.startswith(option + "="):
+            return [*command[:i], f"{option}={value}", *command[i + 1:]]
+    return [*command[:end], option, value, *command[end:]]
+
+
+def git(*args: str, cwd: pathlib.Path = REPO) -> str:
+    done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+    if done.returncode:
+        raise ConfigError(f"retrain: git {' '.join(args)} failed in {cwd}: {' '.join(done.stderr.split())}")
+    return done.stdout.strip()
+
+
+def code_at(commit: str, target: pathlib.Path, repo: pathlib.Path = REPO) -> pathlib.Path:
+    """A clean checkout of ``commit`` at ``target`` (a clone sharing ``repo``'s objects), kept for a resume."""
+    if target.exists():
+        if (pathlib.Path(git("rev-parse", "--show-toplevel", cwd=target)).resolve() != target.resolve()
+                or git("rev-parse", "HEAD", cwd=target) != commit
+                or git("status", "--porcelain", "--untracked-files=no", cwd=target)):
+            raise ConfigError(f"retrain: {target} holds other code than {commit[:10]}, or changed code; remove it or "
+                              "give another --work")
+        return target
+    if subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=repo, capture_output=True).returncode:
+        raise ConfigError(f"retrain: commit {commit[:10]} is not in {repo}'s history; fetch it (git fetch --unshallow "
+                          "origin) and run this again")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    git("clone", "--quiet", "--shared", "--no-checkout", str(repo), str(target))
+    git("-c", "advice.detachedHead=false", "checkout", "--quiet", commit, cwd=target)
+    return target
+
+
+def run_environment(recorded: Dict[str, Optional[str]], code: pathlib.Path) -> Dict[str, str]:
+    """This process's environment with the recorded kernel variables (set as recorded, unset where the report ran
+    without them) and the retrained code first on the path."""
+    env = {k: v for k, v in os.environ.items() if k not in recorded}
+    env.update({k: v for k, v in recorded.items() if v is not None})
+    env["PYTHONPATH"] = os.pathsep.join([str(code), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return env
+
+
+def train(command: Sequence[str], code: pathlib.Path, env: Dict[str, str]) -> None:
+    """The report's command at its code, niced (a long retraining should not slow the machine's other work)."""
+    done = subprocess.run([sys.executable, "-m", "experiments.repro", *command], cwd=code, env=env,
+                          preexec_fn=lambda: os.nice(10))
+    if done.returncode:
+        raise ConfigError(f"retrain: the report's command exited with status {done.returncode} (its output above); "
+                          "fix the cause and run this again: finished runs are reused")
+
+
+def retrain(dest: pathlib.Path, work: pathlib.Path, jobs: Optional[int] = None) -> List[pathlib.Path]:
+    """Retrain ``dest``'s report in ``work`` and restore its records (see the module docstring); their folders."""
+    dest, work = pathlib.Path(dest), pathlib.Path(work)
+    published = report_rows(dest, " --restore", "give the docs/results folder of a published report")
+    plan = retraining_plan(published, dest)
+    command = with_option(plan["command"], "--out", str(work / "out"))
+    if jobs is not None:
+        command = with_option(command, "--jobs", str(jobs))
+    walls = [row["wall_s"] for row in published["runs"] if row.get("wall_s") is not None]
+    took = f"{sum(walls):,.0f} s of runs summed when published" if walls else "their wall time not recorded"
+    print(f"retrain: {len(published['runs'])} runs of {dest} at {plan['commit'][:10]} ({took}); python -m "
+          f"experiments.repro {' '.join(command)}", flush=True)
+    code = code_at(plan["commit"], work / "code")
+    train(command, code, run_environment(plan["environment"], code))
+    return restore(work / "out", dest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m experiments.repro.retrain", description=__doc__.split("\n\n")[0])
+    parser.add_argument("dest", type=pathlib.Path, help="a published report's folder (docs/results/NAME)")
+    parser.add_argument("--work", type=pathlib.Path, default=None,
+                        help="where the code and the runs go (default: $DYNCOMP_CACHE/retrain/NAME); kept for a resume")
+    parser.add_argument("--jobs", type=int, default=None, help="runs trained at once (default: as the report ran)")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> List[str]:
+    args = build_parser().parse_args(argv)
+    if args.jobs is not None and args.jobs < 1:
+        raise ConfigError(f"--jobs: {args.jobs} is not a positive number of runs at once")
+    work = args.work or default_cache_dir() / "retrain" / args.dest.resolve().name
+    records = retrain(args.dest, work, args.jobs)
+    print(f"retrain: restored {len(records)} runs' records of {args.dest} from {work / 'out'}")
+    return [str(r) for r in records]
+
+
+if __name__ == "__main__":
+    from experiments.run import cli
+
+    cli(main)
