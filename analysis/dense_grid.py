@@ -30,17 +30,20 @@ def bracket_verdict(points: Sequence[Tuple[float, Optional[float]]], floor: Opti
     return "bracketed"
 
 
-def grid_bracket(shapes: Dict[str, Tuple[int, int]], means: Dict[str, Optional[float]], best: str) -> str:
+def grid_bracket(shapes: Dict[str, Tuple[int, int]], means: Dict[str, Optional[float]], best: str,
+                 depths_required: bool = False) -> str:
     """Whether the best dense shape (``shapes``: label -> (n_layer, d_model), ``means``: its mean loss) is inside
     the grid on both axes: over the widths at its depth, and over the depths at its width when the grid has more
-    than one depth. An isoFLOP claim against "the best dense model" needs "bracketed"; otherwise a model beyond
-    the grid's edge may be better still. One layer is the fewest a model can have, so a best one-layer shape whose
-    deeper shapes at its width are all worse is bracketed over the depths by that floor (the verdict says so)."""
+    than one depth or ``depths_required`` (a grid of one depth then is "only one shape tried" over the depths). An
+    isoFLOP claim against "the best dense model" needs "bracketed"; otherwise a model beyond the grid's edge may be
+    better still. One layer is the fewest a model can have, so a best one-layer shape whose deeper shapes at its
+    width are all worse is bracketed over the depths by that floor (the verdict says so). ``mod_isoflop``'s
+    verdict is over the widths alone for a one-depth grid (its report defines "bracketed" so and names the depth)."""
     n_layer, d_model = shapes[best]
     verdict = bracket_verdict(_best_per_size([(d, means[k]) for k, (n, d) in shapes.items() if n == n_layer]))
     if verdict != "bracketed":
         return f"{verdict} (over the widths at n_layer={n_layer})"
-    if len({n for n, _ in shapes.values()}) > 1:
+    if depths_required or len({n for n, _ in shapes.values()}) > 1:
         # no dense model has fewer layers than one, so deeper ones that are all worse close the depth axis
         verdict = bracket_verdict(_best_per_size([(n, means[k]) for k, (n, d) in shapes.items() if d == d_model]),
                                   floor=1)

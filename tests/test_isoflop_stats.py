@@ -11,7 +11,7 @@ from experiments.repro.common import parse_entry
 from experiments.repro.head_to_head import (bench_label, benchmarked, check_entries, default_dense_shapes,
                                              dense_comparison, programme_entries)
 from analysis.dense_grid import bracket_verdict, dense_grid_line, grid_bracket
-from experiments.repro.common import dense_shape
+from experiments.repro.common import dense_grid, dense_shape
 from experiments.repro.isoflop import budget_analysis, cells_of
 
 BUDGET = 1e12
@@ -218,6 +218,13 @@ def test_grid_bracket_over_shapes_names_the_axis_the_best_shape_is_at_the_edge_o
     assert grid_bracket({"vanilla": (4, 64), "vanilla:n_head=2": (4, 64), "dense:4x48": (4, 48)},
                         {"vanilla": 1.0, "vanilla:n_head=2": 1.1, "dense:4x48": 1.2}, "vanilla") == (
         "not bracketed: the best is the largest shape tried (over the widths at n_layer=4)")
+    # a grid of one depth whose widths turn: bracketed over the widths for mod_isoflop (its report says so), not
+    # for probe and head_to_head's "Dense grid" line (dense_grid), whose reader is told of no depth axis
+    one_depth = {"dense:4x32": (4, 32), "vanilla": (4, 64), "dense:4x96": (4, 96)}
+    one_depth_means = {"dense:4x32": 1.1, "vanilla": 1.0, "dense:4x96": 1.2}
+    assert grid_bracket(one_depth, one_depth_means, "vanilla") == "bracketed"
+    assert grid_bracket(one_depth, one_depth_means, "vanilla", depths_required=True) == dense_grid(
+        one_depth_means, (4, 64), "vanilla") == "not bracketed: only one shape tried (over the depths at d_model=64)"
     assert dense_grid_line("b", "bracketed") == "Dense grid: the best dense model is b, bracketed."
     assert "beyond the grid's edge" in dense_grid_line("a", "not bracketed: the best is the smallest shape tried")
 

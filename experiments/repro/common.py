@@ -625,8 +625,9 @@ def dense_shape(label: str, reference: Tuple[int, int]) -> Tuple[int, int]:
 
 def dense_grid(means: Dict[str, Optional[float]], reference: Tuple[int, int], best: str) -> str:
     """``grid_bracket`` over dense entries by label (``means``: label -> mean loss), each label's shape read by
-    ``dense_shape`` against the reference vanilla's (``probe`` and ``head_to_head`` label their dense models so)."""
-    return grid_bracket({label: dense_shape(label, reference) for label in means}, means, best)
+    ``dense_shape`` against the reference vanilla's (``probe`` and ``head_to_head`` label their dense models so),
+    the depth axis always: their "Dense grid" line says "bracketed" with no definition beside it."""
+    return grid_bracket({label: dense_shape(label, reference) for label in means}, means, best, depths_required=True)
 
 
 def narrower_width(d_model: int, n_head: int) -> int:

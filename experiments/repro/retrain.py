@@ -3,13 +3,16 @@ record and add its runs' records (``publish --restore``), in one command.
 
 The report's ``provenance`` names everything a bit-for-bit retraining needs: the commit (its tree clean), the
 command line, the CPU it trained on, the kernel variables and the torch version. Before anything trains, this
-refuses (one line) a report that cannot be retrained so: no commit, a dirty tree, a merged report (retrain each
-folder its rows came from), another CPU model or torch version here. Then:
+refuses (one line) a report that cannot be shown to come back so: no commit or command, a dirty tree, a merged
+report (retrain each folder its rows came from), a command that did not train (``NOT_TRAINING``), no CPU, kernel
+variables or torch recorded, another CPU model (or id, where recorded) or torch version here; other library
+versions get a warning. Then:
 
 1. the code at the commit goes to ``WORK/code``, a clone sharing this checkout's objects (``git clone --shared``),
    so the runs record the report's commit as theirs;
-2. the report's command runs there (``python -m experiments.repro ...``, niced) with ``--out WORK/out`` and the
-   recorded kernel variables (those it ran without are unset), ``--jobs`` as recorded unless given;
+2. the report's command runs there (``python -m experiments.repro ...``, niced; relative paths in it resolve
+   there) with ``--out WORK/out``, without ``--no_reuse``, under the recorded kernel variables (those it ran
+   without unset, and ``UNRECORDED_CHOICES``), ``--jobs`` as recorded unless given;
 3. ``publish --restore WORK/out DEST`` checks every figure of every row came back equal and adds the records.
 
 The same command again resumes: the clone is kept, the programme reuses the runs that finished and resumes the
@@ -20,8 +23,10 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 from importlib import metadata
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -31,23 +36,45 @@ from datamodules.files import default_cache_dir
 from experiments.repro.publish import report_rows, restore
 
 
+#: options of a recorded command that rebuild, verify or analyse instead of training the report's runs
+NOT_TRAINING = ("--tables_from", "--verify", "--run")
+#: variables that choose a run's code path or folder but are not in its record: unset for the retraining
+UNRECORDED_CHOICES = ("DYNCOMP_GROUPED_MM", "DYNCOMP_RUN_VERSION", "DYNCOMP_FINETUNE_VERSION")
+
+
 def machine_mismatch(provenance: Dict[str, Any]) -> Optional[str]:
-    """Why this machine cannot give back the report's runs bit for bit (its CPU model, or its torch version, differs
-    from the recorded one), or None. A CPU id is compared only where the report recorded one (older reports did
-    not)."""
+    """Why this machine cannot give back the report's runs bit for bit (its CPU model, the CPU id where the report
+    recorded one (older reports did not), or its torch version differs from the recorded one; or the report recorded
+    no CPU, kernel variables or torch), or None."""
     kernels = provenance.get("kernels") or {}
-    torch_version = (provenance.get("libraries") or {}).get("torch")
+    recorded = {"CPU": kernels.get("cpu"), "CPU id": kernels.get("cpu_id"),
+                "torch": (provenance.get("libraries") or {}).get("torch")}
+    missing = [what for what in ("CPU", "torch") if not recorded[what]]
+    if missing or not isinstance(kernels.get("environment"), dict):
+        return f"it records no {' or '.join(missing or ['kernel variables'])} its runs trained with"
     here = {"CPU": cpu_model(), "CPU id": cpu_id(), "torch": metadata.version("torch")}
-    recorded = {"CPU": kernels.get("cpu"), "CPU id": kernels.get("cpu_id"), "torch": torch_version}
     for what in ("CPU", "CPU id", "torch"):
         if recorded[what] is not None and recorded[what] != here[what]:
             return f"its runs trained with {what} {recorded[what]!r}, this machine has {here[what]!r}"
     return None
 
 
+def other_libraries(provenance: Dict[str, Any]) -> List[str]:
+    """The recorded library versions (torch aside: refused) that differ here, as 'name recorded -> here': a warning,
+    as most never touch the numbers; ``restore`` refuses at the end if any figure differs."""
+    def installed(name: str) -> Optional[str]:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    recorded = {k: v for k, v in (provenance.get("libraries") or {}).items() if k != "torch"}
+    return [f"{name} {version} -> {installed(name)}" for name, version in recorded.items() if installed(name) != version]
+
+
 def retraining_plan(published: Dict[str, Any], dest: pathlib.Path) -> Dict[str, Any]:
-    """The report's commit, command (after the programme's script) and kernel variables, or one line on why it
-    cannot be retrained bit for bit here."""
+    """The report's commit, command (after the programme's script, ``--no_reuse`` left out so that running it again
+    resumes) and kernel variables, or one line on why it cannot be retrained bit for bit here."""
     provenance = published.get("provenance") or {}
     where = f"retrain: {dest}"
     if not provenance.get("commit"):
@@ -62,12 +89,19 @@ def retraining_plan(published: Dict[str, Any], dest: pathlib.Path) -> Dict[str, 
     if len(argv) < 2 or not pathlib.PurePath(argv[0]).as_posix().endswith("experiments/repro/__main__.py"):
         raise ConfigError(f"{where}/results.json records no command line of python -m experiments.repro "
                           f"(provenance.argv: {' '.join(argv)[:80] or 'none'})")
+    command = list(argv[1:])
+    programme_options = command[:command.index("--")] if "--" in command else command
+    other = [o for o in NOT_TRAINING if any(a == o or a.startswith(o + "=") for a in programme_options)]
+    if other:
+        raise ConfigError(f"{where}'s command has {other[0]}: it did not train its runs, so there is nothing to "
+                          "retrain")
     mismatch = machine_mismatch(provenance)
     if mismatch:
-        raise ConfigError(f"{where}: {mismatch}; bit for bit needs the same CPU model and torch: retrain it on such "
-                          "a machine")
-    environment = (provenance.get("kernels") or {}).get("environment") or {}
-    return {"commit": provenance["commit"], "command": list(argv[1:]), "environment": environment}
+        raise ConfigError(f"{where}: {mismatch}; bit for bit needs the same CPU model, kernel variables and torch: "
+                          "retrain it on such a machine")
+    return {"commit": provenance["commit"], "environment": provenance["kernels"]["environment"],
+            "command": [a for i, a in enumerate(command) if a != "--no_reuse" or i > len(programme_options)],
+            "libraries": other_libraries(provenance)}
 
 
 def with_option(command: Sequence[str], option: str, value: str) -> List[str]:
@@ -91,7 +125,8 @@ def git(*args: str, cwd: pathlib.Path = REPO) -> str:
 
 
 def code_at(commit: str, target: pathlib.Path, repo: pathlib.Path = REPO) -> pathlib.Path:
-    """A clean checkout of ``commit`` at ``target`` (a clone sharing ``repo``'s objects), kept for a resume."""
+    """A clean checkout of ``commit`` at ``target`` (a clone sharing ``repo``'s objects), kept for a resume. It is
+    made beside ``target`` and renamed into place once checked out, so an interrupted clone leaves nothing there."""
     if target.exists():
         if (pathlib.Path(git("rev-parse", "--show-toplevel", cwd=target)).resolve() != target.resolve()
                 or git("rev-parse", "HEAD", cwd=target) != commit
@@ -100,18 +135,24 @@ def code_at(commit: str, target: pathlib.Path, repo: pathlib.Path = REPO) -> pat
                               "give another --work")
         return target
     if subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=repo, capture_output=True).returncode:
-        raise ConfigError(f"retrain: commit {commit[:10]} is not in {repo}'s history; fetch it (git fetch --unshallow "
-                          "origin) and run this again")
+        raise ConfigError(f"retrain: commit {commit[:10]} is not in {repo}'s history; fetch the branch that holds it "
+                          "(git fetch origin; a shallow clone: git fetch --unshallow origin) and run this again")
     target.parent.mkdir(parents=True, exist_ok=True)
-    git("clone", "--quiet", "--shared", "--no-checkout", str(repo), str(target))
-    git("-c", "advice.detachedHead=false", "checkout", "--quiet", commit, cwd=target)
+    partial = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        git("clone", "--quiet", "--shared", "--no-checkout", str(repo), str(partial))
+        git("-c", "advice.detachedHead=false", "checkout", "--quiet", commit, cwd=partial)
+        partial.rename(target)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
     return target
 
 
 def run_environment(recorded: Dict[str, Optional[str]], code: pathlib.Path) -> Dict[str, str]:
     """This process's environment with the recorded kernel variables (set as recorded, unset where the report ran
-    without them) and the retrained code first on the path."""
-    env = {k: v for k, v in os.environ.items() if k not in recorded}
+    without them), the suite's unrecorded choices unset (``UNRECORDED_CHOICES``: the default code path and folders)
+    and the retrained code first on the path."""
+    env = {k: v for k, v in os.environ.items() if k not in recorded and k not in UNRECORDED_CHOICES}
     env.update({k: v for k, v in recorded.items() if v is not None})
     env["PYTHONPATH"] = os.pathsep.join([str(code), *filter(None, [os.environ.get("PYTHONPATH")])])
     return env
@@ -128,7 +169,7 @@ def train(command: Sequence[str], code: pathlib.Path, env: Dict[str, str]) -> No
 
 def retrain(dest: pathlib.Path, work: pathlib.Path, jobs: Optional[int] = None) -> List[pathlib.Path]:
     """Retrain ``dest``'s report in ``work`` and restore its records (see the module docstring); their folders."""
-    dest, work = pathlib.Path(dest), pathlib.Path(work)
+    dest, work = pathlib.Path(dest), pathlib.Path(work).resolve()  # the command runs in WORK/code: --out absolute
     published = report_rows(dest, " --restore", "give the docs/results folder of a published report")
     plan = retraining_plan(published, dest)
     command = with_option(plan["command"], "--out", str(work / "out"))
@@ -138,6 +179,9 @@ def retrain(dest: pathlib.Path, work: pathlib.Path, jobs: Optional[int] = None) 
     took = f"{sum(walls):,.0f} s of runs summed when published" if walls else "their wall time not recorded"
     print(f"retrain: {len(published['runs'])} runs of {dest} at {plan['commit'][:10]} ({took}); python -m "
           f"experiments.repro {' '.join(command)}", flush=True)
+    if plan["libraries"]:
+        print(f"warning: retrain: other library versions than the report's ({', '.join(plan['libraries'])}); if a "
+              "figure differs, the restore at the end refuses", file=sys.stderr, flush=True)
     code = code_at(plan["commit"], work / "code")
     train(command, code, run_environment(plan["environment"], code))
     return restore(work / "out", dest)
