@@ -120,19 +120,44 @@ def requeue(job: str) -> bool:
     return True
 
 
+_usr1_noted: Optional[bool] = None  # inside time_limit_warning_ignored: whether a SIGUSR1 came while it held it
+
+
+def _note_usr1(signum, frame) -> None:
+    global _usr1_noted
+    _usr1_noted = True
+
+
 @contextlib.contextmanager
 def time_limit_warning_ignored():
-    """SIGUSR1 ignored while nothing handles it (after training: its default action kills the process, and the
-    finished run would lose its final validation and summary; srun would count the task as failed). A handler
-    installed by someone else is left alone."""
+    """SIGUSR1 noted, never left to its default action, around a whole run: its default kills the process (after
+    training the finished run would lose its final validation and summary; srun would count the task as failed).
+    ``PreemptionCheckpoint`` takes it for the training and gives this handler back at its teardown, so no moment is
+    left uncovered, and acts on a SIGUSR1 noted before it took it (a stop at the first step). One that comes after
+    training is noted and the run finishes. A handler installed by someone else is left alone."""
+    global _usr1_noted
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGUSR1) != signal.SIG_DFL:
         yield
         return
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, _note_usr1)
+    _usr1_noted = False
     try:
         yield
     finally:
+        _usr1_noted = None
         signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+
+
+def _free_to_take(signum: int) -> bool:
+    """Whether no one handles ``signum``: the default action, or ``time_limit_warning_ignored``'s note."""
+    return signal.getsignal(signum) in (signal.SIG_DFL, None, _note_usr1)
+
+
+def _take_noted_usr1() -> bool:
+    """Whether a SIGUSR1 came while ``time_limit_warning_ignored`` held it (and forget it: it is acted on once)."""
+    global _usr1_noted
+    noted, _usr1_noted = bool(_usr1_noted), (False if _usr1_noted is not None else None)
+    return noted
 
 
 class PreemptionCheckpoint(L.Callback):
@@ -177,8 +202,10 @@ class PreemptionCheckpoint(L.Callback):
         Lightning's own SIGTERM handler never again (its teardown puts back the handler from before the run)."""
         if threading.current_thread() is not threading.main_thread():
             return
-        if signal.getsignal(self.signum) in (signal.SIG_DFL, None):
+        if _free_to_take(self.signum):
             self._take(self.signum, self._request)
+            if self.signum == signal.SIGUSR1 and _take_noted_usr1():  # came before this stage took it
+                self._request(signal.SIGUSR1, None)
         if not self._is_ours(signal.SIGTERM):
             connector = getattr(trainer, "_signal_connector", None)
             original = getattr(connector, "_original_handlers", {}).get(signal.SIGTERM)

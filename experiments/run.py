@@ -627,13 +627,15 @@ def fit_and_summarise(cfg: Namespace, parser: ArgumentParser, module, data, mcfg
         for tmp in remove_killed_checkpoint_writes(root / version / "checkpoints"):
             print(f"note: removed {tmp}, left by a checkpoint write that was killed", file=sys.stderr)
 
+    # SLURM's SIGUSR1 must never kill the run: the callback takes it for the training, and this ignore is what
+    # the callback's teardown puts back, so the final validation and the summary are safe from it too
     try:
-        try:
-            trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
-        except SIGTERMException:  # preempted: every rank stopped after the same step and saved (callbacks/preemption)
-            close_process_group()
-            raise
-        with time_limit_warning_ignored():  # training is over: SLURM's SIGUSR1 must not kill the run now
+        with time_limit_warning_ignored():
+            try:
+                trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+            except SIGTERMException:  # preempted: every rank stopped after the same step and saved
+                close_process_group()
+                raise
             final = trainer.validate(module, datamodule=data, verbose=False)
             if trainer.global_step % cfg.val_every:
                 # ModelCheckpoint saves every val_every steps; make last.ckpt hold the final step too, after its

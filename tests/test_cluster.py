@@ -452,28 +452,75 @@ def test_sigterm_in_the_middle_of_a_gradient_accumulation_step_stops_after_the_w
     assert resumed["train_started_at_steps"] == [0, 3]
     assert resumed["train_loss_curve"] == straight["train_loss_curve"]
 
-def test_after_training_sigusr1_is_ignored_until_the_summary_is_written(tmp_path, monkeypatch):
-    """Once training is over nothing handles SIGUSR1 (Lightning put back the default action, which kills): SLURM's
-    time-limit warning then would cost the finished run its final validation and summary. It is ignored from the
-    end of fit to the summary, and the default is back afterwards."""
+def test_sigusr1_is_never_left_to_its_default_action_from_training_to_the_summary(tmp_path, monkeypatch):
+    """Once training is over nothing handles SIGUSR1 (its default action kills): SLURM's time-limit warning then
+    would cost the finished run its final validation and summary. The callback handles it during training; from
+    the moment its teardown gives it back (no window in between: the ignore is what it gives back) to the summary
+    it is ignored, and the default is back afterwards."""
     import experiments.run as run
+    from callbacks.preemption import _note_usr1
 
     for key in SLURM_ENV:
         monkeypatch.delenv(key, raising=False)
     seen = {}
-    real = run.write_run_summary
+    real = run.write_run_summary, PreemptionCheckpoint.teardown, PreemptionCheckpoint.on_train_batch_end
 
     def write_run_summary(trainer, *args):
         seen["at_summary"] = signal.getsignal(signal.SIGUSR1)
-        return real(trainer, *args)
+        return real[0](trainer, *args)
+
+    def teardown(self, trainer, pl_module, stage):
+        real[1](self, trainer, pl_module, stage)
+        seen.setdefault("after_teardown", []).append(signal.getsignal(signal.SIGUSR1))
+
+    def on_train_batch_end(self, *args):
+        seen["training"] = signal.getsignal(signal.SIGUSR1)
+        return real[2](self, *args)
 
     monkeypatch.setattr(run, "write_run_summary", write_run_summary)
+    monkeypatch.setattr(PreemptionCheckpoint, "teardown", teardown)
+    monkeypatch.setattr(PreemptionCheckpoint, "on_train_batch_end", on_train_batch_end)
     before = signal.signal(signal.SIGUSR1, signal.SIG_DFL)
     try:
         run.main(["--max_steps", "2", "--val_every", "2", "--log_dir", str(tmp_path), *TINY_RUN])
-        assert seen["at_summary"] == signal.SIG_IGN and signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+        assert getattr(seen["training"], "__func__", None) is PreemptionCheckpoint._request  # a stop, not ignored
+        assert seen["after_teardown"] == [_note_usr1, _note_usr1]  # after fit, and after the final validation
+        assert seen["at_summary"] == _note_usr1 and signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
     finally:
         signal.signal(signal.SIGUSR1, before)
+
+class SignalAtSetup(L.Callback):
+    unprotected = False  # the default action was in place: the signal would have killed the run (and the test)
+
+    def setup(self, trainer, pl_module, stage):
+        if stage == "fit":
+            self.unprotected = signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+            if not self.unprotected:
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def test_a_sigusr1_before_the_callback_takes_it_stops_the_run_at_its_first_step_with_a_checkpoint(tmp_path,
+                                                                                              monkeypatch):
+    """SLURM's time-limit warning while the run sets up (data, model, loaders) used to meet the default action and
+    kill it without a checkpoint; it is noted and the callback stops the run at its first step, as for one later."""
+    import experiments.run as run
+
+    for key in SLURM_ENV:
+        monkeypatch.delenv(key, raising=False)
+    signaller = SignalAtSetup()
+    monkeypatch.setattr(run, "extra_run_callbacks", lambda cfg: [signaller])
+    before = signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            run.main(["--max_steps", "4", "--val_every", "100", "--log_dir", str(tmp_path), *TINY_RUN])
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+    assert not signaller.unprotected
+    assert stopped.value.code == 128 + signal.SIGUSR1
+    last = tmp_path / "vanilla-tiny" / "version_0" / "checkpoints" / "last.ckpt"
+    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 1
+
 
 TB_ARGV = ["--max_steps", "8", "--val_every", "4", "--trainer.log_every_n_steps", "1", *TINY_RUN]
 
