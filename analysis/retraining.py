@@ -1,13 +1,16 @@
 """Is a retraining the result it retrains? Bit-for-bit comparison of a published report's run rows, or of a
 published leaderboard's runs, with those of the same command run again, leaving out only what a retraining may
 change (the clocks and the folders). ``experiments.repro.publish --restore`` adds a report's run records only when
-these find no difference."""
+these find no difference; ``machine_mismatch`` says beforehand why this machine cannot give them back
+(``experiments.repro.retrain`` refuses on it)."""
 from __future__ import annotations
 
 import json
 import re
+from importlib import metadata
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+from analysis.provenance import cpu_id, cpu_model
 from architectures.config import ConfigError
 
 # what a retraining may change in a row (the machine's load); everything else must come back equal for --restore
@@ -145,3 +148,33 @@ def board_mismatch(stored: Dict[str, Any], retrained: Dict[str, Any]) -> Optiona
                 return (f"{key[0]} seed {key[1]}: {field} {as_text(old[key].get(field))} stored, "
                         f"{as_text(new[key].get(field))} retrained")
     return None
+
+
+def machine_mismatch(provenance: Dict[str, Any]) -> Optional[str]:
+    """Why this machine cannot give back the report's runs bit for bit (its CPU model, the CPU id where the report
+    recorded one (older reports did not), or its torch version differs from the recorded one; or the report recorded
+    no CPU, kernel variables or torch), or None."""
+    kernels = provenance.get("kernels") or {}
+    recorded = {"CPU": kernels.get("cpu"), "CPU id": kernels.get("cpu_id"),
+                "torch": (provenance.get("libraries") or {}).get("torch")}
+    missing = [what for what in ("CPU", "torch") if not recorded[what]]
+    if missing or not isinstance(kernels.get("environment"), dict):
+        return f"it records no {' or '.join(missing or ['kernel variables'])} its runs trained with"
+    here = {"CPU": cpu_model(), "CPU id": cpu_id(), "torch": metadata.version("torch")}
+    for what in ("CPU", "CPU id", "torch"):
+        if recorded[what] is not None and recorded[what] != here[what]:
+            return f"its runs trained with {what} {recorded[what]!r}, this machine has {here[what]!r}"
+    return None
+
+
+def other_libraries(provenance: Dict[str, Any]) -> List[str]:
+    """The recorded library versions (torch aside: refused) that differ here, as 'name recorded -> here': a warning,
+    as most never touch the numbers; ``restore`` refuses at the end if any figure differs."""
+    def installed(name: str) -> Optional[str]:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    recorded = {k: v for k, v in (provenance.get("libraries") or {}).items() if k != "torch"}
+    return [f"{name} {version} -> {installed(name)}" for name, version in recorded.items() if installed(name) != version]

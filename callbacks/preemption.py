@@ -120,7 +120,7 @@ def requeue(job: str) -> bool:
     return True
 
 
-_usr1_noted: Optional[bool] = None  # inside time_limit_warning_ignored: whether a SIGUSR1 came while it held it
+_usr1_noted: Optional[bool] = None  # inside time_limit_warning_noted: whether a SIGUSR1 came while it held it
 
 
 def _note_usr1(signum, frame) -> None:
@@ -129,32 +129,33 @@ def _note_usr1(signum, frame) -> None:
 
 
 @contextlib.contextmanager
-def time_limit_warning_ignored():
-    """SIGUSR1 noted, never left to its default action, around a whole run: its default kills the process (after
-    training the finished run would lose its final validation and summary; srun would count the task as failed).
-    ``PreemptionCheckpoint`` takes it for the training and gives this handler back at its teardown, so no moment is
-    left uncovered, and acts on a SIGUSR1 noted before it took it (a stop at the first step). One that comes after
+def time_limit_warning_noted():
+    """SIGUSR1 noted, never left to its default action, around a whole run (``experiments.run.main``): the default
+    kills the process (before training: no checkpoint, no requeue; after it: the finished run would lose its final
+    validation and summary; srun would count the task as failed). ``PreemptionCheckpoint`` takes the signal over
+    for each stage and acts on one noted before it did (a stop after the first completed step, with a checkpoint);
+    Lightning's teardown puts this handler back, so no moment of the run is uncovered. One that comes after
     training is noted and the run finishes. A handler installed by someone else is left alone."""
     global _usr1_noted
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGUSR1) != signal.SIG_DFL:
         yield
         return
+    _usr1_noted = False  # before the handler: a signal at once is not lost
     signal.signal(signal.SIGUSR1, _note_usr1)
-    _usr1_noted = False
     try:
         yield
     finally:
-        _usr1_noted = None
         signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+        _usr1_noted = None  # after the default is back: no note is left for a later run
 
 
 def _free_to_take(signum: int) -> bool:
-    """Whether no one handles ``signum``: the default action, or ``time_limit_warning_ignored``'s note."""
+    """Whether no one handles ``signum``: the default action, or ``time_limit_warning_noted``'s note."""
     return signal.getsignal(signum) in (signal.SIG_DFL, None, _note_usr1)
 
 
 def _take_noted_usr1() -> bool:
-    """Whether a SIGUSR1 came while ``time_limit_warning_ignored`` held it (and forget it: it is acted on once)."""
+    """Whether a SIGUSR1 came while ``time_limit_warning_noted`` held it (and forget it: it is acted on once)."""
     global _usr1_noted
     noted, _usr1_noted = bool(_usr1_noted), (False if _usr1_noted is not None else None)
     return noted

@@ -567,7 +567,10 @@ def main(argv: Optional[Sequence[str]] = None,
         print_resolved_config(parser, cfg)
         return None
     check_sources_up_front(cfg)
-    return train(cfg, parser, on_run_folder)
+    from callbacks.preemption import time_limit_warning_noted
+
+    with time_limit_warning_noted():  # SLURM's SIGUSR1 must not kill the run at any point of it (the callback's)
+        return train(cfg, parser, on_run_folder)
 
 
 def train(cfg: Namespace, parser: ArgumentParser,
@@ -614,7 +617,6 @@ def fit_and_summarise(cfg: Namespace, parser: ArgumentParser, module, data, mcfg
                       version: str, ckpt_path: Optional[str]) -> pathlib.Path:
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from callbacks.preemption import time_limit_warning_ignored
     from callbacks.run_summary import StepRecorder
 
     inherited = os.environ.get("DYNCOMP_RUN_VERSION")
@@ -627,24 +629,21 @@ def fit_and_summarise(cfg: Namespace, parser: ArgumentParser, module, data, mcfg
         for tmp in remove_killed_checkpoint_writes(root / version / "checkpoints"):
             print(f"note: removed {tmp}, left by a checkpoint write that was killed", file=sys.stderr)
 
-    # SLURM's SIGUSR1 must never kill the run: the callback takes it for the training, and this ignore is what
-    # the callback's teardown puts back, so the final validation and the summary are safe from it too
     try:
-        with time_limit_warning_ignored():
-            try:
-                trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
-            except SIGTERMException:  # preempted: every rank stopped after the same step and saved
-                close_process_group()
-                raise
-            final = trainer.validate(module, datamodule=data, verbose=False)
-            if trainer.global_step % cfg.val_every:
-                # ModelCheckpoint saves every val_every steps; make last.ckpt hold the final step too, after its
-                # validation (a run extended from it keeps that validation in val_history, as TensorBoard does)
-                trainer.save_checkpoint(root / version / "checkpoints" / "last.ckpt")
-            try:
-                write_run_summary(trainer, module, data, mcfg, recorder, final, run_dir)
-            finally:  # every rank reaches it, whatever rank 0's summary did
-                close_process_group()
+        try:
+            trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+        except SIGTERMException:  # preempted: every rank stopped after the same step and saved (callbacks/preemption)
+            close_process_group()
+            raise
+        final = trainer.validate(module, datamodule=data, verbose=False)
+        if trainer.global_step % cfg.val_every:
+            # ModelCheckpoint saves every val_every steps; make last.ckpt hold the final step too, after its
+            # validation (a run extended from it keeps that validation in val_history, as TensorBoard does)
+            trainer.save_checkpoint(root / version / "checkpoints" / "last.ckpt")
+        try:
+            write_run_summary(trainer, module, data, mcfg, recorder, final, run_dir)
+        finally:  # every rank reaches it, whatever rank 0's summary did
+            close_process_group()
     finally:
         if inherited == version:  # the DDP ranks have started; later runs in this process pick anew
             os.environ.pop("DYNCOMP_RUN_VERSION", None)

@@ -453,20 +453,23 @@ def test_sigterm_in_the_middle_of_a_gradient_accumulation_step_stops_after_the_w
     assert resumed["train_loss_curve"] == straight["train_loss_curve"]
 
 def test_sigusr1_is_never_left_to_its_default_action_from_training_to_the_summary(tmp_path, monkeypatch):
-    """Once training is over nothing handles SIGUSR1 (its default action kills): SLURM's time-limit warning then
+    """Once training is over nothing handles SIGUSR1, and its default action kills: SLURM's time-limit warning then
     would cost the finished run its final validation and summary. The callback handles it during training; from
-    the moment its teardown gives it back (no window in between: the ignore is what it gives back) to the summary
-    it is ignored, and the default is back afterwards."""
+    the moment fit's teardown gives it back (no window in between: the noting handler is what it gives back) to
+    the summary it is noted, one that comes then lets the run finish, and the default is back afterwards."""
+    import callbacks.preemption as preemption
     import experiments.run as run
-    from callbacks.preemption import _note_usr1
 
     for key in SLURM_ENV:
         monkeypatch.delenv(key, raising=False)
     seen = {}
-    real = run.write_run_summary, PreemptionCheckpoint.teardown, PreemptionCheckpoint.on_train_batch_end
+    real = run.write_run_summary, preemption.PreemptionCheckpoint.teardown, \
+        preemption.PreemptionCheckpoint.on_train_batch_end
 
     def write_run_summary(trainer, *args):
         seen["at_summary"] = signal.getsignal(signal.SIGUSR1)
+        if seen["at_summary"] == preemption._note_usr1:  # never to the default action: it would kill the test
+            os.kill(os.getpid(), signal.SIGUSR1)  # SLURM's warning as the summary is written
         return real[0](trainer, *args)
 
     def teardown(self, trainer, pl_module, stage):
@@ -478,16 +481,19 @@ def test_sigusr1_is_never_left_to_its_default_action_from_training_to_the_summar
         return real[2](self, *args)
 
     monkeypatch.setattr(run, "write_run_summary", write_run_summary)
-    monkeypatch.setattr(PreemptionCheckpoint, "teardown", teardown)
-    monkeypatch.setattr(PreemptionCheckpoint, "on_train_batch_end", on_train_batch_end)
+    monkeypatch.setattr(preemption.PreemptionCheckpoint, "teardown", teardown)
+    monkeypatch.setattr(preemption.PreemptionCheckpoint, "on_train_batch_end", on_train_batch_end)
     before = signal.signal(signal.SIGUSR1, signal.SIG_DFL)
     try:
-        run.main(["--max_steps", "2", "--val_every", "2", "--log_dir", str(tmp_path), *TINY_RUN])
-        assert getattr(seen["training"], "__func__", None) is PreemptionCheckpoint._request  # a stop, not ignored
-        assert seen["after_teardown"] == [_note_usr1, _note_usr1]  # after fit, and after the final validation
-        assert seen["at_summary"] == _note_usr1 and signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+        run_dir = run.main(["--max_steps", "2", "--val_every", "2", "--log_dir", str(tmp_path), *TINY_RUN])
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL and preemption._usr1_noted is None
     finally:
         signal.signal(signal.SIGUSR1, before)
+    assert getattr(seen["training"], "__func__", None) is preemption.PreemptionCheckpoint._request  # a stop
+    assert seen["after_teardown"] == [preemption._note_usr1] * 2  # after fit, and after the final validation
+    assert seen["at_summary"] == preemption._note_usr1
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2  # the run finished all the same
+
 
 class SignalAtSetup(L.Callback):
     unprotected = False  # the default action was in place: the signal would have killed the run (and the test)

@@ -41,9 +41,9 @@ from analysis.tables import ci_cell, error_bars, test_cell
 from analysis.dense_grid import bracket_verdict, grid_bracket
 from analysis.provenance import origin_lines, run_origin
 from analysis.wall_time import run_wall, wall_time_lines
+from analysis.stored_results import merge_run_rows, read_published, stored_jobs
 from experiments.repro.common import (Context, budget_spent, budget_step_cap, figure, fmt, markdown_table,
-                                     merge_run_rows, read_published, record_stored_runs, result_options,
-                                     run_model_config, stored_jobs)
+                                     record_stored_runs, result_options, run_model_config)
 
 TOLERANCE = 0.05
 LEFT_OUT_WHY = "fewer than --min_steps steps, or a shape the variant cannot build"
@@ -269,7 +269,7 @@ def run_key(row: Dict[str, Any]) -> Tuple[Any, ...]:
 def stored_isoflop_runs(paths: Sequence[pathlib.Path]) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]], List[str]]:
     """(each file's results, one row per budget, shape and seed, a line per file) of one or more mod_isoflop
     results.json files whose runs trained with the same tokens per step and run options
-    (``common.merge_run_rows``: a run stored twice must be the same run)."""
+    (``analysis.stored_results.merge_run_rows``: a run stored twice must be the same run)."""
     files = [read_published(path, "--tables_from", needs=(("runs", list), ("tokens_per_step", int))) for path in paths]
     options = [stored_run_options(data) for data in files]
     for path, data, opts in zip(paths, files, options):

@@ -53,11 +53,12 @@ from callbacks import CallbacksConfig
 from datamodules.probe import level_meaning
 from analysis.dense_grid import dense_grid_line
 from analysis.provenance import origin_lines, run_origin
+from analysis.stored_results import stored_jobs
 from analysis.wall_time import run_wall, wall_time_lines
 from experiments.repro.common import (Context, Entry, budget_spent, budget_step_cap, dense_entries, dense_grid,
                                      entry_cost, figure, fmt, markdown_table, narrower_width, option_path,
-                                     parse_entry, parse_shape, parse_shapes, record_stored_runs, run_model_config,
-                                     stored_jobs)  # noqa: F401  (option_path, parse_shape: probe's API)
+                                     parse_entry, parse_shape, parse_shapes, record_stored_runs,
+                                     run_model_config)  # noqa: F401  (option_path, parse_shape: probe's API)
 
 VARIANTS = tuple(tagged("probe"))  # the registry entries tagged "probe" (vanilla first)
 CHANCE = {"probe": 0.1, "probe-v2/arith": 0.1}  # the answers' chance where it is one number: a digit among ten
@@ -221,8 +222,10 @@ def merged_rows(paths: Sequence[pathlib.Path]
                 ) -> Tuple[List[Dict[str, Any]], List[str], List[Dict[str, Any]], List[str]]:
     """(each file's results, read once, entry labels: dense first, then routed, each in order of appearance; one row per
     entry and seed; a line per file naming its commit) of one or more probe results.json files at identical
-    settings and budget (``common.merge_run_rows``: an (entry, seed) stored twice must hold the same run)."""
-    from experiments.repro.common import comparable_settings, merge_run_rows, read_published
+    settings and budget (``analysis.stored_results.merge_run_rows``: an (entry, seed) stored twice must hold the
+    same run)."""
+    from analysis.stored_results import merge_run_rows, read_published
+    from experiments.repro.common import comparable_settings
 
     files = [read_published(path, "--tables_from") for path in paths]
     first = files[0]
@@ -663,7 +666,8 @@ def verify_row(ctx: Context, row: str, published_path: pathlib.Path, seeds: int,
                quick: bool) -> Dict[str, Any]:
     """Retrain one published row from nothing (its seeds, a fresh --out) and set its figures beside the published."""
     from analysis.tables import verification_table
-    from experiments.repro.common import check_kernels, check_settings, read_published, require_fresh
+    from analysis.stored_results import read_published
+    from experiments.repro.common import check_kernels, check_settings, require_fresh
 
     published = read_published(published_path)
     if row not in published["variants"]:

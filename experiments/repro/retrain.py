@@ -27,10 +27,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from importlib import metadata
 from typing import Any, Dict, List, Optional, Sequence
 
-from analysis.provenance import REPO, cpu_id, cpu_model
+from analysis.provenance import REPO
+from analysis.retraining import machine_mismatch, other_libraries
 from architectures.config import ConfigError
 from datamodules.files import default_cache_dir
 from experiments.repro.publish import report_rows, restore
@@ -40,36 +40,6 @@ from experiments.repro.publish import report_rows, restore
 NOT_TRAINING = ("--tables_from", "--verify", "--run")
 #: variables that choose a run's code path or folder but are not in its record: unset for the retraining
 UNRECORDED_CHOICES = ("DYNCOMP_GROUPED_MM", "DYNCOMP_RUN_VERSION", "DYNCOMP_FINETUNE_VERSION")
-
-
-def machine_mismatch(provenance: Dict[str, Any]) -> Optional[str]:
-    """Why this machine cannot give back the report's runs bit for bit (its CPU model, the CPU id where the report
-    recorded one (older reports did not), or its torch version differs from the recorded one; or the report recorded
-    no CPU, kernel variables or torch), or None."""
-    kernels = provenance.get("kernels") or {}
-    recorded = {"CPU": kernels.get("cpu"), "CPU id": kernels.get("cpu_id"),
-                "torch": (provenance.get("libraries") or {}).get("torch")}
-    missing = [what for what in ("CPU", "torch") if not recorded[what]]
-    if missing or not isinstance(kernels.get("environment"), dict):
-        return f"it records no {' or '.join(missing or ['kernel variables'])} its runs trained with"
-    here = {"CPU": cpu_model(), "CPU id": cpu_id(), "torch": metadata.version("torch")}
-    for what in ("CPU", "CPU id", "torch"):
-        if recorded[what] is not None and recorded[what] != here[what]:
-            return f"its runs trained with {what} {recorded[what]!r}, this machine has {here[what]!r}"
-    return None
-
-
-def other_libraries(provenance: Dict[str, Any]) -> List[str]:
-    """The recorded library versions (torch aside: refused) that differ here, as 'name recorded -> here': a warning,
-    as most never touch the numbers; ``restore`` refuses at the end if any figure differs."""
-    def installed(name: str) -> Optional[str]:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            return None
-
-    recorded = {k: v for k, v in (provenance.get("libraries") or {}).items() if k != "torch"}
-    return [f"{name} {version} -> {installed(name)}" for name, version in recorded.items() if installed(name) != version]
 
 
 def retraining_plan(published: Dict[str, Any], dest: pathlib.Path) -> Dict[str, Any]:
