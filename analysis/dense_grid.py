@@ -65,8 +65,13 @@ def _best_per_size(points: Sequence[Tuple[float, Optional[float]]]) -> List[Tupl
     return list(best.items())
 
 
+def is_bracketed(verdict: str) -> bool:
+    """Whether a ``grid_bracket`` verdict says the curve turns inside the grid (a reason may follow it)."""
+    return verdict.startswith("bracketed")
+
+
 def dense_grid_line(best: str, verdict: str) -> str:
     """The report's line on the dense grid (``grid_bracket``'s verdict), with what it means for the claims."""
-    caveat = ("" if verdict.startswith("bracketed") else "; a dense shape beyond the grid's edge may be better "
+    caveat = ("" if is_bracketed(verdict) else "; a dense shape beyond the grid's edge may be better "
               "still, so 'beats the best dense model' below is against the best shape tried, not the isoFLOP optimum")
     return f"Dense grid: the best dense model is {best}, {verdict}{caveat}."

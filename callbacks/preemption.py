@@ -157,8 +157,10 @@ def _free_to_take(signum: int) -> bool:
 def _take_noted_usr1() -> bool:
     """Whether a SIGUSR1 came while ``time_limit_warning_noted`` held it (and forget it: it is acted on once)."""
     global _usr1_noted
-    noted, _usr1_noted = bool(_usr1_noted), (False if _usr1_noted is not None else None)
-    return noted
+    if not _usr1_noted:
+        return False
+    _usr1_noted = False
+    return True
 
 
 class PreemptionCheckpoint(L.Callback):

@@ -38,7 +38,7 @@ from architectures.config import ConfigError
 from callbacks.run_summary import headline_val_loss, noncausal_val_loss
 from analysis import stats
 from analysis.tables import ci_cell, error_bars, test_cell
-from analysis.dense_grid import bracket_verdict, grid_bracket
+from analysis.dense_grid import bracket_verdict, grid_bracket, is_bracketed
 from analysis.provenance import origin_lines, run_origin
 from analysis.wall_time import run_wall, wall_time_lines
 from analysis.stored_results import merge_run_rows, read_published, stored_jobs
@@ -524,7 +524,7 @@ def plot_isoflop(ctx: Context, analyses: Sequence[Dict[str, Any]]) -> None:
         ax.set_xscale("log")
         ax.set_xlabel("parameters")
         ax.set_ylabel("validation loss, seed mean [95% CI] (MoD: causal)")
-        turns = "bracketed" if a["bracket"].startswith("bracketed") else "not bracketed"
+        turns = "bracketed" if is_bracketed(a["bracket"]) else "not bracketed"
         ax.set_title(f"budget {a['budget']:.2e} training FLOPs ({turns})", fontsize=9)
         ax.legend(fontsize=7)
     fig.tight_layout()

@@ -70,7 +70,7 @@ def retraining_plan(published: Dict[str, Any], dest: pathlib.Path) -> Dict[str, 
         raise ConfigError(f"{where}: {mismatch}; bit for bit needs the same CPU model, kernel variables and torch: "
                           "retrain it on such a machine")
     return {"commit": provenance["commit"], "environment": provenance["kernels"]["environment"],
-            "command": [a for i, a in enumerate(command) if a != "--no_reuse" or i > len(programme_options)],
+            "command": [a for a in programme_options if a != "--no_reuse"] + command[len(programme_options):],
             "libraries": other_libraries(provenance)}
 
 
