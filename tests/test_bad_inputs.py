@@ -16,7 +16,7 @@ import time
 import pytest
 
 from experiments import analyze, bench, compare, finetune, repro, run, sweep
-from experiments.repro import publish
+from experiments.repro import publish, retrain
 from tests.conftest import REPO, TINY_RUN, DiskFillsAfter, file_states
 
 SECONDS = 30  # generous for a loaded 2-core CI machine; the failures themselves take well under 5 s
@@ -48,6 +48,10 @@ def inputs(tmp_path_factory) -> pathlib.Path:
                        ("mixed_report", [{**gone, "run_dir_trained": "x"}, {**gone, "seed": 1338}])):
         (root / name).mkdir()
         (root / name / "results.json").write_text(json.dumps({"runs": runs}))
+    another_cpu = root / "report_of_another_cpu"  # a real published report, as if trained on a CPU no machine has
+    another_cpu.mkdir()
+    provenance = {**bounce["provenance"], "kernels": {**bounce["provenance"]["kernels"], "cpu": "No Such CPU"}}
+    (another_cpu / "results.json").write_text(json.dumps({**bounce, "provenance": provenance}))
     (root / "broken_board").mkdir()
     (root / "broken_board" / "leaderboard.json").write_text('{"rows": ')
     (root / "probe_without_vanilla.json").write_text(json.dumps(no_vanilla))
@@ -318,6 +322,13 @@ CASES = [
      r"publish: .*report_without_runs/results\.json has no run rows with a run_dir; nothing to publish"),
     ("publish-run-folder-gone", "publish", lambda d: [str(d / "report_of_gone_runs"), str(d / "published")],
      r"publish: the run folder .*gone/version_0 of vanilla seed 1337 is not there \(no summary\.json of that run\)"),
+    ("retrain-a-report-that-names-no-commit", "repro.retrain", lambda d: [str(d / "report_of_gone_runs")],
+     r"retrain: .*report_of_gone_runs/results\.json names no commit; only a report that does can be retrained"),
+    ("retrain-on-another-cpu", "repro.retrain", lambda d: [str(d / "report_of_another_cpu")],
+     r"retrain: .*report_of_another_cpu: its runs trained with CPU 'No Such CPU', this machine has .*; bit for bit "
+     r"needs the same CPU model, kernel variables and torch: retrain it on such a machine"),
+    ("retrain-jobs-0", "repro.retrain", lambda d: [str(d / "report_of_another_cpu"), "--jobs", "0"],
+     r"--jobs: 0 is not a positive number of runs at once"),
     ("publish-restore-into-an-unpublished-report", "publish",
      lambda d: [str(d / "report_of_gone_runs"), str(d / "report_of_gone_runs"), "--restore"],
      r"publish --restore: DEST .*report_of_gone_runs is OUT itself, not a published report; give the docs/results "
@@ -360,11 +371,11 @@ CASES = [
      r"--variants: mod:nope=\.\.\. is no option of mod; options: "),
 ]
 SUBPROCESS_CASES = {"text-not-utf8", "ckpt-truncated", "ft-max_train_examples-0", "bench-set-unknown-field",
-                    "analyze-stats-without-sites", "compare-no-runs"}
+                    "analyze-stats-without-sites", "compare-no-runs", "retrain-on-another-cpu"}
 LEAVES_A_VALID_TOKEN_CACHE = {"text-too-small",  # the corpus was tokenised correctly; it is only too short
                               "ckpt-other-probe-levels"}  # the probe settings are checked once the checkpoint loads
 ENTRIES = {"run": run.main, "finetune": finetune.main, "sweep": sweep.main, "bench": bench.main, "analyze": analyze.main,
-           "compare": compare.main, "repro": repro.main, "publish": publish.main}
+           "compare": compare.main, "repro": repro.main, "publish": publish.main, "repro.retrain": retrain.main}
 # options that keep a bench row quick should today's code run it instead of refusing it
 QUICK_BENCH = ["--steps", "1", "--warmup", "0", "--no_hf", "--no_minimal", "--device", "cpu", "--size", "tiny"]
 
