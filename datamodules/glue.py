@@ -31,6 +31,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from datamodules.corpora import DataError, hub_reachable, jsonl_rows, read_parquet, read_utf8
+from datamodules.epoch_order import resumable_train_loader
 from datamodules.tokenizer import TextTokenizer
 
 GLUE_HUB_ID = "nyu-mll/glue"
@@ -403,7 +404,7 @@ def subsample(split: GlueSplit, limit: Optional[int], seed: int, name: str) -> G
 
 
 class GlueDataModule(L.LightningDataModule):
-    """One GLUE task: a shuffled train loader and one validation loader per validation split."""
+    """One GLUE task: a shuffled train loader (resumable mid-epoch: datamodules/epoch_order.py) and one validation loader per validation split."""
 
     def __init__(self, task: str, tokenizer: TextTokenizer, max_length: int, batch_size: int = 32,
                  path: Optional[str] = None, drop_empty: bool = False, max_train_examples: Optional[int] = None,
@@ -432,16 +433,13 @@ class GlueDataModule(L.LightningDataModule):
         if not self.val_sets:
             self.val_sets = {s: self._dataset(s, self.max_eval_examples) for s in self.task.val_splits}
 
-    def _loader(self, dataset: GlueDataset, shuffle: bool) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, generator=generator,
-                          num_workers=self.num_workers, collate_fn=_Collate(self.tokenizer.eot_id))
-
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True)
+        return resumable_train_loader(self.train_set, self.batch_size, self.seed, self.trainer,
+                                      num_workers=self.num_workers, collate_fn=_Collate(self.tokenizer.eot_id))
 
     def val_dataloader(self):
-        return [self._loader(self.val_sets[s], shuffle=False) for s in self.task.val_splits]
+        return [DataLoader(self.val_sets[s], batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers,
+                           collate_fn=_Collate(self.tokenizer.eot_id)) for s in self.task.val_splits]
 
 
 @dataclass

@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from datamodules.corpora import DataError, hub_reachable, jsonl_rows, read_parquet
+from datamodules.epoch_order import resumable_train_loader
 from datamodules.tokenizer import TextTokenizer
 
 XSUM_HUB_ID = "EdinburghNLP/xsum"
@@ -291,9 +292,8 @@ class XSumDataModule(L.LightningDataModule):
         self.eval_set = SummaryEvalSet(held, self.separator, eot, self.block_size, self.max_new_tokens)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True,
-                          generator=torch.Generator().manual_seed(self.seed), num_workers=self.num_workers,
-                          collate_fn=_PadTrain(self.tokenizer.eot_id))
+        return resumable_train_loader(self.train_set, self.batch_size, self.seed, self.trainer,
+                                      num_workers=self.num_workers, collate_fn=_PadTrain(self.tokenizer.eot_id))
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers,

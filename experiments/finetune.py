@@ -9,6 +9,8 @@
                                                  checkpoint's run config (config.yaml next to checkpoints/), else gpt2
     --data.path PATH                             local files instead of the Hub (see datamodules/glue.py, xsum.py)
     --init_strict false, --init_min_share F      load a checkpoint of another tokenizer / below share F anyway
+    --ckpt_path last | CKPT                      resume a preempted run (SIGTERM / SIGUSR1 saved its
+                                                 checkpoints/last.ckpt) in its own folder, with the same command
     --eval_only true                             evaluate --init_from without training (GLUE: a fine-tuned checkpoint;
                                                  its task must be --task; --max_steps / --epochs are ignored)
     --epochs N / --max_steps N (overrides epochs), --batch_size B, --lr, --weight_decay, --warmup_ratio, --dropout
@@ -19,6 +21,13 @@ Outputs, in ``<log_dir>/<task>-<variant>/version_N``: TensorBoard events, ``resu
 task's metrics per validation split and its GLUE score; XSUM: ROUGE-1/2/L and ``predictions.jsonl``).
 ``glue/all`` runs the nine tasks in turn (one sub-folder each) and writes ``glue_results.md`` and
 ``glue_results.json``. The run folder is the last line printed.
+
+Preemption (``callbacks/preemption.py``, as in ``experiments.run``): SIGTERM, or SIGUSR1 (SLURM's time-limit
+warning), stops the run after the current step, saves ``checkpoints/last.ckpt`` in the task's folder and exits
+with status 143 / 138. The same command with ``--ckpt_path last`` continues it in that folder with the same
+batches (``datamodules/epoch_order.py``); ``glue/all`` keeps its finished tasks' rows, resumes the interrupted task
+and runs the rest. The job is not requeued: a requeued fine-tuning job would start over without
+``--ckpt_path last``. The checkpoint is removed once its task has finished.
 """
 from __future__ import annotations
 
@@ -28,7 +37,6 @@ import json
 import math
 import os
 import pathlib
-import re
 import sys
 import time
 from dataclasses import dataclass
@@ -42,9 +50,11 @@ from architectures import ModelConfig, variant_names  # noqa: E402
 from architectures.config import ConfigError, SIZES  # noqa: E402
 from datamodules.corpora import DataError  # noqa: E402
 from experiments.run import add_model_arguments, expand_aliases, parse_with_presets  # noqa: E402
+from model_tools.finetune_resume import FINETUNE_RECORD, PREEMPTION_CHECKPOINT, finished_rows, fit  # noqa: E402
+from model_tools.finetune_resume import resume_record, resumed_version  # noqa: E402
+from lightning_modules.storage import claim_next_version, release_if_empty  # noqa: E402
 
 ALIASES = {"--variant": "--model.variant", "--size": "--model.size", "--batch_size": "--data.batch_size"}
-FINETUNE_RECORD = "dyncomp_finetune"  # checkpoint key: {"task": "glue/sst2" | "xsum", "tokenizer": tokenizer_source}
 SHAPE_FIELDS = ("size", "vocab_size", "d_model", "n_layer", "n_head", "block_size", "ffn_ratio", "bias", "layer_norm_eps")
 
 
@@ -85,6 +95,9 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--eval_split", type=str, default="validation")
     parser.add_argument("--rouge_stemmer", type=bool, default=False)
     parser.add_argument("--save_checkpoint", type=bool, default=False)
+    parser.add_argument("--ckpt_path", type=Optional[str], default=None,
+                        help="resume a preempted run: 'last' (the newest interrupted run of this command's folder) "
+                        "or its checkpoints/last.ckpt")
     parser.add_argument("--eval_only", type=bool, default=False,
                         help="evaluate --init_from without training (GLUE: a checkpoint fine-tuned on the task, "
                         "written with --save_checkpoint true; XSUM: any checkpoint)")
@@ -141,6 +154,7 @@ def validate_up_front(cfg: Namespace) -> None:
         raise ConfigError("eval_only: needs --init_from (the checkpoint to evaluate)")
     if cfg.eval_only and len(task_list(cfg.task)) > 1:
         raise ConfigError("eval_only: evaluates one fine-tuned task checkpoint; pass --task glue/<task>, not glue/all")
+    check_ckpt_path_option(cfg)
     from architectures.registry import apply_preset, check_groups_read, check_options_used
     from model_tools.weights import check_source
 
@@ -148,6 +162,22 @@ def validate_up_front(cfg: Namespace) -> None:
     check_options_used(apply_preset(ModelConfig.from_dict(_as_dict(cfg.model))))
     if cfg.init_from:
         check_source(cfg.init_from)  # a missing file or an unreachable Hub model: now, not after the data
+
+
+def check_ckpt_path_option(cfg: Namespace) -> None:
+    if cfg.ckpt_path is None:
+        return
+    if cfg.eval_only:
+        raise ConfigError("ckpt_path: resumes a preempted training run; --eval_only trains nothing (evaluate a "
+                          "checkpoint with --init_from)")
+    if cfg.ckpt_path == "last":
+        return
+    if len(task_list(cfg.task)) > 1:
+        raise ConfigError(f"ckpt_path: {cfg.task} resumes its newest interrupted run with --ckpt_path last, not "
+                          "one task's checkpoint")
+    if not pathlib.Path(cfg.ckpt_path).is_file():
+        raise FileNotFoundError(f"ckpt_path: {cfg.ckpt_path} is not a file; give the interrupted run's "
+                                "checkpoints/last.ckpt, or --ckpt_path last")
 
 
 def _as_dict(ns) -> Dict[str, Any]:
@@ -324,14 +354,16 @@ def check_init_from(cfg: Namespace, tasks: List[str]) -> None:
                           "evaluate that checkpoint")
 
 
-def record_finetune(task: str, tokenizer: Dict[str, Any]):
+def record_finetune(task: str, tokenizer: Dict[str, Any], resume: Dict[str, Any]):
     """A Lightning callback: every fine-tuned checkpoint records its task and tokenizer source under
-    ``FINETUNE_RECORD``, so ``--eval_only --init_from`` it finds its tokenizer and refuses another task."""
+    ``FINETUNE_RECORD``, so ``--eval_only --init_from`` it finds its tokenizer and refuses another task, and what a
+    resumed run must share with it besides the module's hyperparameters (``resume_record``)."""
     import lightning as L
 
     class RecordFinetune(L.Callback):
         def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
-            checkpoint[FINETUNE_RECORD] = {"task": task, "tokenizer": dict(tokenizer)}
+            checkpoint[FINETUNE_RECORD] = {"task": task, "tokenizer": dict(tokenizer),
+                                           "resume": {**resume, "world_size": trainer.world_size}}
 
     return RecordFinetune()
 
@@ -352,18 +384,20 @@ def default_precision() -> str:
     return "bf16-mixed" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "32-true"
 
 
-def next_version(root: pathlib.Path) -> str:
-    existing = [int(m.group(1)) for p in root.glob("version_*") if (m := re.fullmatch(r"version_(\d+)", p.name))]
-    return f"version_{max(existing) + 1 if existing else 0}"
-
-
-def make_trainer(cfg: Namespace, save_dir: pathlib.Path, name: str, version: str, epochs: int, task: str = ""):
+def make_trainer(cfg: Namespace, save_dir: pathlib.Path, name: str, version: str, epochs: int, task: str):
     import lightning as L
     from lightning.pytorch.loggers import TensorBoardLogger
 
+    from callbacks.preemption import PreemptionCheckpoint, slurm_requeue_job
+    from experiments.run import slurm_environment
+    from lightning_modules.rng_state import KeepRandomStream
     from lightning_modules.storage import atomic_checkpoint_io
 
     devices = cfg.trainer.devices
+    # the stop's checkpoint; not requeued (the requeued command would start over without --ckpt_path last), but
+    # under SLURM Lightning's auto-requeue is off too: it saved mid-step inside the signal handler
+    preemption = PreemptionCheckpoint(pathlib.Path(save_dir, name, version) / "checkpoints", PREEMPTION_CHECKPOINT)
+    record = record_finetune(task, getattr(cfg, "tokenizer_source", None) or {}, resume_record(cfg, task))
     return L.Trainer(
         accelerator=cfg.trainer.accelerator,
         devices=int(devices) if str(devices).isdigit() else devices,
@@ -373,13 +407,13 @@ def make_trainer(cfg: Namespace, save_dir: pathlib.Path, name: str, version: str
         gradient_clip_val=1.0,
         logger=TensorBoardLogger(save_dir=str(save_dir), name=name, version=version, default_hp_metric=False),
         enable_checkpointing=cfg.save_checkpoint,
-        plugins=[atomic_checkpoint_io()],  # synced temp file in the checkpoint folder, then renamed (issue 20)
+        # synced temp file in the checkpoint folder, then renamed (issue 20)
+        plugins=[atomic_checkpoint_io(), *slurm_environment(slurm_requeue_job())],
         enable_progress_bar=cfg.trainer.enable_progress_bar,
         enable_model_summary=False,
         num_sanity_val_steps=0,
         log_every_n_steps=10,
-        callbacks=([record_finetune(task, getattr(cfg, "tokenizer_source", None) or {})]
-                   if cfg.save_checkpoint and task else []),
+        callbacks=[preemption, record, KeepRandomStream()],  # a resume continues the dropout stream too
     )
 
 
@@ -429,7 +463,7 @@ def run_glue_task(cfg: Namespace, task: str, tokenizer, save_dir: pathlib.Path, 
     if cfg.eval_only:
         load_task_head(module, cfg.init_from, spec)
     else:
-        trainer.fit(module, datamodule=data)
+        fit(trainer, module, data, cfg, pathlib.Path(save_dir, name, version), spec.slug)
     final = trainer.validate(module, datamodule=data, verbose=False)
     if trainer.is_global_zero:  # predictions of every rank, gathered by the module
         module.write_predictions(pathlib.Path(trainer.logger.log_dir), data.val_sets, tokenizer.decode, tokenizer.eot_id)
@@ -465,7 +499,7 @@ def run_xsum(cfg: Namespace, tokenizer, save_dir: pathlib.Path, name: str, versi
                                 eot_id=tokenizer.eot_id, num_beams=cfg.num_beams, max_new_tokens=cfg.max_new_tokens,
                                 length_penalty=cfg.length_penalty, rouge_stemmer=cfg.rouge_stemmer, tokenizer=tokenizer)
     if not cfg.eval_only:
-        trainer.fit(module, datamodule=data)
+        fit(trainer, module, data, cfg, pathlib.Path(save_dir, name, version), "xsum")
     val = trainer.validate(module, datamodule=data, verbose=False)
     test = trainer.test(module, dataloaders=data.test_dataloader(), verbose=False)
     rouge = {k: float(test[0][f"test/{k}"]) for k in ROUGE_KEYS} if test else {}
@@ -515,12 +549,20 @@ def main(argv: Optional[Sequence[str]] = None) -> pathlib.Path:
     tokenizer = build_tokenizer(cfg.tokenizer_source)
     label = "glue-all" if len(tasks) > 1 else tasks[0].replace("/", "-")
     root = pathlib.Path(cfg.log_dir) / f"{label}-{cfg.model.variant}"
-    # DDP re-launches this command once per rank: they inherit the version the first process chose
-    version = os.environ.get("DYNCOMP_FINETUNE_VERSION") or next_version(root)
+    # DDP re-launches this command once per rank: they inherit the version the first process chose; a new one is
+    # created exclusively (two jobs started at once into one log_dir took the same folder)
+    version = (os.environ.get("DYNCOMP_FINETUNE_VERSION") or resumed_version(cfg, tasks, root)
+               or claim_next_version(root))
     os.environ["DYNCOMP_FINETUNE_VERSION"] = version
     run_dir = root / version
+    from callbacks.preemption import time_limit_warning_noted
+
     try:
-        run_tasks(cfg, tasks, tokenizer, root, version)
+        with time_limit_warning_noted():  # SLURM's SIGUSR1 never kills the run: it stops it with a checkpoint
+            run_tasks(cfg, tasks, tokenizer, root, version)
+    except BaseException:
+        release_if_empty(run_dir)  # failed before anything was written: no empty run folder is left
+        raise
     finally:
         os.environ.pop("DYNCOMP_FINETUNE_VERSION", None)
     print(run_dir)
@@ -539,8 +581,8 @@ def run_tasks(cfg: Namespace, tasks: List[str], tokenizer, root: pathlib.Path, v
         if rank_zero_only.rank == 0:
             write_json(run_dir / "results.json", result)
         return
-    results = []
-    for task in tasks:
+    results = finished_rows(run_dir) if cfg.ckpt_path else []  # a resumed glue/all keeps its finished tasks
+    for task in tasks[len(results):]:
         results.append(run_glue_task(cfg, task, tokenizer, run_dir, task.split("/")[1], ""))
         if rank_zero_only.rank == 0:  # rewritten after every task: a later failure keeps the finished rows
             write_json(run_dir / "glue_results.json", results)

@@ -127,6 +127,15 @@ def run_or_resume(argv: List[str], folder: pathlib.Path, steps: int) -> pathlib.
 def main(argv: Optional[Sequence[str]] = None) -> pathlib.Path:
     args, phase1_extra, phase2_extra = parse(sys.argv[1:] if argv is None else argv)
     check_variant(args.variant)
+    from callbacks.preemption import time_limit_warning_noted
+
+    # one note for both phases: SIGUSR1 between them (or after) would otherwise meet its default action, which
+    # kills; noted then, phase 2 stops after its first step with a checkpoint (callbacks/preemption.py)
+    with time_limit_warning_noted():
+        return train_both_phases(args, phase1_extra, phase2_extra)
+
+
+def train_both_phases(args, phase1_extra: List[str], phase2_extra: List[str]) -> pathlib.Path:
     log_dir = pathlib.Path(args.log_dir)
     version = args.version or shared_version(log_dir, args.size, args.variant)
     base = ["--size", args.size, "--log_dir", str(log_dir), "--version", version]

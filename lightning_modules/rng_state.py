@@ -8,7 +8,9 @@ They are set when training starts (``on_train_start``), after Lightning has rest
 validation and started the train loader's iterator (each iterator draws its base seed from the global generator),
 so those draws do not shift the stream. That is exact because the train loader is one endless epoch (the sampler
 never ends): no iterator starts between a checkpoint and the next step in the uninterrupted run. A finite loader
-would start one at an epoch boundary, which a resume from a checkpoint at that boundary would miss.
+would start one at an epoch boundary, which a resume from a checkpoint at that boundary would miss: the
+fine-tuning train loader (``datamodules/epoch_order.py``) draws its base seeds from its own generator instead, and
+``KeepRandomStream`` does for the fine-tuning modules what ``LanguageModelModule``'s hooks do.
 ``tests/test_resume_exact.py`` checks every variant that draws, bit for bit, and ``tests/test_cluster.py`` each
 rank's generator under DDP.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 import torch
+import lightning as L
 import torch.distributed
 from lightning.pytorch.utilities import rank_zero_warn
 
@@ -48,3 +51,21 @@ def restore_rank_rng_states(states: Optional[List[Dict[str, torch.Tensor]]], tra
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+class KeepRandomStream(L.Callback):
+    """Each rank's generators in every checkpoint, set again when a resumed run's training starts (for modules
+    without hooks of their own: the GLUE and XSUM modules, whose dropout draws at every step)."""
+
+    def __init__(self):
+        self.resumed: Optional[List[Dict[str, torch.Tensor]]] = None
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: Dict[str, Any]) -> None:
+        checkpoint["rng_states"] = rank_rng_states(trainer)
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: Dict[str, Any]) -> None:
+        self.resumed = checkpoint.get("rng_states")
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        restore_rank_rng_states(self.resumed, trainer)
+        self.resumed = None

@@ -55,6 +55,32 @@ def test_phases_get_their_arguments_and_phase2_starts_from_phase1_last_checkpoin
     assert record["phase1_checkpoint"] == str(checkpoint) and record["phase2"] == str(result)
 
 
+def test_a_sigusr1_between_the_phases_is_noted_for_phase_2_never_left_to_its_default(tmp_path, monkeypatch):
+    import os
+    import signal
+
+    import experiments.run
+    from callbacks import preemption
+
+    calls, handlers, noted = [], [], []
+    make_run = fake_run(calls, tmp_path)
+
+    def phase(argv):
+        handlers.append(signal.getsignal(signal.SIGUSR1))
+        if len(calls) == 1:  # phase 2 starts: what its PreemptionCheckpoint would act on
+            noted.append(preemption._take_noted_usr1())
+        folder = make_run(argv)
+        if len(calls) == 1 and handlers[0] is preemption._note_usr1:  # SLURM's warning as phase 1 ends
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return folder
+
+    monkeypatch.setattr(experiments.run, "main", phase)
+    before = signal.getsignal(signal.SIGUSR1)
+    two_phase.main(["--variant", "mom_i", "--phase1_steps", "3", "--phase2_steps", "3", "--log_dir", str(tmp_path)])
+    assert handlers == [preemption._note_usr1] * 2 and noted == [True]
+    assert signal.getsignal(signal.SIGUSR1) == before
+
+
 @pytest.mark.parametrize("argv,match", [
     (["--variant", "vanilla"], "model.variant: 'vanilla' cannot start from a vanilla checkpoint; use one of .*mom_e"),
     (["--variant", "mom_z"], "model.variant: unknown variant 'mom_z'"),

@@ -1,0 +1,279 @@
+"""Fine-tuning runs stop on SIGTERM / SIGUSR1 with a checkpoint, and ``--ckpt_path last`` continues them: the
+resumed run's weights equal the uninterrupted run's, bit for bit (experiments/finetune.py,
+datamodules/epoch_order.py)."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import warnings
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data.distributed import DistributedSampler
+
+from datamodules.epoch_order import ResumableEpochSampler
+
+pytestmark = pytest.mark.usefixtures("offline", "one_thread")  # fixtures in tests/conftest.py
+
+TINY = ["--variant", "vanilla", "--model.d_model", "32", "--model.n_layer", "1", "--model.n_head", "2",
+        "--model.block_size", "32", "--trainer.enable_progress_bar", "false", "--tokenizer", "bytes",
+        "--lr", "3e-3", "--save_checkpoint", "true", "--trainer.accelerator", "cpu"]
+
+
+def write_sst2(root: pathlib.Path, name: str = "SST-2", rows: int = 10) -> None:
+    folder = root / name
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = [f"{'good fine' if i % 2 else 'bad poor'} {i}\t{i % 2}\n" for i in range(rows)]
+    for split in ("train.tsv", "dev.tsv"):
+        (folder / split).write_text("sentence\tlabel\n" + "".join(lines))
+
+
+def write_rte(root: pathlib.Path, rows: int = 10) -> None:
+    folder = root / "RTE"
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = [f"{i}\tit is {i}\tit is {i + i % 2}\t{'entailment' if i % 2 == 0 else 'not_entailment'}\n"
+             for i in range(rows)]
+    for split in ("train.tsv", "dev.tsv"):
+        (folder / split).write_text("index\tsentence1\tsentence2\tlabel\n" + "".join(lines))
+
+
+@pytest.fixture
+def glue(tmp_path):
+    root = tmp_path / "glue_data"
+    write_sst2(root)
+    write_rte(root)
+    return root
+
+
+class SignalAtStep(L.Callback):
+    def __init__(self, step: int, signum: int):
+        self.step, self.signum = step, signum
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), self.signum)
+
+
+@pytest.fixture
+def signal_at(monkeypatch):
+    """``signal_at(step, signum, task=None)``: the next fine-tuning trainers (of ``task`` only, if given) signal
+    their process after that step."""
+    import experiments.finetune as finetune
+
+    make_trainer = finetune.make_trainer
+
+    def arm(step: int, signum: int, task=None):
+        def with_signal(*args, **kwargs):
+            trainer = make_trainer(*args, **kwargs)
+            if task is None or task == kwargs.get("task", args[5:6] and args[5]):
+                trainer.callbacks.append(SignalAtStep(step, signum))
+            return trainer
+
+        monkeypatch.setattr(finetune, "make_trainer", with_signal)
+
+    yield arm
+    monkeypatch.setattr(finetune, "make_trainer", make_trainer)
+
+
+def trained_weights(folder: pathlib.Path) -> dict:
+    (ckpt,) = (folder / "checkpoints").glob("epoch=*.ckpt")
+    return torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+# ---------------------------------------------------------------------------- the order
+def test_a_resumed_epoch_deals_exactly_the_batches_the_uninterrupted_run_had_left():
+    dataset = list(range(23))
+    for step in range(0, 3 * 6):  # 6 batches of 4 (the last short) per epoch, 3 epochs
+        whole = ResumableEpochSampler(dataset, batch_size=4, seed=7)
+        resumed = ResumableEpochSampler(dataset, batch_size=4, seed=7)
+        resumed.resume_at(step)
+        epoch, done = divmod(step, whole.batches_per_epoch)
+        for e in range(epoch, epoch + 2):
+            whole.set_epoch(e)
+            resumed.set_epoch(e)
+            expected = list(whole)[4 * done:] if e == epoch else list(whole)
+            assert list(resumed) == expected, (step, e)
+
+
+def test_the_ranks_share_every_example_of_each_epoch_and_one_process_is_lightnings_ddp_order():
+    dataset = list(range(11))
+    ranks = [ResumableEpochSampler(dataset, batch_size=2, seed=3, rank=r, world_size=2) for r in range(2)]
+    for sampler in ranks:
+        sampler.set_epoch(1)
+    assert set(list(ranks[0]) + list(ranks[1])) == set(dataset)
+    assert len(list(ranks[0])) == len(list(ranks[1]))  # the same number of steps on every rank
+    lightning_order = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=3)
+    lightning_order.set_epoch(2)
+    one = ResumableEpochSampler(dataset, batch_size=2, seed=3)
+    one.set_epoch(2)
+    assert list(one) == list(lightning_order)
+    assert list(one) != sorted(dataset)  # shuffled
+
+
+# ---------------------------------------------------------------------------- stop and resume
+# 3 steps per epoch. After step 4 (mid-epoch) the stop comes at the next step's end; after step 3 at the end of
+# the epoch's validation, which follows it
+@pytest.mark.parametrize("signum,step,stop", [(signal.SIGTERM, 4, 5), (signal.SIGUSR1, 3, 3)])
+def test_a_stopped_glue_run_resumes_to_the_uninterrupted_runs_weights(glue, tmp_path, signal_at, signum, step, stop):
+    from experiments.finetune import main
+
+    argv = ["--task", "glue/sst2", "--data.path", str(glue), "--epochs", "3", "--batch_size", "4", *TINY]
+    whole = main([*argv, "--log_dir", str(tmp_path / "whole")])
+    signal_at(step, signum)
+    runs = tmp_path / "stopped"
+    before = signal.getsignal(signal.SIGUSR1)
+    with pytest.raises(SystemExit) as stopped:
+        main([*argv, "--log_dir", str(runs)])
+    assert stopped.value.code == 128 + signum
+    assert signal.getsignal(signal.SIGUSR1) == before
+    folder = runs / "glue-sst2-vanilla" / "version_0"
+    last = folder / "checkpoints" / "last.ckpt"
+    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == stop
+    assert not (folder / "results.json").exists()
+
+    signal_at(10 ** 6, signum)  # disarmed
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = main([*argv, "--log_dir", str(runs), "--ckpt_path", "last"])
+    # Lightning's "your dataloader is not resumable" does not apply, nor its "exists and is not empty"
+    assert not [str(w.message) for w in caught if "resum" in str(w.message) or "not empty" in str(w.message)]
+    assert resumed == folder  # in its own folder
+    assert not last.exists()  # nothing left to resume
+    assert_same_weights(trained_weights(resumed), trained_weights(whole))
+    ours, theirs = (json.loads((f / "results.json").read_text()) for f in (resumed, whole))
+    assert ours["metrics"] == theirs["metrics"] and ours["steps"] == theirs["steps"] == 9
+
+
+def test_a_stopped_glue_all_keeps_its_finished_tasks_and_resumes_the_interrupted_one(glue, tmp_path, signal_at,
+                                                                                    monkeypatch):
+    import experiments.finetune as finetune
+
+    monkeypatch.setattr(finetune, "task_list", lambda task: ["glue/sst2", "glue/rte"])
+    argv = ["--task", "glue/all", "--data.path", str(glue), "--epochs", "2", "--batch_size", "4", *TINY]
+    whole = finetune.main([*argv, "--log_dir", str(tmp_path / "whole")])
+    signal_at(4, signal.SIGTERM, task="glue/rte")  # stops after step 5, inside the second epoch
+    runs = tmp_path / "stopped"
+    with pytest.raises(SystemExit):
+        finetune.main([*argv, "--log_dir", str(runs)])
+    folder = runs / "glue-all-vanilla" / "version_0"
+    (first,) = json.loads((folder / "glue_results.json").read_text())
+    events = sorted((folder / "sst2").rglob("events.*"))
+
+    signal_at(10 ** 6, signal.SIGTERM)
+    assert finetune.main([*argv, "--log_dir", str(runs), "--ckpt_path", "last"]) == folder
+    rows = json.loads((folder / "glue_results.json").read_text())
+    assert rows[0] == first and sorted((folder / "sst2").rglob("events.*")) == events  # not trained again
+    expected = json.loads((whole / "glue_results.json").read_text())
+    assert [r["metrics"] for r in rows] == [r["metrics"] for r in expected]
+    assert_same_weights(trained_weights(folder / "rte"), trained_weights(whole / "rte"))
+    assert (folder / "glue_results.md").read_text() == (whole / "glue_results.md").read_text()
+
+
+def test_a_stopped_xsum_run_resumes_to_the_uninterrupted_runs_weights_and_summaries(tmp_path, signal_at):
+    from experiments.finetune import main
+    from tests.test_xsum import _row, write_xsum
+
+    rows = [_row(i, f"Document {i} says {i % 3} things.", f"Says {i % 3}.") for i in range(10)]
+    folder = write_xsum(tmp_path / "xsum", rows, rows[:3])
+    argv = ["--task", "xsum", "--data.path", str(folder), "--epochs", "2", "--batch_size", "4", "--max_new_tokens",
+            "4", *TINY, "--model.block_size", "64"]
+    whole = main([*argv, "--log_dir", str(tmp_path / "whole")])
+    signal_at(4, signal.SIGTERM)  # 3 steps per epoch: stops after step 5, inside the second epoch
+    with pytest.raises(SystemExit):
+        main([*argv, "--log_dir", str(tmp_path / "stopped")])
+    signal_at(10 ** 6, signal.SIGTERM)
+    resumed = main([*argv, "--log_dir", str(tmp_path / "stopped"), "--ckpt_path", "last"])
+    assert_same_weights(trained_weights(resumed), trained_weights(whole))
+    assert (resumed / "predictions.jsonl").read_text() == (whole / "predictions.jsonl").read_text()
+    ours, theirs = (json.loads((f / "results.json").read_text()) for f in (resumed, whole))
+    assert ours["rouge"] == theirs["rouge"] and ours["steps"] == theirs["steps"] == 6
+
+
+# ---------------------------------------------------------------------------- refusals
+def test_a_resume_with_other_training_settings_is_refused_in_one_line(glue, tmp_path, signal_at, capsys):
+    from experiments.finetune import main
+    from experiments.run import cli
+
+    argv = ["--task", "glue/sst2", "--data.path", str(glue), "--epochs", "2", "--batch_size", "4", *TINY,
+            "--log_dir", str(tmp_path)]
+    signal_at(2, signal.SIGTERM)
+    with pytest.raises(SystemExit):
+        main(argv)
+    signal_at(10 ** 6, signal.SIGTERM)
+    capsys.readouterr()
+    for change, named in [(["--lr", "1e-3"], "optim.lr"), (["--seed", "5"], "seed"),
+                          (["--batch_size", "2"], "data.batch_size")]:
+        with pytest.raises(SystemExit) as refused:
+            cli(main, [*argv, *change, "--ckpt_path", "last"])
+        err = capsys.readouterr().err.strip()
+        assert refused.value.code == 2 and len(err.splitlines()) == 1, err
+        assert err.startswith("error: ckpt_path: ") and f" {named} (" in err
+    last = tmp_path / "glue-sst2-vanilla" / "version_0" / "checkpoints" / "last.ckpt"
+    assert last.is_file()  # a refused resume leaves the run as it was
+
+
+@pytest.mark.parametrize("extra,pattern", [
+    ([], r"^error: --ckpt_path last: no interrupted run under .*; start without --ckpt_path"),
+    (["--eval_only", "true", "--init_from", "x.ckpt"], r"^error: ckpt_path: resumes a preempted training run"),
+])
+def test_nothing_to_resume_is_one_line(glue, tmp_path, capsys, extra, pattern):
+    import re
+
+    from experiments.finetune import main
+    from experiments.run import cli
+
+    (tmp_path / "x.ckpt").write_bytes(b"")
+    with pytest.raises(SystemExit) as refused:
+        cli(main, ["--task", "glue/sst2", "--data.path", str(glue), *TINY, "--log_dir", str(tmp_path / "runs"),
+                   "--ckpt_path", "last", *[str(tmp_path / a) if a.endswith(".ckpt") else a for a in extra]])
+    err = capsys.readouterr().err.strip()
+    assert refused.value.code == 2 and len(err.splitlines()) == 1 and re.match(pattern, err), err
+
+
+# ---------------------------------------------------------------------------- under DDP
+@pytest.mark.slow
+def test_a_two_process_ddp_glue_run_stopped_by_sigusr1_resumes_to_the_uninterrupted_runs_weights(tmp_path):
+    """gloo DDP, 2 processes (Lightning re-launches the command for rank 1): SIGUSR1 to rank 0 stops both ranks
+    after the same step with one last.ckpt holding both ranks' generators, exit 138; the resumed run's weights (each
+    rank's share of every epoch, dropout on) equal the uninterrupted run's."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+
+    glue = tmp_path / "glue_data"
+    write_sst2(glue, rows=1200)  # 150 steps per epoch with two ranks of 4: the signal lands inside the run
+    command = [sys.executable, "-m", "experiments.finetune", "--task", "glue/sst2", "--data.path", str(glue),
+               "--epochs", "2", "--batch_size", "4", *TINY, "--trainer.devices", "2"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DYNCOMP_FINETUNE"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    straight = subprocess.run([*command, "--log_dir", str(tmp_path / "a")], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=600)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    runs = tmp_path / "b"
+    process = subprocess.Popen([*command, "--log_dir", str(runs)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    folder = runs / "glue-sst2-vanilla" / "version_0"
+    deadline = time.time() + 300
+    while not list((folder / "checkpoints").glob("epoch=0-*.ckpt")):  # the first epoch is over: both ranks train
+        assert process.poll() is None and time.time() < deadline, process.communicate()
+        time.sleep(0.05)
+    process.send_signal(signal.SIGUSR1)
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 128 + signal.SIGUSR1, stderr[-3000:]
+    blob = torch.load(folder / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert 150 <= blob["global_step"] < 300 and len(blob["rng_states"]) == 2
+    resumed = subprocess.run([*command, "--log_dir", str(runs), "--ckpt_path", "last"], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_weights(trained_weights(folder), trained_weights(tmp_path / "a" / "glue-sst2-vanilla" / "version_0"))
