@@ -174,6 +174,9 @@ class PreemptionCheckpoint(L.Callback):
         self._installed: Dict[int, Tuple[object, object]] = {}  # signal -> (our handler, the one it replaced)
         self._held = False  # a stop waiting for the validation under way to end
         self._voted: Optional[Tuple[int, bool]] = None  # (signal, SIGUSR1 came) as every rank agreed on them
+        # a signal that came where nothing stops (the final validation, a test, after the last step's vote): the
+        # stage finished; a caller with more work to do (experiments.finetune's glue/all) can stop before it
+        self.noted: Optional[int] = None
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         """Before Lightning registers its signal handlers for the stage (it does so after every setup hook, then
@@ -299,6 +302,8 @@ class PreemptionCheckpoint(L.Callback):
             requeue(self.requeue_job)
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
+        if self.requested and self._voted is None:
+            self.noted = max(self.noted or 0, self.requested)
         self._restore()
 
     def _restore(self) -> None:

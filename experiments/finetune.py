@@ -11,6 +11,7 @@
     --init_strict false, --init_min_share F      load a checkpoint of another tokenizer / below share F anyway
     --ckpt_path last | CKPT                      resume a preempted run (SIGTERM / SIGUSR1 saved its
                                                  checkpoints/last.ckpt) in its own folder, with the same command
+    --version NAME                               the run folder (default: the next version_N; srun: slurm-<job id>)
     --eval_only true                             evaluate --init_from without training (GLUE: a fine-tuned checkpoint;
                                                  its task must be --task; --max_steps / --epochs are ignored)
     --epochs N / --max_steps N (overrides epochs), --batch_size B, --lr, --weight_decay, --warmup_ratio, --dropout
@@ -27,7 +28,7 @@ warning), stops the run after the current step, saves ``checkpoints/last.ckpt`` 
 with status 143 / 138. The same command with ``--ckpt_path last`` continues it in that folder with the same
 batches (``datamodules/epoch_order.py``); ``glue/all`` keeps its finished tasks' rows, resumes the interrupted task
 and runs the rest. The job is not requeued: a requeued fine-tuning job would start over without
-``--ckpt_path last``. The checkpoint is removed once its task has finished.
+``--ckpt_path last``. The checkpoint is removed once its task's results are written (``model_tools/finetune_resume.py``).
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ import pathlib
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -50,8 +51,9 @@ from architectures import ModelConfig, variant_names  # noqa: E402
 from architectures.config import ConfigError, SIZES  # noqa: E402
 from datamodules.corpora import DataError  # noqa: E402
 from experiments.run import add_model_arguments, expand_aliases, parse_with_presets  # noqa: E402
-from model_tools.finetune_resume import FINETUNE_RECORD, PREEMPTION_CHECKPOINT, finished_rows, fit  # noqa: E402
-from model_tools.finetune_resume import resume_record, resumed_version  # noqa: E402
+from model_tools.finetune_resume import FINETUNE_RECORD, PREEMPTION_CHECKPOINT, VERSION_ENV, finished_rows, fit  # noqa: E402
+from model_tools.finetune_resume import drop_stop_checkpoint, resume_record, run_version, task_folder  # noqa: E402
+from model_tools.finetune_resume import trainer_record  # noqa: E402
 from lightning_modules.storage import claim_next_version, release_if_empty  # noqa: E402
 
 ALIASES = {"--variant": "--model.variant", "--size": "--model.size", "--batch_size": "--data.batch_size"}
@@ -95,6 +97,8 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--eval_split", type=str, default="validation")
     parser.add_argument("--rouge_stemmer", type=bool, default=False)
     parser.add_argument("--save_checkpoint", type=bool, default=False)
+    parser.add_argument("--version", type=Optional[str], default=None,
+                        help="the run folder's name (default: the next version_N; under srun slurm-<job id>)")
     parser.add_argument("--ckpt_path", type=Optional[str], default=None,
                         help="resume a preempted run: 'last' (the newest interrupted run of this command's folder) "
                         "or its checkpoints/last.ckpt")
@@ -363,7 +367,7 @@ def record_finetune(task: str, tokenizer: Dict[str, Any], resume: Dict[str, Any]
     class RecordFinetune(L.Callback):
         def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
             checkpoint[FINETUNE_RECORD] = {"task": task, "tokenizer": dict(tokenizer),
-                                           "resume": {**resume, "world_size": trainer.world_size}}
+                                           "resume": {**resume, **trainer_record(trainer)}}
 
     return RecordFinetune()
 
@@ -443,7 +447,10 @@ def build_module(module_cls, cfg: Namespace, run_tokenizer, **kwargs):
     return module, mcfg
 
 
-def run_glue_task(cfg: Namespace, task: str, tokenizer, save_dir: pathlib.Path, name: str, version: str) -> Dict[str, Any]:
+def run_glue_task(cfg: Namespace, task: str, tokenizer, save_dir: pathlib.Path, name: str,
+                  version: str) -> Tuple[Dict[str, Any], Optional[int]]:
+    """The task's results, and a preemption signal that came during its final evaluation (noted: the task
+    finished) or None."""
     from datamodules.glue import GlueDataModule, get_task
     from lightning_modules.glue import GlueModule, glue_score, split_prefix
 
@@ -478,7 +485,21 @@ def run_glue_task(cfg: Namespace, task: str, tokenizer, save_dir: pathlib.Path, 
         "train_examples": len(data.train_set or []), "eval_examples": {s: len(d) for s, d in data.val_sets.items()},
         "steps": trainer.global_step, "seconds": round(time.time() - start, 1), "init_from": cfg.init_from, "eval_only": cfg.eval_only,
         "log_dir": trainer.logger.log_dir,
-    }
+    }, noted_signal(trainer)
+
+
+def noted_signal(trainer) -> Optional[int]:
+    """A signal the task's preemption callback noted on any rank (every rank calls this: under DDP the ranks agree,
+    as they do on a stop, since the signal may have reached one rank only)."""
+    import torch
+
+    from callbacks.preemption import PreemptionCheckpoint
+
+    noted = next((c.noted for c in trainer.callbacks if isinstance(c, PreemptionCheckpoint)), None) or 0
+    if trainer.world_size > 1:
+        flag = torch.tensor([float(noted)], device=trainer.strategy.root_device)
+        noted = int(trainer.strategy.reduce(flag, reduce_op="max").item())
+    return noted or None
 
 
 def run_xsum(cfg: Namespace, tokenizer, save_dir: pathlib.Path, name: str, version: str) -> Dict[str, Any]:
@@ -545,15 +566,13 @@ def main(argv: Optional[Sequence[str]] = None) -> pathlib.Path:
     tasks = task_list(cfg.task)
     check_init_from(cfg, tasks)
     check_task_files(cfg, tasks)
-    cfg.tokenizer_source = tokenizer_source(cfg.tokenizer, cfg.init_from)  # recorded in fine-tuned checkpoints
-    tokenizer = build_tokenizer(cfg.tokenizer_source)
     label = "glue-all" if len(tasks) > 1 else tasks[0].replace("/", "-")
     root = pathlib.Path(cfg.log_dir) / f"{label}-{cfg.model.variant}"
-    # DDP re-launches this command once per rank: they inherit the version the first process chose; a new one is
-    # created exclusively (two jobs started at once into one log_dir took the same folder)
-    version = (os.environ.get("DYNCOMP_FINETUNE_VERSION") or resumed_version(cfg, tasks, root)
-               or claim_next_version(root))
-    os.environ["DYNCOMP_FINETUNE_VERSION"] = version
+    version = run_version(cfg, tasks, root)  # before the tokenizer: a refusal costs nothing
+    cfg.tokenizer_source = tokenizer_source(cfg.tokenizer, cfg.init_from)  # recorded in fine-tuned checkpoints
+    tokenizer = build_tokenizer(cfg.tokenizer_source)
+    version = version or claim_next_version(root)  # exclusively: two jobs started at once took one folder
+    os.environ[VERSION_ENV] = version  # DDP re-launches this command once per rank: they inherit the folder
     run_dir = root / version
     from callbacks.preemption import time_limit_warning_noted
 
@@ -564,7 +583,7 @@ def main(argv: Optional[Sequence[str]] = None) -> pathlib.Path:
         release_if_empty(run_dir)  # failed before anything was written: no empty run folder is left
         raise
     finally:
-        os.environ.pop("DYNCOMP_FINETUNE_VERSION", None)
+        os.environ.pop(VERSION_ENV, None)
     print(run_dir)
     return run_dir
 
@@ -577,16 +596,35 @@ def run_tasks(cfg: Namespace, tasks: List[str], tokenizer, root: pathlib.Path, v
         if tasks == ["xsum"]:
             result = run_xsum(cfg, tokenizer, root, "", version)
         else:
-            result = run_glue_task(cfg, tasks[0], tokenizer, root, "", version)
+            result, _ = run_glue_task(cfg, tasks[0], tokenizer, root, "", version)  # a noted signal: it finished
         if rank_zero_only.rank == 0:
             write_json(run_dir / "results.json", result)
+            drop_stop_checkpoint(run_dir)
         return
     results = finished_rows(run_dir) if cfg.ckpt_path else []  # a resumed glue/all keeps its finished tasks
     for task in tasks[len(results):]:
-        results.append(run_glue_task(cfg, task, tokenizer, run_dir, task.split("/")[1], ""))
+        result, noted = run_glue_task(cfg, task, tokenizer, run_dir, task.split("/")[1], "")
+        results.append(result)
         if rank_zero_only.rank == 0:  # rewritten after every task: a later failure keeps the finished rows
             write_json(run_dir / "glue_results.json", results)
             (run_dir / "glue_results.md").write_text(glue_table(results))
+            drop_stop_checkpoint(task_folder(run_dir, tasks, task))
+        if noted and len(results) < len(tasks):
+            stop_between_tasks(noted, task, tasks[len(results)])
+
+
+def stop_between_tasks(signum: int, task: str, following: str) -> None:
+    """A preemption signal came during a task's final evaluation: the task finished, its row is written, and the
+    run stops before the next task (exit status 128 + signal; ``--ckpt_path last`` resumes at that task), every DDP
+    rank alike (``noted_signal``)."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_info
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from callbacks.preemption import preempted_status
+
+    rank_zero_info(f"preemption: signal {signum} received during {task}'s final evaluation; stopping before "
+                   f"{following} (resume with --ckpt_path last)")
+    raise SIGTERMException(preempted_status(signum))
 
 
 if __name__ == "__main__":

@@ -265,6 +265,17 @@ CASES = [
                                                   "--init_from", "{d}/none.ckpt"), r"init_from: .*none\.ckpt does not exist"),
     ("ft-eval_only-no-head", "finetune", _ft("--task", "glue/sst2", "--data.path", "{d}/glue", "--eval_only", "true",
                                              "--init_from", "{d}/last.ckpt"), r"has no trained glue/sst2 classification head"),
+    # fine-tuning resumes (2026-12-07): --ckpt_path with nothing to resume, or where it cannot apply
+    ("ft-ckpt_path-last-nothing", "finetune", _ft("--task", "glue/sst2", "--data.path", "{d}/glue", "--ckpt_path",
+                                                  "last"), r"--ckpt_path last: no interrupted run under .*glue-sst2-"),
+    ("ft-ckpt_path-missing", "finetune", _ft("--task", "glue/sst2", "--data.path", "{d}/glue", "--ckpt_path",
+                                             "{d}/none.ckpt"), r"ckpt_path: .*none\.ckpt is not a file"),
+    ("ft-ckpt_path-eval_only", "finetune", _ft("--task", "glue/sst2", "--data.path", "{d}/glue", "--eval_only", "true",
+                                               "--init_from", "{d}/last.ckpt", "--ckpt_path", "last"),
+     r"ckpt_path: resumes a preempted training run; --eval_only trains nothing"),
+    ("ft-ckpt_path-glue-all-file", "finetune", _ft("--task", "glue/all", "--data.path", "{d}/glue", "--ckpt_path",
+                                                   "{d}/last.ckpt"),
+     r"ckpt_path: glue/all resumes its newest interrupted run with --ckpt_path last"),
     # this session's options and commands: the FLOPs budget, activation checkpointing, the leaderboard, --jobs
     ("max_train_flops-0", "run", lambda d: ["--max_train_flops", "0"], r"max_train_flops: must be a positive, finite"),
     ("activation_checkpointing-bad", "run", lambda d: ["--activation_checkpointing", "every_k:0"],

@@ -57,25 +57,46 @@ class SignalAtStep(L.Callback):
             os.kill(os.getpid(), self.signum)
 
 
+class CrashAt(L.Callback):
+    """A kill (an exception) as training starts, or as the final evaluation starts."""
+
+    def __init__(self, when: str):
+        self.when = when
+
+    def on_train_start(self, trainer, pl_module):
+        if self.when == "train":
+            raise RuntimeError("killed")
+
+    def on_validation_start(self, trainer, pl_module):
+        if self.when == "evaluation" and trainer.state.fn == "validate":
+            raise RuntimeError("killed")
+
+
 @pytest.fixture
-def signal_at(monkeypatch):
-    """``signal_at(step, signum, task=None)``: the next fine-tuning trainers (of ``task`` only, if given) signal
-    their process after that step."""
+def with_callback(monkeypatch):
+    """``with_callback(callback, task=None)``: the next fine-tuning trainers (of ``task`` only, if given) get it."""
     import experiments.finetune as finetune
 
     make_trainer = finetune.make_trainer
 
-    def arm(step: int, signum: int, task=None):
-        def with_signal(*args, **kwargs):
+    def arm(callback, task=None):
+        def with_it(*args, **kwargs):
             trainer = make_trainer(*args, **kwargs)
             if task is None or task == kwargs.get("task", args[5:6] and args[5]):
-                trainer.callbacks.append(SignalAtStep(step, signum))
+                trainer.callbacks.append(callback)
             return trainer
 
-        monkeypatch.setattr(finetune, "make_trainer", with_signal)
+        monkeypatch.setattr(finetune, "make_trainer", with_it)
 
     yield arm
     monkeypatch.setattr(finetune, "make_trainer", make_trainer)
+
+
+@pytest.fixture
+def signal_at(with_callback):
+    """``signal_at(step, signum, task=None)``: the next fine-tuning trainers (of ``task`` only, if given) signal
+    their process after that step."""
+    return lambda step, signum, task=None: with_callback(SignalAtStep(step, signum), task)
 
 
 def trained_weights(folder: pathlib.Path) -> dict:
@@ -90,18 +111,22 @@ def assert_same_weights(a: dict, b: dict) -> None:
 
 
 # ---------------------------------------------------------------------------- the order
-def test_a_resumed_epoch_deals_exactly_the_batches_the_uninterrupted_run_had_left():
+def test_an_iterator_starts_at_the_step_it_is_made_at_whatever_epoch_lightning_counts():
+    """Each iterator starts where the optimiser steps done put it: a resumed epoch deals exactly the batches the
+    uninterrupted run had left, and set_epoch (late with workers, one too many after --max_steps resumes) is not
+    read."""
     dataset = list(range(23))
-    for step in range(0, 3 * 6):  # 6 batches of 4 (the last short) per epoch, 3 epochs
-        whole = ResumableEpochSampler(dataset, batch_size=4, seed=7)
-        resumed = ResumableEpochSampler(dataset, batch_size=4, seed=7)
-        resumed.resume_at(step)
-        epoch, done = divmod(step, whole.batches_per_epoch)
-        for e in range(epoch, epoch + 2):
-            whole.set_epoch(e)
-            resumed.set_epoch(e)
-            expected = list(whole)[4 * done:] if e == epoch else list(whole)
-            assert list(resumed) == expected, (step, e)
+    whole = ResumableEpochSampler(dataset, batch_size=4, seed=7)  # 6 batches per epoch, the last short
+    epochs = []
+    for e in range(3):
+        whole.set_epoch(e)
+        epochs.append(list(whole))
+    step = [0]
+    resumed = ResumableEpochSampler(dataset, batch_size=4, seed=7, steps_done=lambda: step[0])
+    for step[0] in range(3 * 6):
+        epoch, done = divmod(step[0], 6)
+        resumed.set_epoch(epoch + 1)  # ignored
+        assert list(resumed) == epochs[epoch][4 * done:], step[0]
 
 
 def test_the_ranks_share_every_example_of_each_epoch_and_one_process_is_lightnings_ddp_order():
@@ -121,12 +146,17 @@ def test_the_ranks_share_every_example_of_each_epoch_and_one_process_is_lightnin
 
 # ---------------------------------------------------------------------------- stop and resume
 # 3 steps per epoch. After step 4 (mid-epoch) the stop comes at the next step's end; after step 3 at the end of
-# the epoch's validation, which follows it
-@pytest.mark.parametrize("signum,step,stop", [(signal.SIGTERM, 4, 5), (signal.SIGUSR1, 3, 3)])
-def test_a_stopped_glue_run_resumes_to_the_uninterrupted_runs_weights(glue, tmp_path, signal_at, signum, step, stop):
+# the epoch's validation, which follows it. --max_steps (max_epochs=-1: Lightning counts one epoch too many after an
+# epoch-end resume) and a loader worker (its iterator takes the indices before set_epoch) must not change the order
+@pytest.mark.parametrize("signum,step,stop,extra,steps", [
+    (signal.SIGTERM, 4, 5, [], 9), (signal.SIGUSR1, 3, 3, [], 9), (signal.SIGTERM, 3, 3, ["--max_steps", "8"], 8),
+    (signal.SIGTERM, 4, 5, ["--data.num_workers", "1"], 9), (signal.SIGUSR1, 3, 3, ["--data.num_workers", "1"], 9)],
+    ids=["sigterm-mid-epoch", "sigusr1-epoch-end", "max_steps-epoch-end", "worker-mid-epoch", "worker-epoch-end"])
+def test_a_stopped_glue_run_resumes_to_the_uninterrupted_runs_weights(glue, tmp_path, signal_at, signum, step, stop,
+                                                                    extra, steps):
     from experiments.finetune import main
 
-    argv = ["--task", "glue/sst2", "--data.path", str(glue), "--epochs", "3", "--batch_size", "4", *TINY]
+    argv = ["--task", "glue/sst2", "--data.path", str(glue), "--epochs", "3", "--batch_size", "4", *TINY, *extra]
     whole = main([*argv, "--log_dir", str(tmp_path / "whole")])
     signal_at(step, signum)
     runs = tmp_path / "stopped"
@@ -150,7 +180,7 @@ def test_a_stopped_glue_run_resumes_to_the_uninterrupted_runs_weights(glue, tmp_
     assert not last.exists()  # nothing left to resume
     assert_same_weights(trained_weights(resumed), trained_weights(whole))
     ours, theirs = (json.loads((f / "results.json").read_text()) for f in (resumed, whole))
-    assert ours["metrics"] == theirs["metrics"] and ours["steps"] == theirs["steps"] == 9
+    assert ours["metrics"] == theirs["metrics"] and ours["steps"] == theirs["steps"] == steps
 
 
 def test_a_stopped_glue_all_keeps_its_finished_tasks_and_resumes_the_interrupted_one(glue, tmp_path, signal_at,
@@ -176,6 +206,69 @@ def test_a_stopped_glue_all_keeps_its_finished_tasks_and_resumes_the_interrupted
     assert [r["metrics"] for r in rows] == [r["metrics"] for r in expected]
     assert_same_weights(trained_weights(folder / "rte"), trained_weights(whole / "rte"))
     assert (folder / "glue_results.md").read_text() == (whole / "glue_results.md").read_text()
+
+
+def test_a_glue_all_run_killed_between_two_tasks_resumes_at_the_next_task(glue, tmp_path, with_callback,
+                                                                          monkeypatch):
+    import experiments.finetune as finetune
+
+    monkeypatch.setattr(finetune, "task_list", lambda task: ["glue/sst2", "glue/rte"])
+    argv = ["--task", "glue/all", "--data.path", str(glue), "--epochs", "1", "--batch_size", "4", *TINY]
+    whole = finetune.main([*argv, "--log_dir", str(tmp_path / "whole")])
+    with_callback(CrashAt("train"), task="glue/rte")  # killed as the second task starts: no checkpoint
+    with pytest.raises(RuntimeError, match="killed"):
+        finetune.main([*argv, "--log_dir", str(tmp_path / "killed")])
+    with_callback(L.Callback())
+    resumed = finetune.main([*argv, "--log_dir", str(tmp_path / "killed"), "--ckpt_path", "last"])
+    assert resumed == tmp_path / "killed" / "glue-all-vanilla" / "version_0"
+    rows, expected = (json.loads((f / "glue_results.json").read_text()) for f in (resumed, whole))
+    assert [r["metrics"] for r in rows] == [r["metrics"] for r in expected]
+    assert_same_weights(trained_weights(resumed / "rte"), trained_weights(whole / "rte"))
+
+
+class SignalInFinalEvaluation(L.Callback):
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if trainer.state.fn == "validate" and batch_idx == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_signal_in_a_tasks_final_evaluation_finishes_it_and_stops_glue_all_before_the_next(glue, tmp_path,
+                                                                                           with_callback, monkeypatch):
+    import experiments.finetune as finetune
+
+    monkeypatch.setattr(finetune, "task_list", lambda task: ["glue/sst2", "glue/rte"])
+    argv = ["--task", "glue/all", "--data.path", str(glue), "--epochs", "1", "--batch_size", "4", *TINY,
+            "--log_dir", str(tmp_path)]
+    with_callback(SignalInFinalEvaluation(), task="glue/sst2")
+    with pytest.raises(SystemExit) as stopped:
+        finetune.main(argv)
+    assert stopped.value.code == 128 + signal.SIGTERM
+    folder = tmp_path / "glue-all-vanilla" / "version_0"
+    assert [r["task"] for r in json.loads((folder / "glue_results.json").read_text())] == ["glue/sst2"]
+    assert not (folder / "rte").exists()  # stopped before the next task
+    with_callback(L.Callback())
+    assert finetune.main([*argv, "--ckpt_path", "last"]) == folder
+    assert len(json.loads((folder / "glue_results.json").read_text())) == 2
+
+
+def test_the_checkpoint_stays_until_the_results_are_written(glue, tmp_path, signal_at, with_callback):
+    """A resumed run killed in its final evaluation can be resumed again (and then does not train again)."""
+    from experiments.finetune import main
+
+    argv = ["--task", "glue/sst2", "--data.path", str(glue), "--epochs", "2", "--batch_size", "4", *TINY,
+            "--log_dir", str(tmp_path)]
+    signal_at(4, signal.SIGTERM)
+    with pytest.raises(SystemExit):
+        main(argv)
+    with_callback(CrashAt("evaluation"))
+    with pytest.raises(RuntimeError, match="killed"):
+        main([*argv, "--ckpt_path", "last"])
+    folder = tmp_path / "glue-sst2-vanilla" / "version_0"
+    assert (folder / "checkpoints" / "last.ckpt").is_file() and not (folder / "results.json").exists()
+    with_callback(L.Callback())
+    assert main([*argv, "--ckpt_path", "last"]) == folder
+    assert json.loads((folder / "results.json").read_text())["steps"] == 6
+    assert not (folder / "checkpoints" / "last.ckpt").exists()
 
 
 def test_a_stopped_xsum_run_resumes_to_the_uninterrupted_runs_weights_and_summaries(tmp_path, signal_at):
@@ -211,14 +304,75 @@ def test_a_resume_with_other_training_settings_is_refused_in_one_line(glue, tmp_
     signal_at(10 ** 6, signal.SIGTERM)
     capsys.readouterr()
     for change, named in [(["--lr", "1e-3"], "optim.lr"), (["--seed", "5"], "seed"),
-                          (["--batch_size", "2"], "data.batch_size")]:
+                          (["--batch_size", "2"], "data.batch_size"), (["--trainer.precision", "bf16-mixed"], "precision"),
+                          (["--data.max_eval_examples", "4"], "data.max_eval_examples")]:
         with pytest.raises(SystemExit) as refused:
             cli(main, [*argv, *change, "--ckpt_path", "last"])
-        err = capsys.readouterr().err.strip()
-        assert refused.value.code == 2 and len(err.splitlines()) == 1, err
-        assert err.startswith("error: ckpt_path: ") and f" {named} (" in err
+        lines = capsys.readouterr().err.strip().splitlines()  # after the data's notes (the check needs the steps)
+        assert refused.value.code == 2 and [line for line in lines if line.startswith("error:")] == lines[-1:], lines
+        assert lines[-1].startswith("error: ckpt_path: ") and f" {named} (" in lines[-1]
     last = tmp_path / "glue-sst2-vanilla" / "version_0" / "checkpoints" / "last.ckpt"
     assert last.is_file()  # a refused resume leaves the run as it was
+    blob = torch.load(last, map_location="cpu", weights_only=False)
+    del blob["dyncomp_finetune"]["resume"]  # a checkpoint from before the record
+    torch.save(blob, tmp_path / "old.ckpt")
+    with pytest.raises(SystemExit):
+        cli(main, [*argv, "--ckpt_path", str(tmp_path / "old.ckpt")])
+    assert "records no fine-tuning settings to resume with" in capsys.readouterr().err
+
+
+def test_the_same_data_folder_by_another_path_resumes(glue, tmp_path, signal_at, monkeypatch):
+    from experiments.finetune import main
+
+    argv = ["--task", "glue/sst2", "--epochs", "2", "--batch_size", "4", *TINY, "--log_dir", str(tmp_path / "runs")]
+    signal_at(4, signal.SIGTERM)
+    with pytest.raises(SystemExit):
+        main([*argv, "--data.path", str(glue)])
+    signal_at(10 ** 6, signal.SIGTERM)
+    monkeypatch.chdir(glue.parent)
+    assert (main([*argv, "--data.path", glue.name, "--ckpt_path", "last"]) / "results.json").is_file()
+
+
+@pytest.mark.parametrize("env,version,expected", [
+    ({}, None, None), ({}, "mine", "mine"),
+    ({"SLURM_JOB_ID": "77", "SLURM_NTASKS": "2"}, None, "slurm-77"), ({"SLURM_JOB_ID": "77", "SLURM_NTASKS": "1"}, None, None),
+    ({"WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "job9"}, None, "torchrun-job9"),
+    ({"WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "none"}, None, "version: the launcher started WORLD_SIZE ranks"),
+    ({"DYNCOMP_FINETUNE_VERSION": "version_3", "WORLD_SIZE": "2"}, None, "version_3"),  # a rank Lightning started
+])
+def test_ranks_the_launcher_started_share_one_run_folder(env, version, expected, tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from architectures.config import ConfigError
+    from model_tools.finetune_resume import run_version
+
+    for key in ("SLURM_JOB_ID", "SLURM_NTASKS", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "DYNCOMP_FINETUNE_VERSION"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    cfg = SimpleNamespace(version=version, ckpt_path=None)
+    if expected and expected.startswith("version:"):
+        with pytest.raises(ConfigError, match=expected):
+            run_version(cfg, ["glue/sst2"], tmp_path)
+    else:
+        assert run_version(cfg, ["glue/sst2"], tmp_path) == expected
+
+
+def test_a_named_folder_that_holds_a_run_is_refused_unless_resumed(tmp_path):
+    from types import SimpleNamespace
+
+    from architectures.config import ConfigError
+    from model_tools.finetune_resume import run_version
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "results.json").write_text("{}")
+    with pytest.raises(ConfigError, match="already holds a run; resume an interrupted one with --ckpt_path last"):
+        run_version(SimpleNamespace(version="mine", ckpt_path=None), ["glue/sst2"], tmp_path)
+    with pytest.raises(FileNotFoundError, match="no interrupted run under .*mine"):
+        run_version(SimpleNamespace(version="mine", ckpt_path="last"), ["glue/sst2"], tmp_path)
+    (tmp_path / "mine" / "checkpoints").mkdir()
+    (tmp_path / "mine" / "checkpoints" / "last.ckpt").write_bytes(b"")
+    assert run_version(SimpleNamespace(version="mine", ckpt_path="last"), ["glue/sst2"], tmp_path) == "mine"
 
 
 @pytest.mark.parametrize("extra,pattern", [
