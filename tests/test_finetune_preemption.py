@@ -15,6 +15,7 @@ import torch
 from torch.utils.data.distributed import DistributedSampler
 
 from datamodules.epoch_order import ResumableEpochSampler
+from tests.test_cluster import SignalAtStep
 
 pytestmark = pytest.mark.usefixtures("offline", "one_thread")  # fixtures in tests/conftest.py
 
@@ -46,15 +47,6 @@ def glue(tmp_path):
     write_sst2(root)
     write_rte(root)
     return root
-
-
-class SignalAtStep(L.Callback):
-    def __init__(self, step: int, signum: int):
-        self.step, self.signum = step, signum
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == self.step:
-            os.kill(os.getpid(), self.signum)
 
 
 class CrashAt(L.Callback):
@@ -97,6 +89,16 @@ def signal_at(with_callback):
     """``signal_at(step, signum, task=None)``: the next fine-tuning trainers (of ``task`` only, if given) signal
     their process after that step."""
     return lambda step, signum, task=None: with_callback(SignalAtStep(step, signum), task)
+
+
+def stop(main, argv, signal_at, step: int, signum: int = signal.SIGTERM, task=None) -> int:
+    """Run ``argv`` with ``signum`` sent after ``step`` (of ``task``'s training only, if given); the stop's exit
+    status. The next runs are not signalled."""
+    signal_at(step, signum, task)
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    signal_at(10 ** 6, signum)
+    return stopped.value.code
 
 
 def trained_weights(folder: pathlib.Path) -> dict:
@@ -148,29 +150,25 @@ def test_the_ranks_share_every_example_of_each_epoch_and_one_process_is_lightnin
 # 3 steps per epoch. After step 4 (mid-epoch) the stop comes at the next step's end; after step 3 at the end of
 # the epoch's validation, which follows it. --max_steps (max_epochs=-1: Lightning counts one epoch too many after an
 # epoch-end resume) and a loader worker (its iterator takes the indices before set_epoch) must not change the order
-@pytest.mark.parametrize("signum,step,stop,extra,steps", [
+@pytest.mark.parametrize("signum,step,stopped_at,extra,steps", [
     (signal.SIGTERM, 4, 5, [], 9), (signal.SIGUSR1, 3, 3, [], 9), (signal.SIGTERM, 3, 3, ["--max_steps", "8"], 8),
     (signal.SIGTERM, 4, 5, ["--data.num_workers", "1"], 9), (signal.SIGUSR1, 3, 3, ["--data.num_workers", "1"], 9)],
     ids=["sigterm-mid-epoch", "sigusr1-epoch-end", "max_steps-epoch-end", "worker-mid-epoch", "worker-epoch-end"])
-def test_a_stopped_glue_run_resumes_to_the_uninterrupted_runs_weights(glue, tmp_path, signal_at, signum, step, stop,
-                                                                    extra, steps):
+def test_a_stopped_glue_run_resumes_to_the_uninterrupted_runs_weights(glue, tmp_path, signal_at, signum, step,
+                                                                    stopped_at, extra, steps):
     from experiments.finetune import main
 
     argv = ["--task", "glue/sst2", "--data.path", str(glue), "--epochs", "3", "--batch_size", "4", *TINY, *extra]
     whole = main([*argv, "--log_dir", str(tmp_path / "whole")])
-    signal_at(step, signum)
     runs = tmp_path / "stopped"
     before = signal.getsignal(signal.SIGUSR1)
-    with pytest.raises(SystemExit) as stopped:
-        main([*argv, "--log_dir", str(runs)])
-    assert stopped.value.code == 128 + signum
+    assert stop(main, [*argv, "--log_dir", str(runs)], signal_at, step, signum) == 128 + signum
     assert signal.getsignal(signal.SIGUSR1) == before
     folder = runs / "glue-sst2-vanilla" / "version_0"
     last = folder / "checkpoints" / "last.ckpt"
-    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == stop
+    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == stopped_at
     assert not (folder / "results.json").exists()
 
-    signal_at(10 ** 6, signum)  # disarmed
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         resumed = main([*argv, "--log_dir", str(runs), "--ckpt_path", "last"])
@@ -190,15 +188,12 @@ def test_a_stopped_glue_all_keeps_its_finished_tasks_and_resumes_the_interrupted
     monkeypatch.setattr(finetune, "task_list", lambda task: ["glue/sst2", "glue/rte"])
     argv = ["--task", "glue/all", "--data.path", str(glue), "--epochs", "2", "--batch_size", "4", *TINY]
     whole = finetune.main([*argv, "--log_dir", str(tmp_path / "whole")])
-    signal_at(4, signal.SIGTERM, task="glue/rte")  # stops after step 5, inside the second epoch
     runs = tmp_path / "stopped"
-    with pytest.raises(SystemExit):
-        finetune.main([*argv, "--log_dir", str(runs)])
+    stop(finetune.main, [*argv, "--log_dir", str(runs)], signal_at, 4, task="glue/rte")  # after step 5, in epoch 2
     folder = runs / "glue-all-vanilla" / "version_0"
     (first,) = json.loads((folder / "glue_results.json").read_text())
     events = sorted((folder / "sst2").rglob("events.*"))
 
-    signal_at(10 ** 6, signal.SIGTERM)
     assert finetune.main([*argv, "--log_dir", str(runs), "--ckpt_path", "last"]) == folder
     rows = json.loads((folder / "glue_results.json").read_text())
     assert rows[0] == first and sorted((folder / "sst2").rglob("events.*")) == events  # not trained again
@@ -257,9 +252,7 @@ def test_the_checkpoint_stays_until_the_results_are_written(glue, tmp_path, sign
 
     argv = ["--task", "glue/sst2", "--data.path", str(glue), "--epochs", "2", "--batch_size", "4", *TINY,
             "--log_dir", str(tmp_path)]
-    signal_at(4, signal.SIGTERM)
-    with pytest.raises(SystemExit):
-        main(argv)
+    stop(main, argv, signal_at, 4)
     with_callback(CrashAt("evaluation"))
     with pytest.raises(RuntimeError, match="killed"):
         main([*argv, "--ckpt_path", "last"])
@@ -280,10 +273,7 @@ def test_a_stopped_xsum_run_resumes_to_the_uninterrupted_runs_weights_and_summar
     argv = ["--task", "xsum", "--data.path", str(folder), "--epochs", "2", "--batch_size", "4", "--max_new_tokens",
             "4", *TINY, "--model.block_size", "64"]
     whole = main([*argv, "--log_dir", str(tmp_path / "whole")])
-    signal_at(4, signal.SIGTERM)  # 3 steps per epoch: stops after step 5, inside the second epoch
-    with pytest.raises(SystemExit):
-        main([*argv, "--log_dir", str(tmp_path / "stopped")])
-    signal_at(10 ** 6, signal.SIGTERM)
+    stop(main, [*argv, "--log_dir", str(tmp_path / "stopped")], signal_at, 4)  # 3 steps per epoch: stops after 5
     resumed = main([*argv, "--log_dir", str(tmp_path / "stopped"), "--ckpt_path", "last"])
     assert_same_weights(trained_weights(resumed), trained_weights(whole))
     assert (resumed / "predictions.jsonl").read_text() == (whole / "predictions.jsonl").read_text()
@@ -298,10 +288,7 @@ def test_a_resume_with_other_training_settings_is_refused_in_one_line(glue, tmp_
 
     argv = ["--task", "glue/sst2", "--data.path", str(glue), "--epochs", "2", "--batch_size", "4", *TINY,
             "--log_dir", str(tmp_path)]
-    signal_at(2, signal.SIGTERM)
-    with pytest.raises(SystemExit):
-        main(argv)
-    signal_at(10 ** 6, signal.SIGTERM)
+    stop(main, argv, signal_at, 2)
     capsys.readouterr()
     for change, named in [(["--lr", "1e-3"], "optim.lr"), (["--seed", "5"], "seed"),
                           (["--batch_size", "2"], "data.batch_size"), (["--trainer.precision", "bf16-mixed"], "precision"),
@@ -325,10 +312,7 @@ def test_the_same_data_folder_by_another_path_resumes(glue, tmp_path, signal_at,
     from experiments.finetune import main
 
     argv = ["--task", "glue/sst2", "--epochs", "2", "--batch_size", "4", *TINY, "--log_dir", str(tmp_path / "runs")]
-    signal_at(4, signal.SIGTERM)
-    with pytest.raises(SystemExit):
-        main([*argv, "--data.path", str(glue)])
-    signal_at(10 ** 6, signal.SIGTERM)
+    stop(main, [*argv, "--data.path", str(glue)], signal_at, 4)
     monkeypatch.chdir(glue.parent)
     assert (main([*argv, "--data.path", glue.name, "--ckpt_path", "last"]) / "results.json").is_file()
 
