@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import warnings
 from typing import Any, Dict, List, Optional
 
@@ -78,6 +79,11 @@ def fit(trainer, module, data, cfg, folder: pathlib.Path, task: str) -> None:
         if ckpt_path:
             warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    if ckpt_path is not None and pathlib.Path(ckpt_path).resolve() == (folder / "checkpoints" /
+                                                                        PREEMPTION_CHECKPOINT).resolve():
+        # the stop checkpoint stays until the results are written: at the final step, so that a kill in the final
+        # evaluation resumes there without training again
+        trainer.save_checkpoint(str(folder / "checkpoints" / PREEMPTION_CHECKPOINT))
 
 
 def drop_stop_checkpoint(folder: pathlib.Path) -> None:
@@ -87,44 +93,53 @@ def drop_stop_checkpoint(folder: pathlib.Path) -> None:
 
 def launcher_version(cfg) -> Optional[str]:
     """The run folder every rank agrees on when the launcher started the ranks (each runs the command): ``--version``,
-    the SLURM job's (several tasks: ``slurm-<job id>``, the same after a requeue) or torchrun's run id; None: the
-    first process decides (and the ranks Lightning starts inherit it: ``VERSION_ENV``)."""
+    an srun step of several tasks' (``slurm-<job id>``) or torchrun's (``torchrun-<run id>``); None: the first
+    process decides (and the ranks Lightning starts inherit it: ``VERSION_ENV``). Not from ``WORLD_SIZE`` or
+    ``SLURM_NTASKS``: Lightning's own launcher sets the first in the first process, and one process in an
+    allocation of several tasks (``salloc -n 4``) has the second."""
     if cfg.version:
         return cfg.version
-    if os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_NTASKS", "1") != "1":
+    if os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_STEP_NUM_TASKS", "1") != "1":
         return f"slurm-{os.environ['SLURM_JOB_ID']}"
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if all(key in os.environ for key in ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")):  # torchrun's
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
         if run_id == "none":
-            raise ConfigError("version: the launcher started WORLD_SIZE ranks, which must write one run folder; pass "
-                              "--version NAME (the same on every rank) or torchrun's --rdzv_id")
+            raise ConfigError("version: torchrun started the ranks, which must write one run folder; pass --version "
+                              "NAME (the same on every rank) or torchrun's --rdzv_id")
         return f"torchrun-{run_id}"
     return None
 
 
 def run_version(cfg, tasks: List[str], root: pathlib.Path) -> Optional[str]:
-    """The run folder, decided before anything is built: inherited, the launcher's, or the one ``--ckpt_path``
-    continues (its own, or for ``last`` the interrupted run under ``root`` with the newest checkpoint or results);
-    None: claim a new ``version_N``. A fixed folder holding another run is refused unless it is resumed."""
+    """The run folder, decided before anything is built: inherited, the one ``--ckpt_path`` continues (the
+    checkpoint's own; for ``last`` the ``--version`` folder, or the interrupted run under ``root`` that wrote last:
+    a resubmitted job has another job or run id), or the launcher's; None: claim a new ``version_N``. A named
+    folder holding another run is refused unless it is resumed."""
     if os.environ.get(VERSION_ENV):
         return os.environ[VERSION_ENV]
-    fixed = launcher_version(cfg)
     if cfg.ckpt_path is None:
+        fixed = launcher_version(cfg)
         if fixed is not None:
             refuse_used_folder(root / fixed, tasks)
         return fixed
     if cfg.ckpt_path != "last":
         ckpt = pathlib.Path(cfg.ckpt_path).resolve()
         inside = ckpt.parent.name == "checkpoints" and ckpt.parent.parent.parent == root.resolve()
-        return fixed or (ckpt.parent.parent.name if inside else None)
-    candidates = [root / fixed] if fixed else sorted(p for p in root.glob("*") if p.is_dir())
+        return ckpt.parent.parent.name if inside else launcher_version(cfg)
+    candidates = [root / cfg.version] if cfg.version else sorted(p for p in root.glob("*") if p.is_dir())
     stopped = [folder for folder in candidates if was_stopped(folder, tasks)]
     if not stopped:
-        where = root / fixed if fixed else root
+        where = root / cfg.version if cfg.version else root
         raise FileNotFoundError(f"--ckpt_path last: no interrupted run under {where} (a preempted run leaves "
                                 "checkpoints/last.ckpt in its task's folder); start without --ckpt_path, or give the "
                                 "--log_dir, --task and --variant of the run to resume")
-    return max(stopped, key=lambda folder: last_write(folder, tasks)).name
+    # the same on every rank: ties (coarse clocks, copied folders) go to the higher version number, then the name
+    return max(stopped, key=lambda folder: (last_write(folder, tasks), version_number(folder), folder.name)).name
+
+
+def version_number(folder: pathlib.Path) -> int:
+    match = re.fullmatch(r"version_(\d+)", folder.name)
+    return int(match.group(1)) if match else -1
 
 
 def refuse_used_folder(run_dir: pathlib.Path, tasks: List[str]) -> None:
@@ -139,7 +154,12 @@ def task_folder(run_dir: pathlib.Path, tasks: List[str], task: str) -> pathlib.P
 
 
 def stop_checkpoints(run_dir: pathlib.Path, tasks: List[str]) -> List[pathlib.Path]:
-    found = [task_folder(run_dir, tasks, t) / "checkpoints" / PREEMPTION_CHECKPOINT for t in tasks]
+    """The stop checkpoints of the run's unfinished tasks (one left beside a task's results, by a kill between
+    writing them and removing it, does not make the run interrupted)."""
+    if len(tasks) == 1 and (run_dir / "results.json").is_file():
+        return []
+    finished = {row["task"] for row in finished_rows(run_dir)}
+    found = [task_folder(run_dir, tasks, t) / "checkpoints" / PREEMPTION_CHECKPOINT for t in tasks if t not in finished]
     return [path for path in found if path.is_file()]
 
 

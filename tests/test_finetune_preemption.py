@@ -64,6 +64,14 @@ class CrashAt(L.Callback):
             raise RuntimeError("killed")
 
 
+class CountSteps(L.Callback):
+    def __init__(self):
+        self.steps = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps += 1
+
+
 @pytest.fixture
 def with_callback(monkeypatch):
     """``with_callback(callback, task=None)``: the next fine-tuning trainers (of ``task`` only, if given) get it."""
@@ -258,10 +266,12 @@ def test_the_checkpoint_stays_until_the_results_are_written(glue, tmp_path, sign
         main([*argv, "--ckpt_path", "last"])
     folder = tmp_path / "glue-sst2-vanilla" / "version_0"
     assert (folder / "checkpoints" / "last.ckpt").is_file() and not (folder / "results.json").exists()
-    with_callback(L.Callback())
+    counter = CountSteps()
+    with_callback(counter)
     assert main([*argv, "--ckpt_path", "last"]) == folder
+    assert counter.steps == 0  # the stop checkpoint was at the final step
     assert json.loads((folder / "results.json").read_text())["steps"] == 6
-    assert not (folder / "checkpoints" / "last.ckpt").exists()
+    assert sorted(p.name for p in (folder / "checkpoints").iterdir()) == ["epoch=1-step=6.ckpt"]
 
 
 def test_a_stopped_xsum_run_resumes_to_the_uninterrupted_runs_weights_and_summaries(tmp_path, signal_at):
@@ -317,20 +327,27 @@ def test_the_same_data_folder_by_another_path_resumes(glue, tmp_path, signal_at,
     assert (main([*argv, "--data.path", glue.name, "--ckpt_path", "last"]) / "results.json").is_file()
 
 
+TORCHRUN = {"RANK": "0", "GROUP_RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2"}
+LAUNCHER_ENV = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "TORCHELASTIC_RUN_ID", "DYNCOMP_FINETUNE_VERSION",
+                *TORCHRUN)
+
+
 @pytest.mark.parametrize("env,version,expected", [
     ({}, None, None), ({}, "mine", "mine"),
-    ({"SLURM_JOB_ID": "77", "SLURM_NTASKS": "2"}, None, "slurm-77"), ({"SLURM_JOB_ID": "77", "SLURM_NTASKS": "1"}, None, None),
-    ({"WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "job9"}, None, "torchrun-job9"),
-    ({"WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "none"}, None, "version: the launcher started WORLD_SIZE ranks"),
-    ({"DYNCOMP_FINETUNE_VERSION": "version_3", "WORLD_SIZE": "2"}, None, "version_3"),  # a rank Lightning started
-])
+    ({"SLURM_JOB_ID": "77", "SLURM_STEP_NUM_TASKS": "2"}, None, "slurm-77"),
+    ({"SLURM_JOB_ID": "77", "SLURM_NTASKS": "4"}, None, None),  # one process in an allocation of four tasks
+    ({**TORCHRUN, "TORCHELASTIC_RUN_ID": "job9"}, None, "torchrun-job9"),
+    ({**TORCHRUN, "TORCHELASTIC_RUN_ID": "none"}, None, "version: torchrun started the ranks"),
+    ({"WORLD_SIZE": "2"}, None, None),  # what Lightning's own launcher leaves in the first process
+    ({"DYNCOMP_FINETUNE_VERSION": "version_3", **TORCHRUN}, None, "version_3"),  # a rank Lightning started
+], ids=["one-process", "named", "srun", "salloc", "torchrun", "torchrun-no-id", "lightning", "inherited"])
 def test_ranks_the_launcher_started_share_one_run_folder(env, version, expected, tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     from architectures.config import ConfigError
     from model_tools.finetune_resume import run_version
 
-    for key in ("SLURM_JOB_ID", "SLURM_NTASKS", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "DYNCOMP_FINETUNE_VERSION"):
+    for key in LAUNCHER_ENV:
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
@@ -354,9 +371,33 @@ def test_a_named_folder_that_holds_a_run_is_refused_unless_resumed(tmp_path):
         run_version(SimpleNamespace(version="mine", ckpt_path=None), ["glue/sst2"], tmp_path)
     with pytest.raises(FileNotFoundError, match="no interrupted run under .*mine"):
         run_version(SimpleNamespace(version="mine", ckpt_path="last"), ["glue/sst2"], tmp_path)
+    (tmp_path / "mine" / "results.json").unlink()
     (tmp_path / "mine" / "checkpoints").mkdir()
     (tmp_path / "mine" / "checkpoints" / "last.ckpt").write_bytes(b"")
     assert run_version(SimpleNamespace(version="mine", ckpt_path="last"), ["glue/sst2"], tmp_path) == "mine"
+
+
+def test_a_resubmitted_srun_job_resumes_the_run_of_the_job_before(tmp_path, monkeypatch):
+    """Another job id (a resubmitted job, or torchrun's new run id): --ckpt_path last finds the interrupted run
+    wherever it is under the task's folder, and a checkpoint named explicitly keeps its own folder."""
+    import time
+    from types import SimpleNamespace
+
+    from model_tools.finetune_resume import run_version
+
+    for key in LAUNCHER_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "78")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
+    for name in ("version_9", "version_10", "slurm-77"):  # slurm-77 stopped last
+        (tmp_path / name / "checkpoints").mkdir(parents=True)
+        (tmp_path / name / "checkpoints" / "last.ckpt").write_bytes(b"")
+        time.sleep(0.02)
+    (tmp_path / "version_10" / "results.json").write_text("{}")  # finished: its leftover checkpoint does not count
+    assert run_version(SimpleNamespace(version=None, ckpt_path="last"), ["glue/sst2"], tmp_path) == "slurm-77"
+    explicit = str(tmp_path / "version_9" / "checkpoints" / "last.ckpt")
+    assert run_version(SimpleNamespace(version=None, ckpt_path=explicit), ["glue/sst2"], tmp_path) == "version_9"
+    assert run_version(SimpleNamespace(version=None, ckpt_path=None), ["glue/sst2"], tmp_path) == "slurm-78"
 
 
 @pytest.mark.parametrize("extra,pattern", [
