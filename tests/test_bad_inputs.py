@@ -338,6 +338,8 @@ CASES = [
     ("retrain-on-another-cpu", "repro.retrain", lambda d: [str(d / "report_of_another_cpu")],
      r"retrain: .*report_of_another_cpu: its runs trained with CPU 'No Such CPU', this machine has .*; bit for bit "
      r"needs the same CPU model, kernel variables and torch: retrain it on such a machine"),
+    ("retrain-a-folder-without-a-report", "repro.retrain", lambda d: [str(d / "no_runs_here")],
+     r"retrain: .*no_runs_here/results\.json is not a finished programme's report \(.*\); give the docs/results folder"),
     ("retrain-jobs-0", "repro.retrain", lambda d: [str(d / "report_of_another_cpu"), "--jobs", "0"],
      r"--jobs: 0 is not a positive number of runs at once"),
     ("publish-restore-into-an-unpublished-report", "publish",

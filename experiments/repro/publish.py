@@ -155,7 +155,7 @@ def find_run(row: Dict[str, Any], out: pathlib.Path) -> Tuple[pathlib.Path, Dict
 def publish(out: pathlib.Path, dest: pathlib.Path) -> Dict[str, Any]:
     """Copy ``out``'s report and its runs' records to ``dest`` (see the module docstring); the copied results."""
     out, dest = pathlib.Path(out), pathlib.Path(dest)
-    results = report_rows(out, "", "give the --out folder of a programme that finished")
+    results = report_rows(out, "publish", "give the --out folder of a programme that finished")
     rows = results["runs"]
     if dest.resolve() == out.resolve() or out.resolve() in dest.resolve().parents:
         raise ConfigError(f"publish: DEST {dest} is inside OUT; give another folder (e.g. docs/results/<name>)")
@@ -208,8 +208,8 @@ def restore(out: pathlib.Path, dest: pathlib.Path) -> List[pathlib.Path]:
     out, dest = pathlib.Path(out), pathlib.Path(dest)
     if not (dest / "results.json").is_file() and (dest / "leaderboard.json").is_file():
         return restore_board(out, dest)
-    published = report_rows(dest, " --restore", "give as DEST the docs/results folder publish wrote")
-    retrained = report_rows(out, " --restore", "give as OUT the --out folder of a retraining that finished")
+    published = report_rows(dest, "publish --restore", "give as DEST the docs/results folder publish wrote")
+    retrained = report_rows(out, "publish --restore", "give as OUT the --out folder of a retraining that finished")
     copied_before_publish = restorable_report(published, dest, out)
     mismatch = retraining_mismatch(published, retrained)
     if mismatch:
@@ -357,17 +357,17 @@ def stored_board(dest: pathlib.Path) -> Dict[str, Any]:
     return board
 
 
-def report_rows(folder: pathlib.Path, option: str, advice: str) -> Dict[str, Any]:
-    """A programme's results.json, which must hold run rows with a run_dir (one line naming the folder and ending
-    in ``advice`` otherwise)."""
+def report_rows(folder: pathlib.Path, who: str, advice: str) -> Dict[str, Any]:
+    """A programme's results.json, which must hold run rows with a run_dir (otherwise one line that starts with
+    ``who``, the command, names the folder and ends in ``advice``)."""
     try:
         results = json.loads((folder / "results.json").read_text())
     except (OSError, ValueError) as err:
-        raise ConfigError(f"publish{option}: {folder}/results.json is not a finished programme's report ({err}); "
+        raise ConfigError(f"{who}: {folder}/results.json is not a finished programme's report ({err}); "
                           f"{advice}") from None
     rows = results.get("runs")
     if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) and r.get("run_dir") for r in rows):
-        raise ConfigError(f"publish{option}: {folder}/results.json has no run rows with a run_dir; nothing to publish; "
+        raise ConfigError(f"{who}: {folder}/results.json has no run rows with a run_dir; nothing to publish; "
                           f"{advice}")
     return results
 

@@ -140,7 +140,7 @@ def train(command: Sequence[str], code: pathlib.Path, env: Dict[str, str]) -> No
 def retrain(dest: pathlib.Path, work: pathlib.Path, jobs: Optional[int] = None) -> List[pathlib.Path]:
     """Retrain ``dest``'s report in ``work`` and restore its records (see the module docstring); their folders."""
     dest, work = pathlib.Path(dest), pathlib.Path(work).resolve()  # the command runs in WORK/code: --out absolute
-    published = report_rows(dest, " --restore", "give the docs/results folder of a published report")
+    published = report_rows(dest, "retrain", "give the docs/results folder of a published report")
     plan = retraining_plan(published, dest)
     command = with_option(plan["command"], "--out", str(work / "out"))
     if jobs is not None:
