@@ -149,6 +149,15 @@ def time_limit_warning_noted():
         _usr1_noted = None  # after the default is back: no note is left for a later run
 
 
+def _hand_back_usr1() -> None:
+    """A SIGUSR1 that nothing acted on (it came in a final validation) goes back to ``time_limit_warning_noted``'s
+    note, if one is held: what runs next under it (``experiments.two_phase``'s phase 2) stops after its first step,
+    as for a SIGUSR1 that came between the two runs."""
+    global _usr1_noted
+    if _usr1_noted is not None:
+        _usr1_noted = True
+
+
 def _free_to_take(signum: int) -> bool:
     """Whether no one handles ``signum``: the default action, or ``time_limit_warning_noted``'s note."""
     return signal.getsignal(signum) in (signal.SIG_DFL, None, _note_usr1)
@@ -304,6 +313,8 @@ class PreemptionCheckpoint(L.Callback):
     def teardown(self, trainer, pl_module, stage: str) -> None:
         if self.requested and self._voted is None:
             self.noted = max(self.noted or 0, self.requested)
+            if self.usr1:
+                _hand_back_usr1()
         self._restore()
 
     def _restore(self) -> None:

@@ -81,6 +81,25 @@ def test_a_sigusr1_between_the_phases_is_noted_for_phase_2_never_left_to_its_def
     assert signal.getsignal(signal.SIGUSR1) == before
 
 
+def test_a_sigusr1_in_phase_1s_final_validation_is_handed_to_phase_2_as_one_between_the_phases(tmp_path):
+    """What a run's callback noted but did not act on (a SIGUSR1 in its final validation) goes back to the note that
+    two_phase holds; outside such a note nothing is kept."""
+    import signal
+
+    from callbacks import preemption
+
+    def final_validation_with_sigusr1():
+        callback = preemption.PreemptionCheckpoint(tmp_path)
+        callback._request(signal.SIGUSR1, None)  # what its handler does during the final validation
+        callback.teardown(None, None, "validate")
+        return callback.noted
+
+    with preemption.time_limit_warning_noted():
+        assert final_validation_with_sigusr1() == signal.SIGUSR1
+        assert preemption._take_noted_usr1()  # phase 2's callback acts on it
+    assert final_validation_with_sigusr1() == signal.SIGUSR1 and preemption._usr1_noted is None
+
+
 @pytest.mark.parametrize("argv,match", [
     (["--variant", "vanilla"], "model.variant: 'vanilla' cannot start from a vanilla checkpoint; use one of .*mom_e"),
     (["--variant", "mom_z"], "model.variant: unknown variant 'mom_z'"),
