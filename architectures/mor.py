@@ -39,7 +39,7 @@ reported on the family's last routing site, with the FLOPs statistics of the who
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn

@@ -17,7 +17,7 @@ import pathlib
 import socket
 import sys
 import sysconfig
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from datamodules.files import atomic_text, default_cache_dir
 

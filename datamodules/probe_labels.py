@@ -28,7 +28,6 @@ import numpy as np
 
 from architectures.config import ConfigError
 from datamodules.corpora import DataError, jsonl_rows
-from datamodules.files import atomic_npy
 
 NO_LABEL = -1
 FORMATS = (".npy", ".jsonl")

@@ -7,7 +7,6 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import threading

@@ -321,8 +321,6 @@ def test_probe_levels_get_seed_intervals_solved_seeds_and_holm_corrected_tests_p
     so p_holm == p), recomputed from the seeds by hand."""
     from scipy.stats import ttest_ind
 
-    from analysis import stats
-
     folders = copy_runs(runs, tmp_path)
     for seed in SEEDS:  # a third configuration, so that each level's Holm family has two members
         other = tmp_path / "runs" / f"vanilla-lr-seed{seed}"

@@ -14,7 +14,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 
 from datamodules import cache_build, hub, lm, token_cache
 from datamodules.cache_build import build_corpus_cache

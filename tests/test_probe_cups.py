@@ -6,7 +6,6 @@ import itertools
 import json
 from collections import Counter
 
-import numpy as np
 import pytest
 
 from datamodules import probe
